@@ -1,0 +1,34 @@
+# Two entry points (see README): `make demo` runs the main job on the embedded
+# default model; `make test` runs the whole suite. Both create .venv and install
+# the package (with its cffi native module) from this checkout first.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+NATIVE_SRC := $(wildcard native/*.c native/*.h native/build_native.py)
+
+.PHONY: demo test install bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# Editable install: Python edits take effect at once; a change to the C sources
+# re-runs this rule, which rebuilds the native module in place.
+$(STAMP): $(BIN)/python pyproject.toml setup.py $(NATIVE_SRC)
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/onnx-prep demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python scripts/bench_kernels.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info native/_native*.so native/_native.c

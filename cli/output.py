@@ -1,0 +1,26 @@
+"""One output sink: data to stdout, progress/warnings/errors to stderr, so
+``--json`` output always parses."""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from rich.console import Console
+
+stdout = Console(soft_wrap=True)
+stderr = Console(stderr=True, soft_wrap=True)
+
+
+def emit_json(data: Any) -> None:
+    """Write one JSON document to stdout (plain print: no rich markup or wrapping)."""
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=False, default=_default) + "\n")
+    sys.stdout.flush()
+
+
+def _default(obj: Any) -> Any:
+    if hasattr(obj, "to_json"):
+        return obj.to_json()
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")

@@ -1,0 +1,110 @@
+"""Typed errors raised by the library. The library never exits; the CLI maps
+each error to a one-line message and an exit code (see ``cli/errors.py``).
+
+Every error carries *where*: the model file and, when known, the tensor, the data
+file and the byte offset, so the one line a user sees says what is wrong and where.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Named exit codes, shared with the CLI.
+EXIT_OK = 0
+EXIT_FINDINGS = 1  # a check ran and found problems (preflight)
+EXIT_UNUSABLE = 2  # the input cannot be used: bad model, bad option, missing file
+EXIT_INTERNAL = 3  # a bug: unexpected exception (shown with traceback)
+
+
+@dataclass(frozen=True)
+class Where:
+    """Location of a problem. Every field is optional; render() joins the known ones."""
+
+    model: str | None = None
+    tensor: str | None = None
+    file: str | None = None
+    offset: int | None = None
+    node: str | None = None
+
+    def render(self) -> str:
+        parts = []
+        if self.model:
+            parts.append(f"model {self.model}")
+        if self.node:
+            parts.append(f"node {self.node!r}")
+        if self.tensor:
+            parts.append(f"tensor {self.tensor!r}")
+        if self.file:
+            parts.append(f"file {self.file}")
+        if self.offset is not None:
+            parts.append(f"offset {self.offset}")
+        return ", ".join(parts)
+
+
+@dataclass
+class OnnxPrepError(Exception):
+    """Base of every error the library raises on purpose.
+
+    ``message`` says what is wrong, ``where`` where, ``hint`` the next thing to try.
+    """
+
+    message: str
+    where: Where = field(default_factory=Where)
+    hint: str | None = None
+    exit_code: int = EXIT_UNUSABLE
+
+    def __post_init__(self) -> None:
+        super().__init__(self.one_line())
+
+    def one_line(self) -> str:
+        loc = self.where.render()
+        text = f"{self.message} ({loc})" if loc else self.message
+        if self.hint:
+            text += f"; {self.hint}"
+        return text
+
+    def __str__(self) -> str:  # dataclass would otherwise replace Exception.__str__
+        return self.one_line()
+
+
+class ModelFormatError(OnnxPrepError):
+    """The model file is not a valid ONNX protobuf or is structurally inconsistent."""
+
+
+class ExternalDataError(OnnxPrepError):
+    """An external-data reference is missing, out of bounds or malformed."""
+
+
+class UnsafePathError(ExternalDataError):
+    """An external-data location is absolute, escapes the model folder, or is a symlink."""
+
+
+class DigestError(OnnxPrepError):
+    """A declared digest has the wrong form, or a payload does not match its digest."""
+
+
+class UnsupportedOpError(OnnxPrepError):
+    """A node has no kernel."""
+
+
+class NativeError(OnnxPrepError):
+    """The native module is missing, stale, or asked for an ISA the CPU lacks."""
+
+
+class ModelIOError(OnnxPrepError):
+    """A model's inputs/outputs could not be interpreted (decoder I/O discovery)."""
+
+
+class BudgetError(OnnxPrepError):
+    """An allocation cannot fit its arena's limit or the global memory budget."""
+
+
+class TaskFailedError(OnnxPrepError):
+    """A runtime task failed; ``__cause__`` holds the original exception."""
+
+
+class CancelledError(OnnxPrepError):
+    """The submission was cancelled before it completed."""
+
+
+class UsageError(OnnxPrepError):
+    """A bad option value or combination."""

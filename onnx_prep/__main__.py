@@ -1,0 +1,3 @@
+from onnx_prep.cli.app import main
+
+main()
