@@ -1,0 +1,42 @@
+"""Shared test fixtures. Generated models are cached in a session temp dir, never
+committed. Hypothesis runs under named profiles (HYPOTHESIS_PROFILE=ci|dev|thorough)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+try:
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile("ci", max_examples=40, deadline=None,
+                              suppress_health_check=[HealthCheck.too_slow])
+    settings.register_profile("dev", max_examples=15, deadline=None)
+    settings.register_profile("thorough", max_examples=500, deadline=None)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+except ImportError:  # pragma: no cover - hypothesis is in the test extra
+    pass
+
+
+@pytest.fixture(scope="session")
+def tiny_llm_path(tmp_path_factory) -> Path:
+    """The seed's tiny INT4 LLM (4 blocks, hidden 512, vocab 8192), generated once per session."""
+    from onnx_prep.fixtures import generate
+
+    return generate("tiny-llm", tmp_path_factory.mktemp("tiny-llm"))
+
+
+@pytest.fixture(scope="session")
+def small_llm_path(tmp_path_factory) -> Path:
+    """A smaller variant of the same architecture for fast, many-case tests."""
+    from onnx_prep.fixtures import FixtureConfig, generate
+
+    cfg = FixtureConfig.preset("tiny-llm").replace(layers=2, hidden=128, intermediate=256,
+                                                   heads=4, vocab=512)
+    return generate(cfg, tmp_path_factory.mktemp("small-llm"))
+
+
+def ort_or_skip():
+    """ONNX Runtime is the external oracle; tests that need it skip, saying so, where absent."""
+    return pytest.importorskip("onnxruntime", reason="onnxruntime not installed: oracle comparison skipped")
