@@ -1,0 +1,69 @@
+"""``onnx-prep fixture NAME OUT_DIR``: generate a deterministic synthetic INT4 LLM."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from onnx_prep.cli import output
+from onnx_prep.cli.app import app
+from onnx_prep.cli.errors import run_guarded
+
+
+@app.command()
+def fixture(
+    name: str = typer.Argument(..., help="Preset: tiny-llm or medium."),
+    out_dir: Path = typer.Argument(..., help="Folder to write <name>.onnx and <name>.onnx.data into."),
+    layers: Optional[int] = typer.Option(None, "--layers", help="Decoder blocks."),
+    hidden: Optional[int] = typer.Option(None, "--hidden", help="Hidden size (multiple of block size and heads)."),
+    intermediate: Optional[int] = typer.Option(None, "--intermediate", help="MLP size (multiple of block size)."),
+    heads: Optional[int] = typer.Option(None, "--heads", help="Attention heads."),
+    vocab: Optional[int] = typer.Option(None, "--vocab", help="Vocabulary size."),
+    block_size: Optional[int] = typer.Option(None, "--block-size", help="INT4 block size (power of two >= 16)."),
+    fp16_scales: bool = typer.Option(False, "--fp16-scales", help="Store fp16 scales (default fp32)."),
+    zero_points: bool = typer.Option(False, "--zero-points", help="Store explicit uint4 zero points."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Weight seed (default 0)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Generate a deterministic synthetic INT4 decoder LLM (same parameters, same bytes)."""
+
+    def go() -> int:
+        from onnx_prep.fixtures import FixtureConfig, generate_fixture
+
+        overrides = {k: v for k, v in dict(layers=layers, hidden=hidden, intermediate=intermediate, heads=heads,
+                                           vocab=vocab, block_size=block_size, seed=seed).items() if v is not None}
+        if fp16_scales:
+            overrides["fp16_scales"] = True
+        if zero_points:
+            overrides["zero_points"] = True
+        cfg = FixtureConfig.preset(name)
+        if overrides:
+            cfg = cfg.replace(**overrides)
+        result = generate_fixture(cfg, out_dir)
+        if json_out:
+            output.emit_json(result.to_json())
+        else:
+            _render(result.to_json())
+        return 0
+
+    raise typer.Exit(run_guarded(go))
+
+
+def _render(doc: dict) -> None:
+    table = Table(title=f"fixture {doc['name']}", show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    cfg = doc["config"]
+    table.add_row("model", doc["model"])
+    table.add_row("data", doc["data"])
+    table.add_row("shape", f"{cfg['layers']} blocks, hidden {cfg['hidden']}, intermediate {cfg['intermediate']}, "
+                           f"{cfg['heads']} heads, vocab {cfg['vocab']}")
+    table.add_row("int4", f"block {cfg['block_size']}, {'fp16' if cfg['fp16_scales'] else 'fp32'} scales, "
+                          f"{'explicit' if cfg['zero_points'] else 'implicit (8)'} zero points, seed {cfg['seed']}")
+    table.add_row("tensors", str(doc["tensors"]))
+    table.add_row("data file", f"{doc['data_bytes']:,} bytes (int4 {doc['int4_bytes']:,}, sha1 {doc['data_sha1']})")
+    table.add_row("model file", f"{doc['model_bytes']:,} bytes")
+    table.add_row("time", f"{doc['seconds']:.2f} s")
+    output.stdout.print(table)
