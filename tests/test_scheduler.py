@@ -1,0 +1,419 @@
+"""Scheduler: priorities, inheritance, reserved critical capacity, memory admission,
+failure propagation, cancellation, shared-task refcounts, sequential mode, shutdown.
+
+Synthetic graphs on real threads. Tasks are held with threading.Event, never sleeps.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from onnx_prep.core.arenas import Arena, MemoryBudget
+from onnx_prep.core.errors import BudgetError, CancelledError, UsageError
+from onnx_prep.core.scheduler import Scheduler, TaskGroup, TaskState
+from onnx_prep.core.task import Priority, ResourceClass
+
+T = 30  # generous timeout for waits that must succeed
+
+CPU, IO, INLINE, DEVICE = ResourceClass.CPU, ResourceClass.IO, ResourceClass.INLINE, ResourceClass.DEVICE
+CRIT, PRE, BG = Priority.CRITICAL, Priority.PREFETCH, Priority.BACKGROUND
+
+
+def _threads(prefix: str) -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith(prefix)]
+
+
+@pytest.fixture
+def make_sched():
+    made = []
+
+    def make(*args, **kw):
+        kw.setdefault("name", f"t{len(made)}-{id(made)}")
+        s = Scheduler(*args, **kw)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+        assert not _threads(s.name), "worker threads survived close()"
+
+
+def _gate(started: threading.Event | None = None):
+    """A task body that blocks until the returned Event is set."""
+    release = threading.Event()
+
+    def fn(ctx):
+        if started is not None:
+            started.set()
+        assert release.wait(T)
+
+    return fn, release
+
+
+def _recorder(order: list, label: str):
+    lock = threading.Lock()
+
+    def fn(ctx):
+        with lock:
+            order.append(label)
+        return label
+
+    return fn
+
+
+def test_dependencies_inputs_and_results(make_sched):
+    s = make_sched(io_workers=1, cpu_workers=2)
+    a = s.submit(lambda ctx: 2, resource=IO, name="a")
+    b = s.submit(lambda ctx: 3, name="b")
+    c = s.submit(lambda ctx: ctx.inputs[0] * ctx.inputs[1], deps=[a, b], name="c")
+    d = s.submit(lambda ctx: ctx.inputs[0] + 1, deps=[c], resource=INLINE, name="d")
+    assert d.result(T) == 7
+    assert s.submissions == 4
+    assert [t.state for t in (a, b, c, d)] == [TaskState.DONE] * 4
+    # The inline task ran on the thread that completed its last dependency.
+    assert d.worker == c.worker
+    ev = {e.name: e for e in s.events()}
+    assert ev["c"].start_ns >= max(ev["a"].end_ns, ev["b"].end_ns)
+    assert ev["a"].worker.endswith("-io-0") and ev["a"].resource is IO
+
+
+def test_priority_order_then_fifo(make_sched):
+    s = make_sched(io_workers=1, cpu_workers=1)
+    gate, release = _gate()
+    g = s.submit(gate, name="gate")
+    order: list[str] = []
+    for label, prio in [("bg1", BG), ("pre1", PRE), ("crit1", CRIT), ("bg2", BG), ("pre2", PRE), ("crit2", CRIT)]:
+        s.submit(_recorder(order, label), priority=prio, name=label)
+    release.set()
+    assert g.wait(T) and s.wait_idle(T)
+    assert order == ["crit1", "crit2", "pre1", "pre2", "bg1", "bg2"]
+
+
+def test_promoted_prefetch_chain_runs_before_other_prefetch_work(make_sched):
+    s = make_sched(io_workers=1, cpu_workers=1)
+    io_gate, io_release = _gate()
+    cpu_gate, cpu_release = _gate()
+    s.submit(io_gate, resource=IO, name="io-gate")
+    s.submit(cpu_gate, name="cpu-gate")
+    order: list[str] = []
+    reads = [s.submit(_recorder(order, f"read{i}"), resource=IO, priority=PRE, name=f"read{i}") for i in range(4)]
+    packs = [s.submit(_recorder(order, f"pack{i}"), deps=[reads[i]], priority=PRE, name=f"pack{i}")
+             for i in range(4)]
+    # A run reaches layer 3: its step waits on pack3, whose producer chain inherits CRITICAL.
+    step = s.submit(_recorder(order, "step3"), deps=[packs[3]], priority=CRIT, name="step3")
+    assert s.promote(step) == 2  # pack3 and read3 changed (step3 already critical)
+    assert reads[3].priority is CRIT and packs[3].priority is CRIT and reads[0].priority is PRE
+    io_release.set()
+    cpu_release.set()
+    assert s.wait_idle(T)
+    assert order.index("read3") < min(order.index(f"read{i}") for i in range(3))
+    assert order.index("step3") < min(order.index(f"pack{i}") for i in range(3))
+    assert order.index("pack3") < order.index("step3")
+
+
+def test_promote_deps_on_submit(make_sched):
+    s = make_sched(io_workers=1, cpu_workers=1)
+    gate, release = _gate()
+    s.submit(gate, resource=IO, name="gate")
+    order: list[str] = []
+    r0 = s.submit(_recorder(order, "r0"), resource=IO, priority=BG, name="r0")
+    r1 = s.submit(_recorder(order, "r1"), resource=IO, priority=BG, name="r1")
+    s.submit(_recorder(order, "use1"), deps=[r1], priority=CRIT, promote_deps=True, name="use1")
+    assert r1.priority is CRIT and r0.priority is BG
+    release.set()
+    assert s.wait_idle(T)
+    assert order.index("r1") < order.index("r0")
+
+
+@pytest.mark.parametrize("resource", [CPU, IO])
+def test_reserved_critical_slot(make_sched, resource):
+    s = make_sched(io_workers=3, cpu_workers=3)
+    n = s.workers(resource)
+    started = threading.Semaphore(0)
+    release = threading.Event()
+    count = {"started": 0}
+    lock = threading.Lock()
+
+    def background(ctx):
+        with lock:
+            count["started"] += 1
+        started.release()
+        assert release.wait(T)
+
+    bg = [s.submit(background, resource=resource, priority=BG, name=f"bg{i}") for i in range(n + 2)]
+    for _ in range(n - 1):
+        assert started.acquire(timeout=T)
+    ran = threading.Event()
+    crit = s.submit(lambda ctx: ran.set(), resource=resource, priority=CRIT, name="crit")
+    assert crit.wait(T) and ran.is_set(), "critical work starved by background tasks"
+    with lock:
+        assert count["started"] == n - 1  # background never took the reserved worker
+    release.set()
+    assert all(t.wait(T) for t in bg)
+    assert all(t.state is TaskState.DONE for t in bg)
+
+
+def test_memory_admission_waits_without_holding_a_worker(make_sched):
+    budget = MemoryBudget(None, {Arena.PREPARATION: 100})
+    s = make_sched(io_workers=1, cpu_workers=2, budget=budget)
+    a_started = threading.Event()
+    gate_a, release_a = _gate(a_started)
+    a = s.submit(gate_a, mem={Arena.PREPARATION: 80}, name="a")
+    assert a_started.wait(T)
+    b = s.submit(lambda ctx: budget.live(Arena.PREPARATION), mem={Arena.PREPARATION: 50}, name="b")
+    c = s.submit(lambda ctx: "c ran", name="c")  # needs no memory: must not queue behind b
+    assert c.result(T) == "c ran"
+    assert b.state is TaskState.READY
+    release_a.set()
+    assert b.result(T) == 50  # a's 80 bytes were returned before b was admitted
+    assert budget.peak(Arena.PREPARATION) <= 100 and budget.live(Arena.PREPARATION) == 0
+
+
+def test_too_big_allocation_fails_at_once_naming_arena_and_sizes(make_sched):
+    budget = MemoryBudget(None, {Arena.PREPARED: 1000})
+    s = make_sched(io_workers=1, cpu_workers=2, budget=budget)
+    big = s.submit(lambda ctx: None, mem={Arena.PREPARED: 4096}, name="prepack big")
+    dep = s.submit(lambda ctx: None, deps=[big], name="user")
+    assert big.wait(T) and big.state is TaskState.FAILED
+    err = big.exception()
+    assert isinstance(err, BudgetError)
+    assert "prepared" in str(err) and "4,096" in str(err) and "1,000" in str(err) and "prepack big" in str(err)
+    assert dep.wait(T) and dep.state is TaskState.CANCELLED and dep.cause is big
+
+
+def test_tight_budget_completes_and_peaks_stay_under_limits(make_sched):
+    # read(i) -> prepack(i) -> step(i) -> step(i+1): each read's output is held (detached)
+    # until its prepack is done; prepacks publish into PREPARED which steps then release.
+    sizes = [30, 70, 50, 90, 40, 60, 80, 20]
+    largest = max(sizes)
+    limits = {Arena.PREPARATION: largest + 1, Arena.PREPARED: 2 * largest + 1, Arena.EXECUTION: 17}
+    budget = MemoryBudget(sum(v for v in limits.values()), limits)
+    s = make_sched(io_workers=2, cpu_workers=2, budget=budget)
+    group = TaskGroup()
+    prepared: dict[int, object] = {}
+    prev = None
+    for i, n in enumerate(sizes):
+        def read(ctx, i=i):
+            return ctx.detach(Arena.PREPARATION)  # the source buffer outlives the read
+
+        def prepack(ctx, i=i):
+            ctx.inputs[0].release()  # source consumed
+            prepared[i] = ctx.detach(Arena.PREPARED)
+
+        def step(ctx, i=i):
+            prepared.pop(i).release()  # last use of the packed weight
+            return i
+
+        r = s.submit(read, resource=IO, priority=PRE, mem={Arena.PREPARATION: n}, name=f"read{i}", group=group)
+        p = s.submit(prepack, priority=PRE, deps=[r], mem={Arena.PREPARED: n}, name=f"prepack{i}", group=group)
+        deps = [p] if prev is None else [p, prev]
+        prev = s.submit(step, deps=deps, mem={Arena.EXECUTION: 16}, name=f"step{i}", group=group)
+    assert group.wait(T), "tight budget deadlocked"
+    assert not group.failures()
+    assert all(t.state is TaskState.DONE for t in group.tasks)
+    for arena, lim in limits.items():
+        assert 0 < budget.peak(arena) <= lim
+    assert budget.global_peak <= budget.global_limit and budget.global_live == 0
+
+
+def test_concurrent_memory_tasks_never_exceed_limit(make_sched):
+    budget = MemoryBudget(None, {Arena.EXECUTION: 100})
+    s = make_sched(io_workers=1, cpu_workers=4, budget=budget)
+    lock = threading.Lock()
+    live = {"now": 0, "max": 0}
+
+    def body(ctx):
+        n = ctx.reservation.nbytes
+        with lock:
+            live["now"] += n
+            live["max"] = max(live["max"], live["now"])
+        with lock:
+            live["now"] -= n
+
+    group = TaskGroup(s.submit(body, mem={Arena.EXECUTION: 10 + 7 * (i % 10)}, name=f"t{i}") for i in range(60))
+    assert group.wait(T)
+    assert live["max"] <= 100 and budget.peak(Arena.EXECUTION) <= 100
+
+
+def test_failure_cancels_only_dependents(make_sched):
+    s = make_sched(io_workers=1, cpu_workers=2)
+    group = TaskGroup()
+
+    def boom(ctx):
+        raise OSError("disk on fire")
+
+    a = s.submit(boom, resource=IO, name="read A", group=group)
+    b = s.submit(lambda ctx: 1, deps=[a], name="prepack A", group=group)
+    c = s.submit(lambda ctx: 1, deps=[b], resource=INLINE, name="step A", group=group)
+    d = s.submit(lambda ctx: 2, name="read D", group=group)
+    e = s.submit(lambda ctx: ctx.inputs[0] + 1, deps=[d], name="step D", group=group)
+    assert group.wait(T)
+    assert a.state is TaskState.FAILED and isinstance(a.exception(), OSError)
+    assert b.state is TaskState.CANCELLED and c.state is TaskState.CANCELLED
+    assert b.cause is a and c.cause is a
+    assert e.result() == 3 and d.state is TaskState.DONE
+    assert group.failures() == [a]
+    with pytest.raises(OSError):
+        a.result()
+    with pytest.raises(CancelledError, match="read A"):
+        c.result()
+    # A task submitted after its dependency failed is cancelled at once, never run.
+    late = s.submit(lambda ctx: pytest.fail("must not run"), deps=[b], name="late")
+    assert late.state is TaskState.CANCELLED and late.cause is a
+    states = [ev.state for ev in s.events()]
+    assert states.count(TaskState.FAILED) == 1 and states.count(TaskState.CANCELLED) == 3
+
+
+def test_cancel_queued_and_running_tasks(make_sched):
+    s = make_sched(io_workers=1, cpu_workers=2)
+    started = threading.Event()
+    observed = threading.Event()
+
+    def cooperative(ctx):
+        started.set()
+        assert ctx.token.wait(T)  # cancellable wait
+        observed.set()
+        ctx.raise_if_cancelled()
+
+    running = s.submit(cooperative, name="running")
+    gate, release = _gate()
+    blocker = s.submit(gate, resource=IO, name="blocker")
+    queued = s.submit(lambda ctx: pytest.fail("cancelled task ran"), resource=IO, name="queued")
+    pending = s.submit(lambda ctx: pytest.fail("dependent ran"), deps=[queued], name="pending")
+    assert started.wait(T)
+    assert queued.cancel() and queued.state is TaskState.CANCELLED
+    assert pending.state is TaskState.CANCELLED and pending.cause is queued
+    assert running.cancel()
+    assert running.wait(T) and observed.is_set() and running.state is TaskState.CANCELLED
+    assert not queued.cancel()  # already terminal
+    release.set()
+    assert blocker.result(T) is None
+    assert s.wait_idle(T) and s.live_tasks() == 0
+
+
+def test_running_task_ignoring_cancel_keeps_its_outcome(make_sched):
+    s = make_sched(io_workers=1, cpu_workers=1)
+    started = threading.Event()
+    gate, release = _gate(started)
+    t = s.submit(lambda ctx: (gate(ctx), "finished")[1], name="stubborn")
+    assert started.wait(T)
+    assert t.cancel()
+    release.set()
+    assert t.result(T) == "finished" and t.token.cancelled
+
+
+def test_shared_task_cancelled_only_when_last_consumer_releases(make_sched):
+    s = make_sched(io_workers=1, cpu_workers=2)
+    gate, release = _gate()
+    g = s.submit(gate, resource=IO, name="gate")
+    read = s.submit(lambda ctx: None, resource=IO, deps=[g], name="read W")
+    pack = s.submit(lambda ctx: None, deps=[read], name="prepack W")
+    for t in (read, pack):
+        t.retain()  # consumer 1: eager preparation
+    pack.retain()  # consumer 2: run 1
+    run1 = s.submit(lambda ctx: None, deps=[pack], name="run1 step")
+    run1.cancel()  # run 1 cancels its own task first, then releases its interest
+    assert not pack.release()
+    assert pack.state is TaskState.PENDING and pack.consumers == 1
+    # Run 2 depends on pack without holding interest itself: a live dependent keeps it alive.
+    run2 = s.submit(lambda ctx: "ok", deps=[pack], name="run2 step")
+    assert not pack.release() and pack.state is TaskState.PENDING
+    # The eager-preparation handle also gives up: pack is still needed by run 2.
+    assert not read.release()
+    assert read.state is TaskState.PENDING
+    release.set()
+    assert run2.result(T) == "ok"
+
+    # Now the orphan case: nobody else needs it, so release cancels it and its shared producer.
+    g2_gate, g2_release = _gate()
+    g2 = s.submit(g2_gate, resource=IO, name="gate2")
+    read2 = s.submit(lambda ctx: pytest.fail("orphan read ran"), resource=IO, deps=[g2], name="read V")
+    pack2 = s.submit(lambda ctx: pytest.fail("orphan prepack ran"), deps=[read2], name="prepack V")
+    read2.retain()
+    pack2.retain()
+    read2.release(cancel_if_unused=False)  # the producer is now only shared through pack2
+    assert read2.state is TaskState.PENDING
+    assert pack2.release()
+    assert pack2.state is TaskState.CANCELLED and read2.state is TaskState.CANCELLED
+    g2_release.set()
+    assert s.wait_idle(T)
+
+
+def test_sequential_mode_runs_one_task_at_a_time(make_sched):
+    s = make_sched(io_workers=4, cpu_workers=4, device_queues=1, sequential=True)
+    lock = threading.Lock()
+    state = {"now": 0, "max": 0}
+    threads: set[str] = set()
+
+    def body(ctx):
+        with lock:
+            state["now"] += 1
+            state["max"] = max(state["max"], state["now"])
+            threads.add(threading.current_thread().name)
+        with lock:
+            state["now"] -= 1
+        return sum(ctx.inputs) + 1
+
+    group = TaskGroup()
+    layer = [s.submit(body, resource=r, name=f"root{i}", group=group)
+             for i, r in enumerate([IO, CPU, DEVICE, INLINE, IO, CPU])]
+    for depth in range(4):
+        layer = [s.submit(body, resource=[IO, CPU, INLINE, DEVICE][(depth + j) % 4], deps=layer[j:j + 2],
+                          name=f"d{depth}-{j}", group=group) for j in range(len(layer) - 1)]
+    assert group.wait(T)
+    assert all(t.state is TaskState.DONE for t in group.tasks)
+    assert state["max"] == 1 and len(threads) == 1
+    assert threads == set(s.worker_names) and len(s.worker_names) == 1
+    ev = sorted(s.events(), key=lambda e: e.start_ns)
+    assert all(a.end_ns <= b.start_ns for a, b in zip(ev, ev[1:]))
+
+
+def test_device_work_needs_a_device_queue(make_sched):
+    s = make_sched(io_workers=1, cpu_workers=1)
+    with pytest.raises(UsageError, match="device"):
+        s.submit(lambda ctx: None, resource=DEVICE, name="upload")
+
+
+def test_callback_errors_do_not_break_the_scheduler(make_sched, caplog):
+    s = make_sched(io_workers=1, cpu_workers=1)
+    t = s.submit(lambda ctx: 1, name="a")
+    t.add_done_callback(lambda h: 1 / 0)
+    assert t.result(T) == 1
+    seen = []
+    t.add_done_callback(seen.append)  # already terminal: called at once
+    assert seen == [t]
+    assert s.submit(lambda ctx: 2, name="b").result(T) == 2
+
+
+def test_close_cancels_pending_joins_workers_and_refuses_new_work():
+    name = "close-test"
+    s = Scheduler(io_workers=2, cpu_workers=2, name=name)
+    assert len(_threads(name)) == 4
+    started = threading.Event()
+
+    def cooperative(ctx):
+        started.set()
+        ctx.token.wait(T)
+        ctx.raise_if_cancelled()
+
+    running = s.submit(cooperative, name="running")
+    assert started.wait(T)
+    io_started = threading.Event()
+
+    def io_cooperative(ctx):
+        io_started.set()
+        ctx.token.wait(T)
+        ctx.raise_if_cancelled()
+
+    g = s.submit(io_cooperative, resource=IO, name="read")
+    pending = s.submit(lambda ctx: pytest.fail("ran after close"), deps=[g], name="pending")
+    assert io_started.wait(T)
+    s.close()
+    assert running.state is TaskState.CANCELLED and g.state is TaskState.CANCELLED
+    assert pending.state is TaskState.CANCELLED
+    assert _threads(name) == []
+    with pytest.raises(UsageError, match="closed"):
+        s.submit(lambda ctx: None)
+    s.close()  # idempotent
