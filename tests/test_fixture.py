@@ -3,6 +3,7 @@ the oracle that the graph is a working decoder with a correct KV cache."""
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from pathlib import Path
 
@@ -34,6 +35,23 @@ def test_same_parameters_give_byte_identical_files(tmp_path):
     b = generate(FixtureConfig.preset("tiny-llm"), tmp_path / "b")
     for fa, fb in zip(_files(a), _files(b)):
         assert _digest(fa) == _digest(fb), fa.name
+
+
+# Golden digests of the tiny-llm files. They pin the generator across refactors: a change
+# here means every cached default model and every recorded figure changes with it.
+# If the change is intended, bump GENERATOR_VERSION (fixtures/config.py) and update both.
+# (Generator streams are numpy's; a numpy upgrade that changes them shows up here first.)
+TINY_DATA_SHA1 = "6824e8cba39b6857b6d192ffaa59ddc9d1500597"
+TINY_MODEL_SHA256 = "8b882d6470e251717062fae77cd24999a2cd0fd57b26577749c850146351f312"
+
+
+def test_tiny_llm_golden_digests(tiny_llm_path):
+    from onnx_prep.fixtures import GENERATOR_VERSION
+
+    assert GENERATOR_VERSION == "1", "update the golden digests with the version"
+    model, data = _files(tiny_llm_path)
+    assert hashlib.sha1(data.read_bytes()).hexdigest() == TINY_DATA_SHA1
+    assert _digest(model) == TINY_MODEL_SHA256
 
 
 def test_different_seed_gives_different_bytes(tmp_path):
@@ -261,3 +279,75 @@ def test_decode_48_steps_stays_finite(tiny_llm_path):
         logits, past = dec(tok, past, t)
         assert np.isfinite(logits).all(), t
         assert 0.5 < logits.std() < 20, (t, logits.std())
+
+
+# ------------------------------------------- the graph computes what docs say
+def _reference_logits(cfg: FixtureConfig, w: dict[str, np.ndarray], ids: np.ndarray) -> np.ndarray:
+    """An independent numpy forward of docs/fixture.md's architecture (no KV cache)."""
+    from onnx_prep.fixtures.int4_weights import dequantize
+
+    def unpack_zp(packed: np.ndarray, kb: int) -> np.ndarray:  # [N, ceil(kb/2)] -> [N, kb]
+        z = np.stack([packed & 15, packed >> 4], axis=-1).reshape(packed.shape[0], -1)
+        return z[:, :kb]
+
+    def proj(x, prefix, weight=None):
+        codes = w[weight or f"{prefix}.weight_q4"]
+        zp = unpack_zp(w[f"{prefix}.zero_points"], codes.shape[1]) if cfg.zero_points else None
+        return x @ dequantize(codes, w[f"{prefix}.scales"], zp).T
+
+    def rms(x, weight):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.rms_eps) * weight
+
+    h, nh, d = cfg.hidden, cfg.heads, cfg.head_dim
+    zp_emb = w["embed_tokens.zero_points"][:, :, 0] if cfg.zero_points else None
+    table = dequantize(w["embed_tokens.weight_q4"], w["embed_tokens.scales"][:, :, 0], zp_emb)
+    x = table[ids]  # [B, S, H]
+    s = ids.shape[1]
+    freqs = np.arange(s)[:, None] * w["rotary.inv_freq"][None, :]
+    cos, sin = np.cos(np.concatenate([freqs, freqs], -1)), np.sin(np.concatenate([freqs, freqs], -1))
+
+    def rope(t):
+        t1, t2 = t[..., : d // 2], t[..., d // 2:]
+        return t * cos + np.concatenate([-t2, t1], -1) * sin
+
+    causal = np.tril(np.ones((s, s), bool))
+    for i in range(cfg.layers):
+        p = f"layers.{i}"
+        qkv = proj(rms(x, w[f"{p}.input_norm.weight"]), f"{p}.attn.qkv")
+        q, k, v = (qkv[..., j * h:(j + 1) * h].reshape(*ids.shape, nh, d).transpose(0, 2, 1, 3) for j in range(3))
+        scores = rope(q) @ rope(k).transpose(0, 1, 3, 2) / np.sqrt(d)
+        scores = np.where(causal, scores, -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        ctx = (probs @ v).transpose(0, 2, 1, 3).reshape(*ids.shape, h)
+        x = x + proj(ctx, f"{p}.attn.out")
+        gu = proj(rms(x, w[f"{p}.post_attention_norm.weight"]), f"{p}.mlp.gate_up")
+        gate, up = gu[..., : cfg.intermediate], gu[..., cfg.intermediate:]
+        x = x + proj(gate / (1 + np.exp(-gate)) * up, f"{p}.mlp.down")
+    return proj(rms(x, w["final_norm.weight"]), "lm_head", weight="embed_tokens.weight_q4")
+
+
+@pytest.mark.parametrize("encoding", [{}, dict(zero_points=True, block_size=16)])
+def test_ort_matches_an_independent_numpy_forward(tmp_path, encoding):
+    # Proves the documented encoding (nibble order, zero points in both ops' shapes, the
+    # tie, rotary, causal mask) is what ONNX Runtime computes from these files.
+    cfg = FixtureConfig.preset("tiny-llm").replace(**SMALL, **encoding)
+    path = generate(cfg, tmp_path)
+    dec = _Decoder(path)
+    ids = np.random.default_rng(2).integers(0, cfg.vocab, size=(2, 7), dtype=np.int64)
+    got, _ = dec(ids, dec.empty_cache(2), 0)
+    want = _reference_logits(cfg, {k: v.astype(np.float64) if v.dtype.kind == "f" else v
+                                   for k, v in _read_initializers(path).items()}, ids)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err < 1e-4, err
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("ONNX_PREP_TEST_MEDIUM"),
+                    reason="writes 563 MB; set ONNX_PREP_TEST_MEDIUM=1 to run")
+def test_medium_preset_generates_and_runs(tmp_path):
+    r = generate_fixture(FixtureConfig.preset("medium"), tmp_path)
+    assert r.int4_bytes == 443_809_792 and r.data_bytes == r.data_path.stat().st_size
+    dec = _Decoder(r.model_path)
+    logits, _ = dec(np.array([[1, 2, 3]], dtype=np.int64), dec.empty_cache(1), 0)
+    assert logits.shape == (1, 3, 32000) and np.isfinite(logits).all() and 0.5 < logits.std() < 20
