@@ -1,0 +1,382 @@
+"""PreparedExecutionPlan: ONE immutable, scope-aware task graph built from a frozen
+ResolvedModel (seed, "Plan architecture" and "Concrete execution-plan representation").
+
+Session-scoped tasks materialize prepared objects (read source -> prepack, or read a
+packed payload from a cache); invocation-scoped tasks replay contiguous ranges of the
+model's action list. Every invocation step depends on the previous step and on the
+tasks that publish the prepared objects it consumes -- nothing else, so a run never
+waits for an initialization barrier.
+
+Invocation steps: a new step begins at every node that consumes a prepared object
+(nodes before the first such node form a leading step). For a transformer with fused
+qkv / gate_up this is the seed's granularity: embedding, then per block qkv, attn_out,
+gate_up, down, then the LM head.
+
+Precomputed here, once: invocation order, one bit per prepared requirement and the
+bitset each step needs, the last step that pins each requirement, the last action that
+reads each activation, and per requirement its prefetch distance (the first step that
+needs it) and bytes (read + packed).
+
+The plan holds no mutable state. ``build_prepared_execution_plan`` accepts only a frozen
+``ResolvedModel`` and creates read tasks only for entries of its payload manifest.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping, Protocol
+
+from onnx_prep.core.arenas import Arena
+from onnx_prep.core.errors import OnnxPrepError
+from onnx_prep.core.prepared_key import PrepackRequest, PreparedKey
+from onnx_prep.core.resolved_model import NodeKernel, ResolvedModel, require_frozen
+from onnx_prep.core.task import ResourceClass, TaskDescriptor, TaskId, TaskKind, TaskScope
+from onnx_prep.core.weights import WeightDescriptor
+
+# Recipe kinds, cheapest first.
+READ_PACKED_PAYLOAD = "read_packed_payload"
+READ_SOURCE_AND_PREPACK = "read_source_and_prepack"
+
+
+@dataclass(frozen=True, slots=True)
+class PackedPayloadEntry:
+    """A compatible persisted payload for one prepared key (from a prepared cache)."""
+
+    key: PreparedKey
+    file: str
+    offset: int
+    length: int
+
+
+class PackedPayloadIndex(Protocol):
+    """What the plan needs from a prepared cache: a compatible entry per key, or None.
+
+    Compatibility (lineage digest, layout, device, ABI, format) is the cache's job;
+    the plan only selects the cheapest eligible recipe.
+    """
+
+    def lookup(self, request: PrepackRequest) -> PackedPayloadEntry | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class MaterializationRecipe:
+    """One way to produce a prepared key. Every recipe publishes the same key."""
+
+    kind: str  # READ_PACKED_PAYLOAD | READ_SOURCE_AND_PREPACK
+    sources: tuple[str, ...] = ()  # external source weights read (READ_SOURCE_AND_PREPACK)
+    payload: PackedPayloadEntry | None = None  # READ_PACKED_PAYLOAD
+
+    def to_json(self) -> dict:
+        out: dict[str, Any] = {"kind": self.kind}
+        if self.sources:
+            out["sources"] = list(self.sources)
+        if self.payload is not None:
+            out["payload"] = {"file": self.payload.file, "offset": self.payload.offset,
+                              "length": self.payload.length}
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedRequirement:
+    key: PreparedKey
+    request: PrepackRequest
+    bit: int
+    recipes: tuple[MaterializationRecipe, ...]  # eligible recipes, cheapest first
+    selected: MaterializationRecipe
+    publisher: TaskId  # the session task that publishes the key under the selected recipe
+    kernel: str
+    node: str  # first consumer node (its attributes parameterise the prepack)
+    packed_bytes: int  # estimate
+    read_bytes: int  # bytes the selected recipe reads
+    first_step: int  # prefetch distance, in invocation steps from the start of a run
+    last_step: int  # last step that pins it
+
+    def to_json(self) -> dict:
+        return {
+            "key": self.key, "bit": self.bit, "kernel": self.kernel, "node": self.node,
+            "request": self.request.to_json(),
+            "recipes": [r.to_json() for r in self.recipes],
+            "selected": self.selected.kind, "publisher": self.publisher,
+            "packed_bytes": self.packed_bytes, "read_bytes": self.read_bytes,
+            "first_step": self.first_step, "last_step": self.last_step,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class InvocationStep:
+    index: int
+    task_id: TaskId
+    action_range: tuple[int, int]
+    requirement_bits: int  # bitset over PreparedRequirement.bit
+    label: str
+
+    def to_json(self) -> dict:
+        return {"index": self.index, "task": self.task_id, "actions": list(self.action_range),
+                "requirement_bits": self.requirement_bits, "label": self.label}
+
+
+@dataclass(frozen=True, slots=True)
+class LookaheadWindow:
+    """Bounded look-ahead: prefetch requirements at most ``steps`` steps ahead of the
+    running step and at most ``bytes`` of reads+packs in flight ahead of it."""
+
+    steps: int
+    bytes: int
+
+    def to_json(self) -> dict:
+        return {"steps": self.steps, "bytes": self.bytes}
+
+
+@dataclass(frozen=True)
+class PreparedExecutionPlan:
+    resolved: ResolvedModel
+    tasks: tuple[TaskDescriptor, ...]  # session tasks first (dependency order), then invocation steps
+    requirements: tuple[PreparedRequirement, ...]  # ordered by bit index
+    steps: tuple[InvocationStep, ...]  # invocation order
+    activation_last_use: Mapping[str, int]  # value name -> last action index reading it
+    lookahead: LookaheadWindow
+    build_ms: float = 0.0
+    by_id: Mapping[TaskId, TaskDescriptor] = field(init=False, repr=False)
+    by_key: Mapping[PreparedKey, PreparedRequirement] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "by_id", MappingProxyType({t.id: t for t in self.tasks}))
+        object.__setattr__(self, "by_key", MappingProxyType({r.key: r for r in self.requirements}))
+
+    @property
+    def session_tasks(self) -> tuple[TaskDescriptor, ...]:
+        return tuple(t for t in self.tasks if t.scope is TaskScope.SESSION)
+
+    @property
+    def invocation_tasks(self) -> tuple[TaskDescriptor, ...]:
+        return tuple(t for t in self.tasks if t.scope is TaskScope.INVOCATION)
+
+    @property
+    def all_requirement_bits(self) -> int:
+        return (1 << len(self.requirements)) - 1
+
+    def session_closure(self, keys) -> tuple[TaskDescriptor, ...]:
+        """The session tasks (in plan order) needed to publish ``keys``."""
+        need: set[TaskId] = set()
+        stack = [self.by_key[k].publisher for k in keys]
+        while stack:
+            tid = stack.pop()
+            if tid in need:
+                continue
+            need.add(tid)
+            stack.extend(self.by_id[tid].dependencies)
+        return tuple(t for t in self.session_tasks if t.id in need)
+
+    def bytes_to_read(self) -> int:
+        """Distinct bytes the session tasks read (a source shared by two prepacks counts once)."""
+        return sum(t.estimated_output_bytes for t in self.session_tasks
+                   if t.kind in (TaskKind.READ_SOURCE, TaskKind.READ_PACKED))
+
+    def summary(self) -> dict:
+        by: dict[str, int] = {}
+        for t in self.tasks:
+            k = f"{t.scope.value}/{t.kind.value}/{t.resource.value}"
+            by[k] = by.get(k, 0) + 1
+        return {
+            "tasks": len(self.tasks),
+            "session_tasks": len(self.session_tasks),
+            "invocation_steps": len(self.steps),
+            "requirements": len(self.requirements),
+            "tasks_by_scope_kind_resource": by,
+            "bytes_to_read": self.bytes_to_read(),
+            "prepared_bytes": sum(r.packed_bytes for r in self.requirements),
+            "lookahead": self.lookahead.to_json(),
+            "build_ms": round(self.build_ms, 3),
+        }
+
+    def to_json(self) -> dict:
+        return {
+            "schema_version": 1,
+            "model": str(self.resolved.model_path),
+            "summary": self.summary(),
+            "tasks": [task_to_json(t) for t in self.tasks],
+            "requirements": [r.to_json() for r in self.requirements],
+            "steps": [s.to_json() for s in self.steps],
+        }
+
+
+def task_to_json(t: TaskDescriptor) -> dict:
+    return {
+        "id": t.id, "scope": t.scope.value, "kind": t.kind.value, "resource": t.resource.value,
+        "dependencies": list(t.dependencies),
+        "prepared_requirements": list(t.prepared_requirements),
+        "publishes": t.publishes,
+        "estimated_input_bytes": t.estimated_input_bytes,
+        "estimated_output_bytes": t.estimated_output_bytes,
+        "peak_temporary_bytes": t.peak_temporary_bytes,
+        "arena": t.arena.value if t.arena is not None else None,
+        "action_range": list(t.action_range) if t.action_range is not None else None,
+        "label": t.label,
+    }
+
+
+DEFAULT_LOOKAHEAD_STEPS = 8  # two transformer blocks at four prepared projections each
+DEFAULT_LOOKAHEAD_BYTES = 256 << 20
+
+
+def _packed_size_estimate(req: PrepackRequest, node: NodeKernel, resolved: ResolvedModel) -> int:
+    """Packed bytes of a request. Uses the op registry's exact size where it has one;
+    otherwise the source bytes (INT4 packs to about its source size)."""
+    try:
+        from onnx_prep.core.ops import registry
+
+        size = registry.packed_size(node.kernel, req, resolved)
+        if size is not None:
+            return int(size)
+    except (ImportError, AttributeError):  # NOTE: op registry not wired; estimate below
+        pass
+    return sum(resolved.weights[n].length for n in req.source_lineage if n in resolved.weights)
+
+
+def build_prepared_execution_plan(
+    resolved: ResolvedModel,
+    *,
+    cache: PackedPayloadIndex | None = None,
+    lookahead: LookaheadWindow | None = None,
+) -> PreparedExecutionPlan:
+    """Build the one immutable plan. Rejects anything but a frozen ResolvedModel."""
+    import time
+
+    t0 = time.perf_counter()
+    resolved = require_frozen(resolved)
+    if resolved.unsupported:
+        ops = ", ".join(f"{u.domain or 'ai.onnx'}::{u.op_type} ({', '.join(u.nodes[:3])})"
+                        for u in resolved.unsupported)
+        raise OnnxPrepError(f"model has ops with no kernel: {ops}",
+                            hint="run `onnx-prep resolve` to list them")
+    manifest = resolved.manifest
+
+    # --- invocation steps: a step starts at each node that consumes a prepared object
+    step_bounds: list[int] = []
+    for node in resolved.nodes:
+        if node.requirements or not step_bounds:
+            step_bounds.append(node.index)
+    n_actions = len(resolved.nodes)
+    ranges = [(b, step_bounds[i + 1] if i + 1 < len(step_bounds) else n_actions)
+              for i, b in enumerate(step_bounds)]
+
+    # --- requirements in first-use order; bit = position
+    first_node: dict[PreparedKey, NodeKernel] = {}
+    first_step: dict[PreparedKey, int] = {}
+    last_step: dict[PreparedKey, int] = {}
+    step_keys: list[list[PreparedKey]] = [[] for _ in ranges]
+    for si, (b, e) in enumerate(ranges):
+        for node in resolved.nodes[b:e]:
+            for req in node.requirements:
+                k = req.key
+                if k not in first_node:
+                    first_node[k] = node
+                    first_step[k] = si
+                last_step[k] = si
+                if k not in step_keys[si]:
+                    step_keys[si].append(k)
+    keys = list(first_node)
+    bit_of = {k: i for i, k in enumerate(keys)}
+
+    # --- session tasks: one read per external source (shared), one publisher per key
+    tasks: list[TaskDescriptor] = []
+    read_task: dict[str, TaskId] = {}
+
+    def source_read(desc: WeightDescriptor) -> TaskId:
+        if desc.name not in manifest:  # the plan reads only what the manifest names
+            raise OnnxPrepError(f"source {desc.name!r} is not in the payload manifest")
+        tid = read_task.get(desc.name)
+        if tid is None:
+            tid = f"S.read_source:{desc.name}"
+            read_task[desc.name] = tid
+            tasks.append(TaskDescriptor(
+                id=tid, scope=TaskScope.SESSION, kind=TaskKind.READ_SOURCE,
+                resource=ResourceClass.IO, estimated_output_bytes=desc.length,
+                arena=Arena.PREPARATION, label=f"read {desc.name}"))
+        return tid
+
+    requirements: list[PreparedRequirement] = []
+    for k in keys:
+        node = first_node[k]
+        req = resolved.requests[k]
+        packed = _packed_size_estimate(req, node, resolved)
+        external = tuple(n for n in req.source_lineage
+                         if n in resolved.weights and resolved.weights[n].external)
+        recipes: list[MaterializationRecipe] = []
+        entry = cache.lookup(req) if cache is not None else None
+        if entry is not None:
+            recipes.append(MaterializationRecipe(READ_PACKED_PAYLOAD, payload=entry))
+        recipes.append(MaterializationRecipe(READ_SOURCE_AND_PREPACK, sources=external))
+        selected = recipes[0]
+        if selected.kind == READ_PACKED_PAYLOAD:
+            publisher = f"S.read_packed:{k}"
+            read_bytes = entry.length
+            tasks.append(TaskDescriptor(
+                id=publisher, scope=TaskScope.SESSION, kind=TaskKind.READ_PACKED,
+                resource=ResourceClass.IO, publishes=k, estimated_output_bytes=entry.length,
+                arena=Arena.PREPARED, label=f"read packed {req.logical_value}"))
+        else:
+            deps = tuple(source_read(resolved.weights[n]) for n in external)
+            src_bytes = sum(resolved.weights[n].length for n in req.source_lineage
+                            if n in resolved.weights)
+            read_bytes = sum(resolved.weights[n].length for n in external)
+            publisher = f"S.prepack:{k}"
+            tasks.append(TaskDescriptor(
+                id=publisher, scope=TaskScope.SESSION, kind=TaskKind.PREPACK,
+                resource=ResourceClass.CPU, dependencies=deps, publishes=k,
+                estimated_input_bytes=src_bytes, estimated_output_bytes=packed,
+                arena=Arena.PREPARED, label=f"prepack {req.logical_value} [{req.layout}]"))
+        requirements.append(PreparedRequirement(
+            key=k, request=req, bit=bit_of[k], recipes=tuple(recipes), selected=selected,
+            publisher=publisher, kernel=node.kernel or "", node=node.name, packed_bytes=packed,
+            read_bytes=read_bytes, first_step=first_step[k], last_step=last_step[k]))
+
+    # --- invocation tasks
+    steps: list[InvocationStep] = []
+    prev: TaskId | None = None
+    for si, (b, e) in enumerate(ranges):
+        consuming = next((n for n in resolved.nodes[b:e] if n.requirements), resolved.nodes[b])
+        tid = f"I.{si}:{consuming.name}"
+        deps = ([prev] if prev else []) + [requirements[bit_of[k]].publisher for k in step_keys[si]]
+        out_bytes = 0
+        tasks.append(TaskDescriptor(
+            id=tid, scope=TaskScope.INVOCATION, kind=TaskKind.EXECUTE, resource=ResourceClass.CPU,
+            dependencies=tuple(dict.fromkeys(deps)), prepared_requirements=tuple(step_keys[si]),
+            estimated_output_bytes=out_bytes, arena=Arena.EXECUTION, action_range=(b, e),
+            label=consuming.name))
+        bits = 0
+        for k in step_keys[si]:
+            bits |= 1 << bit_of[k]
+        steps.append(InvocationStep(index=si, task_id=tid, action_range=(b, e),
+                                    requirement_bits=bits, label=consuming.name))
+        prev = tid
+
+    # --- activation last use
+    last_use: dict[str, int] = {}
+    for node in resolved.nodes:
+        for name in node.inputs:
+            if name:
+                last_use[name] = node.index
+    graph_outputs = {o.name for o in resolved.outputs}
+    for name in graph_outputs:
+        last_use[name] = n_actions  # outputs outlive the action list
+
+    plan = PreparedExecutionPlan(
+        resolved=resolved, tasks=tuple(tasks), requirements=tuple(requirements),
+        steps=tuple(steps), activation_last_use=MappingProxyType(last_use),
+        lookahead=lookahead or LookaheadWindow(DEFAULT_LOOKAHEAD_STEPS, DEFAULT_LOOKAHEAD_BYTES),
+        build_ms=(time.perf_counter() - t0) * 1e3,
+    )
+    _check_acyclic(plan)
+    return plan
+
+
+def _check_acyclic(plan: PreparedExecutionPlan) -> None:
+    """Dependencies point only to earlier tasks in ``plan.tasks`` (construction order is
+    a topological order); anything else is a builder bug."""
+    seen: set[TaskId] = set()
+    for t in plan.tasks:
+        for d in t.dependencies:
+            if d not in seen:
+                raise AssertionError(f"plan task {t.id} depends on later/unknown task {d}")
+        seen.add(t.id)
