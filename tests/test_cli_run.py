@@ -1,0 +1,202 @@
+"""`onnx-prep run` through the real entry point (typer's CliRunner).
+
+Decoding with ONNX Runtime (``--runtime ort``) and every error path run now; the
+prepared-runtime paths skip, saying so, until ``onnx_prep.core.session`` exists.
+"""
+from __future__ import annotations
+
+import importlib.util
+import io as _io
+import json
+from importlib import resources
+
+import numpy as np
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from conftest import ort_or_skip
+from decoder_toys import KV_NAMES, build_toy_decoder
+from onnx_prep.cli import output
+from onnx_prep.cli import run as run_cmd
+from onnx_prep.cli.app import app
+from onnx_prep.core.decoder_io import DecoderIO
+from onnx_prep.core.errors import EXIT_FINDINGS, EXIT_OK, EXIT_UNUSABLE
+from onnx_prep.core.generation import greedy_decode
+
+ort_or_skip()
+from onnx_prep.core.ort_runner import OrtRunner  # noqa: E402
+
+cli = CliRunner()
+HAVE_SESSION = importlib.util.find_spec("onnx_prep.core.session") is not None
+needs_session = pytest.mark.skipif(not HAVE_SESSION, reason="onnx_prep.core.session (the prepared "
+                                   "runtime) is not written yet")
+
+
+def _schema():
+    jsonschema = pytest.importorskip("jsonschema")
+    text = resources.files("onnx_prep.core").joinpath("schemas/run.schema.json").read_text()
+    return jsonschema, json.loads(text)
+
+
+def _json(args):
+    result = cli.invoke(app, ["run", *args, "--json"])
+    assert result.exit_code == EXIT_OK, result.output
+    doc = json.loads(result.stdout)
+    jsonschema, schema = _schema()
+    jsonschema.validate(doc, schema)
+    return doc
+
+
+def _error(args):
+    result = cli.invoke(app, ["run", *args])
+    assert result.exit_code == EXIT_UNUSABLE, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+@pytest.fixture()
+def toy(tmp_path):
+    return build_toy_decoder(tmp_path / "toy.onnx", layout="bshd", kv_names="flat")
+
+
+def test_ort_json_matches_the_library_and_validates(small_llm_path):
+    doc = _json([str(small_llm_path), "--runtime", "ort", "--prompt-ids", "5,6,7", "--tokens", "6"])
+    want = greedy_decode(OrtRunner(small_llm_path), DecoderIO.from_model(small_llm_path),
+                         np.array([[5, 6, 7]]), 6)
+    assert doc["tokens"] == want.tokens.tolist()
+    assert doc["runtime"] == "ort" and doc["batch"] == 1 and doc["prompt_ids"] == [[5, 6, 7]]
+    assert doc["io"]["kv_layout"] == "bhsd" and len(doc["io"]["kv"]) == 2 and doc["compare"] is None
+    assert len(doc["timings"]["step_ms"]) == 6 and doc["timings"]["decode_tokens_per_s"] > 0
+
+
+def test_text_output_lists_rows_and_timings(toy):
+    result = cli.invoke(app, ["run", str(toy), "--runtime", "ort", "--prompt-ids", "1,2,3",
+                              "--tokens", "5", "--batch", "2"])
+    assert result.exit_code == EXIT_OK, result.output
+    want = greedy_decode(OrtRunner(toy), DecoderIO.from_model(toy), np.array([[1, 2, 3]] * 2), 5)
+    for i in range(2):
+        assert f"row {i}: {' '.join(map(str, want.tokens[i]))}" in result.stdout
+    assert "time to first output" in result.stdout and "tokens/s" in result.stdout
+    assert "kv bshd x2 layers" in result.stdout
+
+
+def test_batch_repeats_one_prompt_or_takes_one_row_per_prompt(toy):
+    repeated = _json([str(toy), "--runtime", "ort", "--prompt-ids", "4,5", "--batch", "3", "--tokens", "4"])
+    assert repeated["prompt_ids"] == [[4, 5]] * 3 and repeated["batch"] == 3
+    assert repeated["tokens"][0] == repeated["tokens"][1] == repeated["tokens"][2]
+    rows = _json([str(toy), "--runtime", "ort", "--prompt-ids", "4,5", "--prompt-ids", "9,1", "--tokens", "4"])
+    assert rows["prompt_ids"] == [[4, 5], [9, 1]]
+    alone = _json([str(toy), "--runtime", "ort", "--prompt-ids", "9,1", "--tokens", "4"])
+    assert rows["tokens"][0] == repeated["tokens"][0] and rows["tokens"][1] == alone["tokens"][0]
+
+
+def test_default_model_is_the_embedded_tiny_llm(tmp_path, monkeypatch):
+    monkeypatch.setenv("ONNX_PREP_CACHE", str(tmp_path / "cache"))
+    doc = _json(["--runtime", "ort", "--tokens", "2"])
+    assert doc["model"].startswith(str(tmp_path / "cache")) and doc["model"].endswith("tiny-llm.onnx")
+    assert doc["prompt_ids"] == [[1, 2, 3, 4]] and doc["io"]["vocab_size"] == 8192
+    assert len(doc["io"]["kv"]) == 4
+
+
+def test_io_map_makes_an_opaque_model_decodable(tmp_path):
+    path = build_toy_decoder(tmp_path / "m.onnx", kv_names="opaque")
+    line = _error([str(path), "--runtime", "ort", "--tokens", "2"])
+    assert "'kin0a'" in line and "'kin1b'" in line and "--io-map" in line
+    mapping = {"kv": [dict(zip(("past_key", "past_value", "present_key", "present_value"), KV_NAMES["opaque"](l)))
+                      for l in range(2)]}
+    map_file = tmp_path / "io.json"
+    map_file.write_text(json.dumps(mapping))
+    doc = _json([str(path), "--runtime", "ort", "--tokens", "3", "--io-map", str(map_file)])
+    assert doc["io"]["source"] == "io-map" and len(doc["tokens"][0]) == 3
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--prompt-ids", "1,x"], "comma-separated non-negative integers"),
+    (["--prompt-ids", ""], "comma-separated"),
+    (["--prompt-ids", "1,2", "--prompt-ids", "3"], "same length"),
+    (["--prompt-ids", "1,2", "--prompt-ids", "3,4", "--batch", "3"], "disagrees"),
+    (["--batch", "0"], "--batch must be at least 1"),
+    (["--tokens", "0"], "--tokens must be at least 1"),
+    (["--threads", "0"], "--threads must be at least 1"),
+    (["--runtime", "tvm"], "--runtime must be one of"),
+    (["--compare", "tvm"], "--compare supports only 'ort'"),
+    (["--compare", "ort"], "compares ONNX Runtime with itself"),
+    (["--prompt-ids", "99"], "outside the vocabulary"),
+])
+def test_bad_options_exit_2_with_one_line(toy, args, match):
+    line = _error([str(toy), "--runtime", "ort", *args])
+    assert match in line
+
+
+def test_bad_model_and_io_map_files_exit_2(tmp_path, toy):
+    assert "not found" in _error([str(tmp_path / "absent.onnx"), "--runtime", "ort"])
+    bad_map = tmp_path / "io.json"
+    bad_map.write_text('{"logitz": "x"}')
+    assert "unknown keys" in _error([str(toy), "--runtime", "ort", "--io-map", str(bad_map)])
+
+
+@pytest.mark.skipif(HAVE_SESSION, reason="the prepared runtime exists; its absence cannot be tested")
+def test_missing_prepared_runtime_is_a_clear_error(toy):
+    line = _error([str(toy)])
+    assert "prepared runtime" in line and "--runtime ort" in line
+
+
+def test_progress_bar_draws_on_stderr_for_long_runs(toy, monkeypatch):
+    term = Console(file=_io.StringIO(), force_terminal=True, width=100)
+    monkeypatch.setattr(output, "stderr", term)
+    result = cli.invoke(app, ["run", str(toy), "--runtime", "ort", "--tokens", "8", "--json"])
+    assert result.exit_code == EXIT_OK, result.output
+    json.loads(result.stdout)  # the bar never reaches stdout
+    assert "ort decode" in term.file.getvalue() and "8/8" in term.file.getvalue()
+    term.file.seek(0), term.file.truncate()
+    cli.invoke(app, ["run", str(toy), "--runtime", "ort", "--tokens", str(run_cmd.PROGRESS_MIN_TOKENS - 1)])
+    assert "ort decode" not in term.file.getvalue()
+
+
+# -- --compare ort, with ONNX Runtime standing in for the prepared runtime until it lands
+
+
+def test_compare_identical_when_the_runtime_matches_ort(toy, monkeypatch):
+    monkeypatch.setattr(run_cmd, "_open_runtime_runner", lambda path, threads: OrtRunner(path, threads=1))
+    doc = _json([str(toy), "--compare", "ort", "--tokens", "6", "--batch", "2"])
+    cmp = doc["compare"]
+    assert doc["runtime"] == "prepared" and cmp["runtime"] == "ort"
+    assert cmp["identical"] and cmp["agrees"] and cmp["tokens"] == doc["tokens"]
+    assert cmp["first_divergence_step"] is None and cmp["first_step_max_abs_logit_diff"] < 1e-4
+    text = cli.invoke(app, ["run", str(toy), "--compare", "ort", "--tokens", "6"])
+    assert text.exit_code == EXIT_OK and "ort: tokens identical" in text.stdout
+
+
+def test_compare_reports_a_real_divergence_with_exit_1(tmp_path, toy, monkeypatch):
+    # Same I/O, other weights: the "runtime" is wrong on purpose.
+    other = build_toy_decoder(tmp_path / "other.onnx", layout="bshd", kv_names="flat", seed=1)
+    monkeypatch.setattr(run_cmd, "_open_runtime_runner", lambda path, threads: OrtRunner(other))
+    result = cli.invoke(app, ["run", str(toy), "--compare", "ort", "--tokens", "4", "--json"])
+    assert result.exit_code == EXIT_FINDINGS, result.output
+    cmp = json.loads(result.stdout)["compare"]
+    assert not cmp["identical"] and not cmp["near_tie"] and cmp["first_divergence_step"] == 0
+    assert cmp["first_step_max_abs_logit_diff"] > 1e-2
+    text = cli.invoke(app, ["run", str(toy), "--compare", "ort", "--tokens", "4"])
+    assert text.exit_code == EXIT_FINDINGS and "DIVERGED at step 0" in text.stdout
+    assert "ort row 0:" in text.stdout
+
+
+# -- the prepared runtime (skipped until core/session.py lands)
+
+
+@needs_session
+def test_prepared_runtime_matches_ort_on_the_fixture(small_llm_path):
+    doc = _json([str(small_llm_path), "--compare", "ort", "--prompt-ids", "1,2,3,4,5", "--tokens", "12",
+                 "--batch", "2"])
+    assert doc["runtime"] == "prepared" and doc["compare"]["agrees"]
+    assert doc["compare"]["first_step_max_abs_logit_diff"] <= 1e-3 * doc["compare"]["first_step_logit_range"]
+    assert doc["tokens"][0] == doc["tokens"][1]
+
+
+@needs_session
+def test_prepared_runtime_text_output(toy):
+    result = cli.invoke(app, ["run", str(toy), "--tokens", "4"])
+    assert result.exit_code == EXIT_OK, result.output
+    assert "runtime prepared" in result.stdout and "row 0:" in result.stdout
