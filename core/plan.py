@@ -36,6 +36,16 @@ from onnx_prep.core.weights import WeightDescriptor
 # Recipe kinds, cheapest first.
 READ_PACKED_PAYLOAD = "read_packed_payload"
 READ_SOURCE_AND_PREPACK = "read_source_and_prepack"
+READ_SOURCE = "read_source"  # RAW requirements: the source bytes are the prepared object
+
+# Layout of a RAW requirement: an external weight a node reads unpacked (norm weights,
+# tables). Its read task publishes it; it lives in the Prepared arena like packed objects.
+RAW_LAYOUT = "raw"
+
+
+def raw_request(weight: str, device: str = "cpu") -> PrepackRequest:
+    return PrepackRequest(logical_value=weight, source_lineage=(weight,), layout=RAW_LAYOUT,
+                          device=device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +72,7 @@ class PackedPayloadIndex(Protocol):
 class MaterializationRecipe:
     """One way to produce a prepared key. Every recipe publishes the same key."""
 
-    kind: str  # READ_PACKED_PAYLOAD | READ_SOURCE_AND_PREPACK
+    kind: str  # READ_PACKED_PAYLOAD | READ_SOURCE_AND_PREPACK | READ_SOURCE (raw)
     sources: tuple[str, ...] = ()  # external source weights read (READ_SOURCE_AND_PREPACK)
     payload: PackedPayloadEntry | None = None  # READ_PACKED_PAYLOAD
 
@@ -222,14 +232,11 @@ DEFAULT_LOOKAHEAD_BYTES = 256 << 20
 def _packed_size_estimate(req: PrepackRequest, node: NodeKernel, resolved: ResolvedModel) -> int:
     """Packed bytes of a request. Uses the op registry's exact size where it has one;
     otherwise the source bytes (INT4 packs to about its source size)."""
-    try:
-        from onnx_prep.core.ops import registry
+    from onnx_prep.core.ops.prepack import packed_size
 
-        size = registry.packed_size(node.kernel, req, resolved)
-        if size is not None:
-            return int(size)
-    except (ImportError, AttributeError):  # NOTE: op registry not wired; estimate below
-        pass
+    size = packed_size(node.kernel, req, resolved)
+    if size is not None:
+        return int(size)
     return sum(resolved.weights[n].length for n in req.source_lineage if n in resolved.weights)
 
 
@@ -260,18 +267,31 @@ def build_prepared_execution_plan(
     ranges = [(b, step_bounds[i + 1] if i + 1 < len(step_bounds) else n_actions)
               for i, b in enumerate(step_bounds)]
 
-    # --- requirements in first-use order; bit = position
+    # --- requirements in first-use order; bit = position. A node's requirements are its
+    # packed ones (NodeKernel.requirements) plus one RAW requirement per external weight
+    # it reads unpacked (norm weights, tables): published by the read task itself.
+    node_reqs: list[list[PrepackRequest]] = []
+    for node in resolved.nodes:
+        replaced = {n for names in node.prepared_inputs.values() for n in names}
+        reqs = list(node.requirements)
+        for name in node.inputs:
+            desc = resolved.weights.get(name) if name else None
+            if desc is not None and desc.external and name not in replaced:
+                reqs.append(raw_request(name))
+        node_reqs.append(reqs)
     first_node: dict[PreparedKey, NodeKernel] = {}
     first_step: dict[PreparedKey, int] = {}
     last_step: dict[PreparedKey, int] = {}
+    req_of: dict[PreparedKey, PrepackRequest] = {}
     step_keys: list[list[PreparedKey]] = [[] for _ in ranges]
     for si, (b, e) in enumerate(ranges):
         for node in resolved.nodes[b:e]:
-            for req in node.requirements:
+            for req in node_reqs[node.index]:
                 k = req.key
                 if k not in first_node:
                     first_node[k] = node
                     first_step[k] = si
+                    req_of[k] = req
                 last_step[k] = si
                 if k not in step_keys[si]:
                     step_keys[si].append(k)
@@ -280,25 +300,40 @@ def build_prepared_execution_plan(
 
     # --- session tasks: one read per external source (shared), one publisher per key
     tasks: list[TaskDescriptor] = []
-    read_task: dict[str, TaskId] = {}
+    read_task: dict[str, int] = {}  # weight name -> index in tasks
 
-    def source_read(desc: WeightDescriptor) -> TaskId:
+    def source_read(desc: WeightDescriptor, publishes: PreparedKey | None = None) -> TaskId:
         if desc.name not in manifest:  # the plan reads only what the manifest names
             raise OnnxPrepError(f"source {desc.name!r} is not in the payload manifest")
-        tid = read_task.get(desc.name)
-        if tid is None:
-            tid = f"S.read_source:{desc.name}"
-            read_task[desc.name] = tid
+        idx = read_task.get(desc.name)
+        if idx is None:
+            read_task[desc.name] = len(tasks)
             tasks.append(TaskDescriptor(
-                id=tid, scope=TaskScope.SESSION, kind=TaskKind.READ_SOURCE,
-                resource=ResourceClass.IO, estimated_output_bytes=desc.length,
-                arena=Arena.PREPARATION, label=f"read {desc.name}"))
-        return tid
+                id=f"S.read_source:{desc.name}", scope=TaskScope.SESSION,
+                kind=TaskKind.READ_SOURCE, resource=ResourceClass.IO, publishes=publishes,
+                estimated_output_bytes=desc.length,
+                arena=Arena.PREPARED if publishes else Arena.PREPARATION,
+                label=f"read {desc.name}"))
+        elif publishes is not None:  # a raw-consumed source that also feeds a prepack
+            t = tasks[idx]
+            tasks[idx] = TaskDescriptor(
+                id=t.id, scope=t.scope, kind=t.kind, resource=t.resource, publishes=publishes,
+                estimated_output_bytes=t.estimated_output_bytes, arena=Arena.PREPARED, label=t.label)
+        return tasks[read_task[desc.name]].id
 
     requirements: list[PreparedRequirement] = []
     for k in keys:
         node = first_node[k]
-        req = resolved.requests[k]
+        req = req_of[k]
+        if req.layout == RAW_LAYOUT:
+            desc = resolved.weights[req.logical_value]
+            recipe = MaterializationRecipe(READ_SOURCE, sources=(desc.name,))
+            requirements.append(PreparedRequirement(
+                key=k, request=req, bit=bit_of[k], recipes=(recipe,), selected=recipe,
+                publisher=source_read(desc, publishes=k), kernel=RAW_LAYOUT, node=node.name,
+                packed_bytes=desc.length, read_bytes=desc.length,
+                first_step=first_step[k], last_step=last_step[k]))
+            continue
         packed = _packed_size_estimate(req, node, resolved)
         external = tuple(n for n in req.source_lineage
                          if n in resolved.weights and resolved.weights[n].external)
