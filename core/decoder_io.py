@@ -42,7 +42,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from onnx_prep.core.errors import ModelIOError, UsageError, Where
+from onnx_prep.core.errors import ModelFormatError, ModelIOError, UsageError, Where
 from onnx_prep.core.resolved_model import ValueInfo
 
 KV_LAYOUTS = ("bhsd", "bshd")
@@ -183,16 +183,26 @@ class DecoderIO:
 
 def value_infos_from_model(model: Any) -> tuple[tuple[ValueInfo, ...], tuple[ValueInfo, ...]]:
     """Graph inputs (initializers excluded) and outputs of an ONNX file path or
-    ``ModelProto``. Loads the protobuf only: external data is never read."""
+    ``ModelProto``. Loads the protobuf only: external data is never read. A missing
+    file is a ``UsageError``, an unparsable one a ``ModelFormatError``."""
     import onnx
 
     if isinstance(model, (str, Path)):
+        where = Where(model=str(model))
+        if not Path(model).exists():
+            raise UsageError("model file not found", where)
+        if not Path(model).is_file():
+            raise UsageError("model path is not a file", where, hint="pass the .onnx file itself")
         try:
             model = onnx.load(str(model), load_external_data=False)
-        except FileNotFoundError as exc:
-            raise ModelIOError("model file not found", Where(model=str(model))) from exc
-        except Exception as exc:  # protobuf DecodeError and friends
-            raise ModelIOError(f"not a readable ONNX model: {exc}", Where(model=str(model))) from exc
+        except OSError as exc:
+            raise UsageError(f"cannot read the model file: {exc.strerror}", where) from None
+        except Exception as exc:  # noqa: BLE001 - protobuf DecodeError and onnx's wrappers
+            raise ModelFormatError(f"not a readable ONNX model ({type(exc).__name__}: {exc})",
+                                   where) from None
+        # An empty or foreign file can parse as an empty ModelProto: insist on a graph.
+        if model.ir_version <= 0 or not model.HasField("graph"):
+            raise ModelFormatError("not a readable ONNX model (no ir_version or no graph)", where)
     graph = model.graph
     inits = {i.name for i in graph.initializer}
 

@@ -25,7 +25,10 @@ from onnx_prep.core.errors import ModelIOError, UsageError, Where
 @runtime_checkable
 class Runner(Protocol):
     """Runs one forward step. ``run`` maps input names to arrays and returns every
-    output by name. A runner holds no per-generation state (no KV cache)."""
+    output by name (at least the logits and each present KV). A runner holds no
+    per-generation state (no KV cache); the arrays it returns belong to the caller,
+    which feeds the presents back as the next step's past, so a runner must not
+    reuse or mutate them after returning."""
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 
@@ -33,7 +36,7 @@ class Runner(Protocol):
 @dataclass(frozen=True)
 class StepEvent:
     """Passed to ``on_step`` after each step. ``logits`` are the last position's
-    logits [batch, vocab] (float32 view; do not keep unless copied)."""
+    logits [batch, vocab] in the runner's dtype (a view: copy to keep)."""
 
     index: int  # 0 = prefill
     token_ids: np.ndarray  # int64 [batch]: the tokens chosen at this step

@@ -11,7 +11,7 @@ from onnx import TensorProto, helper
 from decoder_toys import KV_NAMES, build_toy_decoder
 from onnx_prep.core.decoder_io import (DecoderIO, load_io_map, value_infos_from_model,
                                        value_infos_from_ort)
-from onnx_prep.core.errors import ModelIOError, UsageError
+from onnx_prep.core.errors import ModelFormatError, ModelIOError, UsageError
 from onnx_prep.core.resolved_model import ValueInfo
 
 
@@ -205,10 +205,13 @@ def test_io_map_names_must_exist_in_the_model(tmp_path):
         DecoderIO.from_model(path, {"logits": "nope"})
 
 
-def test_unreadable_model_is_a_model_io_error(tmp_path):
-    bad = tmp_path / "bad.onnx"
-    bad.write_bytes(b"\x00garbage\xff" * 10)
-    with pytest.raises(ModelIOError, match="not a readable ONNX model"):
-        DecoderIO.from_model(bad)
-    with pytest.raises(ModelIOError, match="not found"):
+def test_unreadable_or_missing_model_is_reported(tmp_path):
+    for content in (b"\x00garbage\xff" * 10, b""):
+        bad = tmp_path / "bad.onnx"
+        bad.write_bytes(content)
+        with pytest.raises(ModelFormatError, match="not a readable ONNX model"):
+            DecoderIO.from_model(bad)
+    with pytest.raises(UsageError, match="not found"):
         DecoderIO.from_model(tmp_path / "absent.onnx")
+    with pytest.raises(UsageError, match="not a file"):
+        DecoderIO.from_model(tmp_path)
