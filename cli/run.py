@@ -115,10 +115,9 @@ def run(
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON (schema: docs/run.md)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Intra-op threads."),
 ) -> None:
-    """Greedy-decode TOKENS tokens and print the generated ids and timings.
+    """Greedy-decode --tokens tokens per row; print the generated ids and timings.
 
-    Exit 0 on success (with --compare, also when the runtimes diverge only at a near
-    tie), 1 when --compare finds a real divergence, 2 for unusable input."""
+    Exit 0 on success (with --compare, also when the runtimes diverge only at a near tie), 1 when --compare finds a real divergence, 2 for unusable input."""
 
     def go() -> int:
         from onnx_prep.core.decoder_io import DecoderIO, load_io_map
