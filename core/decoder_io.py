@@ -326,6 +326,8 @@ class _Discovery:
 
     def slot(self, name: str) -> TensorSlot:
         vi = self.inputs[name]
+        if name in self.placed:  # only an io-map can name one input twice
+            raise ModelIOError("io-map gives one input two roles", self.where(name))
         self.placed.add(name)
         return TensorSlot(name, _np_dtype(vi, self.model), vi.shape)
 
