@@ -204,7 +204,7 @@ def test_io_map_names_must_exist_in_the_model(tmp_path):
     with pytest.raises(ModelIOError, match="which is not a model output"):
         DecoderIO.from_model(path, {"logits": "nope"})
     with pytest.raises(ModelIOError, match="two roles"):
-        DecoderIO.from_model(path, {"attention_mask": "position_ids"})
+        DecoderIO.from_model(path, {"input_ids": "position_ids", "position_ids": "position_ids"})
 
 
 def test_unreadable_or_missing_model_is_reported(tmp_path):
