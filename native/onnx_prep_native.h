@@ -1,6 +1,22 @@
 /* onnx_prep native API. This header IS the cffi cdef: build_native.py reads the
  * part between the CDEF markers, so Python and C cannot drift.
- * Exported names carry the op_ prefix. */
+ * Exported names carry the op_ prefix.
+ *
+ * Conventions:
+ * - Every function that can fail returns an op_status (0 = OP_OK, negative =
+ *   error); op_status_string() names it. Functions never abort the process.
+ * - Packed buffers are self-describing: they start with an op_packed_header
+ *   (64 bytes, little-endian host order) that every kernel validates.
+ * - Kernels take a column range [col_begin, col_end) so the caller's executor
+ *   splits the work; nothing here starts a thread. cffi API mode releases the
+ *   GIL around every call.
+ * - `isa` arguments take an OP_ISA_* value; the caller picks it once (Python:
+ *   onnx_prep.native.active_isa()). Kernels refuse an ISA this CPU or this build
+ *   lacks (OP_E_ISA) instead of faulting on an illegal instruction.
+ * - Unpadded tails: K need not be a multiple of the block size (the source pads
+ *   each column to whole blocks, as MatMulNBits does) and N need not be a
+ *   multiple of the column tile.
+ */
 #ifndef ONNX_PREP_NATIVE_H
 #define ONNX_PREP_NATIVE_H
 #include <stddef.h>
@@ -8,6 +24,120 @@
 
 /* CDEF-BEGIN */
 const char *op_native_version(void);
+
+/* ---- status codes ---------------------------------------------------------- */
+typedef enum {
+    OP_OK = 0,
+    OP_E_ARG = -1,        /* a bad argument (shape, size, range, null pointer) */
+    OP_E_HEADER = -2,     /* packed buffer: bad magic / version / kind / sizes */
+    OP_E_ISA = -3,        /* the requested ISA is not available here */
+    OP_E_NOMEM = -4,      /* scratch allocation failed */
+    OP_E_INDEX = -5       /* gather index out of range */
+} op_status;
+const char *op_status_string(int status);
+
+/* ---- CPU features and ISA selection ----------------------------------------- */
+typedef enum { OP_ISA_SCALAR = 0, OP_ISA_AVX2 = 1, OP_ISA_AVX512 = 2 } op_isa;
+/* Named predicates; each includes the OS support check (XGETBV) for the register
+ * state it needs. 0/1. */
+int op_cpu_has_avx2_fma(void);      /* AVX, AVX2, FMA, F16C + OS saves YMM */
+int op_cpu_has_avx512(void);        /* AVX-512 F, BW, VL, DQ + OS saves ZMM/opmask */
+int op_cpu_has_avx512_vnni(void);   /* op_cpu_has_avx512() and AVX512_VNNI */
+int op_isa_compiled(int isa);       /* 1 if this build contains code for `isa` */
+int op_isa_supported(int isa);      /* compiled in and the CPU/OS can run it */
+uint32_t op_packed_tile_n(void);    /* column-tile width of the packed formats (16) */
+
+/* ---- packed buffer header (64 bytes) ---------------------------------------- */
+typedef struct {
+    uint32_t magic;          /* OP_PACK_MAGIC */
+    uint16_t format_version; /* OP_PACK_FORMAT_VERSION */
+    uint16_t kind;           /* OP_KIND_* */
+    uint32_t flags;          /* OP_FLAG_* bits */
+    uint32_t block_size;     /* int4 kinds; 0 for gemm */
+    uint64_t K;              /* reduction length (gather: row length) */
+    uint64_t N;              /* output columns (gather: rows V) */
+    uint32_t n_blocks;       /* ceil(K / block_size) (gather: blocks per row) */
+    uint32_t tile_n;         /* column-tile width (int4 matmul, gemm) */
+    uint64_t tile_stride;    /* bytes per column tile (gather: bytes per row) */
+    uint64_t data_offset;    /* offset of the first tile / row from the buffer start */
+    uint64_t total_size;     /* exact byte length of the whole packed buffer */
+} op_packed_header;
+
+enum {
+    OP_PACK_MAGIC = 0x4B50504F,      /* "OPPK" read as little-endian bytes */
+    OP_PACK_FORMAT_VERSION = 1,
+    OP_KIND_INT4_MATMUL = 1,
+    OP_KIND_INT4_GATHER = 2,
+    OP_KIND_GEMM_B = 3,
+    /* flags */
+    OP_FLAG_ZP_MASK = 0x3,           /* zero-point kind, bits 0-1: */
+    OP_ZP_NONE = 0,                  /*   implicit zero point 8 */
+    OP_ZP_U4 = 1,                    /*   uint4 zero points (stored one per byte) */
+    OP_ZP_FLOAT = 2,                 /*   float zero points (stored fp32) */
+    OP_FLAG_ACC_SHIFT = 4,           /* accuracy level, bits 4-7 */
+    OP_FLAG_ACC_MASK = 0xF0,
+    OP_FLAG_SCALES_F16 = 0x100,      /* the source scales were fp16 (stored fp32) */
+    OP_FLAG_TRANS_B = 0x200          /* gemm: B was given as [N, K] */
+};
+
+/* Reads and validates the header of a packed buffer of `size` bytes. */
+int op_packed_header_read(const uint8_t *packed, size_t size, int expected_kind,
+                          op_packed_header *out);
+
+/* ---- INT4 matmul (com.microsoft MatMulNBits, bits = 4) ----------------------- */
+size_t op_matmul_nbits_packed_size(uint64_t K, uint64_t N, uint32_t block_size, int zp_kind);
+/* B: uint8 [N, n_blocks, block_size/2]; scales fp32 [N * n_blocks];
+ * zero points: zp_kind OP_ZP_U4 -> zp_u4 holds ONE uint4 value per byte, [N * n_blocks]
+ * (the caller unpacks the op's packed nibbles); OP_ZP_FLOAT -> zp_f32 [N * n_blocks].
+ * Deterministic: the same inputs give the same bytes (padding is zeroed). */
+int op_prepack_matmul_nbits(const uint8_t *B, const float *scales, const uint8_t *zp_u4,
+                            const float *zp_f32, uint64_t K, uint64_t N, uint32_t block_size,
+                            int zp_kind, int accuracy_level, int scales_were_f16,
+                            uint8_t *out, size_t out_size);
+/* Y[m, c] = sum_k A[m, k] * dequant(B)[k, c] (+ bias[c]) for c in [col_begin, col_end).
+ * A: fp32 rows of length K with row stride lda (elements); Y row stride ldy.
+ * accuracy_level: -1 = the packed buffer's; 0-3 = fp32 compute; 4 = A quantized per
+ * block to int8 with integer dot products (ONNX Runtime semantics). */
+int op_matmul_nbits(int isa, const float *A, size_t M, size_t lda, const uint8_t *packed,
+                    size_t packed_size, const float *bias, float *Y, size_t ldy,
+                    size_t col_begin, size_t col_end, int accuracy_level);
+
+/* ---- INT4 row gather (com.microsoft GatherBlockQuantized, quantize_axis last) - */
+size_t op_gather_packed_size(uint64_t V, uint32_t n_blocks, uint32_t block_size, int zp_kind);
+/* data: uint8 [V, n_blocks, block_size/2]; scales fp32 [V * n_blocks];
+ * zero points as for op_prepack_matmul_nbits. */
+int op_prepack_gather(const uint8_t *data, const float *scales, const uint8_t *zp_u4,
+                      const float *zp_f32, uint64_t V, uint32_t n_blocks, uint32_t block_size,
+                      int zp_kind, int scales_were_f16, uint8_t *out, size_t out_size);
+/* out[i, :] = dequant(row indices[i]); negative indices count from the end.
+ * On OP_E_INDEX, *bad_position is the position of the first bad index. */
+int op_gather_block_quantized(const int64_t *indices, size_t n_indices, const uint8_t *packed,
+                              size_t packed_size, float *out, size_t *bad_position);
+
+/* ---- fp32 Gemm / MatMul with a constant B ------------------------------------ */
+size_t op_gemm_b_packed_size(uint64_t K, uint64_t N);
+/* B: fp32 [K, N] (trans_b = 0) or [N, K] (trans_b = 1), C-contiguous. */
+int op_prepack_gemm_b(const float *B, uint64_t K, uint64_t N, int trans_b, uint8_t *out,
+                      size_t out_size);
+/* Y[m, c] = alpha * sum_k A[m, k] B[k, c] + beta * bias[m * bias_rs + c * bias_cs]
+ * for c in [col_begin, col_end); bias may be NULL (strides may be 0 to broadcast). */
+int op_gemm(int isa, const float *A, size_t M, size_t lda, const uint8_t *packed,
+            size_t packed_size, const float *bias, ptrdiff_t bias_rs, ptrdiff_t bias_cs,
+            float alpha, float beta, float *Y, size_t ldy, size_t col_begin, size_t col_end);
+
+/* ---- host stable virtual-address slots -------------------------------------- */
+/* Reserve `size` bytes of address space (no memory, no commit charge); return 0 or -errno. */
+int op_slot_reserve(size_t size, void **out);
+/* Make [p, p+n) readable and writable; pages appear zero-filled on first touch. */
+int op_slot_commit(void *p, size_t n);
+/* Drop the physical pages of [p, p+n) and make the range inaccessible again;
+ * the address range stays reserved. */
+int op_slot_decommit(void *p, size_t n);
+/* Give the address range back. */
+int op_slot_release(void *p, size_t n);
+/* Bytes of [p, p+n) resident in RAM (mincore), or -errno. p page-aligned. */
+int64_t op_resident_bytes(const void *p, size_t n);
+size_t op_page_size(void);
 /* CDEF-END */
 
 #endif

@@ -1,0 +1,115 @@
+/* Scalar reference kernels: the portable path and the oracle for the SIMD paths.
+ *
+ * Each loop mirrors, per output column, the exact operation sequence of the SIMD
+ * kernels (one fmaf chain per block in ascending k, then the per-block fold), so
+ * the SIMD paths must match this file bit for bit. fmaf() is used explicitly:
+ * the build is -std=c11, which keeps the compiler from contracting a*b+c on its
+ * own, so the reference rounds exactly where written. */
+#include <math.h>
+#include "op_internal.h"
+
+static inline uint32_t code_at(const uint8_t *group, int c, int j) {
+    /* j = 0..7 is the k offset inside the 8-code group (see op_internal.h) */
+    uint8_t byte = group[4 * c + (j & 3)];
+    return j < 4 ? (byte & 0x0Fu) : (byte >> 4);
+}
+
+static void store_tile(const op_mm_args *a, size_t m, size_t t, const float out[OP_TILE_N]) {
+    for (int c = 0; c < OP_TILE_N; c++) {
+        size_t col = t * OP_TILE_N + (size_t)c;
+        if (col < a->col_begin || col >= a->col_end) continue;
+        float v = out[c];
+        if (a->bias) v = v + a->bias[col];
+        a->Y[m * a->ldy + col] = v;
+    }
+}
+
+static void mm_f32_scalar(const op_mm_args *a) {
+    const op_packed_header *h = a->h;
+    const uint32_t bs = h->block_size, nb = h->n_blocks;
+    const size_t t0 = a->col_begin / OP_TILE_N, t1 = (a->col_end + OP_TILE_N - 1) / OP_TILE_N;
+    for (size_t t = t0; t < t1; t++) {
+        const uint8_t *tile = a->tiles + t * h->tile_stride;
+        const float *sc = op_mm_scales(h, tile);
+        for (size_t m = 0; m < a->M; m++) {
+            const float *arow = a->A + m * a->lda;
+            float out[OP_TILE_N] = {0};
+            for (uint32_t b = 0; b < nb; b++) {
+                float acc[OP_TILE_N] = {0}, z[OP_TILE_N];
+                const uint8_t *blk = tile + (size_t)b * bs * 8u;
+                for (uint32_t g = 0; g < bs / OP_GROUP_K; g++) {
+                    const uint8_t *grp = blk + (size_t)g * OP_GROUP_BYTES;
+                    const float *ak = arow + (size_t)b * bs + (size_t)g * OP_GROUP_K;
+                    for (int j = 0; j < OP_GROUP_K; j++)
+                        for (int c = 0; c < OP_TILE_N; c++)
+                            acc[c] = fmaf(ak[j], (float)code_at(grp, c, j), acc[c]);
+                }
+                op_mm_block_zeros(h, tile, b, z);
+                const float s_a = a->asum[m * nb + b];
+                for (int c = 0; c < OP_TILE_N; c++) {
+                    float d = fmaf(-z[c], s_a, acc[c]);
+                    out[c] = fmaf(sc[(size_t)b * OP_TILE_N + c], d, out[c]);
+                }
+            }
+            store_tile(a, m, t, out);
+        }
+    }
+}
+
+static void mm_i8_scalar(const op_mm_args *a) {
+    const op_packed_header *h = a->h;
+    const uint32_t bs = h->block_size, nb = h->n_blocks;
+    const size_t t0 = a->col_begin / OP_TILE_N, t1 = (a->col_end + OP_TILE_N - 1) / OP_TILE_N;
+    for (size_t t = t0; t < t1; t++) {
+        const uint8_t *tile = a->tiles + t * h->tile_stride;
+        const float *sc = op_mm_scales(h, tile);
+        for (size_t m = 0; m < a->M; m++) {
+            const int8_t *arow = a->a8 + m * a->Kp;
+            float out[OP_TILE_N] = {0};
+            for (uint32_t b = 0; b < nb; b++) {
+                int32_t isum[OP_TILE_N] = {0};
+                float z[OP_TILE_N];
+                const uint8_t *blk = tile + (size_t)b * bs * 8u;
+                for (uint32_t g = 0; g < bs / OP_GROUP_K; g++) {
+                    const uint8_t *grp = blk + (size_t)g * OP_GROUP_BYTES;
+                    const int8_t *ak = arow + (size_t)b * bs + (size_t)g * OP_GROUP_K;
+                    for (int j = 0; j < OP_GROUP_K; j++)
+                        for (int c = 0; c < OP_TILE_N; c++)
+                            isum[c] += (int32_t)ak[j] * (int32_t)code_at(grp, c, j);
+                }
+                op_mm_block_zeros(h, tile, b, z);
+                const float s_a = a->asum[m * nb + b], as = a->ascale[m * nb + b];
+                for (int c = 0; c < OP_TILE_N; c++) {
+                    float d = fmaf(-z[c], s_a, (float)isum[c]);
+                    out[c] = fmaf(as * sc[(size_t)b * OP_TILE_N + c], d, out[c]);
+                }
+            }
+            store_tile(a, m, t, out);
+        }
+    }
+}
+
+static void gemm_scalar(const op_gemm_args *g) {
+    const op_packed_header *h = g->h;
+    const size_t K = (size_t)h->K;
+    const size_t t0 = g->col_begin / OP_TILE_N, t1 = (g->col_end + OP_TILE_N - 1) / OP_TILE_N;
+    for (size_t t = t0; t < t1; t++) {
+        const float *tile = (const float *)(g->tiles + t * h->tile_stride);
+        for (size_t m = 0; m < g->M; m++) {
+            const float *arow = g->A + m * g->lda;
+            float acc[OP_TILE_N] = {0};
+            for (size_t k = 0; k < K; k++)
+                for (int c = 0; c < OP_TILE_N; c++)
+                    acc[c] = fmaf(arow[k], tile[k * OP_TILE_N + c], acc[c]);
+            for (int c = 0; c < OP_TILE_N; c++) {
+                size_t col = t * OP_TILE_N + (size_t)c;
+                if (col < g->col_begin || col >= g->col_end) continue;
+                float v = g->alpha * acc[c];
+                if (g->bias) v = fmaf(g->beta, g->bias[(ptrdiff_t)m * g->bias_rs + (ptrdiff_t)col * g->bias_cs], v);
+                g->Y[m * g->ldy + col] = v;
+            }
+        }
+    }
+}
+
+const op_kernel_table op_kernels_scalar = {mm_f32_scalar, mm_i8_scalar, gemm_scalar};

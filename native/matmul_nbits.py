@@ -1,0 +1,167 @@
+"""INT4 matmul with ONNX Runtime ``com.microsoft.MatMulNBits`` semantics (bits = 4).
+
+``prepack_matmul_nbits`` turns the op's source tensors into the packed layout the
+kernels read (see op_internal.h for the byte layout); ``matmul_nbits`` computes
+``Y = A x dequant(B) (+ bias)`` on a caller-given column range, with the GIL
+released, so the runtime's executor splits a call across its workers.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from onnx_prep.native._module import check, lib
+from onnx_prep.native.isa import isa_id
+from onnx_prep.native.packed import ZP_KINDS, as_packed, new_buffer, ptr, read_header
+
+ACCURACY_LEVELS = (0, 1, 2, 3, 4)  # 0-3: fp32 compute; 4: int8 compute (ORT semantics)
+TILE_N = int(lib.op_packed_tile_n())  # column-tile width; split column ranges on it
+
+
+def zero_point_kind(zero_points) -> str:
+    """"none" | "u4" | "float" for a zero-point argument: None, one of those names,
+    or the zero-point array itself (uint8 = packed uint4, a float type = float)."""
+    if zero_points is None:
+        return "none"
+    if isinstance(zero_points, str):
+        if zero_points not in ZP_KINDS:
+            raise ValueError(f"zero_points kind {zero_points!r}: use one of {', '.join(ZP_KINDS)}")
+        return zero_points
+    dt = np.asarray(zero_points).dtype
+    if dt == np.uint8:
+        return "u4"
+    if dt in (np.float16, np.float32):
+        return "float"
+    raise ValueError(f"zero points of dtype {dt}: expected uint8 (packed uint4) or the scales' float type")
+
+
+def _check_level(accuracy_level: int) -> int:
+    level = int(accuracy_level)
+    if level not in ACCURACY_LEVELS:
+        raise ValueError(f"accuracy_level {accuracy_level}: MatMulNBits defines 0-4")
+    return level
+
+
+def matmul_nbits_packed_size(*, K: int, N: int, block_size: int, zero_points, accuracy_level: int = 0) -> int:
+    """Exact byte size of the packed buffer (header included). ``zero_points``: None,
+    "none" | "u4" | "float", or the zero-point array. No I/O, no allocation."""
+    _check_level(accuracy_level)
+    size = lib.op_matmul_nbits_packed_size(int(K), int(N), int(block_size),
+                                           ZP_KINDS[zero_point_kind(zero_points)])
+    if size == 0:
+        raise ValueError(f"invalid MatMulNBits shape K={K} N={N} block_size={block_size} "
+                         "(block_size must be a power of two in [16, 256])")
+    return int(size)
+
+
+def unpack_u4_zero_points(zero_points: np.ndarray, N: int, n_blocks: int) -> np.ndarray:
+    """MatMulNBits uint8 zero points ``[N, ceil(n_blocks / 2)]`` (two uint4 per byte,
+    low nibble first) -> one code per byte, ``[N * n_blocks]``."""
+    zp = np.asarray(zero_points, dtype=np.uint8)
+    per_col = (n_blocks + 1) // 2
+    if zp.size != N * per_col:
+        raise ValueError(f"uint8 zero points hold {zp.size} bytes, expected N * ceil(n_blocks / 2) = {N * per_col}")
+    zp = zp.reshape(N, per_col)
+    codes = np.empty((N, per_col * 2), dtype=np.uint8)
+    codes[:, 0::2] = zp & 0x0F
+    codes[:, 1::2] = zp >> 4
+    return np.ascontiguousarray(codes[:, :n_blocks]).reshape(-1)
+
+
+def prepack_matmul_nbits(B: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, *, K: int,
+                         N: int, block_size: int, accuracy_level: int = 0,
+                         out: np.ndarray | None = None) -> np.ndarray:
+    """Pack MatMulNBits sources into the kernels' layout.
+
+    B: uint8 ``[N, n_blocks, block_size / 2]`` (any shape of that size); scales:
+    fp16 or fp32, ``N * n_blocks``; zero_points: None (implicit 8), uint8 packed uint4
+    ``[N, ceil(n_blocks / 2)]``, or the scales' float type ``N * n_blocks``.
+    Returns a uint8 array of exactly :func:`matmul_nbits_packed_size` bytes (a slice
+    of ``out`` when given). Deterministic: equal inputs give byte-identical output.
+    """
+    K, N, bs = int(K), int(N), int(block_size)
+    level = _check_level(accuracy_level)
+    kind = zero_point_kind(zero_points)
+    size = matmul_nbits_packed_size(K=K, N=N, block_size=bs, zero_points=kind, accuracy_level=level)
+    nb = -(-K // bs)
+    B = np.asarray(B)
+    if B.dtype != np.uint8 or B.size != N * nb * (bs // 2):
+        raise ValueError(f"B must be uint8 [N={N}, n_blocks={nb}, {bs // 2}], got {B.dtype} {B.shape}")
+    scales = np.asarray(scales)
+    if scales.dtype not in (np.float16, np.float32) or scales.size != N * nb:
+        raise ValueError(f"scales must be fp16/fp32 with N * n_blocks = {N * nb} values, got {scales.dtype} {scales.shape}")
+    B = np.ascontiguousarray(B)
+    sc = np.ascontiguousarray(scales, dtype=np.float32).reshape(-1)
+    zu = zf = None
+    if kind == "u4":
+        zu = unpack_u4_zero_points(zero_points, N, nb)
+    elif kind == "float":
+        zf = np.ascontiguousarray(zero_points, dtype=np.float32).reshape(-1)
+        if zf.size != N * nb:
+            raise ValueError(f"float zero points hold {zf.size} values, expected {N * nb}")
+    buf = new_buffer(size, out, "prepack_matmul_nbits")
+    check(lib.op_prepack_matmul_nbits(ptr(B, "uint8_t *"), ptr(sc, "float *"), ptr(zu, "uint8_t *"),
+                                      ptr(zf, "float *"), K, N, bs, ZP_KINDS[kind], level,
+                                      int(scales.dtype == np.float16), ptr(buf, "uint8_t *"), size),
+          "prepack_matmul_nbits")
+    return buf
+
+
+def rows_f32(A: np.ndarray, K: int, what: str) -> tuple[np.ndarray, int, int]:
+    """A as a C-contiguous float32 [M, K] array (a view when A already is): (A2, M, lda)."""
+    if not isinstance(A, np.ndarray) or A.dtype != np.float32:
+        raise ValueError(f"{what}: A must be a float32 numpy array")
+    if A.ndim == 0 or A.shape[-1] != K:
+        raise ValueError(f"{what}: A's last dimension must be K={K}, got shape {A.shape}")
+    A2 = np.ascontiguousarray(A).reshape(-1, K)
+    if A2.shape[0] == 0:
+        raise ValueError(f"{what}: A has no rows")
+    return A2, A2.shape[0], K
+
+
+def out_rows(out: np.ndarray | None, lead: tuple[int, ...], M: int, N: int, full: bool,
+             what: str) -> tuple[np.ndarray, np.ndarray, int]:
+    """(the array to return, its [M, N] view, ldy); zero-filled when only part is written."""
+    if out is None:
+        res = (np.empty if full else np.zeros)(lead + (N,), dtype=np.float32)
+        return res, res.reshape(M, N), N
+    if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.size != M * N \
+            or out.shape[-1] != N or not out.flags.writeable or not out.flags.c_contiguous:
+        raise ValueError(f"{what}: out must be a writable C-contiguous float32 array of {M} x {N}")
+    return out, out.reshape(M, N), N
+
+
+def col_range(col_begin: int, col_end: int | None, N: int, what: str) -> tuple[int, int]:
+    cb, ce = int(col_begin), N if col_end is None else int(col_end)
+    if not 0 <= cb <= ce <= N:
+        raise ValueError(f"{what}: column range [{cb}, {ce}) is not within [0, {N}]")
+    return cb, ce
+
+
+def matmul_nbits(A: np.ndarray, packed: np.ndarray, *, bias: np.ndarray | None = None,
+                 out: np.ndarray | None = None, col_begin: int = 0, col_end: int | None = None,
+                 accuracy_level: int | None = None, isa: str | None = None) -> np.ndarray:
+    """``Y[..., c] = A x dequant(B) (+ bias)`` for c in [col_begin, col_end).
+
+    A: float32 ``[..., K]`` (copied if not C-contiguous). Only the
+    range's columns of ``out`` are written; a fresh ``out`` is zeros outside the
+    range. accuracy_level None = the packed buffer's; 0-3 compute in fp32, 4
+    quantizes A per block to int8 (ONNX Runtime's semantics). ``isa`` forces a
+    kernel path (tests, benchmarks); default :func:`active_isa`.
+    Releases the GIL for the whole computation. For work splitting, column ranges
+    aligned to :data:`TILE_N` avoid recomputing a shared tile.
+    """
+    h, info = read_header(packed, lib.OP_KIND_INT4_MATMUL)
+    K, N = info.K, info.N
+    A2, M, lda = rows_f32(A, K, "matmul_nbits")
+    cb, ce = col_range(col_begin, col_end, N, "matmul_nbits")
+    level = -1 if accuracy_level is None else _check_level(accuracy_level)
+    if bias is not None:
+        bias = np.ascontiguousarray(bias, dtype=np.float32).reshape(-1)
+        if bias.size != N:
+            raise ValueError(f"matmul_nbits: bias must have N={N} values, got {bias.size}")
+    res, o2, ldy = out_rows(out, A.shape[:-1], M, N, cb == 0 and ce == N, "matmul_nbits")
+    p = as_packed(packed)
+    check(lib.op_matmul_nbits(isa_id(isa), ptr(A2, "float *"), M, lda, ptr(p, "uint8_t *"), p.nbytes,
+                              ptr(bias, "float *"), ptr(o2, "float *"), ldy, cb, ce, level),
+          "matmul_nbits")
+    return res

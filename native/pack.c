@@ -1,0 +1,244 @@
+/* Packing: source tensors -> self-describing packed buffers, and header checks.
+ *
+ * Packing is ISA-independent portable C, and deterministic: every byte of the
+ * output is written (padding included), so the same input gives the same bytes
+ * on every machine. Multi-byte values are stored in host byte order, which is
+ * little-endian on every platform this project targets (a big-endian host would
+ * fail the magic check when reading a little-endian cache). */
+#include <string.h>
+#include "op_internal.h"
+
+const char *op_status_string(int status) {
+    switch (status) {
+    case OP_OK: return "ok";
+    case OP_E_ARG: return "bad argument";
+    case OP_E_HEADER: return "packed buffer header is invalid";
+    case OP_E_ISA: return "instruction set not available on this CPU or build";
+    case OP_E_NOMEM: return "out of memory";
+    case OP_E_INDEX: return "index out of range";
+    default: return "unknown status";
+    }
+}
+
+uint32_t op_packed_tile_n(void) { return OP_TILE_N; }
+
+static size_t align64(size_t n) { return (n + 63u) & ~(size_t)63u; }
+
+static int valid_block_size(uint32_t bs) {
+    return bs >= 16 && bs <= 256 && (bs & (bs - 1)) == 0;
+}
+
+/* ---- INT4 matmul ---------------------------------------------------------- */
+
+static size_t mm_zero_bytes_per_block(int zp_kind) {
+    return zp_kind == OP_ZP_U4 ? OP_TILE_N : zp_kind == OP_ZP_FLOAT ? OP_TILE_N * 4u : 0u;
+}
+
+static size_t mm_tile_stride(uint64_t K, uint32_t bs, int zp_kind) {
+    size_t nb = (size_t)((K + bs - 1) / bs);
+    return align64(nb * bs * 8u + nb * OP_TILE_N * 4u + nb * mm_zero_bytes_per_block(zp_kind));
+}
+
+size_t op_matmul_nbits_packed_size(uint64_t K, uint64_t N, uint32_t block_size, int zp_kind) {
+    if (K == 0 || N == 0 || !valid_block_size(block_size) || zp_kind < 0 || zp_kind > 2) return 0;
+    if ((K + block_size - 1) / block_size > UINT32_MAX) return 0;
+    size_t tiles = (size_t)((N + OP_TILE_N - 1) / OP_TILE_N);
+    return OP_HEADER_SIZE + tiles * mm_tile_stride(K, block_size, zp_kind);
+}
+
+/* Interleave the nibbles of one 32-bit source word (codes k0..k7 of one column,
+ * low nibble first) into the group layout: byte j = code(j) | code(4 + j) << 4. */
+static inline uint32_t spread_nibbles(uint32_t x) {
+    x = (x | (x << 8)) & 0x00FF00FFu;
+    x = (x | (x << 4)) & 0x0F0F0F0Fu;
+    return x;
+}
+static inline uint32_t interleave_group(uint32_t w) {
+    return spread_nibbles(w & 0xFFFFu) | (spread_nibbles(w >> 16) << 4);
+}
+
+static void write_header(uint8_t *out, uint16_t kind, uint32_t flags, uint32_t bs, uint64_t K,
+                         uint64_t N, uint32_t nb, uint32_t tile_n, uint64_t stride,
+                         uint64_t total) {
+    op_packed_header h;
+    memset(&h, 0, sizeof h);
+    h.magic = OP_PACK_MAGIC;
+    h.format_version = OP_PACK_FORMAT_VERSION;
+    h.kind = kind;
+    h.flags = flags;
+    h.block_size = bs;
+    h.K = K;
+    h.N = N;
+    h.n_blocks = nb;
+    h.tile_n = tile_n;
+    h.tile_stride = stride;
+    h.data_offset = OP_HEADER_SIZE;
+    h.total_size = total;
+    memcpy(out, &h, sizeof h);
+}
+
+int op_prepack_matmul_nbits(const uint8_t *B, const float *scales, const uint8_t *zp_u4,
+                            const float *zp_f32, uint64_t K, uint64_t N, uint32_t bs,
+                            int zp_kind, int accuracy_level, int scales_were_f16,
+                            uint8_t *out, size_t out_size) {
+    size_t need = op_matmul_nbits_packed_size(K, N, bs, zp_kind);
+    if (!need || out_size != need || !B || !scales || !out) return OP_E_ARG;
+    if (accuracy_level < 0 || accuracy_level > 4) return OP_E_ARG;
+    if ((zp_kind == OP_ZP_U4 && !zp_u4) || (zp_kind == OP_ZP_FLOAT && !zp_f32)) return OP_E_ARG;
+    const uint32_t nb = (uint32_t)((K + bs - 1) / bs);
+    const size_t blob = bs / 2, stride = mm_tile_stride(K, bs, zp_kind);
+    const size_t data_bytes = (size_t)nb * bs * 8u;
+    const size_t tiles = (size_t)((N + OP_TILE_N - 1) / OP_TILE_N);
+    uint32_t flags = (uint32_t)zp_kind | ((uint32_t)accuracy_level << OP_FLAG_ACC_SHIFT) |
+                     (scales_were_f16 ? OP_FLAG_SCALES_F16 : 0u);
+    write_header(out, OP_KIND_INT4_MATMUL, flags, bs, K, N, nb, OP_TILE_N, stride, need);
+
+    for (size_t t = 0; t < tiles; t++) {
+        uint8_t *tile = out + OP_HEADER_SIZE + t * stride;
+        const size_t n0 = t * OP_TILE_N;
+        const size_t ncols = (N - n0) < OP_TILE_N ? (size_t)(N - n0) : OP_TILE_N;
+        if (ncols < OP_TILE_N) memset(tile, 0, stride);   /* padded columns: all zero */
+        float *sc = (float *)(tile + data_bytes);
+        uint8_t *zb = tile + data_bytes + (size_t)nb * OP_TILE_N * 4u;
+        size_t used = data_bytes + (size_t)nb * OP_TILE_N * 4u + nb * mm_zero_bytes_per_block(zp_kind);
+        memset(tile + used, 0, stride - used);
+        for (uint32_t b = 0; b < nb; b++) {
+            uint32_t *dst = (uint32_t *)(tile + (size_t)b * bs * 8u);
+            const uint64_t valid = (K - (uint64_t)b * bs) < bs ? K - (uint64_t)b * bs : bs;
+            for (size_t c = 0; c < ncols; c++) {
+                const size_t n = n0 + c;
+                const uint8_t *src = B + ((size_t)n * nb + b) * blob;
+                for (uint32_t g = 0; g < bs / OP_GROUP_K; g++) {
+                    uint32_t w;
+                    memcpy(&w, src + (size_t)g * 4u, 4);
+                    uint64_t first = (uint64_t)g * OP_GROUP_K;
+                    if (first + OP_GROUP_K > valid) /* block padding past K: zero codes */
+                        w = first >= valid ? 0u : w & (uint32_t)((1ull << (4 * (valid - first))) - 1u);
+                    dst[(size_t)g * OP_TILE_N + c] = interleave_group(w);
+                }
+                sc[(size_t)b * OP_TILE_N + c] = scales[(size_t)n * nb + b];
+                if (zp_kind == OP_ZP_U4)
+                    zb[(size_t)b * OP_TILE_N + c] = zp_u4[(size_t)n * nb + b] & 0x0Fu;
+                else if (zp_kind == OP_ZP_FLOAT)
+                    ((float *)zb)[(size_t)b * OP_TILE_N + c] = zp_f32[(size_t)n * nb + b];
+            }
+        }
+    }
+    return OP_OK;
+}
+
+/* ---- header validation ----------------------------------------------------- */
+
+int op_packed_header_read(const uint8_t *packed, size_t size, int expected_kind,
+                          op_packed_header *out) {
+    op_packed_header h;
+    if (!packed || size < OP_HEADER_SIZE) return OP_E_HEADER;
+    memcpy(&h, packed, sizeof h);
+    if (h.magic != OP_PACK_MAGIC || h.format_version != OP_PACK_FORMAT_VERSION) return OP_E_HEADER;
+    if (expected_kind && h.kind != expected_kind) return OP_E_HEADER;
+    if (h.total_size != size || h.data_offset != OP_HEADER_SIZE || h.K == 0 || h.N == 0)
+        return OP_E_HEADER;
+    size_t expect;
+    switch (h.kind) {
+    case OP_KIND_INT4_MATMUL: {
+        int zk = (int)(h.flags & OP_FLAG_ZP_MASK);
+        uint32_t acc = (h.flags & OP_FLAG_ACC_MASK) >> OP_FLAG_ACC_SHIFT;
+        if (zk > 2 || acc > 4 || h.tile_n != OP_TILE_N) return OP_E_HEADER;
+        if (h.n_blocks != (h.K + h.block_size - 1) / h.block_size) return OP_E_HEADER;
+        if (h.tile_stride != mm_tile_stride(h.K, h.block_size, zk)) return OP_E_HEADER;
+        expect = op_matmul_nbits_packed_size(h.K, h.N, h.block_size, zk);
+        break;
+    }
+    case OP_KIND_INT4_GATHER: {
+        int zk = (int)(h.flags & OP_FLAG_ZP_MASK);
+        if (zk > 2 || h.tile_n != 0 || (uint64_t)h.n_blocks * h.block_size != h.K)
+            return OP_E_HEADER;
+        expect = op_gather_packed_size(h.N, h.n_blocks, h.block_size, zk);
+        break;
+    }
+    case OP_KIND_GEMM_B:
+        if (h.tile_n != OP_TILE_N || h.tile_stride != h.K * OP_TILE_N * 4u) return OP_E_HEADER;
+        expect = op_gemm_b_packed_size(h.K, h.N);
+        break;
+    default:
+        return OP_E_HEADER;
+    }
+    if (!expect || expect != size) return OP_E_HEADER;
+    if (out) *out = h;
+    return OP_OK;
+}
+
+/* ---- GatherBlockQuantized ------------------------------------------------------
+ * Layout: after the header, V rows of row_stride bytes (a multiple of 64):
+ *   [codes n_blocks * block_size/2 bytes, the source's bytes unchanged]
+ *   [scales n_blocks fp32][zeros n_blocks uint8 | n_blocks fp32 | absent][zero pad] */
+
+static size_t gather_row_stride(uint32_t nb, uint32_t bs, int zp_kind) {
+    size_t zb = zp_kind == OP_ZP_U4 ? 1u : zp_kind == OP_ZP_FLOAT ? 4u : 0u;
+    return align64((size_t)nb * bs / 2u + (size_t)nb * 4u + (size_t)nb * zb);
+}
+
+size_t op_gather_packed_size(uint64_t V, uint32_t nb, uint32_t bs, int zp_kind) {
+    if (V == 0 || nb == 0 || !valid_block_size(bs) || zp_kind < 0 || zp_kind > 2) return 0;
+    return OP_HEADER_SIZE + (size_t)V * gather_row_stride(nb, bs, zp_kind);
+}
+
+int op_prepack_gather(const uint8_t *data, const float *scales, const uint8_t *zp_u4,
+                      const float *zp_f32, uint64_t V, uint32_t nb, uint32_t bs, int zp_kind,
+                      int scales_were_f16, uint8_t *out, size_t out_size) {
+    size_t need = op_gather_packed_size(V, nb, bs, zp_kind);
+    if (!need || out_size != need || !data || !scales || !out) return OP_E_ARG;
+    if ((zp_kind == OP_ZP_U4 && !zp_u4) || (zp_kind == OP_ZP_FLOAT && !zp_f32)) return OP_E_ARG;
+    const size_t stride = gather_row_stride(nb, bs, zp_kind), codes = (size_t)nb * bs / 2u;
+    uint32_t flags = (uint32_t)zp_kind | (scales_were_f16 ? OP_FLAG_SCALES_F16 : 0u);
+    write_header(out, OP_KIND_INT4_GATHER, flags, bs, (uint64_t)nb * bs, V, nb, 0, stride, need);
+    for (uint64_t v = 0; v < V; v++) {
+        uint8_t *row = out + OP_HEADER_SIZE + v * stride;
+        memcpy(row, data + v * codes, codes);
+        memcpy(row + codes, scales + v * nb, (size_t)nb * 4u);
+        size_t used = codes + (size_t)nb * 4u;
+        if (zp_kind == OP_ZP_U4) {
+            for (uint32_t b = 0; b < nb; b++) row[used + b] = zp_u4[v * nb + b] & 0x0Fu;
+            used += nb;
+        } else if (zp_kind == OP_ZP_FLOAT) {
+            memcpy(row + used, zp_f32 + v * nb, (size_t)nb * 4u);
+            used += (size_t)nb * 4u;
+        }
+        memset(row + used, 0, stride - used);
+    }
+    return OP_OK;
+}
+
+/* ---- fp32 Gemm B -----------------------------------------------------------------
+ * Layout: ceil(N / 16) tiles of K rows x 16 fp32 (row k = B[k, c0..c0+15]),
+ * columns past N zero. */
+
+size_t op_gemm_b_packed_size(uint64_t K, uint64_t N) {
+    if (K == 0 || N == 0) return 0;
+    return OP_HEADER_SIZE + (size_t)((N + OP_TILE_N - 1) / OP_TILE_N) * (size_t)K * OP_TILE_N * 4u;
+}
+
+int op_prepack_gemm_b(const float *B, uint64_t K, uint64_t N, int trans_b, uint8_t *out,
+                      size_t out_size) {
+    size_t need = op_gemm_b_packed_size(K, N);
+    if (!need || out_size != need || !B || !out) return OP_E_ARG;
+    const size_t stride = (size_t)K * OP_TILE_N * 4u, tiles = (size_t)((N + OP_TILE_N - 1) / OP_TILE_N);
+    write_header(out, OP_KIND_GEMM_B, trans_b ? OP_FLAG_TRANS_B : 0u, 0, K, N, 0, OP_TILE_N,
+                 stride, need);
+    for (size_t t = 0; t < tiles; t++) {
+        float *tile = (float *)(out + OP_HEADER_SIZE + t * stride);
+        const size_t n0 = t * OP_TILE_N;
+        const size_t ncols = (N - n0) < OP_TILE_N ? (size_t)(N - n0) : OP_TILE_N;
+        if (ncols < OP_TILE_N) memset(tile, 0, stride);
+        if (!trans_b) {
+            for (size_t k = 0; k < K; k++)
+                memcpy(tile + k * OP_TILE_N, B + k * N + n0, ncols * 4u);
+        } else {
+            for (size_t c = 0; c < ncols; c++) {
+                const float *src = B + (n0 + c) * K;
+                for (size_t k = 0; k < K; k++) tile[k * OP_TILE_N + c] = src[k];
+            }
+        }
+    }
+    return OP_OK;
+}

@@ -1,0 +1,88 @@
+/* Host stable virtual-address slots: the CPU analogue of CUDA VMM reserve/map.
+ *
+ * reserve  = mmap(PROT_NONE, MAP_NORESERVE): address space only, no commit charge
+ * commit   = mprotect(READ|WRITE): pages appear zero-filled on first touch
+ * decommit = madvise(MADV_DONTNEED) + mprotect(PROT_NONE): physical pages go back
+ *            to the kernel at once (RSS falls) and a stray access faults instead of
+ *            silently reading zeros; the address range stays ours.
+ * NOTE: MADV_FREE would be wrong here: its pages stay resident (and readable) until
+ * memory pressure, so RSS would not fall and stale bytes would survive. */
+/* -std=c11 hides POSIX/BSD declarations (mmap flags, madvise, mincore). */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include "op_internal.h"
+
+#if defined(__linux__) || defined(__APPLE__) || defined(__unix__)
+#include <errno.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#ifndef MAP_NORESERVE
+#define MAP_NORESERVE 0
+#endif
+
+size_t op_page_size(void) { return (size_t)sysconf(_SC_PAGESIZE); }
+
+static int aligned(const void *p, size_t n) {
+    size_t ps = op_page_size();
+    return ((uintptr_t)p % ps) == 0 && n % ps == 0;
+}
+
+int op_slot_reserve(size_t size, void **out) {
+    if (!out || size == 0 || size % op_page_size()) return -EINVAL;
+    void *p = mmap(NULL, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return -errno;
+#ifdef MADV_NOHUGEPAGE
+    /* Byte-exact residency accounting: keep THP from backing 2 MiB runs. */
+    (void)madvise(p, size, MADV_NOHUGEPAGE);
+#endif
+    *out = p;
+    return 0;
+}
+
+int op_slot_commit(void *p, size_t n) {
+    if (!p || !aligned(p, n)) return -EINVAL;
+    if (n == 0) return 0;
+    return mprotect(p, n, PROT_READ | PROT_WRITE) ? -errno : 0;
+}
+
+int op_slot_decommit(void *p, size_t n) {
+    if (!p || !aligned(p, n)) return -EINVAL;
+    if (n == 0) return 0;
+    if (madvise(p, n, MADV_DONTNEED)) return -errno;
+    return mprotect(p, n, PROT_NONE) ? -errno : 0;
+}
+
+int op_slot_release(void *p, size_t n) {
+    if (!p || !aligned(p, n)) return -EINVAL;
+    return munmap(p, n) ? -errno : 0;
+}
+
+int64_t op_resident_bytes(const void *p, size_t n) {
+    if (!p || !aligned(p, n)) return -EINVAL;
+    size_t ps = op_page_size(), pages = n / ps;
+    if (pages == 0) return 0;
+    unsigned char *vec = malloc(pages);
+    if (!vec) return -ENOMEM;
+    if (mincore((void *)p, n, (void *)vec)) {
+        int e = errno;
+        free(vec);
+        return -e;
+    }
+    int64_t resident = 0;
+    for (size_t i = 0; i < pages; i++) resident += vec[i] & 1;
+    free(vec);
+    return resident * (int64_t)ps;
+}
+#else
+/* KNOWN GAP: no stable-VA slots on non-POSIX hosts (Windows would use
+ * VirtualAlloc MEM_RESERVE / MEM_COMMIT / MEM_DECOMMIT). */
+size_t op_page_size(void) { return 4096; }
+int op_slot_reserve(size_t size, void **out) { (void)size; (void)out; return -38; }
+int op_slot_commit(void *p, size_t n) { (void)p; (void)n; return -38; }
+int op_slot_decommit(void *p, size_t n) { (void)p; (void)n; return -38; }
+int op_slot_release(void *p, size_t n) { (void)p; (void)n; return -38; }
+int64_t op_resident_bytes(const void *p, size_t n) { (void)p; (void)n; return -38; }
+#endif

@@ -1,0 +1,107 @@
+"""Host stable virtual-address slots: reserve an address range once, then commit
+and decommit physical memory underneath it while the address stays the same.
+
+This is the CPU analogue of CUDA VMM (cuMemAddressReserve / cuMemMap): the
+prepared arena keeps packed weights in slots so pointers baked into an execution
+plan survive eviction (decommit) and page-in (commit + refill).
+
+Granule: commits are whole multiples of :data:`GRANULE` (2 MiB), as on the GPU
+path, so sizing bugs show up on the CPU too.
+
+Contract for views: an array from :meth:`StableSlot.view` aliases the slot's
+memory; touching it after :meth:`decommit` (or after shrinking the commit below
+it) is a segmentation fault, by design (use-after-evict must not read stale or
+zero bytes silently). Drop views before decommitting. A view keeps the
+reservation itself alive, so the address range is never unmapped under it.
+Not thread-safe: one owner (the prepared store) serialises calls per slot.
+"""
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+
+from onnx_prep.native._module import ffi, lib
+
+GRANULE = 2 * 1024 * 1024
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _os_error(rc: int, what: str) -> OSError:
+    code = -int(rc)
+    if code == errno.ENOMEM:
+        return MemoryError(f"{what}: out of memory (ENOMEM)")
+    return OSError(code, f"{what}: {os.strerror(code)}")
+
+
+class StableSlot:
+    """A reserved address range of ``capacity`` bytes (rounded up to the granule)
+    with a committed prefix of ``committed_bytes``; ``address`` never changes."""
+
+    def __init__(self, capacity: int):
+        if int(capacity) <= 0:
+            raise ValueError(f"StableSlot capacity must be positive, got {capacity}")
+        self.capacity = _round_up(int(capacity), GRANULE)
+        out = ffi.new("void **")
+        rc = lib.op_slot_reserve(self.capacity, out)
+        if rc:
+            raise _os_error(rc, f"reserving {self.capacity} bytes of address space")
+        # The gc'd pointer owns the reservation; views hold it (via their buffer)
+        # so the range is unmapped only after the slot and every view are gone.
+        self._base = ffi.gc(ffi.cast("uint8_t *", out[0]), self._releaser(self.capacity))
+        self.address = int(ffi.cast("uintptr_t", self._base))
+        self.committed_bytes = 0
+
+    @staticmethod
+    def _releaser(size: int):
+        def release(p):
+            lib.op_slot_release(p, size)
+        return release
+
+    def commit(self, nbytes: int) -> None:
+        """Make the first ``nbytes`` (rounded up to the granule) usable. Growing
+        commits new zero-filled pages; shrinking decommits the tail. The address is
+        unchanged. Raises MemoryError when the OS refuses the commit."""
+        want = _round_up(int(nbytes), GRANULE)
+        if want < 0 or want > self.capacity:
+            raise ValueError(f"commit of {nbytes} bytes exceeds the slot's capacity {self.capacity}")
+        have = self.committed_bytes
+        if want > have:
+            rc = lib.op_slot_commit(self._base + have, want - have)
+            if rc:
+                raise _os_error(rc, f"committing {want - have} bytes at {self.address + have:#x}")
+        elif want < have:
+            rc = lib.op_slot_decommit(self._base + want, have - want)
+            if rc:
+                raise _os_error(rc, f"decommitting {have - want} bytes")
+        self.committed_bytes = want
+
+    def decommit(self) -> None:
+        """Return every physical page (RSS falls at once); the range stays reserved
+        and inaccessible until the next :meth:`commit`, which reads zeros."""
+        self.commit(0)
+
+    def view(self, nbytes: int | None = None) -> np.ndarray:
+        """A writable uint8 array over the first ``nbytes`` (default: all committed)
+        at the stable address. See the module note on views and decommit."""
+        n = self.committed_bytes if nbytes is None else int(nbytes)
+        if n < 0 or n > self.committed_bytes:
+            raise ValueError(f"view of {n} bytes exceeds the {self.committed_bytes} committed bytes")
+        if n == 0:
+            return np.empty(0, dtype=np.uint8)
+        return np.frombuffer(ffi.buffer(self._base, n), dtype=np.uint8)
+
+    def resident_bytes(self) -> int:
+        """Bytes of the reservation currently resident in RAM (mincore)."""
+        rc = lib.op_resident_bytes(self._base, self.capacity)
+        if rc < 0:
+            raise _os_error(rc, "mincore")
+        return int(rc)
+
+    def __repr__(self) -> str:
+        return (f"StableSlot(address={self.address:#x}, capacity={self.capacity}, "
+                f"committed_bytes={self.committed_bytes})")

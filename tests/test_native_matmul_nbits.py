@@ -1,0 +1,176 @@
+"""INT4 matmul (MatMulNBits semantics): scalar reference vs numpy, every ISA path vs
+the scalar reference, packing determinism, column ranges, GIL release, errors."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from onnx_prep import native
+from onnx_prep.core.errors import NativeError
+from test_native_reference import (
+    FP32_REL_TOL,
+    INT8_REL_TOL,
+    assert_close_rel,
+    dequantize_matmul_nbits,
+    matmul_reference,
+    random_matmul_nbits,
+)
+
+SHAPES = [  # (M, K, N, block_size): odd N, K not a multiple of the block, every block size
+    (1, 64, 16, 16), (1, 100, 37, 32), (3, 250, 33, 64), (5, 384, 50, 128),
+    (1, 17, 1, 16), (2, 1000, 129, 32), (8, 129, 19, 128),
+]
+ZPS = ["none", "u4", "float"]
+
+
+def _case(seed, M, K, N, bs, zp, scale_dtype=np.float32, level=0, bias=False):
+    rng = np.random.default_rng(seed)
+    B, s, z = random_matmul_nbits(rng, K=K, N=N, block_size=bs, zp=zp, scale_dtype=scale_dtype)
+    A = rng.standard_normal((M, K)).astype(np.float32)
+    b = rng.standard_normal(N).astype(np.float32) if bias else None
+    packed = native.prepack_matmul_nbits(B, s, z, K=K, N=N, block_size=bs, accuracy_level=level)
+    W = dequantize_matmul_nbits(B, s, z, K=K, N=N, block_size=bs)
+    return A, packed, W, b
+
+
+@pytest.mark.parametrize("M,K,N,bs", SHAPES)
+@pytest.mark.parametrize("zp", ZPS)
+def test_scalar_matches_numpy_dequantize_then_matmul(M, K, N, bs, zp):
+    A, packed, W, b = _case(1, M, K, N, bs, zp, bias=True)
+    want, mag = matmul_reference(A, W, b)
+    got = native.matmul_nbits(A, packed, bias=b, isa="scalar")
+    assert got.shape == (M, N) and got.dtype == np.float32
+    assert_close_rel(got, want, mag + np.abs(b), FP32_REL_TOL, "fp32")
+    got4 = native.matmul_nbits(A, packed, bias=b, isa="scalar", accuracy_level=4)
+    assert_close_rel(got4, want, mag + np.abs(b), INT8_REL_TOL, "int8")
+
+
+@pytest.mark.parametrize("isa", [i for i in ("avx2", "avx512") if i in native.available_isas()] or
+                         [pytest.param("avx2", marks=pytest.mark.skip(reason="no SIMD ISA on this CPU/build"))])
+@pytest.mark.parametrize("level", [0, 4])
+@pytest.mark.parametrize("zp", ZPS)
+def test_isa_paths_equal_scalar_bit_for_bit(isa, level, zp):
+    for i, (M, K, N, bs) in enumerate(SHAPES + [(16, 256, 64, 32), (7, 96, 200, 32)]):
+        A, packed, _, b = _case(10 + i, M, K, N, bs, zp, level=level, bias=i % 2 == 0)
+        ref = native.matmul_nbits(A, packed, bias=b, isa="scalar")
+        got = native.matmul_nbits(A, packed, bias=b, isa=isa)
+        np.testing.assert_array_equal(got, ref, err_msg=f"{isa} level {level} shape {(M, K, N, bs)}")
+
+
+def test_packing_is_deterministic_and_layout_independent_of_source_padding():
+    rng = np.random.default_rng(3)
+    K, N, bs = 100, 37, 32
+    B, s, z = random_matmul_nbits(rng, K=K, N=N, block_size=bs, zp="u4")
+    p1 = native.prepack_matmul_nbits(B, s, z, K=K, N=N, block_size=bs)
+    p2 = native.prepack_matmul_nbits(B.copy(), s.copy(), z.copy(), K=K, N=N, block_size=bs)
+    assert p1.tobytes() == p2.tobytes()
+    # Codes in the source's block padding (k >= K) do not reach the packed bytes.
+    B2 = B.copy()
+    B2[:, -1, (K % bs) // 2:] ^= 0xFF
+    assert native.prepack_matmul_nbits(B2, s, z, K=K, N=N, block_size=bs).tobytes() == p1.tobytes()
+    assert p1.nbytes == native.matmul_nbits_packed_size(K=K, N=N, block_size=bs, zero_points="u4")
+    assert p1.ctypes.data % 64 == 0
+
+
+def test_header_describes_the_buffer():
+    A, packed, _, _ = _case(4, 1, 100, 37, 32, "float", scale_dtype=np.float16, level=4)
+    h = native.packed_header(packed)
+    assert (h.kind, h.K, h.N, h.block_size, h.n_blocks) == ("int4_matmul", 100, 37, 32, 4)
+    assert (h.zero_points, h.accuracy_level, h.scales_were_f16) == ("float", 4, True)
+    assert h.total_size == packed.nbytes
+
+
+def test_corrupt_or_wrong_kind_buffers_raise_native_error():
+    A, packed, _, _ = _case(5, 1, 64, 16, 16, "none")
+    bad = packed.copy()
+    bad[0] ^= 1  # magic
+    with pytest.raises(NativeError, match="header"):
+        native.matmul_nbits(A, bad)
+    with pytest.raises(NativeError):
+        native.matmul_nbits(A, packed[:-64].copy())  # truncated
+    g = native.prepack_gemm_b(np.ones((64, 16), np.float32), trans_b=False)
+    with pytest.raises(NativeError):
+        native.matmul_nbits(A, g)  # a gemm buffer is not an int4 matmul buffer
+
+
+def test_column_ranges_compose_to_the_full_result():
+    A, packed, _, b = _case(6, 3, 200, 70, 32, "u4", bias=True)
+    full = native.matmul_nbits(A, packed, bias=b)
+    out = np.full((3, 70), np.nan, dtype=np.float32)
+    for cb, ce in [(0, 16), (16, 23), (23, 48), (48, 70)]:  # aligned and unaligned cuts
+        native.matmul_nbits(A, packed, bias=b, out=out, col_begin=cb, col_end=ce)
+    np.testing.assert_array_equal(out, full)
+    part = native.matmul_nbits(A, packed, col_begin=5, col_end=9)
+    assert np.all(part[:, :5] == 0) and np.all(part[:, 9:] == 0)
+    np.testing.assert_array_equal(part[:, 5:9], native.matmul_nbits(A, packed)[:, 5:9])
+
+
+def test_leading_dimensions_are_kept():
+    A, packed, W, _ = _case(7, 6, 64, 20, 16, "none")
+    y = native.matmul_nbits(A.reshape(2, 3, 64), packed)
+    assert y.shape == (2, 3, 20)
+    np.testing.assert_array_equal(y.reshape(6, 20), native.matmul_nbits(A, packed))
+
+
+def test_kernels_release_the_gil():
+    """With a huge switch interval a Python thread gives up the GIL only when it blocks
+    or enters C code that releases it. The worker signals, then enters a long kernel
+    while holding the GIL; the main thread, waiting on the event, can wake up only
+    when the worker lets go. It must find the worker still inside the kernel."""
+    import sys
+
+    A, packed, _, _ = _case(8, 64, 2048, 512, 32, "none")
+    want = native.matmul_nbits(A, packed, isa="scalar")
+    entered, finished, result = threading.Event(), [False], [None]
+
+    def worker():
+        entered.set()  # does not release the GIL
+        result[0] = native.matmul_nbits(A, packed, isa="scalar")
+        finished[0] = True
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)
+    try:
+        t = threading.Thread(target=worker)
+        t.start()
+        entered.wait()
+        inside = not finished[0]
+    finally:
+        sys.setswitchinterval(old)
+    t.join()
+    assert inside, "the main thread could not run while the worker was in the kernel"
+    np.testing.assert_array_equal(result[0], want)
+
+
+def test_two_threads_on_column_halves_give_the_full_result():
+    A, packed, _, _ = _case(9, 4, 1024, 512, 32, "u4")
+    want = native.matmul_nbits(A, packed)
+    out = np.zeros_like(want)
+    threads = [threading.Thread(target=native.matmul_nbits, args=(A, packed),
+                                kwargs=dict(out=out, col_begin=256 * i, col_end=256 * (i + 1)))
+               for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    np.testing.assert_array_equal(out, want)
+
+
+def test_bad_arguments_are_value_errors():
+    A, packed, _, _ = _case(9, 1, 64, 16, 16, "none")
+    with pytest.raises(ValueError, match="float32"):
+        native.matmul_nbits(A.astype(np.float64), packed)
+    with pytest.raises(ValueError, match="last dimension"):
+        native.matmul_nbits(A[:, :32].copy(), packed)
+    with pytest.raises(ValueError, match="column range"):
+        native.matmul_nbits(A, packed, col_begin=4, col_end=17)
+    with pytest.raises(ValueError, match="accuracy_level"):
+        native.matmul_nbits(A, packed, accuracy_level=5)
+    rng = np.random.default_rng(0)
+    B, s, _ = random_matmul_nbits(rng, K=64, N=16, block_size=16)
+    with pytest.raises(ValueError, match="power of two"):
+        native.prepack_matmul_nbits(B, s, None, K=64, N=16, block_size=24)
+    with pytest.raises(ValueError, match="B must be"):
+        native.prepack_matmul_nbits(B[:8], s, None, K=64, N=16, block_size=16)

@@ -1,0 +1,75 @@
+"""Plain-numpy references for the native kernels (shared by the test_native_* files),
+and random source generators in the ops' exact source formats.
+
+The references dequantize then multiply, in float64, so they are independent of the
+kernels' folding of scales and zero points."""
+from __future__ import annotations
+
+import numpy as np
+
+# Tolerances, relative to the magnitude of the terms (sum |a| |w| per output).
+FP32_REL_TOL = 2e-6     # fp32 compute vs float64 dequantize-then-matmul
+INT8_REL_TOL = 1.2e-2   # accuracy level 4: A is rounded to int8 per block (<= 0.5/127 each)
+
+
+def random_matmul_nbits(rng, *, K, N, block_size, zp="none", scale_dtype=np.float32):
+    """MatMulNBits sources: B uint8 [N, kb, bs/2], scales [N*kb], zero points or None."""
+    kb = -(-K // block_size)
+    B = rng.integers(0, 256, (N, kb, block_size // 2), dtype=np.uint8)
+    scales = (rng.random(N * kb) * 0.02 + 0.001).astype(scale_dtype)
+    if zp == "none":
+        z = None
+    elif zp == "u4":
+        z = rng.integers(0, 256, (N, (kb + 1) // 2), dtype=np.uint8)
+    elif zp == "float":
+        z = (rng.random(N * kb) * 15).astype(scale_dtype)
+    else:
+        raise ValueError(zp)
+    return B, scales, z
+
+
+def nibbles(b: np.ndarray) -> np.ndarray:
+    """Unpack uint8 along the last axis into codes, low nibble first."""
+    b = np.asarray(b, dtype=np.uint8)
+    return np.stack([b & 0x0F, b >> 4], axis=-1).reshape(b.shape[:-1] + (b.shape[-1] * 2,))
+
+
+def dequantize_matmul_nbits(B, scales, zp, *, K, N, block_size) -> np.ndarray:
+    """float64 W [K, N] = (code - zero) * scale, MatMulNBits semantics."""
+    kb = -(-K // block_size)
+    codes = nibbles(B.reshape(N, kb, block_size // 2)).reshape(N, kb, block_size).astype(np.float64)
+    s = np.asarray(scales, dtype=np.float64).reshape(N, kb, 1)
+    if zp is None:
+        z = np.full((N, kb, 1), 8.0)
+    elif zp.dtype == np.uint8:
+        z = nibbles(zp.reshape(N, -1))[:, :kb].astype(np.float64).reshape(N, kb, 1)
+    else:
+        z = np.asarray(zp, dtype=np.float64).reshape(N, kb, 1)
+    w = ((codes - z) * s).reshape(N, kb * block_size)[:, :K]
+    return w.T
+
+
+def matmul_reference(A, W, bias=None):
+    """float64 A @ W (+ bias) and the per-output magnitude sum |A| @ |W| for tolerances."""
+    A64 = np.asarray(A, dtype=np.float64)
+    y = A64 @ W
+    if bias is not None:
+        y = y + bias
+    return y, np.abs(A64) @ np.abs(W)
+
+
+def assert_close_rel(got, want, magnitude, rel, what=""):
+    """|got - want| <= rel * magnitude + tiny, elementwise."""
+    err = np.abs(np.asarray(got, dtype=np.float64) - want)
+    bound = rel * magnitude + 1e-30
+    worst = np.max(err / bound) if err.size else 0.0
+    assert worst <= 1.0, f"{what}: max error {worst:.3g}x the tolerance (rel {rel})"
+
+
+def test_reference_dequantize_matches_definition():
+    # One column, one block, explicit values: (code - 8) * scale.
+    B = np.zeros((1, 1, 8), dtype=np.uint8)
+    B[0, 0, :2] = [0x10, 0xF2]  # codes 0, 1, 2, 15
+    W = dequantize_matmul_nbits(B, np.array([0.5], np.float32), None, K=4, N=1, block_size=16)
+    # block_size 16 with K=4: only the first 4 codes are real
+    assert W[:, 0].tolist() == [-4.0, -3.5, -3.0, 3.5]

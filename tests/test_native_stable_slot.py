@@ -1,0 +1,95 @@
+"""Host stable-VA slots: the address survives decommit/recommit, new bytes are read
+at the same address, RSS falls after decommit, committed bytes are reported."""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from onnx_prep import native
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="RSS and zero-fill semantics checked on Linux only")
+
+MIB = 1024 * 1024
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        resident_pages = int(f.read().split()[1])
+    import os
+    return resident_pages * os.sysconf("SC_PAGESIZE")
+
+
+def test_same_address_reads_new_bytes_after_decommit_and_recommit():
+    slot = native.StableSlot(5 * MIB)
+    assert slot.capacity == 6 * MIB and slot.committed_bytes == 0
+    addr = slot.address
+    slot.commit(3 * MIB)
+    assert slot.committed_bytes == 4 * MIB  # rounded up to the 2 MiB granule
+    v = slot.view(3 * MIB)
+    assert v.ctypes.data == addr
+    v[:] = 0xAB
+    del v
+    slot.decommit()
+    assert slot.committed_bytes == 0 and slot.address == addr
+    slot.commit(3 * MIB)
+    v = slot.view()
+    assert v.ctypes.data == addr
+    assert not v.any()  # fresh pages: the old bytes are gone
+    v[: 1 * MIB] = 0x5C
+    assert np.all(slot.view(1 * MIB) == 0x5C)
+    del v
+
+
+def test_rss_falls_after_decommit():
+    slot = native.StableSlot(64 * MIB)
+    slot.commit(64 * MIB)
+    v = slot.view()
+    v[::4096] = 1  # touch every page
+    del v
+    assert slot.resident_bytes() == 64 * MIB
+    before = _rss_bytes()
+    slot.decommit()
+    after = _rss_bytes()
+    assert slot.resident_bytes() == 0
+    assert before - after >= 60 * MIB, (before, after)
+
+
+def test_shrinking_commit_keeps_the_prefix():
+    slot = native.StableSlot(8 * MIB)
+    slot.commit(8 * MIB)
+    v = slot.view()
+    v[:] = 7
+    del v
+    slot.commit(2 * MIB)
+    assert slot.committed_bytes == 2 * MIB
+    assert np.all(slot.view() == 7)
+    assert slot.resident_bytes() == 2 * MIB
+
+
+def test_packed_weights_live_in_a_slot():
+    """What the prepared arena does: prepack straight into a slot view, run from it."""
+    rng = np.random.default_rng(0)
+    K, N, bs = 256, 40, 32
+    B = rng.integers(0, 256, (N, K // bs, bs // 2), dtype=np.uint8)
+    s = rng.random(N * (K // bs)).astype(np.float32)
+    size = native.matmul_nbits_packed_size(K=K, N=N, block_size=bs, zero_points=None, accuracy_level=0)
+    slot = native.StableSlot(size)
+    slot.commit(size)
+    packed = native.prepack_matmul_nbits(B, s, None, K=K, N=N, block_size=bs, out=slot.view())
+    assert packed.ctypes.data == slot.address and packed.nbytes == size
+    A = rng.standard_normal((2, K)).astype(np.float32)
+    want = native.matmul_nbits(A, native.prepack_matmul_nbits(B, s, None, K=K, N=N, block_size=bs))
+    np.testing.assert_array_equal(native.matmul_nbits(A, packed), want)
+
+
+def test_bad_sizes_are_rejected():
+    with pytest.raises(ValueError):
+        native.StableSlot(0)
+    slot = native.StableSlot(2 * MIB)
+    with pytest.raises(ValueError):
+        slot.commit(4 * MIB)
+    with pytest.raises(ValueError):
+        slot.view(1)  # nothing committed
