@@ -1,0 +1,189 @@
+"""INT4 ops: com.microsoft MatMulNBits and GatherBlockQuantized, and the prepared forms
+they read.
+
+Two prepared forms exist for every INT4 weight, told apart by dtype:
+
+- ``uint8``: the native packed buffer (``onnx_prep.native.prepack_*``; self-describing,
+  ISA-independent). Compute runs in C and releases the GIL.
+- ``float32``: the numpy reference form, the dequantized weight (``[K, N]`` for a
+  matmul, the full ``[V, ..., K]`` table for a gather). Used where the native module is
+  absent and as the oracle the native kernels are checked against.
+
+Without a prepared form the op dequantizes its raw inputs on every call (slow,
+exact ONNX Runtime semantics; the numpy ``dequantize_*`` functions here are that
+reference).
+
+Semantics (checked against ONNX Runtime in tests/test_ops_int4.py):
+- MatMulNBits: B uint8 ``[N, k_blocks, blob]`` with 4-bit codes low nibble first along
+  K; scales ``[N * k_blocks]``; zero points packed uint4 ``[N, ceil(k_blocks/2)]``
+  (two per byte along the blocks, low nibble first) or of the scales' float type
+  ``[N * k_blocks]``; implicit zero point 8. ``W[n, k] = (code - zp) * scale``,
+  ``Y = A @ W^T (+ bias)``.
+- GatherBlockQuantized with uint8 data: two codes per byte along ``quantize_axis``
+  (which thus holds half the elements), scales with ``ceil(elements / block_size)``
+  along it, zero points packed the same way as data, implicit zero point 8.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from onnx_prep.core.ops.attributes import ROW_SHAPE, axis_index
+
+_I4_TYPES = ("int4", "uint4")
+
+
+# ----------------------------------------------------------------- nibble helpers
+
+def unpack_nibbles(packed: np.ndarray, axis: int = -1) -> np.ndarray:
+    """uint8 [..., n, ...] -> uint8 [..., 2n, ...]: low nibble first along ``axis``."""
+    packed = np.moveaxis(np.asarray(packed, dtype=np.uint8), axis, -1)
+    out = np.empty(packed.shape[:-1] + (2 * packed.shape[-1],), dtype=np.uint8)
+    out[..., 0::2] = packed & 15
+    out[..., 1::2] = packed >> 4
+    return np.moveaxis(out, -1, axis)
+
+
+def pack_nibbles(codes: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Inverse of ``unpack_nibbles`` (an odd length is padded with a 0 nibble)."""
+    codes = np.moveaxis(np.asarray(codes, dtype=np.uint8), axis, -1)
+    if codes.shape[-1] % 2:
+        codes = np.concatenate([codes, np.zeros(codes.shape[:-1] + (1,), np.uint8)], axis=-1)
+    out = (codes[..., 0::2] & 15) | ((codes[..., 1::2] & 15) << 4)
+    return np.moveaxis(out.astype(np.uint8), -1, axis)
+
+
+# ------------------------------------------------------------ MatMulNBits reference
+
+def dequantize_matmul_nbits(b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None,
+                            *, K: int, N: int, block_size: int) -> np.ndarray:
+    """The dequantized weight W^T as float32 ``[K, N]`` (ready for ``A @ W^T``)."""
+    kb = -(-K // block_size)
+    codes = unpack_nibbles(np.asarray(b).reshape(N, kb, block_size // 2), -1).astype(np.float32)
+    s = np.asarray(scales).astype(np.float32).reshape(N, kb)
+    if zero_points is None:
+        z = np.float32(8.0)
+    elif np.asarray(zero_points).dtype == np.uint8:
+        z = unpack_nibbles(np.asarray(zero_points).reshape(N, -1), -1)[:, :kb].astype(np.float32)[:, :, None]
+    else:
+        z = np.asarray(zero_points).astype(np.float32).reshape(N, kb)[:, :, None]
+    w = (codes - z) * s[:, :, None]  # [N, kb, bs]
+    return np.ascontiguousarray(w.reshape(N, kb * block_size)[:, :K].T)
+
+
+def _nbits_attrs(attrs: Mapping[str, Any]) -> tuple[int, int, int]:
+    bits = int(attrs.get("bits", 4))
+    if bits != 4:
+        raise ValueError(f"MatMulNBits: only bits=4 is supported, got {bits}")
+    return int(attrs["K"]), int(attrs["N"]), int(attrs["block_size"])
+
+
+def matmul_nbits(inputs, attrs, prepared):
+    """com.microsoft MatMulNBits: inputs A, B, scales, zero_points?, g_idx?, bias?."""
+    a = inputs[0]
+    K, N, block_size = _nbits_attrs(attrs)
+    bias = inputs[5] if len(inputs) > 5 else None
+    if len(inputs) > 4 and inputs[4] is not None:
+        raise ValueError("MatMulNBits: g_idx (act-order) is not supported")
+    out_dtype = a.dtype
+    a2 = a.reshape(-1, K)
+    if a2.dtype != np.float32:  # fp16 A (fp16 scales): compute in fp32, cast back
+        a2 = a2.astype(np.float32)
+    packed = prepared.get(1) if prepared else None
+    if packed is not None and packed.dtype == np.uint8:
+        from onnx_prep import native
+
+        y = native.matmul_nbits(np.ascontiguousarray(a2), packed,
+                                bias=None if bias is None else np.asarray(bias, np.float32))
+    else:
+        w = packed if packed is not None else _raw_weight(inputs, attrs, K, N, block_size)
+        y = a2 @ w
+        if bias is not None:
+            y += bias.astype(np.float32)
+    y = y.reshape(a.shape[:-1] + (N,))
+    return [y if y.dtype == out_dtype else y.astype(out_dtype)]
+
+
+def _raw_weight(inputs, attrs, K: int, N: int, block_size: int) -> np.ndarray:
+    if attrs.get("weight_layout", "NKb") == "KN":
+        # A fused DequantizeLinear(int4 [K, N]) + MatMul node (core/transforms.py).
+        from onnx_prep.core.ops.prepack import matmul_nbits_sources
+
+        b, s, z = matmul_nbits_sources([x for x in inputs[1:4] if x is not None], attrs)
+    else:
+        b, s, z = inputs[1], inputs[2], inputs[3] if len(inputs) > 3 else None
+    return dequantize_matmul_nbits(b, s, z, K=K, N=N, block_size=block_size)
+
+
+# ---------------------------------------------------- GatherBlockQuantized reference
+
+def dequantize_block_quantized(data: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None,
+                               *, quantize_axis: int, block_size: int, bits: int = 4) -> np.ndarray:
+    """Dequantize a block-quantized tensor (GatherBlockQuantized encoding) to float32.
+
+    ``data`` uint8 (two codes per byte along ``quantize_axis``) or an int4 / uint4 numpy
+    dtype (one code per element)."""
+    if bits != 4:
+        raise ValueError(f"GatherBlockQuantized: only bits=4 is supported, got {bits}")
+    data = np.asarray(data)
+    qa = axis_index(quantize_axis, data.ndim)
+    if data.dtype == np.uint8:
+        codes = unpack_nibbles(data, qa).astype(np.float32)
+        default_zp = 8.0
+    elif str(data.dtype) in _I4_TYPES:
+        codes = data.astype(np.float32)
+        default_zp = 0.0
+    else:
+        raise ValueError(f"GatherBlockQuantized: unsupported data type {data.dtype}")
+    elems = codes.shape[qa]
+    s = np.repeat(np.asarray(scales).astype(np.float32), block_size, axis=qa)
+    s = np.take(s, np.arange(elems), axis=qa)
+    if zero_points is None:
+        z = np.float32(default_zp)
+    else:
+        zp = np.asarray(zero_points)
+        zp = unpack_nibbles(zp, qa) if zp.dtype == np.uint8 else zp
+        nb = np.asarray(scales).shape[qa]
+        zp = np.take(zp.astype(np.float32), np.arange(nb), axis=qa)
+        z = np.take(np.repeat(zp, block_size, axis=qa), np.arange(elems), axis=qa)
+    return (codes - z) * s
+
+
+def gather_block_quantized(inputs, attrs, prepared):
+    """com.microsoft GatherBlockQuantized: inputs data, indices, scales, zero_points?."""
+    indices = inputs[1]
+    gather_axis = int(attrs.get("gather_axis", 0))
+    quantize_axis = int(attrs.get("quantize_axis", 1))
+    block_size = int(attrs.get("block_size", 128))
+    packed = prepared.get(0) if prepared else None
+    scales = inputs[2]
+    out_dtype = scales.dtype if scales is not None else np.float32
+    if packed is not None and packed.dtype == np.uint8:
+        from onnx_prep import native
+
+        # The native gather covers gather_axis 0 / quantize_axis last (the kernel
+        # registry assigns it only then) and returns [..., row elements]; ORT's output
+        # keeps data's trailing dimensions, which the row reshapes into.
+        y = native.gather_block_quantized(np.ascontiguousarray(indices, dtype=np.int64), packed)
+        row_shape = attrs.get(ROW_SHAPE)
+        if row_shape is not None:
+            y = y.reshape(tuple(indices.shape) + tuple(row_shape))
+    elif packed is not None:
+        ga = axis_index(gather_axis, packed.ndim)
+        y = np.take(packed, indices, axis=ga)
+    else:
+        data = inputs[0]
+        ga = axis_index(gather_axis, data.ndim)
+        qa = axis_index(quantize_axis, data.ndim)
+        if ga == qa:
+            raise ValueError("GatherBlockQuantized: gather_axis equals quantize_axis")
+        # Gather the rows first, then dequantize only them.
+        zp = inputs[3] if len(inputs) > 3 else None
+        rows = np.take(data, indices, axis=ga)
+        s = np.take(scales, indices, axis=ga)
+        z = None if zp is None else np.take(zp, indices, axis=ga)
+        shift = np.ndim(indices) - 1
+        y = dequantize_block_quantized(rows, s, z, quantize_axis=qa + shift if qa > ga else qa,
+                                       block_size=block_size, bits=int(attrs.get("bits", 4)))
+    return [y if y.dtype == out_dtype else y.astype(out_dtype)]

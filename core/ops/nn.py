@@ -1,0 +1,107 @@
+"""Neural-network ONNX ops in numpy: Softmax, LogSoftmax, MatMul, Gemm (non-constant B),
+LayerNormalization, and the Erf/Gelu activations.
+
+Softmax changed meaning at opset 13: before it, the input is coerced to 2-D at ``axis``
+(default 1) and normalised over the flattened trailing block; from 13 on it normalises
+one axis (default -1). ``get_op`` hands out the variant for the model's opset.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from onnx_prep.core.ops.attributes import axis_index
+
+
+def _softmax_axis(x: np.ndarray, axis: int) -> np.ndarray:
+    m = np.max(x, axis=axis, keepdims=True)
+    e = np.exp(x - m)
+    e /= np.sum(e, axis=axis, keepdims=True)
+    return e
+
+
+def softmax(inputs, attrs, prepared):
+    x = inputs[0]
+    return [_softmax_axis(x, axis_index(attrs.get("axis", -1), x.ndim))]
+
+
+def softmax_legacy(inputs, attrs, prepared):
+    """Softmax for opset < 13: coerce to 2-D [prod(shape[:axis]), prod(shape[axis:])]."""
+    x = inputs[0]
+    axis = axis_index(attrs.get("axis", 1), x.ndim)
+    lead = int(np.prod(x.shape[:axis], dtype=np.int64))
+    return [_softmax_axis(x.reshape(lead, -1), 1).reshape(x.shape)]
+
+
+def _log_softmax_axis(x, axis):
+    m = np.max(x, axis=axis, keepdims=True)
+    s = x - m
+    return s - np.log(np.sum(np.exp(s), axis=axis, keepdims=True))
+
+
+def log_softmax(inputs, attrs, prepared):
+    x = inputs[0]
+    return [_log_softmax_axis(x, axis_index(attrs.get("axis", -1), x.ndim))]
+
+
+def log_softmax_legacy(inputs, attrs, prepared):
+    x = inputs[0]
+    axis = axis_index(attrs.get("axis", 1), x.ndim)
+    lead = int(np.prod(x.shape[:axis], dtype=np.int64))
+    return [_log_softmax_axis(x.reshape(lead, -1), 1).reshape(x.shape)]
+
+
+def matmul(inputs, attrs, prepared):
+    # numpy's matmul broadcasting and 1-D promotion rules are ONNX's.
+    return [np.matmul(inputs[0], inputs[1])]
+
+
+def gemm(inputs, attrs, prepared):
+    a, b = inputs[0], inputs[1]
+    c = inputs[2] if len(inputs) > 2 else None
+    if attrs.get("transA", 0):
+        a = a.T
+    if attrs.get("transB", 0):
+        b = b.T
+    y = np.matmul(a, b)
+    alpha = attrs.get("alpha", 1.0)
+    if alpha != 1.0:
+        y *= y.dtype.type(alpha)
+    if c is not None:
+        beta = attrs.get("beta", 1.0)
+        y += c if beta == 1.0 else c * c.dtype.type(beta)
+    return [y]
+
+
+def layer_normalization(inputs, attrs, prepared):
+    x, scale = inputs[0], inputs[1]
+    bias = inputs[2] if len(inputs) > 2 else None
+    axis = axis_index(attrs.get("axis", -1), x.ndim)
+    eps = attrs.get("epsilon", 1e-5)
+    axes = tuple(range(axis, x.ndim))
+    mean = np.mean(x, axis=axes, keepdims=True)
+    d = x - mean
+    var = np.mean(d * d, axis=axes, keepdims=True)
+    inv = 1.0 / np.sqrt(var + x.dtype.type(eps))
+    y = d * inv * scale
+    if bias is not None:
+        y = y + bias
+    # Optional outputs Mean and InvStdDev (stash_type float32 for float inputs).
+    return [y.astype(x.dtype, copy=False), mean.astype(np.float32), inv.astype(np.float32)]
+
+
+_erf_vec = np.vectorize(math.erf, otypes=[np.float64])
+
+
+def erf(inputs, attrs, prepared):
+    x = inputs[0]
+    return [_erf_vec(x).astype(x.dtype)]
+
+
+def gelu(inputs, attrs, prepared):
+    x = inputs[0]
+    if attrs.get("approximate", "none") == "tanh":
+        c = math.sqrt(2.0 / math.pi)
+        return [(0.5 * x * (1.0 + np.tanh(c * (x + 0.044715 * x ** 3)))).astype(x.dtype)]
+    return [(0.5 * x * (1.0 + _erf_vec(x / math.sqrt(2.0)))).astype(x.dtype)]
