@@ -1,0 +1,387 @@
+"""External data: THE one reader of external-data bytes, and the path rules it enforces.
+
+Every payload byte the project reads from a model's external data files goes through
+``ExternalDataReader``; it owns the byte counters, so "resolution reads 0 payload
+bytes" holds by construction and is tested through them.
+
+Path rules (ONNX has shipped path-traversal CVEs in exactly this place:
+CVE-2022-25882, CVE-2024-27318, CVE-2026-27489 and friends), applied by
+``check_location`` (lexical), ``stat_external_file`` (resolution: ``lstat`` only, no
+open, no read) and ``open_external_file`` (the reader, on EVERY open):
+
+- the location is relative: not absolute, no drive letter, no NUL;
+- no ``..`` component (checked before any normalisation, so ``a/../b`` is refused too);
+- no symlink in any component below the model folder, final or parent, unless
+  ``trust_symlinks`` (Hugging Face cache snapshots are folders of symlinks into a
+  shared ``blobs/`` folder; trusting them is an explicit opt-in);
+- the target is a regular file (not a FIFO, device or folder) with exactly one hard
+  link unless trusted (a hard link is a symlink that ``lstat`` cannot see);
+- ``offset``/``length`` are non-negative and ``offset + length <= file size``.
+
+NOTE: the reader opens component by component with ``O_NOFOLLOW`` relative to the
+previous folder's descriptor (``openat``), so a symlink swapped in after resolution
+validated the path is still refused: there is no check-then-open window.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import mmap
+import os
+import re
+import stat
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from onnx import TensorProto, helper
+
+from onnx_prep.core.errors import DigestError, ExternalDataError, UnsafePathError, Where
+from onnx_prep.core.resolved_model import PayloadManifest
+from onnx_prep.core.weights import DigestSource, WeightDescriptor
+
+# Sub-byte element types: their payload is packed (two int4 per byte, low nibble first;
+# four int2 per byte); read_array hands them out as packed uint8.
+PACKED_BITS = {
+    TensorProto.INT4: 4, TensorProto.UINT4: 4, TensorProto.FLOAT4E2M1: 4,
+    TensorProto.INT2: 2, TensorProto.UINT2: 2,
+}
+
+_TRUST_HINT = ("if this is a Hugging Face cache snapshot (files are symlinks into blobs/), "
+               "trust it explicitly (--trust-symlinks / trust_symlinks=True)")
+_HAVE_OPENAT = os.open in os.supports_dir_fd and hasattr(os, "O_NOFOLLOW")
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_BINARY = getattr(os, "O_BINARY", 0)
+_DRIVE = re.compile(r"^[A-Za-z]:")
+
+
+# --------------------------------------------------------------------------- paths
+
+def check_location(location: str, where: Where) -> tuple[str, ...]:
+    """Lexical rules for an external-data ``location``; returns its path components.
+
+    Both ``/`` and ``\\`` separate components (a model written on Windows uses either),
+    ``.`` and empty components are dropped. Raises UnsafePathError.
+    """
+    if not location or "\x00" in location:
+        raise UnsafePathError("external data location is empty or contains NUL", where)
+    if location.startswith(("/", "\\")) or _DRIVE.match(location) or os.path.isabs(location):
+        raise UnsafePathError("external data location is absolute", where,
+                              hint="locations must be relative to the model's folder")
+    parts = tuple(p for p in re.split(r"[/\\]", location) if p not in ("", "."))
+    if ".." in parts:
+        raise UnsafePathError("external data location escapes the model folder ('..')", where)
+    if not parts:
+        raise UnsafePathError("external data location names no file", where)
+    return parts
+
+
+def _check_file_stat(st: os.stat_result, where: Where, *, trust_symlinks: bool) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafePathError("external data location is not a regular file", where)
+    if st.st_nlink > 1 and not trust_symlinks:
+        raise UnsafePathError(
+            f"external data file has {st.st_nlink} hard links (it may alias a file outside the "
+            "model folder)", where, hint=_TRUST_HINT)
+
+
+def _missing(where: Where) -> ExternalDataError:
+    return ExternalDataError("external data file not found", where,
+                             hint="copy the data file next to the model, or fix its location")
+
+
+def stat_external_file(model_dir: Path, location: str, *, trust_symlinks: bool = False,
+                       where: Where | None = None) -> os.stat_result:
+    """Validate ``location`` under ``model_dir`` and return the file's stat, WITHOUT opening
+    or reading it (resolution's check). Applies every path rule in the module docstring."""
+    where = where or Where(file=location)
+    parts = check_location(location, where)
+    path = Path(model_dir)
+    try:
+        for i, part in enumerate(parts):
+            path = path / part
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                if not trust_symlinks:
+                    what = "is a symlink" if i == len(parts) - 1 else f"goes through a symlink ({part})"
+                    raise UnsafePathError(f"external data location {what}", where, hint=_TRUST_HINT)
+                st = os.stat(path)
+            if i < len(parts) - 1 and not stat.S_ISDIR(st.st_mode):
+                raise _missing(where)
+    except FileNotFoundError:
+        raise _missing(where) from None
+    except NotADirectoryError:
+        raise _missing(where) from None
+    except OSError as exc:
+        raise ExternalDataError(f"cannot stat external data file: {exc.strerror}", where) from None
+    _check_file_stat(st, where, trust_symlinks=trust_symlinks)
+    return st
+
+
+def open_external_file(model_dir: Path, location: str, *, trust_symlinks: bool = False,
+                       where: Where | None = None) -> int:
+    """Open ``location`` under ``model_dir`` for reading and return the descriptor (caller
+    closes it). Every path rule is enforced at open time: untrusted opens walk the path
+    with ``openat(O_NOFOLLOW)``, so no component can be a symlink, even one swapped in
+    after a previous check."""
+    where = where or Where(file=location)
+    parts = check_location(location, where)
+    flags = os.O_RDONLY | _O_CLOEXEC | _O_BINARY
+    try:
+        if trust_symlinks or not _HAVE_OPENAT:
+            # Trusted (symlinks followed on purpose) or a platform without openat: open by
+            # path; the untrusted fallback re-validates and compares the inode it opened.
+            pre = None if trust_symlinks else stat_external_file(model_dir, location, where=where)
+            fd = os.open(os.path.join(model_dir, *parts), flags | _O_NONBLOCK)
+            if pre is not None:
+                st = os.fstat(fd)
+                if (st.st_dev, st.st_ino) != (pre.st_dev, pre.st_ino):
+                    os.close(fd)
+                    raise UnsafePathError("external data file changed while it was opened", where)
+        else:
+            dir_fd = os.open(model_dir, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+            try:
+                for part in parts[:-1]:
+                    nxt = os.open(part, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC,
+                                  dir_fd=dir_fd)
+                    os.close(dir_fd)
+                    dir_fd = nxt
+                # O_NONBLOCK: opening a FIFO must not hang; it is refused just below.
+                fd = os.open(parts[-1], flags | _O_NOFOLLOW | _O_NONBLOCK, dir_fd=dir_fd)
+            finally:
+                os.close(dir_fd)
+    except UnsafePathError:
+        raise
+    except FileNotFoundError:
+        raise _missing(where) from None
+    except OSError as exc:
+        if not trust_symlinks and exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
+            # O_NOFOLLOW met a symlink (ELOOP; ENOTDIR/EMLINK on some systems) or a parent
+            # is not a folder: the lstat walk names which, unless the path changed meanwhile.
+            try:
+                stat_external_file(model_dir, location, where=where)
+            except ExternalDataError as precise:
+                raise precise from None
+            raise UnsafePathError("external data location goes through a symlink", where,
+                                  hint=_TRUST_HINT) from None
+        raise ExternalDataError(f"cannot open external data file: {exc.strerror}", where) from None
+    try:
+        _check_file_stat(os.fstat(fd), where, trust_symlinks=trust_symlinks)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_bounds(offset: int, length: int, file_size: int, where: Where) -> None:
+    """``[offset, offset + length)`` must lie inside a file of ``file_size`` bytes."""
+    if offset < 0:
+        raise ExternalDataError(f"negative external data offset {offset}", where)
+    if length < 0:
+        raise ExternalDataError(f"negative external data length {length}", where)
+    if offset + length > file_size:
+        raise ExternalDataError(
+            f"tensor bytes [{offset}, {offset + length}) run past the end of the file "
+            f"({file_size} bytes)", where, hint="the data file is truncated or the offset is wrong")
+
+
+# ------------------------------------------------------------------------ counters
+
+@dataclass
+class ReadCounters:
+    """Deterministic byte counters of one reader. Thread-safe; ``snapshot()`` for a
+    consistent copy. ``bytes_mapped``/``maps`` count ``map()`` calls (mapped bytes are
+    not read until touched, so they are kept apart from ``bytes_read``)."""
+
+    bytes_read: int = 0
+    reads: int = 0
+    per_tensor: dict[str, int] = field(default_factory=dict)
+    bytes_mapped: int = 0
+    maps: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def _add_read(self, name: str, n: int) -> None:
+        with self._lock:
+            self.bytes_read += n
+            self.reads += 1
+            self.per_tensor[name] = self.per_tensor.get(name, 0) + n
+
+    def _add_map(self, n: int) -> None:
+        with self._lock:
+            self.bytes_mapped += n
+            self.maps += 1
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"bytes_read": self.bytes_read, "reads": self.reads,
+                    "per_tensor": dict(self.per_tensor),
+                    "bytes_mapped": self.bytes_mapped, "maps": self.maps}
+
+    def reset(self) -> None:
+        with self._lock:
+            self.bytes_read = self.reads = self.bytes_mapped = self.maps = 0
+            self.per_tensor.clear()
+
+
+# Process-wide totals over every reader: the "resolution reads 0 bytes" test watches these.
+GLOBAL_COUNTERS = ReadCounters()
+
+
+@dataclass
+class ReadHooks:
+    """Test hooks. ``before_read(desc)`` runs before each read or map, outside any lock,
+    on the reading thread: it may block (on a threading.Event) or raise, and what it
+    raises propagates unchanged. ``after_read(desc, nbytes)`` runs after a read."""
+
+    before_read: Callable[[WeightDescriptor], None] | None = None
+    after_read: Callable[[WeightDescriptor, int], None] | None = None
+
+
+# -------------------------------------------------------------------------- reader
+
+def _dtype_for(desc: WeightDescriptor) -> np.dtype:
+    return np.dtype(helper.tensor_dtype_to_np_dtype(desc.onnx_type)).newbyteorder("<")
+
+
+class ExternalDataReader:
+    """THE one reader of external-data bytes (see module docstring for the path rules).
+
+    Reads only descriptors present, unchanged, in ``manifest``; every read opens the file
+    afresh with every path rule and bounds check applied. Thread-safe: no shared file
+    position (``preadv``), counters under a lock.
+    """
+
+    def __init__(self, model_dir: Path, manifest: PayloadManifest, *, trust_symlinks: bool = False,
+                 model: str | None = None) -> None:
+        if not isinstance(manifest, PayloadManifest):
+            raise TypeError(f"expected a frozen PayloadManifest, got {type(manifest).__name__}")
+        self.model_dir = Path(model_dir)
+        self.manifest = manifest
+        self.trust_symlinks = trust_symlinks
+        self.model = model or str(self.model_dir)
+        self.counters = ReadCounters()
+        self.hooks = ReadHooks()
+
+    @classmethod
+    def for_model(cls, resolved, *, trust_symlinks: bool = False) -> "ExternalDataReader":
+        """The reader of a ResolvedModel's manifest."""
+        return cls(resolved.model_dir, resolved.manifest, trust_symlinks=trust_symlinks,
+                   model=str(resolved.model_path))
+
+    # -- public API
+    def read(self, desc: WeightDescriptor, *, verify: bool = False) -> np.ndarray:
+        """A fresh uint8 array of ``desc.length`` bytes. ``verify`` checks a per-tensor
+        sha256 (TENSOR_METADATA) and raises DigestError on mismatch; other digests cover
+        the whole file and are not checked here."""
+        out = np.empty(desc.length, dtype=np.uint8)
+        self.read_into(desc, out, verify=verify)
+        return out
+
+    def read_into(self, desc: WeightDescriptor, out: np.ndarray, *, verify: bool = False) -> np.ndarray:
+        """Fill ``out`` (C-contiguous, writable, exactly ``desc.length`` bytes, e.g. a
+        StableSlot view) with the tensor's bytes; returns ``out`` viewed as uint8."""
+        where = self._admit(desc)
+        buf = out.reshape(-1).view(np.uint8)
+        if buf.nbytes != desc.length or not out.flags.c_contiguous or not out.flags.writeable:
+            raise ValueError(f"out must be a writable C-contiguous buffer of {desc.length} bytes")
+        if self.hooks.before_read is not None:
+            self.hooks.before_read(desc)
+        fd = open_external_file(self.model_dir, desc.file, trust_symlinks=self.trust_symlinks,
+                                where=where)
+        try:
+            check_bounds(desc.offset, desc.length, os.fstat(fd).st_size, where)
+            _pread_exact(fd, memoryview(buf), desc.offset, where)
+        finally:
+            os.close(fd)
+        self.counters._add_read(desc.name, desc.length)
+        GLOBAL_COUNTERS._add_read(desc.name, desc.length)
+        if verify:
+            verify_tensor_digest(desc, buf, where)
+        if self.hooks.after_read is not None:
+            self.hooks.after_read(desc, desc.length)
+        return buf
+
+    def read_array(self, desc: WeightDescriptor, *, verify: bool = False) -> np.ndarray:
+        """The tensor typed and shaped (little-endian payload). Packed sub-byte types
+        (int4, uint4, float4, int2, uint2) stay packed uint8: shaped
+        ``dims[:-1] + (packed bytes per row,)`` when rows are byte-aligned, else flat."""
+        return as_array(desc, self.read(desc, verify=verify))
+
+    def map(self, desc: WeightDescriptor) -> np.ndarray:
+        """A READ-ONLY uint8 view of the tensor's bytes through a private file mapping
+        (zero copy; the mapping lives as long as the returned array). Counted in
+        ``bytes_mapped``. NOTE: pages are faulted in on first touch, so a map costs no
+        read until then; page-aligned offsets (the fixtures use 4 KiB) map exactly."""
+        where = self._admit(desc)
+        if self.hooks.before_read is not None:
+            self.hooks.before_read(desc)
+        fd = open_external_file(self.model_dir, desc.file, trust_symlinks=self.trust_symlinks,
+                                where=where)
+        try:
+            check_bounds(desc.offset, desc.length, os.fstat(fd).st_size, where)
+            if desc.length == 0:
+                arr = np.empty(0, dtype=np.uint8)
+            else:
+                start = desc.offset - desc.offset % mmap.ALLOCATIONGRANULARITY
+                mm = mmap.mmap(fd, desc.offset + desc.length - start, offset=start,
+                               access=mmap.ACCESS_READ)
+                arr = np.frombuffer(mm, dtype=np.uint8, count=desc.length,
+                                    offset=desc.offset - start)
+        finally:
+            os.close(fd)
+        self.counters._add_map(desc.length)
+        GLOBAL_COUNTERS._add_map(desc.length)
+        return arr
+
+    # -- internals
+    def _admit(self, desc: WeightDescriptor) -> Where:
+        where = Where(model=self.model, tensor=desc.name, file=desc.file, offset=desc.offset)
+        if desc.file is None:
+            raise ExternalDataError("tensor is stored inline in the model, not in external data",
+                                    where, hint="use ResolvedModel.inline_values")
+        if self.manifest.get(desc.name) != desc:
+            raise ExternalDataError("read refused: tensor is not in the payload manifest", where)
+        return where
+
+
+def _pread_exact(fd: int, mv: memoryview, offset: int, where: Where) -> None:
+    got, total = 0, len(mv)
+    while got < total:
+        if hasattr(os, "preadv"):
+            n = os.preadv(fd, [mv[got:]], offset + got)
+        else:  # pragma: no cover - platforms without preadv
+            chunk = os.pread(fd, total - got, offset + got)
+            n = len(chunk)
+            mv[got:got + n] = chunk
+        if n == 0:
+            raise ExternalDataError(f"external data file ended after {got} of {total} bytes", where)
+        got += n
+
+
+def as_array(desc: WeightDescriptor, raw: np.ndarray) -> np.ndarray:
+    """View ``raw`` (uint8, ``desc.length`` bytes) as the tensor (see ``read_array``)."""
+    bits = PACKED_BITS.get(desc.onnx_type)
+    if bits is not None:
+        if desc.dims and (desc.dims[-1] * bits) % 8 == 0:
+            return raw.reshape(desc.dims[:-1] + (desc.dims[-1] * bits // 8,))
+        return raw
+    return raw.view(_dtype_for(desc)).reshape(desc.dims)
+
+
+_SHA256 = re.compile(r"^sha256:([0-9a-f]{64})$")
+
+
+def verify_tensor_digest(desc: WeightDescriptor, data: np.ndarray, where: Where) -> None:
+    """Raise DigestError when ``data`` does not match a per-tensor sha256 digest."""
+    if desc.digest_source is not DigestSource.TENSOR_METADATA or desc.digest is None:
+        return
+    m = _SHA256.match(desc.digest)
+    actual = hashlib.sha256(data).hexdigest()
+    if m is None or m.group(1) != actual:
+        raise DigestError(f"tensor bytes do not match their declared digest (got sha256:{actual[:16]}...)",
+                          where, hint="the data file changed after the model was written")

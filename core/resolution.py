@@ -1,0 +1,558 @@
+"""Model resolution before weight loading: ``resolve_model(path) -> ResolvedModel``.
+
+Contract: resolution parses the model protobuf WITHOUT its external data and never
+opens, maps or reads an external data file (it ``lstat``s them to validate location
+and bounds). Everything downstream (plan, runtime, cache) consumes the frozen result.
+
+Steps:
+1. parse (``onnx.load(..., load_external_data=False)``) and check structure;
+2. a ``WeightDescriptor`` per initializer, digest from (first match):
+   ``metadata_props[onnx_prep.sha256] = "sha256:<64 hex>"`` (TENSOR_METADATA, fine),
+   ``external_data checksum = <40 hex>`` SHA-1 of the whole file, combined with offset
+   and length (FILE_CHECKSUM, coarse: any change to the file invalidates every tensor
+   in it), else NONE. A digest of the wrong form is a DigestError;
+3. ``transforms.run_transforms``: DequantizeLinear(int4)+MatMul fusion, dead-node and
+   unused-initializer pruning;
+4. ``kernel_registry.choose_kernel`` per node; identical PrepackRequests are one;
+5. validate the active external entries (path rules of ``external_data`` and bounds
+   from the file size) and freeze the manifest (active external entries, first-use
+   order).
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import onnx
+from google.protobuf.message import DecodeError
+from onnx import AttributeProto, TensorProto, helper, numpy_helper
+
+from onnx_prep.core import kernel_registry
+from onnx_prep.core.errors import (
+    DigestError,
+    ExternalDataError,
+    ModelFormatError,
+    UsageError,
+    Where,
+)
+from onnx_prep.core.external_data import PACKED_BITS, check_bounds, stat_external_file
+from onnx_prep.core.prepared_key import PrepackRequest, PreparedKey
+from onnx_prep.core.resolved_model import (
+    NodeKernel,
+    PayloadManifest,
+    ResolutionStats,
+    ResolvedModel,
+    UnsupportedOp,
+    ValueInfo,
+    frozen_mapping,
+    readonly_array,
+)
+from onnx_prep.core.transforms import GraphNode, run_transforms
+from onnx_prep.core.weights import TENSOR_DIGEST_KEY, DigestSource, WeightDescriptor
+
+ISAS = ("scalar", "avx2", "avx512")
+
+_SHA256 = re.compile(r"^sha256:([0-9a-fA-F]{64})$")
+_SHA1 = re.compile(r"^[0-9a-fA-F]{40}$")
+
+# onnx.TensorProto.DataType -> (numpy-style name, bits per element)
+_DTYPES: dict[int, tuple[str, int]] = {
+    TensorProto.FLOAT: ("float32", 32), TensorProto.UINT8: ("uint8", 8),
+    TensorProto.INT8: ("int8", 8), TensorProto.UINT16: ("uint16", 16),
+    TensorProto.INT16: ("int16", 16), TensorProto.INT32: ("int32", 32),
+    TensorProto.INT64: ("int64", 64), TensorProto.STRING: ("string", 0),
+    TensorProto.BOOL: ("bool", 8), TensorProto.FLOAT16: ("float16", 16),
+    TensorProto.DOUBLE: ("float64", 64), TensorProto.UINT32: ("uint32", 32),
+    TensorProto.UINT64: ("uint64", 64), TensorProto.COMPLEX64: ("complex64", 64),
+    TensorProto.COMPLEX128: ("complex128", 128), TensorProto.BFLOAT16: ("bfloat16", 16),
+    TensorProto.FLOAT8E4M3FN: ("float8e4m3fn", 8), TensorProto.FLOAT8E4M3FNUZ: ("float8e4m3fnuz", 8),
+    TensorProto.FLOAT8E5M2: ("float8e5m2", 8), TensorProto.FLOAT8E5M2FNUZ: ("float8e5m2fnuz", 8),
+    TensorProto.UINT4: ("uint4", 4), TensorProto.INT4: ("int4", 4),
+    TensorProto.FLOAT4E2M1: ("float4e2m1", 4), TensorProto.FLOAT8E8M0: ("float8e8m0", 8),
+    TensorProto.UINT2: ("uint2", 2), TensorProto.INT2: ("int2", 2),
+}
+
+
+def resolve_model(path: str | os.PathLike, *, trust_symlinks: bool = False,
+                  isa: str | None = None) -> ResolvedModel:
+    """Resolve ``path`` (an ``.onnx`` file, or a folder holding exactly one) without
+    reading external data. Raises the typed errors of ``core/errors.py``; an op with no
+    kernel is not an error here: it is listed in ``ResolvedModel.unsupported``.
+
+    ``trust_symlinks`` accepts external data reached through symlinks or hard links
+    (Hugging Face cache snapshots). ``isa`` is validated only: layout keys are ISA-
+    independent (``native/layouts.py``), so it does not change the result.
+    """
+    t0 = time.perf_counter()
+    if isa is not None and isa not in ISAS:
+        raise UsageError(f"unknown ISA {isa!r}", hint=f"choose one of {', '.join(ISAS)}")
+    model_path = _model_file(Path(path))
+    # NOTE: abspath, not resolve(): a Hugging Face snapshot's model.onnx is a symlink
+    # into blobs/, and its data files must be looked up beside the link, not the blob.
+    model_path = Path(os.path.abspath(model_path))
+    model_dir = model_path.parent
+    ctx = _Context(model=str(model_path))
+
+    proto = _parse(model_path, ctx)
+    graph = proto.graph
+    opsets = {(o.domain or ""): int(o.version) for o in proto.opset_import}
+    if "ai.onnx" in opsets and "" not in opsets:
+        opsets[""] = opsets.pop("ai.onnx")
+
+    if len(graph.sparse_initializer):
+        # Known gap: sparse initializers (rare in LLM exports) are not resolved.
+        raise ModelFormatError("sparse initializers are not supported",
+                               Where(model=ctx.model, tensor=graph.sparse_initializer[0].values.name))
+
+    # -- descriptors (no I/O)
+    inits = list(graph.initializer)
+    descriptors: dict[str, WeightDescriptor] = {}
+    by_name: dict[str, TensorProto] = {}
+    for t in inits:
+        if not t.name:
+            raise ModelFormatError("initializer without a name", Where(model=ctx.model))
+        if t.name in descriptors:
+            raise ModelFormatError("duplicate initializer name", Where(model=ctx.model, tensor=t.name))
+        descriptors[t.name] = _descriptor(t, ctx)
+        by_name[t.name] = t
+
+    input_names = [v.name for v in graph.input]
+    overridable = set(input_names) & descriptors.keys()
+    constants = {n: d for n, d in descriptors.items() if n not in overridable}
+    outputs = [v.name for v in graph.output]
+
+    nodes = _graph_nodes(graph, ctx)
+    nodes = _topological(nodes, set(input_names) | descriptors.keys(), outputs, ctx)
+    nodes_total = len(nodes)
+
+    # -- transforms, kernels
+    result = run_transforms(nodes, constants, outputs, descriptors.keys())
+    local_functions = frozenset((f.domain, f.name) for f in proto.functions)
+    requests: dict[PreparedKey, PrepackRequest] = {}
+    kernels: list[NodeKernel] = []
+    unsupported: dict[tuple[str, str], list[str]] = {}
+    for index, node in enumerate(result.nodes):
+        choice = kernel_registry.choose_kernel(node, constants, opsets=opsets,
+                                               local_functions=local_functions)
+        for req in choice.requirements:
+            requests.setdefault(req.key, req)
+        if choice.kernel is None:
+            unsupported.setdefault((node.op_type, node.domain), []).append(node.name)
+        kernels.append(NodeKernel(
+            index=index, name=node.name, op_type=node.op_type, domain=node.domain,
+            inputs=tuple(node.inputs), outputs=tuple(node.outputs),
+            attributes=frozen_mapping(node.attributes), kernel=choice.kernel,
+            requirements=choice.requirements, prepared_inputs=choice.prepared_inputs,
+            fused_from=node.fused_from,
+        ))
+
+    # -- active weights: validate external entries, collect inline values
+    active = [descriptors[n] for n in result.used_initializers]
+    sizes: dict[str, int] = {}
+    inline_values: dict[str, np.ndarray] = {}
+    for d in active:
+        if d.file is None:
+            inline_values[d.name] = _inline_value(by_name[d.name], d, ctx)
+            continue
+        where = Where(model=ctx.model, tensor=d.name, file=d.file, offset=d.offset)
+        if d.file not in sizes:
+            sizes[d.file] = stat_external_file(model_dir, d.file, trust_symlinks=trust_symlinks,
+                                               where=where).st_size
+        check_bounds(d.offset, d.length, sizes[d.file], where)
+
+    manifest = PayloadManifest(tuple(d for d in active if d.file is not None))
+    stats = ResolutionStats(
+        nodes_total=nodes_total, nodes_kept=len(kernels),
+        initializers_total=len(descriptors), initializers_active=len(active),
+        fused_int4_matmuls=result.fused_int4_matmuls,
+        resolve_ms=(time.perf_counter() - t0) * 1000.0,
+    )
+    return ResolvedModel(
+        model_path=model_path, model_dir=model_dir, opsets=frozen_mapping(opsets),
+        inputs=tuple(_value_info(v) for v in graph.input if v.name not in descriptors),
+        outputs=tuple(_value_info(v) for v in graph.output),
+        nodes=tuple(kernels),
+        weights=frozen_mapping({d.name: d for d in active}),
+        inline_values=frozen_mapping(inline_values),
+        requests=frozen_mapping(requests),
+        manifest=manifest,
+        unsupported=tuple(UnsupportedOp(op, dom, tuple(names)) for (op, dom), names in unsupported.items()),
+        stats=stats,
+        metadata=frozen_mapping({p.key: p.value for p in proto.metadata_props}),
+    )
+
+
+class _Context:
+    __slots__ = ("model",)
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+
+
+# ------------------------------------------------------------------------- parsing
+
+def _model_file(path: Path) -> Path:
+    if path.is_dir():
+        found = sorted(path.glob("*.onnx"))
+        if len(found) != 1:
+            raise UsageError(f"folder holds {len(found)} .onnx files, expected exactly one",
+                             Where(model=str(path)), hint="pass the model file itself")
+        return found[0]
+    if not path.exists():
+        raise UsageError("model file not found", Where(model=str(path)))
+    if not path.is_file():
+        raise UsageError("model path is not a file", Where(model=str(path)))
+    return path
+
+
+def _parse(model_path: Path, ctx: _Context) -> onnx.ModelProto:
+    try:
+        proto = onnx.load(str(model_path), load_external_data=False)
+    except DecodeError as exc:
+        raise ModelFormatError(f"not an ONNX protobuf or truncated file ({exc})",
+                               Where(model=ctx.model)) from None
+    except OSError as exc:
+        raise UsageError(f"cannot read the model file: {exc.strerror}", Where(model=ctx.model)) from None
+    except Exception as exc:  # noqa: BLE001 - onnx wraps some decode failures in other types
+        raise ModelFormatError(f"not an ONNX protobuf ({type(exc).__name__}: {exc})",
+                               Where(model=ctx.model)) from None
+    # An empty or foreign file can parse as an empty ModelProto: insist on the basics.
+    if proto.ir_version <= 0 or not proto.HasField("graph"):
+        raise ModelFormatError("not an ONNX model (no ir_version or no graph; truncated file?)",
+                               Where(model=ctx.model))
+    return proto
+
+
+def _int_field(value: str, key: str, where: Callable[[], Where]) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ExternalDataError(f"external data {key} {value!r} is not an integer", where()) from None
+
+
+def _descriptor(t: TensorProto, ctx: _Context) -> WeightDescriptor:
+    """One initializer's descriptor, from its protobuf fields only (no I/O)."""
+    name = t.name
+
+    def where(file: str | None = None, offset: int | None = None) -> Where:
+        return Where(model=ctx.model, tensor=name, file=file, offset=offset)
+
+    dt = _DTYPES.get(t.data_type)
+    if dt is None:
+        raise ModelFormatError(f"initializer has unknown data type {t.data_type}", where())
+    dtype, bits = dt
+    dims = tuple(t.dims)
+    numel = 1
+    for d in dims:
+        if d < 0:
+            raise ModelFormatError(f"initializer has negative dims {list(dims)}", where())
+        numel *= d
+    nbytes = (numel * bits + 7) // 8
+
+    tensor_digest = None
+    for prop in t.metadata_props:
+        if prop.key == TENSOR_DIGEST_KEY:
+            m = _SHA256.match(prop.value)
+            if m is None:
+                raise DigestError(f"metadata_props {TENSOR_DIGEST_KEY} is not 'sha256:<64 hex>': "
+                                  f"{prop.value[:80]!r}", where())
+            tensor_digest = f"sha256:{m.group(1).lower()}"
+
+    if t.data_location != TensorProto.EXTERNAL:
+        source = DigestSource.NONE if tensor_digest is None else DigestSource.TENSOR_METADATA
+        return WeightDescriptor(name, dtype, t.data_type, dims, None, 0, nbytes, tensor_digest, source)
+
+    ext = {e.key: e.value for e in t.external_data}
+    location = ext.get("location")
+    if not location:
+        raise ExternalDataError("external data entry has no location", where())
+    offset = _int_field(ext.get("offset", "0"), "offset", lambda: where(location))
+    if offset < 0:
+        raise ExternalDataError(f"negative external data offset {offset}", where(location, offset))
+    if t.data_type == TensorProto.STRING:
+        raise ModelFormatError("string tensors cannot be stored as external data", where(location, offset))
+    if "length" in ext:
+        length = _int_field(ext["length"], "length", lambda: where(location, offset))
+        if length < 0:
+            raise ExternalDataError(f"negative external data length {length}", where(location, offset))
+        if length != nbytes:
+            raise ExternalDataError(
+                f"external data length {length} does not match the tensor's size {nbytes} "
+                f"({dtype} {list(dims)})", where(location, offset))
+    else:
+        # NOTE: ONNX reads to the end of the file when length is absent; we take the exact
+        # size the dims and dtype give, and the bounds check still applies.
+        length = nbytes
+
+    if tensor_digest is not None:
+        digest, source = tensor_digest, DigestSource.TENSOR_METADATA
+    elif "checksum" in ext:
+        checksum = ext["checksum"]
+        if _SHA1.match(checksum) is None:
+            raise DigestError(f"external data checksum is not a SHA-1 (40 hex digits): {checksum[:80]!r}",
+                              where(location, offset),
+                              hint="the ONNX checksum key holds the SHA-1 of the whole data file")
+        digest, source = f"sha1:{checksum.lower()}@{offset}+{length}", DigestSource.FILE_CHECKSUM
+    else:
+        digest, source = None, DigestSource.NONE
+    return WeightDescriptor(name, dtype, t.data_type, dims, location, offset, length, digest, source)
+
+
+def _inline_value(t: TensorProto, d: WeightDescriptor, ctx: _Context) -> np.ndarray:
+    """An inline initializer as a read-only array, in the form ``ExternalDataReader.
+    read_array`` gives for external tensors (sub-byte types packed uint8)."""
+    where = Where(model=ctx.model, tensor=t.name)
+    try:
+        if d.onnx_type in PACKED_BITS:
+            if t.raw_data:
+                raw = np.frombuffer(t.raw_data, dtype=np.uint8)
+            else:  # int32_data holds one packed byte per element
+                raw = np.asarray(t.int32_data, dtype=np.int64).astype(np.uint8)
+            if raw.size != d.length:
+                raise ValueError(f"{raw.size} packed bytes, expected {d.length}")
+            from onnx_prep.core.external_data import as_array
+
+            return readonly_array(as_array(d, raw))
+        arr = numpy_helper.to_array(t)
+    except Exception as exc:  # noqa: BLE001 - inconsistent tensor payload in the protobuf
+        raise ModelFormatError(f"inline initializer is malformed ({exc})", where) from None
+    return readonly_array(arr)
+
+
+_ATTR_FAST = {
+    AttributeProto.INT: lambda a: a.i,
+    AttributeProto.FLOAT: lambda a: a.f,
+    AttributeProto.STRING: lambda a: a.s.decode("utf-8", errors="replace"),
+    AttributeProto.INTS: lambda a: tuple(a.ints),
+    AttributeProto.FLOATS: lambda a: tuple(a.floats),
+    AttributeProto.STRINGS: lambda a: tuple(v.decode("utf-8", errors="replace") for v in a.strings),
+}
+
+
+def _plain_attr(a: AttributeProto, node_name: str, ctx: _Context) -> Any:
+    """An attribute in the plain form ``core/ops/attributes.py`` documents: int, float,
+    str, tuples of those, read-only ``np.ndarray`` for tensors, GraphProto unchanged."""
+    fast = _ATTR_FAST.get(a.type)
+    if fast is not None:
+        return fast(a)
+    if a.type == AttributeProto.TENSOR:
+        if a.t.data_location == TensorProto.EXTERNAL:
+            # Known gap: external data inside node attributes is not resolved.
+            raise ModelFormatError("external data in a node attribute is not supported",
+                                   Where(model=ctx.model, node=node_name, tensor=a.t.name or None))
+        return readonly_array(numpy_helper.to_array(a.t))
+    if a.type == AttributeProto.TENSORS:
+        return tuple(readonly_array(numpy_helper.to_array(t)) for t in a.tensors)
+    value = helper.get_attribute_value(a)
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _outer_names(graph: onnx.GraphProto) -> set[str]:
+    """Names a subgraph reads from enclosing scopes."""
+    defined = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    used: set[str] = set()
+    for node in graph.node:
+        for name in node.input:
+            if name and name not in defined:
+                used.add(name)
+        for a in node.attribute:
+            for g in ([a.g] if a.type == AttributeProto.GRAPH else list(a.graphs)):
+                used |= {n for n in _outer_names(g) if n not in defined}
+        defined.update(node.output)
+    used |= {v.name for v in graph.output if v.name not in defined}
+    return used
+
+
+def _graph_nodes(graph: onnx.GraphProto, ctx: _Context) -> list[GraphNode]:
+    nodes: list[GraphNode] = []
+    names: set[str] = set()
+    for i, n in enumerate(graph.node):
+        # NOTE: node names are optional and need not be unique in ONNX; NodeKernel names
+        # identify nodes (fused_from, errors, plans), so they are made unique here.
+        name = n.name or f"{n.op_type}_{i}"
+        if name in names:
+            name = f"{name}#{i}"
+        names.add(name)
+        implicit: tuple[str, ...] = ()
+        attrs = {}
+        for a in n.attribute:
+            if a.type in (AttributeProto.GRAPH, AttributeProto.GRAPHS):
+                for g in ([a.g] if a.type == AttributeProto.GRAPH else list(a.graphs)):
+                    implicit += tuple(sorted(_outer_names(g) - set(implicit)))
+                    if any(t.data_location == TensorProto.EXTERNAL for t in g.initializer):
+                        raise ModelFormatError("external data inside a subgraph is not supported",
+                                               Where(model=ctx.model, node=name))
+            attrs[a.name] = _plain_attr(a, name, ctx)
+        domain = "" if n.domain in ("", "ai.onnx") else n.domain
+        nodes.append(GraphNode(name, n.op_type, domain, list(n.input), list(n.output), attrs, implicit))
+    return nodes
+
+
+def _topological(nodes: list[GraphNode], defined: set[str], outputs: Iterable[str],
+                 ctx: _Context) -> list[GraphNode]:
+    """``nodes`` in topological order (ONNX requires it; a stable sort repairs a model
+    that is merely out of order). A value no node, input or initializer defines is a
+    ModelFormatError naming the node and value (a truncated or hand-edited file)."""
+    produced = {o: i for i, n in enumerate(nodes) for o in n.outputs if o}
+    known = set(defined)
+    in_order = True
+    for node in nodes:
+        for name in (*node.inputs, *node.implicit_inputs):
+            if name and name not in known:
+                if name not in produced:
+                    raise ModelFormatError(f"node reads undefined value {name!r}",
+                                           Where(model=ctx.model, node=node.name))
+                in_order = False
+        known.update(node.outputs)
+    for name in outputs:
+        if name not in known:
+            raise ModelFormatError(f"graph output {name!r} is not produced by any node",
+                                   Where(model=ctx.model))
+    if in_order:
+        return nodes
+    import heapq
+
+    deps = [{produced[x] for x in n.reads() if x in produced and x not in defined} for n in nodes]
+    users: dict[int, list[int]] = {}
+    for i, ds in enumerate(deps):
+        for d in ds:
+            users.setdefault(d, []).append(i)
+    pending = [len(ds) for ds in deps]
+    ready = [i for i, c in enumerate(pending) if c == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for u in users.get(i, ()):
+            pending[u] -= 1
+            if pending[u] == 0:
+                heapq.heappush(ready, u)
+    if len(order) != len(nodes):
+        stuck = next(n for i, n in enumerate(nodes) if pending[i] > 0)
+        raise ModelFormatError("graph has a cycle", Where(model=ctx.model, node=stuck.name))
+    return [nodes[i] for i in order]
+
+
+def _value_info(v: onnx.ValueInfoProto) -> ValueInfo:
+    if not v.type.HasField("tensor_type"):
+        return ValueInfo(v.name, 0, None)
+    tt = v.type.tensor_type
+    if not tt.HasField("shape"):
+        return ValueInfo(v.name, int(tt.elem_type), None)
+    dims: list[int | str | None] = []
+    for d in tt.shape.dim:
+        if d.HasField("dim_value"):
+            dims.append(int(d.dim_value))
+        elif d.HasField("dim_param"):
+            dims.append(d.dim_param)
+        else:
+            dims.append(None)
+    return ValueInfo(v.name, int(tt.elem_type), tuple(dims))
+
+
+# --------------------------------------------------------------------------- report
+
+RESOLVE_SCHEMA_VERSION = 1
+
+
+def schema_path() -> Path:
+    """The JSON Schema (draft 2020-12) of ``resolution_report``'s document."""
+    return Path(__file__).with_name("schemas") / "resolve.schema.json"
+
+
+def resolution_report(resolved: ResolvedModel) -> dict:
+    """The stable JSON record of a resolution (``onnx-prep resolve --json``), documented
+    field by field in docs/resolve.md and pinned by ``schema_path()``. The rich summary
+    renders this same record. No I/O."""
+    from onnx_prep import __version__
+
+    nodes = resolved.nodes
+    stats = resolved.stats
+    bypassed = {n.fused_from[0] for n in nodes if n.fused_from}
+    manifest = list(resolved.manifest)
+    files: dict[str, dict] = {}
+    for d in manifest:
+        f = files.setdefault(d.file, {"file": d.file, "entries": 0, "bytes": 0})
+        f["entries"] += 1
+        f["bytes"] += d.length
+    by_source = {s.value: 0 for s in DigestSource}
+    for d in manifest:
+        by_source[d.digest_source.value] += 1
+
+    kernel_nodes: dict[str | None, list[NodeKernel]] = {}
+    for n in nodes:
+        kernel_nodes.setdefault(n.kernel, []).append(n)
+    kernels = []
+    for k in (*kernel_registry.KERNELS, None):
+        ns = kernel_nodes.get(k)
+        if ns:
+            layouts = sorted({r.layout for n in ns for r in n.requirements})
+            kernels.append({"kernel": k, "nodes": len(ns), "layouts": layouts})
+
+    consumers: dict[str, list[str]] = {}
+    for n in nodes:
+        for r in n.requirements:
+            consumers.setdefault(r.key, []).append(n.name)
+    weights = resolved.weights
+    requirements = []
+    for key, r in resolved.requests.items():
+        doc = r.to_json()
+        doc["source_bytes"] = sum(weights[s].length for s in r.source_lineage if s in weights)
+        doc["consumers"] = consumers.get(key, [])
+        requirements.append(doc)
+    uses: dict[str, list[str]] = {}
+    for key, r in resolved.requests.items():
+        for s in r.source_lineage:
+            uses.setdefault(s, []).append(key)
+
+    return {
+        "schema_version": RESOLVE_SCHEMA_VERSION,
+        "tool": {"name": "onnx-prep", "version": __version__},
+        "model": {
+            "path": str(resolved.model_path),
+            "dir": str(resolved.model_dir),
+            "opsets": dict(resolved.opsets),
+            "metadata": dict(resolved.metadata),
+        },
+        "inputs": [v.to_json() for v in resolved.inputs],
+        "outputs": [v.to_json() for v in resolved.outputs],
+        "nodes": {
+            "total": stats.nodes_total,
+            "kept": stats.nodes_kept,
+            "pruned": stats.nodes_total - stats.nodes_kept - len(bypassed),
+            "fused_away": len(bypassed),
+            "fused_int4_matmuls": stats.fused_int4_matmuls,
+        },
+        "initializers": {
+            "total": stats.initializers_total,
+            "active": stats.initializers_active,
+            "pruned": stats.initializers_total - stats.initializers_active,
+            "external": len(manifest),
+            "inline": len(resolved.inline_values),
+            "inline_bytes": sum(weights[n].length for n in resolved.inline_values),
+        },
+        "payload": {
+            "entries": len(manifest),
+            "bytes": resolved.manifest.total_bytes,
+            "files": list(files.values()),
+        },
+        "digests": {
+            "tensor_metadata": by_source[DigestSource.TENSOR_METADATA.value],
+            "file_checksum": by_source[DigestSource.FILE_CHECKSUM.value],
+            "none": by_source[DigestSource.NONE.value],
+            "missing": [d.name for d in manifest if not d.trusted],
+        },
+        "kernels": kernels,
+        "requirements": requirements,
+        "shared_sources": [{"weight": s, "requirements": keys} for s, keys in uses.items() if len(keys) > 1],
+        "unsupported": [{"op_type": u.op_type, "domain": u.domain, "nodes": list(u.nodes)}
+                        for u in resolved.unsupported],
+        "weights": [d.to_json() for d in weights.values()],
+        "node_kernels": [n.to_json() for n in nodes],
+        "resolve_ms": round(stats.resolve_ms, 3),
+    }
