@@ -1,0 +1,633 @@
+"""Session: prepared execution of one resolved model over the shared runtime substrate.
+
+Seed, "Construction and execution lifecycle", "Cold and hot inference paths" and
+"Asynchronous session contract". A session owns (or shares, through a
+:class:`Workspace`) a :class:`Scheduler` and a :class:`MemoryBudget`, and owns a
+:class:`PreparedObjectStore`, the immutable :class:`PreparedExecutionPlan` and the
+compiled :class:`ActionProgram`.
+
+Contract
+--------
+``Session(resolved, *, workspace=None, sequential=False, budget=None, io_workers=2,
+cpu_workers=None, residency_limit=None, lookahead=None, reader=None)``
+    ``resolved`` must be a frozen ResolvedModel (``Session.open(path)`` resolves first).
+``prepare_async() -> ExecutionHandle`` submits every session task (reads, prepacks);
+    ``prepare()`` is exactly ``prepare_async().wait()``.
+``run_async(ctx: RuntimeContext) -> ExecutionHandle``; ``run(feeds) -> dict`` is exactly
+    ``run_async(RuntimeContext(feeds)).wait()`` and returns ``ctx.outputs``.
+
+Cold path: ONE continuation per run (not one task per node) walks the plan's invocation
+steps. Before a step it checks the residency of exactly the prepared objects that step
+consumes; if one is missing it asks for its producer chain at CRITICAL priority (priority
+inheritance promotes a queued prefetch) and yields: the continuation is resubmitted with
+those producers as dependencies. It never waits for an initialization barrier. While it
+runs it keeps a bounded look-ahead window of later steps' producers in flight at PREFETCH.
+
+Hot path: when every requirement is resident (the store's readiness epoch unchanged), a
+run pins the whole set once, replays the action list with a binding built once, and
+releases the pin: zero scheduler submissions, no per-node lookups. ``run_async`` then
+executes on the calling thread and returns an already-completed handle.
+
+Residency: every prepared object (packed weight, or raw external weight) lives in a
+host stable-VA slot (``onnx_prep.native.StableSlot``) reserved once per key: eviction
+decommits the pages, re-materialization commits them again at the SAME address, so the
+numpy views and the hot path's binding, made once, stay valid.
+
+Mutable caller state (the KV cache) arrives in ``RuntimeContext.feeds``; nothing of a run
+is stored in the session. Concurrent runs share resident objects and own the rest.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from onnx_prep.core.action_program import ActionProgram
+from onnx_prep.core.arenas import Arena, MemoryBudget
+from onnx_prep.core.errors import BudgetError, OnnxPrepError, UsageError, Where
+from onnx_prep.core.execution_handle import ExecutionHandle
+from onnx_prep.core.external_data import ExternalDataReader, as_array
+from onnx_prep.core.plan import (
+    RAW_LAYOUT,
+    LookaheadWindow,
+    PreparedExecutionPlan,
+    build_prepared_execution_plan,
+)
+from onnx_prep.core.prepared_key import PreparedKey
+from onnx_prep.core.prepared_store import PreparedObjectStore
+from onnx_prep.core.resolved_model import ResolvedModel, require_frozen
+from onnx_prep.core.scheduler import Scheduler, TaskContext, TaskHandle, TaskState
+from onnx_prep.core.task import Priority, TaskDescriptor, TaskId, TaskKind
+
+_DEAD = (TaskState.FAILED, TaskState.CANCELLED)
+
+
+class Workspace:
+    """A scheduler and a memory budget shared by several sessions in one process.
+
+    Sessions on one workspace share its worker threads and compete for its arenas;
+    an allocation that cannot fit fails that run's handle with a BudgetError naming
+    the arena and sizes, and the session works again once memory allows.
+    """
+
+    def __init__(self, *, budget: MemoryBudget | None = None, io_workers: int = 2,
+                 cpu_workers: int | None = None, sequential: bool = False) -> None:
+        self.budget = budget or MemoryBudget()
+        self.scheduler = Scheduler(io_workers=io_workers, cpu_workers=cpu_workers,
+                                   budget=self.budget, sequential=sequential)
+
+    def close(self) -> None:
+        self.scheduler.close()
+
+    def __enter__(self) -> Workspace:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class RuntimeContext:
+    """Per-run caller state: the feeds (KV cache included) in, the outputs out.
+
+    ``step_log`` records ``(step index, start_ns, end_ns, worker)`` per executed step
+    (cold path) so tests and profiles can see the order of events; ``mode`` is
+    "hot" or "cold". Output bytes stay reserved in the IO arena until ``release()``.
+    """
+
+    def __init__(self, feeds: Mapping[str, np.ndarray]) -> None:
+        self.feeds = dict(feeds)
+        self.outputs: dict[str, np.ndarray] | None = None
+        self.step_log: list[tuple[int, int, int, str]] = []
+        self.mode: str | None = None
+        self.submit_ns = time.perf_counter_ns()
+        self.first_step_ns: int | None = None
+        self.done_ns: int | None = None
+        self._io_reservation = None
+
+    def release(self) -> None:
+        """Give the outputs' IO-arena bytes back (the caller keeps the arrays)."""
+        if self._io_reservation is not None:
+            self._io_reservation.release()
+            self._io_reservation = None
+
+
+class _SlotBuffer:
+    """The store's buffer for one resident generation: committed pages of the key's
+    stable slot plus the PREPARED-arena reservation that pays for them."""
+
+    __slots__ = ("slot", "nbytes", "reservation")
+
+    def __init__(self, slot, nbytes: int, reservation) -> None:
+        self.slot = slot
+        self.nbytes = nbytes
+        self.reservation = reservation
+
+    def release(self) -> None:
+        self.slot.decommit()
+        if self.reservation is not None:
+            self.reservation.release()
+
+
+@dataclass
+class _Residency:
+    """Per key: its stable slot, and the views made once over it (stable addresses)."""
+
+    slot: Any
+    nbytes: int
+    view: np.ndarray  # what kernels consume: uint8 packed bytes or the typed raw weight
+
+
+@dataclass
+class _Run:
+    ctx: RuntimeContext
+    name: str
+    handle: ExecutionHandle | None = None
+    handle_ready: threading.Event = field(default_factory=threading.Event)
+    values: list | None = None
+    step: int = 0
+    io_bytes: int = 0
+    exec_bytes: int = 0
+    exec_reservation: Any = None
+
+
+@dataclass
+class SessionCounters:
+    hot_runs: int = 0
+    cold_runs: int = 0
+    yields: int = 0  # cold-path continuations that waited for a prepared object
+    materializations: int = 0  # publishes (prepacks, raw reads, packed reads)
+    source_reads: int = 0
+
+
+class Session:
+    def __init__(self, resolved: ResolvedModel, *, workspace: Workspace | None = None,
+                 sequential: bool = False, budget: MemoryBudget | None = None,
+                 io_workers: int = 2, cpu_workers: int | None = None,
+                 residency_limit: int | None = None, lookahead: LookaheadWindow | None = None,
+                 reader: ExternalDataReader | None = None, trust_symlinks: bool = False) -> None:
+        self.resolved = require_frozen(resolved)
+        self.plan: PreparedExecutionPlan = build_prepared_execution_plan(resolved, lookahead=lookahead)
+        self.program = ActionProgram.compile(resolved)
+        self.reader = reader or ExternalDataReader.for_model(resolved, trust_symlinks=trust_symlinks)
+        self._own_workspace = workspace is None
+        self.workspace = workspace or Workspace(budget=budget, io_workers=io_workers,
+                                                cpu_workers=cpu_workers, sequential=sequential)
+        self.scheduler: Scheduler = self.workspace.scheduler
+        self.budget: MemoryBudget = self.workspace.budget
+        self.store = PreparedObjectStore(residency_limit=residency_limit)
+        self.counters = SessionCounters()
+        self._lock = threading.RLock()
+        self._closed = False
+        self._handles: dict[TaskId, TaskHandle] = {}  # current generation of each session task
+        self._residency: dict[PreparedKey, _Residency] = {}
+        self._run_ids = itertools.count(1)
+
+        plan = self.plan
+        self._publisher: dict[PreparedKey, TaskDescriptor] = {
+            r.key: plan.by_id[r.publisher] for r in plan.requirements}
+        # Plan consumers of each non-publishing read (a tied source feeds two prepacks).
+        self._read_consumers: dict[TaskId, tuple[TaskId, ...]] = {}
+        for t in plan.session_tasks:
+            for d in t.dependencies:
+                self._read_consumers[d] = self._read_consumers.get(d, ()) + (t.id,)
+        self._step_keys: tuple[tuple[PreparedKey, ...], ...] = tuple(
+            plan.by_id[s.task_id].prepared_requirements for s in plan.steps)
+        slot_of = self.program.slot_of
+        self._step_raw: tuple[tuple[tuple[int, PreparedKey], ...], ...] = tuple(
+            tuple((slot_of[plan.by_key[k].request.logical_value], k) for k in keys
+                  if plan.by_key[k].request.layout == RAW_LAYOUT
+                  and plan.by_key[k].request.logical_value in slot_of)
+            for keys in self._step_keys)
+        self._all_keys = tuple(r.key for r in plan.requirements)
+        self._readiness = self.store.readiness(self._all_keys)
+        self._raw_placeholder = {n: None for n in self.program.weight_names}
+        self._hot_binding = None
+        self._hot_weights: dict[str, np.ndarray] | None = None
+        self._out_estimator = _OutputBytes(resolved)
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def open(cls, model_path: str | Path, *, trust_symlinks: bool = False, **kw) -> Session:
+        from onnx_prep.core.resolution import resolve_model
+
+        resolved = resolve_model(Path(model_path), trust_symlinks=trust_symlinks)
+        return cls(resolved, trust_symlinks=trust_symlinks, **kw)
+
+    def close(self) -> None:
+        """Cancel outstanding session work, release every resident object, and stop
+        the scheduler if this session owns it."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            handles = list(self._handles.values())
+            self._handles.clear()
+        for h in handles:
+            h.cancel()
+        for h in handles:
+            h.wait()
+        for h in handles:
+            self._release_source(h)
+        if self._own_workspace:
+            self.workspace.close()
+        self.store.clear()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------- public API
+    def prepare_async(self) -> ExecutionHandle:
+        """Submit every session task eagerly: producers of the first look-ahead window
+        at PREFETCH, the rest at BACKGROUND. Already-resident objects submit nothing."""
+        self._check_open()
+        window = self.plan.lookahead.steps
+        shared: list[TaskHandle] = []
+        with self._lock:  # NOTE: one lock hold: a tied source counts both consumers
+            for r in self.plan.requirements:
+                prio = Priority.PREFETCH if r.first_step < window else Priority.BACKGROUND
+                h = self._ensure(r.publisher, prio)
+                if h is not None:
+                    shared.append(h)
+            closure = {t.id for t in self.plan.session_closure(self._all_keys)}
+            for tid in closure:  # the reads too, so a failing read is named in status
+                h = self._handles.get(tid)
+                if h is not None and h not in shared:
+                    shared.append(h)
+        return ExecutionHandle(shared=shared, name="prepare")
+
+    def prepare(self) -> None:
+        self.prepare_async().wait()
+
+    def run_async(self, ctx: RuntimeContext) -> ExecutionHandle:
+        self._check_open()
+        run_id = next(self._run_ids)
+        pins = self._readiness.pin_if_ready()
+        if pins is not None:
+            return self._run_hot(ctx, pins, run_id)
+        run = _Run(ctx=ctx, name=f"run-{run_id}")
+        ctx.mode = "cold"
+        self.counters.cold_runs += 1
+        try:
+            self._reserve_run_memory(run)
+        except BudgetError as e:
+            return ExecutionHandle.completed(name=run.name, error=e)
+        first = self._submit_continuation(run, deps=())
+        # NOTE: the handle is built around the first continuation; the continuation
+        # touches run.handle only after handle_ready is set (a race of a few microseconds).
+        run.handle = ExecutionHandle(owned=(first,), name=run.name, keepalive=ctx)
+        run.handle_ready.set()
+        run.handle.add_finalizer(lambda r=run: _release(r.exec_reservation))
+        return run.handle
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Exactly ``run_async(RuntimeContext(feeds)).wait()``; returns the outputs."""
+        ctx = RuntimeContext(feeds)
+        self.run_async(ctx).wait()
+        ctx.release()
+        return ctx.outputs  # type: ignore[return-value]
+
+    # ------------------------------------------------------------ residency helpers
+    def prepared_view(self, key: PreparedKey) -> np.ndarray:
+        """The stable view of a resident object (tests: address identity)."""
+        return self._residency[key].view
+
+    def evict(self, key: PreparedKey) -> bool:
+        """Evict one unpinned object (its slot keeps its address). False if pinned."""
+        return self.store.evict(key)
+
+    def evict_all(self) -> int:
+        return sum(1 for k in self._all_keys if self.store.is_resident(k) and self.store.evict(k))
+
+    def is_prepared(self) -> bool:
+        return self._readiness.is_ready()
+
+    # ------------------------------------------------------------------- hot path
+    def _run_hot(self, ctx: RuntimeContext, pins, run_id: int) -> ExecutionHandle:
+        ctx.mode = "hot"
+        self.counters.hot_runs += 1
+        try:
+            if self._hot_binding is None:
+                res = self._residency
+                packed = {k: res[k].view for k in self.program.requirements}
+                self._hot_binding = self.program.bind_prepared(packed)
+                self._hot_weights = {
+                    self.plan.by_key[k].request.logical_value: res[k].view
+                    for k in self._all_keys if self.plan.by_key[k].request.layout == RAW_LAYOUT}
+            run = _Run(ctx=ctx, name=f"run-{run_id}")
+            self._reserve_run_memory(run)
+            try:
+                values = self.program.new_values(ctx.feeds, self._hot_weights)
+                ctx.first_step_ns = time.perf_counter_ns()
+                self.program.execute(values, self._hot_binding)
+                ctx.outputs = self.program.fetch(values)
+                ctx.done_ns = time.perf_counter_ns()
+            finally:
+                _release(run.exec_reservation)
+        except OnnxPrepError as e:
+            return ExecutionHandle.completed(name=f"run-{run_id}", error=e)
+        finally:
+            pins.release()
+        return ExecutionHandle.completed(name=f"run-{run_id}")
+
+    # ------------------------------------------------------------------- cold path
+    def _submit_continuation(self, run: _Run, deps) -> TaskHandle:
+        return self.scheduler.submit(lambda tctx, r=run: self._continue(r, tctx),
+                                     priority=Priority.CRITICAL, deps=tuple(deps),
+                                     name=f"{run.name}:step{run.step}", promote_deps=True)
+
+    def _continue(self, run: _Run, tctx: TaskContext) -> None:
+        ctx = run.ctx
+        program = self.program
+        steps = self.plan.steps
+        store = self.store
+        if run.values is None:
+            run.values = program.new_values(ctx.feeds, self._raw_placeholder)
+        values = run.values
+        self._prefetch(run.step)
+        while run.step < len(steps):
+            tctx.raise_if_cancelled()
+            si = run.step
+            keys = self._step_keys[si]
+            pins = store.pin_many(keys) if keys else None
+            if keys and pins is None:
+                waiting = []
+                for k in keys:
+                    if not store.is_resident(k):
+                        h = self._ensure(self._publisher[k].id, Priority.CRITICAL)
+                        if h is not None:
+                            waiting.append(h)
+                if waiting:
+                    self.counters.yields += 1
+                    nxt = self._submit_continuation(run, deps=waiting)  # yield until they publish
+                    run.handle_ready.wait()
+                    for h in waiting:
+                        run.handle.add(h, shared=True)
+                    run.handle.add(nxt)
+                    return
+                continue  # published between the checks: pin again
+            try:
+                res = self._residency
+                for slot, k in self._step_raw[si]:
+                    values[slot] = res[k].view
+                prepared = {k: res[k].view for k in keys}
+                begin, end = steps[si].action_range
+                t0 = time.perf_counter_ns()
+                if ctx.first_step_ns is None:
+                    ctx.first_step_ns = t0
+                program.execute(values, prepared, begin, end)
+                ctx.step_log.append((si, t0, time.perf_counter_ns(), tctx.worker))
+            finally:
+                if pins is not None:
+                    pins.release()
+            run.step += 1
+            self._prefetch(run.step)
+        ctx.outputs = program.fetch(values)
+        ctx.done_ns = time.perf_counter_ns()
+        run.values = None
+
+    def _prefetch(self, from_step: int) -> None:
+        """Keep the producers of the next ``lookahead.steps`` steps in flight, bounded
+        by ``lookahead.bytes`` of not-yet-resident objects."""
+        win = self.plan.lookahead
+        budget = win.bytes
+        store = self.store
+        for si in range(from_step, min(from_step + win.steps, len(self.plan.steps))):
+            for k in self._step_keys[si]:
+                if store.is_resident(k):
+                    continue
+                req = self.plan.by_key[k]
+                if req.read_bytes + req.packed_bytes > budget:
+                    return
+                budget -= req.read_bytes + req.packed_bytes
+                self._ensure(req.publisher, Priority.PREFETCH)
+
+    def _reserve_run_memory(self, run: _Run) -> None:
+        """Execution-arena working set and IO-arena outputs, admitted before the run.
+
+        NOTE: an estimate: output bytes from the declared output shapes with symbolic
+        dims bound by the feeds, and a working set of twice the larger of inputs and
+        outputs. A run that cannot fit fails with BudgetError naming the arena."""
+        feeds_bytes = sum(int(np.asarray(v).nbytes) for v in run.ctx.feeds.values())
+        out_bytes = self._out_estimator.estimate(run.ctx.feeds)
+        run.exec_bytes = 2 * max(feeds_bytes, out_bytes)
+        run.io_bytes = out_bytes
+        req = {a: b for a, b in ((Arena.EXECUTION, run.exec_bytes), (Arena.IO, run.io_bytes)) if b}
+        if not req:
+            return
+        self.budget.check_fits(req, label=f"run of {self.resolved.model_path.name}")
+        res = self.budget.try_reserve_many(req, critical=True, label="run")
+        if res is None:
+            raise BudgetError(
+                "not enough memory for the run now: "
+                + ", ".join(f"{a.value} arena needs {b} bytes, {self.budget.live(a)} in use of "
+                            f"{self.budget.limit(a)}" for a, b in req.items()),
+                Where(model=str(self.resolved.model_path)),
+                hint="retry when other runs finish, or raise the budget")
+        io = res.detach(Arena.IO) if Arena.IO in res.amounts else None
+        run.exec_reservation = res
+        run.ctx._io_reservation = io
+
+    # ------------------------------------------------------------ session tasks
+    def _check_open(self) -> None:
+        if self._closed:
+            raise UsageError("session is closed")
+
+    def _ensure(self, tid: TaskId, priority: Priority) -> TaskHandle | None:
+        """The live handle of session task ``tid`` (submitting a new generation if it
+        has none, or if its last one failed or its object was evicted); None when its
+        object is already resident."""
+        with self._lock:
+            desc = self.plan.by_id[tid]
+            if desc.publishes is not None and self.store.is_resident(desc.publishes):
+                return None
+            h = self._handles.get(tid)
+            if h is not None:
+                st = h.state
+                if st not in _DEAD and not (st is TaskState.DONE and desc.publishes is not None):
+                    if priority < h.priority:
+                        self.scheduler.promote(h)
+                    return h
+            deps = []
+            for d in desc.dependencies:
+                dh = self._ensure(d, priority)
+                if dh is not None:
+                    deps.append(dh)
+            h = self.scheduler.submit(self._task_fn(desc), resource=desc.resource, priority=priority,
+                                      deps=tuple(deps), mem=desc.memory_request(), name=desc.id,
+                                      meta=desc)
+            self._handles[tid] = h
+            return h
+
+    def _task_fn(self, desc: TaskDescriptor):
+        if desc.kind is TaskKind.READ_SOURCE:
+            return lambda tctx: self._read_source(desc, tctx)
+        if desc.kind is TaskKind.PREPACK:
+            return lambda tctx: self._prepack(desc, tctx)
+        raise OnnxPrepError(f"task kind {desc.kind.value} is not supported by this runtime yet",
+                            Where(model=str(self.resolved.model_path)),
+                            hint="prepared-cache reads arrive with the prepared cache")
+
+    def _read_source(self, desc: TaskDescriptor, tctx: TaskContext):
+        """Read one source weight through the one reader. A read that publishes a RAW
+        requirement writes straight into the key's stable slot."""
+        name = desc.id.split(":", 1)[1]
+        wd = self.resolved.weights[name]
+        tctx.raise_if_cancelled()
+        self.counters.source_reads += 1
+        if desc.publishes is not None:
+            key = desc.publishes
+
+            def materialize(nbytes: int, view: np.ndarray) -> None:
+                self.reader.read_into(wd, view)
+
+            self._materialize(key, tctx, wd.length, materialize, typed_as=wd)
+            return None
+        buf = np.empty(wd.length, dtype=np.uint8)
+        self.reader.read_into(wd, buf)
+        reservation = tctx.detach(Arena.PREPARATION) if tctx.reservation is not None else None
+        return _Source(as_array(wd, buf), reservation)
+
+    def _prepack(self, desc: TaskDescriptor, tctx: TaskContext):
+        from onnx_prep.core.ops.prepack import prepack
+
+        key = desc.publishes
+        req = self.plan.by_key[key]
+        node = next(n for n in self.resolved.nodes if n.name == req.node)
+        sources: dict[str, np.ndarray] = {}
+        for dep_id, src in zip(desc.dependencies, tctx.inputs):
+            sources[dep_id.split(":", 1)[1]] = src.array
+        for n in req.request.source_lineage:
+            if n not in sources and n in self.resolved.inline_values:
+                sources[n] = self.resolved.inline_values[n]
+        try:
+            tctx.raise_if_cancelled()
+            packed = prepack(node.kernel, req.request, sources, node.attributes)
+            packed = np.ascontiguousarray(packed).view(np.uint8).reshape(-1)
+
+            def materialize(nbytes: int, view: np.ndarray) -> None:
+                view[:] = packed
+
+            self._materialize(key, tctx, packed.nbytes, materialize)
+        finally:
+            with self._lock:
+                for dep_id in desc.dependencies:
+                    self._maybe_release_read(dep_id)
+
+    def _materialize(self, key: PreparedKey, tctx: TaskContext, nbytes: int, fill,
+                     typed_as=None) -> None:
+        """Publish ``key``: commit its stable slot, fill it, hand the store the buffer."""
+        from onnx_prep.native import StableSlot
+
+        store = self.store
+        mat, owner = store.begin_load(key)
+        if not owner:  # another generation is loading it: share that one
+            mat.wait()
+            return
+        gen = mat.generation
+        try:
+            with self._lock:
+                r = self._residency.get(key)
+                if r is None:
+                    slot = StableSlot(max(nbytes, 1))
+                    slot.commit(nbytes)
+                    raw = slot.view(nbytes)
+                    view = as_array(typed_as, raw) if typed_as is not None else raw
+                    r = self._residency[key] = _Residency(slot, nbytes, view)
+                elif r.nbytes != nbytes:
+                    raise OnnxPrepError(f"prepared object changed size ({r.nbytes} -> {nbytes})",
+                                        Where(tensor=key))
+                else:
+                    r.slot.commit(nbytes)
+            store.mark_preparing(key, gen)
+            raw_view = r.slot.view(nbytes)
+            fill(nbytes, raw_view)
+            reservation = None
+            if tctx.reservation is not None and Arena.PREPARED in tctx.reservation.amounts:
+                reservation = tctx.detach(Arena.PREPARED)
+            store.publish(key, gen, _SlotBuffer(r.slot, nbytes, reservation))
+            self.counters.materializations += 1
+        except BaseException as e:
+            store.fail(key, gen, e)
+            raise
+
+    def _maybe_release_read(self, read_tid: TaskId) -> None:
+        """Free a source buffer once every plan consumer of it is resident (a tied
+        source is held until both of its prepacks have published)."""
+        h = self._handles.get(read_tid)
+        if h is None or h.state is not TaskState.DONE:
+            return
+        for c in self._read_consumers.get(read_tid, ()):
+            key = self.plan.by_id[c].publishes
+            if key is not None and not self.store.is_resident(key):
+                ch = self._handles.get(c)
+                if ch is None or ch.state not in _DEAD:
+                    return  # still needed by a consumer that has not published
+        del self._handles[read_tid]
+        self._release_source(h)
+
+    @staticmethod
+    def _release_source(h: TaskHandle) -> None:
+        if h.state is TaskState.DONE:
+            src = h.result()
+            if isinstance(src, _Source):
+                src.release()
+            h.discard_result()
+
+
+class _Source:
+    """A source buffer read for prepacking, with its PREPARATION reservation."""
+
+    __slots__ = ("array", "reservation")
+
+    def __init__(self, array: np.ndarray, reservation) -> None:
+        self.array = array
+        self.reservation = reservation
+
+    def release(self) -> None:
+        self.array = None
+        _release(self.reservation)
+        self.reservation = None
+
+
+def _release(reservation) -> None:
+    if reservation is not None:
+        reservation.release()
+
+
+class _OutputBytes:
+    """Output bytes of a run from declared output shapes, symbolic dims bound by the
+    feeds' shapes (same symbol name = same size); unknown dims count as 1."""
+
+    def __init__(self, resolved: ResolvedModel) -> None:
+        self.inputs = {v.name: v.shape for v in resolved.inputs}
+        self.outputs = [(v.shape, v.elem_type) for v in resolved.outputs]
+
+    def estimate(self, feeds: Mapping[str, np.ndarray]) -> int:
+        sym: dict[str, int] = {}
+        for name, arr in feeds.items():
+            shape = self.inputs.get(name)
+            if shape is None:
+                continue
+            for d, n in zip(shape, np.shape(arr)):
+                if isinstance(d, str):
+                    sym[d] = max(sym.get(d, 0), int(n))
+        total = 0
+        for shape, elem in self.outputs:
+            if shape is None:
+                continue
+            dims = [d if isinstance(d, int) else sym.get(d, 1) if isinstance(d, str) else 1
+                    for d in shape]
+            total += int(math.prod(dims)) * _ELEM_BYTES.get(elem, 4)
+        return total
+
+
+_ELEM_BYTES = {1: 4, 2: 1, 3: 1, 4: 2, 5: 2, 6: 4, 7: 8, 9: 1, 10: 2, 11: 8, 12: 4, 13: 8, 16: 2}
