@@ -126,6 +126,12 @@ def resolve_model(path: str | os.PathLike, *, trust_symlinks: bool = False,
     outputs = [v.name for v in graph.output]
 
     nodes = _graph_nodes(graph, ctx)
+    for node in nodes:
+        if node.domain not in opsets:
+            # The checker's rule; it also catches a file truncated inside opset_import.
+            raise ModelFormatError(
+                f"node domain {node.domain or 'ai.onnx'!r} has no opset_import (truncated file?)",
+                Where(model=ctx.model, node=node.name))
     nodes = _topological(nodes, set(input_names) | descriptors.keys(), outputs, ctx)
     nodes_total = len(nodes)
 

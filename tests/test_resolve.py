@@ -243,6 +243,17 @@ def test_out_of_order_nodes_are_sorted(tmp_path):
     assert [n.name for n in resolve_model(path).nodes] == ["first", "second"]
 
 
+def test_every_truncation_of_a_model_is_a_typed_error(tmp_path):
+    """Exhaustive: each proper prefix of a model file is refused with ModelFormatError
+    (never accepted as a smaller model, never an untyped exception)."""
+    path = tied_int4_model(tmp_path)
+    data = path.read_bytes()
+    for n in range(len(data)):
+        path.write_bytes(data[:n])
+        with pytest.raises(ModelFormatError):
+            resolve_model(path)
+
+
 def test_undefined_value_is_a_model_format_error(tmp_path):
     nodes = [helper.make_node("Relu", ["nowhere"], ["Y"], name="relu")]
     path = write_model(tmp_path, nodes, [], [helper.make_tensor_value_info("X", 1, [4])],
