@@ -162,6 +162,8 @@ class SessionCounters:
     cold_runs: int = 0
     yields: int = 0  # cold-path continuations that waited for a prepared object
     materializations: int = 0  # publishes (prepacks, raw reads, packed reads)
+    rematerializations: int = 0  # publishes of a key that had been resident before (page-ins)
+    evictions: int = 0  # objects the session evicted to make room under the PREPARED limit
     source_reads: int = 0
 
 
@@ -205,6 +207,13 @@ class Session:
                   and plan.by_key[k].request.logical_value in slot_of)
             for keys in self._step_keys)
         self._all_keys = tuple(r.key for r in plan.requirements)
+        self._use_steps: dict[PreparedKey, tuple[int, ...]] = {}
+        for si, keys in enumerate(self._step_keys):
+            for k in keys:
+                self._use_steps[k] = self._use_steps.get(k, ()) + (si,)
+        # Keys a yielded run is waiting for, with the step it waits at: after every publish
+        # the session retries making room for them (see _make_room).
+        self._critical_wait: dict[PreparedKey, int] = {}
         self._readiness = self.store.readiness(self._all_keys)
         self._raw_placeholder = {n: None for n in self.program.weight_names}
         self._hot_binding = None
@@ -367,6 +376,11 @@ class Session:
                             waiting.append(h)
                 if waiting:
                     self.counters.yields += 1
+                    with self._lock:
+                        for k in keys:
+                            if not store.is_resident(k):
+                                self._critical_wait[k] = si
+                    self._make_room()
                     nxt = self._submit_continuation(run, deps=waiting)  # yield until they publish
                     run.handle_ready.wait()
                     for h in waiting:
@@ -553,11 +567,61 @@ class Session:
             reservation = None
             if tctx.reservation is not None and Arena.PREPARED in tctx.reservation.amounts:
                 reservation = tctx.detach(Arena.PREPARED)
+            first = store.generation(key) <= 1
             store.publish(key, gen, _SlotBuffer(r.slot, nbytes, reservation))
             self.counters.materializations += 1
+            if not first:
+                self.counters.rematerializations += 1
+            with self._lock:
+                self._critical_wait.pop(key, None)
+                pending = bool(self._critical_wait)
+            if pending:
+                self._make_room()
         except BaseException as e:
             store.fail(key, gen, e)
             raise
+
+    def _next_use(self, key: PreparedKey, step: int) -> int:
+        """Steps until ``key`` is next needed by a run at ``step`` (wrapping to the next run)."""
+        uses = self._use_steps.get(key, ())
+        n = len(self.plan.steps)
+        return min(((u - step) % n for u in uses), default=n)
+
+    def _make_room(self) -> int:
+        """Drop-and-rebuild eviction under a PREPARED arena limit: while the objects runs
+        are waiting for do not fit, evict unpinned resident objects, furthest next use
+        first. Evicted objects are rebuilt through their recipe when next needed.
+        Returns the number evicted."""
+        budget = self.budget
+        limit = budget.limit(Arena.PREPARED)
+        if limit is None:
+            return 0
+        with self._lock:
+            waits = dict(self._critical_wait)
+            if not waits:
+                return 0
+            needed = sum(self.plan.by_key[k].packed_bytes for k in waits
+                         if self.store.state(k).value not in ("resident",))
+            keep = set(waits)
+            at = min(waits.values())
+            for si in set(waits.values()):
+                keep.update(self._step_keys[si])
+            free = limit - budget.live(Arena.PREPARED)
+            if free >= needed:
+                return 0
+            cands = [k for k in self._all_keys
+                     if k not in keep and self.store.is_resident(k) and self.store.pins(k) == 0]
+            cands.sort(key=lambda k: -self._next_use(k, at))
+            evicted = 0
+            for k in cands:
+                if free >= needed:
+                    break
+                nbytes = self._residency[k].nbytes
+                if self.store.evict(k):
+                    free += nbytes
+                    evicted += 1
+            self.counters.evictions += evicted
+            return evicted
 
     def _maybe_release_read(self, read_tid: TaskId) -> None:
         """Free a source buffer once every plan consumer of it is resident (a tied
