@@ -51,7 +51,7 @@ _Static_assert(OP_TILE_N * 4 == OP_GROUP_BYTES, "a group is 16 columns x 8 codes
 #define OP_X86 0
 #endif
 /* SIMD kernel files present in this build (x86 only). */
-#define OP_SIMD (OP_X86 && 0)
+#define OP_SIMD OP_X86
 
 /* Arguments for one INT4 matmul call, after validation and A preprocessing. */
 typedef struct {

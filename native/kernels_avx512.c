@@ -1,0 +1,270 @@
+/* AVX-512 (F/BW/VL/DQ) kernels, plus VNNI for the int8 path where the CPU has it.
+ *
+ * Lane layout: one ZMM register = one 16-column tile, lane c = column c. A 64-byte
+ * group of the packed data (see op_internal.h) loads as 16 dwords; dword c holds
+ * the 8 codes of column c for k0..k0+7:
+ *   fp32 path: code(k0 + j) = dword >> shift(j) (low 4 bits), shift = 8j for j < 4
+ *              and 8(j - 4) + 4 for j >= 4; vpermps with a 0..15 table turns those
+ *              4 bits into the float code in one instruction (it ignores the rest).
+ *   int8 path: bytes & 0x0F give [k0..k0+3] of each column, (bytes >> 4) & 0x0F give
+ *              [k0+4..k0+7]: each dword is one u8x4 operand of vpdpbusd against a
+ *              broadcast s8x4 slice of A.
+ * Every accumulation runs per lane in ascending k with one fused multiply-add per
+ * step, the same sequence the scalar reference spells out, so results are equal
+ * bit for bit. Latency is hidden by working on several tiles and rows at once
+ * (independent chains), never by splitting one chain.
+ *
+ * NOTE: per-file `#pragma GCC target`, not a global -m flag: the module must
+ * still load on CPUs without these instructions (dispatch never calls in). */
+#include "op_internal.h"
+
+#if OP_SIMD
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")
+#include <immintrin.h>
+
+#define AI static inline __attribute__((always_inline))
+
+/* Columns of tile t inside [col_begin, col_end), as a lane mask. */
+AI __mmask16 col_mask(size_t cb, size_t ce, size_t t) {
+    size_t c0 = t * OP_TILE_N;
+    size_t lo = cb > c0 ? cb - c0 : 0, hi = ce - c0 < OP_TILE_N ? ce - c0 : OP_TILE_N;
+    return (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+}
+
+AI __m512 block_zeros(const op_packed_header *h, const uint8_t *tile, uint32_t b) {
+    switch (op_zp_kind(h)) {
+    case OP_ZP_U4: {
+        const uint8_t *z = (const uint8_t *)op_mm_zeros(h, tile) + (size_t)b * OP_TILE_N;
+        return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)z)));
+    }
+    case OP_ZP_FLOAT:
+        return _mm512_loadu_ps((const float *)op_mm_zeros(h, tile) + (size_t)b * OP_TILE_N);
+    default:
+        return _mm512_set1_ps(8.0f);
+    }
+}
+
+AI void store_out(const op_mm_args *a, size_t m, size_t t, __m512 v) {
+    __mmask16 mk = col_mask(a->col_begin, a->col_end, t);
+    size_t c0 = t * OP_TILE_N;
+    if (a->bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mk, a->bias + c0));
+    _mm512_mask_storeu_ps(a->Y + m * a->ldy + c0, mk, v);
+}
+
+/* ---- fp32 compute ------------------------------------------------------------ */
+
+#define F32_STEP(J, SH)                                                               \
+    {                                                                                 \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) av[r] =                  \
+            _mm512_set1_ps(arow[r][kb + (J)]);                                        \
+        _Pragma("GCC unroll 4") for (int i = 0; i < TP; i++) {                        \
+            __m512 q = _mm512_permutexvar_ps((SH) ? _mm512_srli_epi32(x[i], (SH)) : x[i], tbl); \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) acc[i][r] =          \
+                _mm512_fmadd_ps(av[r], q, acc[i][r]);                                 \
+        }                                                                             \
+    }
+
+/* TP tiles starting at t, R rows starting at m. */
+AI void f32_panel(const op_mm_args *a, size_t t, size_t m, const int TP, const int R) {
+    const op_packed_header *h = a->h;
+    const uint32_t bs = h->block_size, nb = h->n_blocks;
+    const size_t stride = h->tile_stride;
+    const uint8_t *tile0 = a->tiles + t * stride;
+    const __m512 tbl = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const float *arow[4];
+    for (int r = 0; r < R; r++) arow[r] = a->A + (m + r) * a->lda;
+    __m512 out[4][4], acc[4][4], av[4];
+    __m512i x[4];
+    for (int i = 0; i < TP; i++)
+        for (int r = 0; r < R; r++) out[i][r] = _mm512_setzero_ps();
+    for (uint32_t b = 0; b < nb; b++) {
+        for (int i = 0; i < TP; i++)
+            for (int r = 0; r < R; r++) acc[i][r] = _mm512_setzero_ps();
+        const uint8_t *blk = tile0 + (size_t)b * bs * 8u;
+        for (uint32_t g = 0; g < bs / OP_GROUP_K; g++) {
+            const size_t kb = (size_t)b * bs + (size_t)g * OP_GROUP_K;
+            for (int i = 0; i < TP; i++)
+                x[i] = _mm512_loadu_si512((const void *)(blk + i * stride + (size_t)g * OP_GROUP_BYTES));
+            F32_STEP(0, 0) F32_STEP(1, 8) F32_STEP(2, 16) F32_STEP(3, 24)
+            F32_STEP(4, 4) F32_STEP(5, 12) F32_STEP(6, 20) F32_STEP(7, 28)
+        }
+        for (int i = 0; i < TP; i++) {
+            const uint8_t *tile = tile0 + i * stride;
+            const __m512 s = _mm512_loadu_ps(op_mm_scales(h, tile) + (size_t)b * OP_TILE_N);
+            const __m512 z = block_zeros(h, tile, b);
+            for (int r = 0; r < R; r++) {
+                __m512 d = _mm512_fnmadd_ps(z, _mm512_set1_ps(a->asum[(m + r) * nb + b]), acc[i][r]);
+                out[i][r] = _mm512_fmadd_ps(s, d, out[i][r]);
+            }
+        }
+    }
+    for (int i = 0; i < TP; i++)
+        for (int r = 0; r < R; r++) store_out(a, m + r, t + i, out[i][r]);
+}
+
+/* ---- int8 compute -------------------------------------------------------------- */
+
+#define DEFINE_I8_PANEL(NAME, DOT)                                                     \
+    AI void NAME(const op_mm_args *a, size_t t, size_t m, const int TP, const int R) { \
+        const op_packed_header *h = a->h;                                              \
+        const uint32_t bs = h->block_size, nb = h->n_blocks;                           \
+        const size_t stride = h->tile_stride;                                          \
+        const uint8_t *tile0 = a->tiles + t * stride;                                  \
+        const __m512i m0f = _mm512_set1_epi8(0x0F);                                    \
+        const int8_t *arow[4];                                                         \
+        for (int r = 0; r < R; r++) arow[r] = a->a8 + (m + r) * a->Kp;               \
+        __m512 out[4][4];                                                              \
+        __m512i isum[4][4];                                                            \
+        for (int i = 0; i < TP; i++)                                                   \
+            for (int r = 0; r < R; r++) out[i][r] = _mm512_setzero_ps();              \
+        for (uint32_t b = 0; b < nb; b++) {                                            \
+            for (int i = 0; i < TP; i++)                                               \
+                for (int r = 0; r < R; r++) isum[i][r] = _mm512_setzero_si512();      \
+            const uint8_t *blk = tile0 + (size_t)b * bs * 8u;                          \
+            for (uint32_t g = 0; g < bs / OP_GROUP_K; g++) {                           \
+                const size_t kb = (size_t)b * bs + (size_t)g * OP_GROUP_K;             \
+                __m512i alo[4], ahi[4];                                                \
+                for (int r = 0; r < R; r++) {                                          \
+                    int32_t w0, w1;                                                    \
+                    __builtin_memcpy(&w0, arow[r] + kb, 4);                            \
+                    __builtin_memcpy(&w1, arow[r] + kb + 4, 4);                        \
+                    alo[r] = _mm512_set1_epi32(w0);                                    \
+                    ahi[r] = _mm512_set1_epi32(w1);                                    \
+                }                                                                      \
+                for (int i = 0; i < TP; i++) {                                         \
+                    __m512i x = _mm512_loadu_si512(                                    \
+                        (const void *)(blk + i * stride + (size_t)g * OP_GROUP_BYTES)); \
+                    __m512i lo = _mm512_and_si512(x, m0f);                             \
+                    __m512i hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), m0f);       \
+                    for (int r = 0; r < R; r++) {                                      \
+                        isum[i][r] = DOT(isum[i][r], lo, alo[r]);                      \
+                        isum[i][r] = DOT(isum[i][r], hi, ahi[r]);                      \
+                    }                                                                  \
+                }                                                                      \
+            }                                                                          \
+            for (int i = 0; i < TP; i++) {                                             \
+                const uint8_t *tile = tile0 + i * stride;                              \
+                const __m512 s = _mm512_loadu_ps(op_mm_scales(h, tile) + (size_t)b * OP_TILE_N); \
+                const __m512 z = block_zeros(h, tile, b);                              \
+                for (int r = 0; r < R; r++) {                                          \
+                    const size_t ab = (m + r) * nb + b;                                \
+                    __m512 d = _mm512_fnmadd_ps(z, _mm512_set1_ps(a->asum[ab]),       \
+                                                _mm512_cvtepi32_ps(isum[i][r]));      \
+                    __m512 sc = _mm512_mul_ps(_mm512_set1_ps(a->ascale[ab]), s);       \
+                    out[i][r] = _mm512_fmadd_ps(sc, d, out[i][r]);                     \
+                }                                                                      \
+            }                                                                          \
+        }                                                                              \
+        for (int i = 0; i < TP; i++)                                                   \
+            for (int r = 0; r < R; r++) store_out(a, m + r, t + i, out[i][r]);        \
+    }
+
+/* u8 x s8 four-way dot product without VNNI: maddubs gives s16 pair sums (at most
+ * 2 * 15 * 128, no saturation), madd with ones widens them to s32 quads. */
+AI __m512i dot_bw(__m512i acc, __m512i u, __m512i s) {
+    __m512i p = _mm512_maddubs_epi16(u, s);
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
+}
+DEFINE_I8_PANEL(i8_panel_bw, dot_bw)
+
+/* ---- drivers: choose panel shapes ---------------------------------------------- */
+
+/* Tiles in panels of TPW, rows one by one (M < 4: decode) or four at a time. */
+#define DEFINE_DRIVER(NAME, PANEL)                                                    \
+    static void NAME(const op_mm_args *a) {                                           \
+        const size_t t0 = a->col_begin / OP_TILE_N;                                   \
+        const size_t t1 = (a->col_end + OP_TILE_N - 1) / OP_TILE_N;                   \
+        if (a->M < 4) {                                                               \
+            for (size_t m = 0; m < a->M; m++) {                                       \
+                size_t t = t0;                                                        \
+                for (; t + 4 <= t1; t += 4) PANEL(a, t, m, 4, 1);                     \
+                for (; t < t1; t++) PANEL(a, t, m, 1, 1);                             \
+            }                                                                         \
+            return;                                                                   \
+        }                                                                             \
+        size_t t = t0;                                                                \
+        for (; t < t1; t += 2) {                                                      \
+            const int tp = t + 2 <= t1 ? 2 : 1;                                       \
+            size_t m = 0;                                                             \
+            for (; m + 4 <= a->M; m += 4) {                                           \
+                if (tp == 2) PANEL(a, t, m, 2, 4); else PANEL(a, t, m, 1, 4);         \
+            }                                                                         \
+            for (; m < a->M; m++) {                                                   \
+                if (tp == 2) PANEL(a, t, m, 2, 1); else PANEL(a, t, m, 1, 1);         \
+            }                                                                         \
+        }                                                                             \
+    }
+
+DEFINE_DRIVER(mm_f32_avx512, f32_panel)
+DEFINE_DRIVER(mm_i8_avx512_bw, i8_panel_bw)
+
+/* ---- fp32 gemm ------------------------------------------------------------------ */
+
+AI void gemm_panel(const op_gemm_args *g, size_t t, size_t m, const int TP, const int R) {
+    const size_t K = (size_t)g->h->K, stride = g->h->tile_stride;
+    const float *tile0 = (const float *)(g->tiles + t * stride);
+    __m512 acc[4][4];
+    for (int i = 0; i < TP; i++)
+        for (int r = 0; r < R; r++) acc[i][r] = _mm512_setzero_ps();
+    for (size_t k = 0; k < K; k++) {
+        __m512 av[4];
+        for (int r = 0; r < R; r++) av[r] = _mm512_set1_ps(g->A[(m + r) * g->lda + k]);
+        for (int i = 0; i < TP; i++) {
+            __m512 bv = _mm512_loadu_ps((const float *)((const uint8_t *)tile0 + i * stride) + k * OP_TILE_N);
+            for (int r = 0; r < R; r++) acc[i][r] = _mm512_fmadd_ps(av[r], bv, acc[i][r]);
+        }
+    }
+    const __m512 alpha = _mm512_set1_ps(g->alpha), beta = _mm512_set1_ps(g->beta);
+    for (int i = 0; i < TP; i++) {
+        const size_t c0 = (t + i) * OP_TILE_N;
+        const __mmask16 mk = col_mask(g->col_begin, g->col_end, t + i);
+        for (int r = 0; r < R; r++) {
+            __m512 v = _mm512_mul_ps(alpha, acc[i][r]);
+            if (g->bias) {
+                /* bias[m * rs + c * cs]: gather the 16 columns (strides may be 0) */
+                __m512i idx = _mm512_add_epi32(
+                    _mm512_set1_epi32((int)((ptrdiff_t)(m + r) * g->bias_rs + (ptrdiff_t)c0 * g->bias_cs)),
+                    _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                       _mm512_set1_epi32((int)g->bias_cs)));
+                __m512 bv = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mk, idx, g->bias, 4);
+                v = _mm512_fmadd_ps(beta, bv, v);
+            }
+            _mm512_mask_storeu_ps(g->Y + (m + r) * g->ldy + c0, mk, v);
+        }
+    }
+}
+
+static void gemm_avx512(const op_gemm_args *g) {
+    const size_t t0 = g->col_begin / OP_TILE_N, t1 = (g->col_end + OP_TILE_N - 1) / OP_TILE_N;
+    if (g->M < 4) {
+        for (size_t m = 0; m < g->M; m++) {
+            size_t t = t0;
+            for (; t + 4 <= t1; t += 4) gemm_panel(g, t, m, 4, 1);
+            for (; t < t1; t++) gemm_panel(g, t, m, 1, 1);
+        }
+        return;
+    }
+    for (size_t t = t0; t < t1; t += 2) {
+        const int tp = t + 2 <= t1 ? 2 : 1;
+        size_t m = 0;
+        for (; m + 4 <= g->M; m += 4) {
+            if (tp == 2) gemm_panel(g, t, m, 2, 4); else gemm_panel(g, t, m, 1, 4);
+        }
+        for (; m < g->M; m++) {
+            if (tp == 2) gemm_panel(g, t, m, 2, 1); else gemm_panel(g, t, m, 1, 1);
+        }
+    }
+}
+
+const op_kernel_table op_kernels_avx512 = {mm_f32_avx512, mm_i8_avx512_bw, gemm_avx512};
+
+/* ---- VNNI variant of the int8 path ------------------------------------------------ */
+#pragma GCC push_options
+#pragma GCC target("avx512vnni")
+AI __m512i dot_vnni(__m512i acc, __m512i u, __m512i s) { return _mm512_dpbusd_epi32(acc, u, s); }
+DEFINE_I8_PANEL(i8_panel_vnni, dot_vnni)
+DEFINE_DRIVER(mm_i8_avx512_vnni, i8_panel_vnni)
+#pragma GCC pop_options
+
+const op_kernel_table op_kernels_avx512_vnni = {mm_f32_avx512, mm_i8_avx512_vnni, gemm_avx512};
+#endif
