@@ -62,8 +62,9 @@ Execution rules
   failing task; independent tasks continue. Every submitted task reaches exactly one
   terminal state (DONE, FAILED, CANCELLED).
 - Shared tasks: ``handle.retain()`` / ``handle.release()`` count consumers. ``release``
-  cancels the task only when no consumer remains AND no live dependent needs it; then it
-  also releases producers that were shared only through it.
+  cancels the task only when no consumer remains AND no live dependent needs it; it then
+  walks up to its producers and cancels each one that is left with no consumer and no
+  live dependent (a read whose only prepack was just cancelled), so nothing orphaned runs.
 - Callbacks (``add_done_callback``) run outside the scheduler lock on the completing
   thread; an exception in one is logged, never propagated.
 - A task's result stays referenced by its handle; call ``discard_result()`` from the
@@ -784,8 +785,6 @@ class Scheduler:
                 while stack:
                     c = stack.pop()
                     if c.id in marked or c._state.terminal or c._consumers > 0:
-                        continue
-                    if c is not t and not c._shared:
                         continue
                     if any(not d._state.terminal and d.id not in marked for d in c._dependents):
                         continue

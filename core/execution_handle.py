@@ -1,0 +1,300 @@
+"""ExecutionHandle: the one handle type returned by ``prepare_async()`` and ``run_async()``.
+
+Seed, "Asynchronous session contract". A handle tracks one *submission*: the scheduler
+tasks it owns (invocation tasks, created for it alone) and the shared session tasks it
+consumes (prepared-object producers that other submissions may consume too).
+
+Contract (stable)
+-----------------
+
+``ExecutionHandle(owned=(), shared=(), *, name="", keepalive=None)``
+    Takes ``owned`` :class:`TaskHandle`\\ s and ``shared`` ones; calls ``retain()`` on each
+    shared task (a consumer reference). ``add(task, *, shared=False)`` adds more while the
+    submission is live (a cold-path continuation adds its next steps from inside one of
+    the submission's running tasks, so the submission cannot finish in between).
+    ``keepalive`` holds borrowed objects (the RuntimeContext, caller inputs) for as long
+    as the handle lives.
+
+``ExecutionHandle.completed(*, name="", error=None, failing_task=None)``
+    An already-finished handle with no scheduler task (the hot path: zero submissions).
+
+``wait(timeout=None) -> None``
+    Returns only when every task of the submission is terminal. Raises
+    :class:`TaskFailedError` chained (``__cause__``) to the first error (earliest failing
+    task), :class:`CancelledError` when the submission was cancelled (or lost a task to
+    cancellation) without a failure, :class:`TimeoutError` if ``timeout`` expires first.
+``is_ready() -> bool`` — every task terminal (non-blocking).
+``cancel() -> None`` — a no-op once the submission is finished; else cooperative: cancels the owned tasks (queued ones never run, running
+    ones see their token), then releases this submission's interest in each shared task;
+    a shared task is cancelled only when no other consumer (handle or live dependent)
+    remains. Idempotent.
+``status() -> ExecutionStatus`` — state (RUNNING / DONE / FAILED / CANCELLED), failing task,
+    its error, suppressed task names (cancelled because of the failure), cancelled task
+    names, counts per task state.
+``add_finalizer(fn)`` — ``fn()`` runs once, when the submission becomes terminal (on the
+    thread completing its last task, or at once). Use it for run-level cleanup such as
+    unpinning; it must not reference the handle (see below).
+
+Destroying a live handle WAITS (NOTE: the seed's documented behavior): tasks may still
+reference the RuntimeContext and caller-owned inputs, so ``__del__`` blocks until every
+task is terminal, ignoring errors (call ``wait()`` to see them). Exception: on a thread of
+the scheduler itself (a worker or an inline task), where waiting could deadlock,
+``__del__`` cancels instead. Prefer ``with session.run_async(ctx) as h:`` — ``__exit__``
+waits and raises the submission's error unless another exception is already propagating.
+Internal callbacks reference only the handle's tracker, never the handle, so dropping the
+last reference does trigger ``__del__``.
+"""
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from onnx_prep.core.errors import EXIT_INTERNAL, CancelledError, OnnxPrepError, TaskFailedError, UsageError, Where
+from onnx_prep.core.scheduler import TaskHandle, TaskState, _call
+
+
+class SubmissionState(enum.Enum):
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class ExecutionStatus:
+    state: SubmissionState
+    failing_task: str | None = None
+    error: BaseException | None = None
+    suppressed: tuple[str, ...] = ()
+    cancelled: tuple[str, ...] = ()
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {
+            "state": self.state.value,
+            "failing_task": self.failing_task,
+            "error": None if self.error is None else f"{type(self.error).__name__}: {self.error}",
+            "suppressed": list(self.suppressed),
+            "cancelled": list(self.cancelled),
+            "counts": dict(self.counts),
+        }
+
+
+class _Tracker:
+    """The mutable part of a handle, referenced by task callbacks (never the handle)."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.members: dict[int, tuple[TaskHandle, bool]] = {}  # id -> (task, shared)
+        self.pending: set[int] = set()
+        self.held: dict[int, TaskHandle] = {}  # shared tasks whose interest we hold
+        self.finalizers: list[Callable[[], None]] = []
+        self.building = True  # no finishing while the constructor is still adding tasks
+        self.finished = False
+        self.cancel_requested = False
+
+    def add(self, task: TaskHandle, shared: bool) -> None:
+        with self.cond:
+            if self.finished:
+                raise UsageError(f"task {task.name!r} added to a finished submission")
+            if task.id in self.members:
+                return
+            self.members[task.id] = (task, shared)
+            self.pending.add(task.id)
+            if shared:
+                self.held[task.id] = task
+        if shared:
+            task.retain()
+        task.add_done_callback(self.on_done)
+
+    def on_done(self, task: TaskHandle) -> None:
+        with self.cond:
+            self.pending.discard(task.id)
+        self.check_finish()
+
+    def drop(self, task: TaskHandle) -> None:
+        """Stop waiting for a shared task we released without cancelling it."""
+        with self.cond:
+            self.members.pop(task.id, None)
+            self.pending.discard(task.id)
+        self.check_finish()
+
+    def check_finish(self) -> None:
+        """Finish once every member is terminal: release held interest, run finalizers."""
+        with self.cond:
+            if self.pending or self.finished or self.building:
+                return
+            self.finished = True
+            self.cond.notify_all()
+            held, self.held = list(self.held.values()), {}
+            finalizers, self.finalizers = self.finalizers, []
+        for t in held:
+            t.release(cancel_if_unused=False)  # terminal anyway: keep the counts honest
+        for fn in finalizers:
+            _call(fn)
+
+    def tasks(self) -> list[TaskHandle]:
+        with self.cond:
+            return [t for t, _ in self.members.values()]
+
+
+class ExecutionHandle:
+    """See the module docstring for the contract."""
+
+    def __init__(self, owned: Iterable[TaskHandle] = (), shared: Iterable[TaskHandle] = (), *,
+                 name: str = "", keepalive: Any = None) -> None:
+        self.name = name
+        self.keepalive = keepalive
+        self._tracker = _Tracker()
+        self._scheduler = None
+        self._preset: ExecutionStatus | None = None
+        for t in owned:
+            self.add(t)
+        for t in shared:
+            self.add(t, shared=True)
+        self._tracker.building = False
+        self._tracker.check_finish()  # an empty (or already terminal) submission finishes now
+
+    @classmethod
+    def completed(cls, *, name: str = "", error: BaseException | None = None,
+                  failing_task: str | None = None) -> ExecutionHandle:
+        h = cls(name=name)
+        if error is not None:
+            h._preset = ExecutionStatus(SubmissionState.FAILED, failing_task or name, error)
+        return h
+
+    # -- building -------------------------------------------------------------------------
+
+    def add(self, task: TaskHandle, *, shared: bool = False) -> None:
+        if self._scheduler is None:
+            self._scheduler = task._sched
+        self._tracker.add(task, shared)
+
+    def add_finalizer(self, fn: Callable[[], None]) -> None:
+        tracker = self._tracker
+        with tracker.cond:
+            if not tracker.finished:
+                tracker.finalizers.append(fn)
+                return
+        _call(fn)
+
+    # -- observation ------------------------------------------------------------------------
+
+    def is_ready(self) -> bool:
+        return self._tracker.finished
+
+    def _wait_terminal(self, timeout: float | None) -> bool:
+        tracker = self._tracker
+        with tracker.cond:
+            return tracker.cond.wait_for(lambda: tracker.finished, timeout)
+
+    def wait(self, timeout: float | None = None) -> None:
+        if not self._wait_terminal(timeout):
+            raise TimeoutError(f"submission {self.name!r} not finished after {timeout}s")
+        st = self.status()
+        if st.state is SubmissionState.FAILED:
+            raise _task_failed(st)
+        if st.state is SubmissionState.CANCELLED:
+            first = st.cancelled[0] if st.cancelled else None
+            raise CancelledError(f"submission {self.name!r} was cancelled"
+                                 + (f" (first cancelled task: {first!r})" if first else ""))
+
+    def status(self) -> ExecutionStatus:
+        if self._preset is not None:
+            return self._preset
+        tracker = self._tracker
+        tasks = tracker.tasks()
+        counts = {s.value: 0 for s in TaskState}
+        failed: list[TaskHandle] = []
+        suppressed: list[str] = []
+        cancelled: list[str] = []
+        for t in tasks:
+            counts[t.state.value] += 1
+            if t.state is TaskState.FAILED:
+                failed.append(t)
+            elif t.state is TaskState.CANCELLED:
+                if t.cause is not None and t.cause.state is TaskState.FAILED:
+                    suppressed.append(t.name)
+                    failed.append(t.cause)  # a producer outside the submission failed
+                else:
+                    cancelled.append(t.name)
+        with tracker.cond:
+            finished = tracker.finished
+            cancel_requested = tracker.cancel_requested
+        if not finished:
+            return ExecutionStatus(SubmissionState.RUNNING, counts=counts, suppressed=tuple(suppressed),
+                                   cancelled=tuple(cancelled))
+        if failed:
+            first = min(failed, key=lambda t: (t.end_ns or 0, t.id))
+            return ExecutionStatus(SubmissionState.FAILED, first.name, first.exception(0),
+                                   tuple(suppressed), tuple(cancelled), counts)
+        if cancelled or cancel_requested:
+            return ExecutionStatus(SubmissionState.CANCELLED, None, None, (), tuple(cancelled), counts)
+        return ExecutionStatus(SubmissionState.DONE, counts=counts)
+
+    @property
+    def tasks(self) -> list[TaskHandle]:
+        return self._tracker.tasks()
+
+    # -- control -----------------------------------------------------------------------------
+
+    def cancel(self) -> None:
+        tracker = self._tracker
+        with tracker.cond:
+            if tracker.finished:
+                return  # nothing left to stop; the outcome stands
+            tracker.cancel_requested = True
+            owned = [t for t, shared in tracker.members.values() if not shared]
+            held, tracker.held = list(tracker.held.values()), {}
+        for t in owned:  # first our own tasks, so they stop counting as live dependents
+            t.cancel()
+        for t in held:
+            if not t.release() and not t.state.terminal:
+                tracker.drop(t)  # someone else still needs it: not ours to wait for
+
+    # -- lifetime ----------------------------------------------------------------------------
+
+    def __enter__(self) -> ExecutionHandle:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.wait()
+        else:
+            self._wait_terminal(None)
+
+    def __del__(self) -> None:
+        try:
+            tracker = self._tracker
+        except AttributeError:  # __init__ failed
+            return
+        try:
+            if tracker.finished:
+                return
+            sched = self._scheduler
+            if sched is not None and sched.is_worker_thread():
+                self.cancel()  # cannot wait on our own scheduler's thread
+                return
+            self._wait_terminal(None)
+        except Exception:  # pragma: no cover - never raise from a finalizer
+            pass
+
+    def __repr__(self) -> str:
+        return f"ExecutionHandle({self.name!r}, {self.status().state.value})"
+
+
+def _task_failed(st: ExecutionStatus) -> TaskFailedError:
+    err = st.error
+    where = err.where if isinstance(err, OnnxPrepError) else Where()
+    exit_code = err.exit_code if isinstance(err, OnnxPrepError) else EXIT_INTERNAL
+    hint = err.hint if isinstance(err, OnnxPrepError) else None
+    msg = f"task {st.failing_task!r} failed: {type(err).__name__}: "
+    msg += err.message if isinstance(err, OnnxPrepError) else str(err)
+    if st.suppressed:
+        msg += f" ({len(st.suppressed)} dependent task(s) cancelled)"
+    e = TaskFailedError(msg, where, hint=hint, exit_code=exit_code)
+    e.__cause__ = err
+    return e

@@ -1,0 +1,594 @@
+"""PreparedObjectStore: the registry and state machine of prepared (packed) objects.
+
+Seed, "Prepared-object residency". Each :data:`PreparedKey` has one entry that moves through
+
+    absent ──> loading ──> preparing ──> resident ──> evicting ──> persisted | absent
+      ^  ^        │  └───────────────────────^            │
+      │  └────────┴──> failed (retry: ──> loading)        │
+      └───────────────────────────────────────────────────┘  (persisted ──> loading)
+
+``loading -> resident`` directly is legal (a persisted packed payload needs no prepack);
+``loading|preparing -> absent|persisted`` is an *abandoned* (cancelled) load, back to where
+it started. Every other transition raises :class:`PreparedStateError`.
+
+The store does NOT allocate. A materializer hands it a *buffer*: any object with
+``.nbytes`` (int) and ``.release()`` (returns the memory to its arena / slot). The session
+backs it with ``onnx_prep.native.StableSlot`` plus a ``Reservation`` of the PREPARED arena;
+tests use plain objects. ``evict`` calls ``buffer.release()`` exactly once.
+
+Contract (stable)
+-----------------
+
+``PreparedObjectStore(*, residency_limit=None)``
+    ``residency_limit`` (bytes) is a *retention policy*: after a publish pushes
+    ``resident_bytes`` over it, unpinned objects whose payload is ``persisted`` are evicted,
+    least recently used first. The hard memory limit is the PREPARED arena of the
+    ``MemoryBudget``, not this.
+
+Queries: ``state(key)``, ``generation(key)`` (0 = never materialized), ``info(key) -> EntryInfo``,
+``is_resident(key)``, ``resident_bytes``, ``epoch``, ``keys()``, ``pins(key)``, ``total_pins``.
+
+Load protocol (what a session's READ/PREPACK tasks call):
+    ``begin_load(key, *, device="cpu") -> (Materialization, owner: bool)`` — if resident or
+    in flight, returns the current generation's future and ``owner=False`` (requests share
+    one in-flight load); otherwise starts a new generation (``loading``) and the caller
+    owns it. The owner then calls ``mark_preparing(key, gen)`` (optional),
+    ``publish(key, gen, buffer, *, persisted=False, location=None) -> ResidentObject``, or
+    ``fail(key, gen, error)``, or ``abandon(key, gen)`` (cancelled). Waiters see the outcome
+    through the :class:`Materialization` (``wait``, ``result``, ``add_done_callback``).
+    ``settle_unfinished(key, gen, error=None) -> bool`` ends a load whose task chain stopped
+    early (fail or abandon; idempotent) — call it from the publishing task's done-callback.
+
+``acquire(key, materialize, *, pin=False, timeout=None) -> ResidentObject``
+    Blocking convenience: returns the resident object, materializing it with
+    ``materialize(LoadContext) -> buffer`` on this thread if nobody is loading it, else
+    waiting for the in-flight load. Two concurrent acquires -> one materialization.
+
+Pins: ``pin(key, generation=None) -> ResidentObject`` (must be resident), ``unpin(key)``,
+``pin_many(keys) -> PinSet | None`` (atomically pins all when all are resident).
+An object with pins is never evicted: ``evict`` refuses (returns ``False``).
+
+Eviction: ``evict(key) -> bool`` removes residency, never identity: the entry keeps its
+key, generation count and persisted location; the next consumer re-materializes
+(new generation). ``mark_persisted(key, location=None)`` records that a packed copy exists
+in the cache tier (eviction then goes to ``persisted``).
+
+Readiness epoch: ``epoch`` increments whenever any key leaves residency. ``readiness(keys)``
+returns a :class:`ReadinessView` whose ``is_ready()`` is O(1) while nothing has been evicted
+since it last saw every key resident, and whose ``pin_if_ready()`` pins the whole set under
+one lock acquisition (the hot path's run-level pin).
+
+Thread-safe: one lock; buffer ``release()`` and done-callbacks run outside it.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from onnx_prep.core.errors import EXIT_INTERNAL, CancelledError, OnnxPrepError, Where
+from onnx_prep.core.prepared_key import PreparedKey
+
+_log = logging.getLogger(__name__)
+
+
+class PreparedStateError(OnnxPrepError):
+    """An illegal residency transition or misuse of the store (a bug in the caller)."""
+
+    # NOTE: lives here rather than in core/errors.py (owned by another module); it is an
+    # internal-contract violation, hence EXIT_INTERNAL.
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message, Where(tensor=key), exit_code=EXIT_INTERNAL)
+
+
+class ResidencyState(enum.Enum):
+    ABSENT = "absent"
+    LOADING = "loading"
+    PREPARING = "preparing"
+    RESIDENT = "resident"
+    EVICTING = "evicting"
+    PERSISTED = "persisted"
+    FAILED = "failed"
+
+
+_S = ResidencyState
+_LEGAL: dict[ResidencyState, frozenset[ResidencyState]] = {
+    _S.ABSENT: frozenset({_S.LOADING}),
+    _S.PERSISTED: frozenset({_S.LOADING}),
+    _S.FAILED: frozenset({_S.LOADING}),
+    _S.LOADING: frozenset({_S.PREPARING, _S.RESIDENT, _S.FAILED, _S.ABSENT, _S.PERSISTED}),
+    _S.PREPARING: frozenset({_S.RESIDENT, _S.FAILED, _S.ABSENT, _S.PERSISTED}),
+    _S.RESIDENT: frozenset({_S.EVICTING}),
+    _S.EVICTING: frozenset({_S.PERSISTED, _S.ABSENT}),
+}
+_IN_FLIGHT = frozenset({_S.LOADING, _S.PREPARING})
+
+
+class PreparedBuffer(Protocol):
+    """What a materializer returns: the resident bytes' allocation handle."""
+
+    nbytes: int
+
+    def release(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ResidentObject:
+    """One resident generation of a prepared object."""
+
+    key: PreparedKey
+    generation: int
+    buffer: Any  # PreparedBuffer
+    nbytes: int
+    device: str
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    key: PreparedKey
+    state: ResidencyState
+    generation: int
+    nbytes: int
+    pins: int
+    persisted: bool
+    location: str | None
+    device: str
+    error: BaseException | None
+
+
+class Materialization:
+    """Completion of one generation's load (shared by every requester of that generation)."""
+
+    def __init__(self, key: PreparedKey, generation: int) -> None:
+        self.key = key
+        self.generation = generation
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._obj: ResidentObject | None = None
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[[Materialization], None]] = []
+        self._waiters = 0
+        self._waiters_cond = threading.Condition(self._lock)
+
+    @property
+    def waiters(self) -> int:
+        """Threads currently blocked in :meth:`result` (diagnostics: who shares this load)."""
+        return self._waiters
+
+    def wait_for_waiters(self, n: int, timeout: float | None = None) -> bool:
+        """Block until at least ``n`` threads wait in :meth:`result` (tests, diagnostics)."""
+        with self._waiters_cond:
+            return self._waiters_cond.wait_for(lambda: self._waiters >= n, timeout)
+
+    def _settle(self, obj: ResidentObject | None, error: BaseException | None) -> None:
+        with self._lock:
+            if self._event.is_set():
+                return
+            self._obj, self._error = obj, error
+            callbacks, self._callbacks = self._callbacks, []
+            self._event.set()
+        for fn in callbacks:
+            try:
+                fn(self)
+            except Exception:
+                _log.exception("materialization callback %r raised", fn)
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._event.wait(timeout)
+
+    def result(self, timeout: float | None = None) -> ResidentObject:
+        """The published object; raises the load's error (``CancelledError`` if abandoned)."""
+        if not self._event.is_set():
+            with self._waiters_cond:
+                self._waiters += 1
+                self._waiters_cond.notify_all()
+            try:
+                self._event.wait(timeout)
+            finally:
+                with self._lock:
+                    self._waiters -= 1
+        if not self._event.is_set():
+            raise TimeoutError(f"prepared object {self.key!r} not ready after {timeout}s")
+        if self._error is not None:
+            raise self._error
+        assert self._obj is not None
+        return self._obj
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def add_done_callback(self, fn: Callable[[Materialization], None]) -> None:
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+
+class LoadContext:
+    """Passed to ``acquire``'s materializer. ``previous_state`` tells the recipe where the
+    bytes can come from (PERSISTED: read the packed payload; else rebuild from source).
+    Set ``persisted``/``location`` when the payload also exists in the cache tier."""
+
+    def __init__(self, store: PreparedObjectStore, key: PreparedKey, generation: int,
+                 previous_state: ResidencyState, persisted: bool, location: str | None) -> None:
+        self.store = store
+        self.key = key
+        self.generation = generation
+        self.previous_state = previous_state
+        self.persisted = persisted
+        self.location = location
+
+    def mark_preparing(self) -> None:
+        self.store.mark_preparing(self.key, self.generation)
+
+
+class _Entry:
+    __slots__ = ("key", "state", "generation", "buffer", "nbytes", "pins", "persisted", "location",
+                 "last_use", "error", "future", "device", "origin")
+
+    def __init__(self, key: PreparedKey) -> None:
+        self.key = key
+        self.state = _S.ABSENT
+        self.generation = 0
+        self.buffer: Any = None
+        self.nbytes = 0
+        self.pins = 0
+        self.persisted = False
+        self.location: str | None = None
+        self.last_use = 0
+        self.error: BaseException | None = None
+        self.future: Materialization | None = None
+        self.device = "cpu"
+        self.origin = _S.ABSENT  # resting state the current load started from
+
+
+class PinSet:
+    """Pins on a set of resident objects; ``release()`` (idempotent) or use as a context manager."""
+
+    def __init__(self, store: PreparedObjectStore, objects: dict[PreparedKey, ResidentObject]) -> None:
+        self._store = store
+        self.objects = objects
+
+    def __getitem__(self, key: PreparedKey) -> ResidentObject:
+        return self.objects[key]
+
+    @property
+    def released(self) -> bool:
+        return self.objects is None  # type: ignore[comparison-overlap]
+
+    def release(self) -> None:
+        objects, self.objects = self.objects, None  # type: ignore[assignment]
+        if objects:
+            self._store._unpin_many(objects)
+
+    def __enter__(self) -> PinSet:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class ReadinessView:
+    """O(1) "everything in ``keys`` is resident and nothing was evicted since" check."""
+
+    def __init__(self, store: PreparedObjectStore, keys: Iterable[PreparedKey]) -> None:
+        self._store = store
+        self.keys = tuple(dict.fromkeys(keys))
+        self._ready_epoch = -1
+
+    def is_ready(self) -> bool:
+        store = self._store
+        if self._ready_epoch == store._epoch:
+            return True
+        with store._lock:
+            return self._recheck_locked()
+
+    def _recheck_locked(self) -> bool:
+        store = self._store
+        if self._ready_epoch == store._epoch:
+            return True
+        entries = store._entries
+        for k in self.keys:
+            e = entries.get(k)
+            if e is None or e.state is not _S.RESIDENT:
+                return False
+        self._ready_epoch = store._epoch
+        return True
+
+    def pin_if_ready(self) -> PinSet | None:
+        """Pin every key when all are resident (atomically); ``None`` otherwise."""
+        store = self._store
+        with store._lock:
+            if not self._recheck_locked():
+                return None
+            return PinSet(store, {k: store._pin_locked(store._entries[k], None) for k in self.keys})
+
+
+class PreparedObjectStore:
+    """See the module docstring for the contract."""
+
+    def __init__(self, *, residency_limit: int | None = None) -> None:
+        self.residency_limit = residency_limit
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._entries: dict[PreparedKey, _Entry] = {}
+        self._resident_bytes = 0
+        self._epoch = 0
+        self._tick = itertools.count(1)
+        self.materializations = 0  # loads started (generations created), for tests and stats
+
+    # -- queries ---------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def resident_bytes(self) -> int:
+        return self._resident_bytes
+
+    def keys(self) -> list[PreparedKey]:
+        with self._lock:
+            return list(self._entries)
+
+    def state(self, key: PreparedKey) -> ResidencyState:
+        e = self._entries.get(key)
+        return _S.ABSENT if e is None else e.state
+
+    def generation(self, key: PreparedKey) -> int:
+        e = self._entries.get(key)
+        return 0 if e is None else e.generation
+
+    def is_resident(self, key: PreparedKey) -> bool:
+        return self.state(key) is _S.RESIDENT
+
+    def pins(self, key: PreparedKey) -> int:
+        e = self._entries.get(key)
+        return 0 if e is None else e.pins
+
+    @property
+    def total_pins(self) -> int:
+        with self._lock:
+            return sum(e.pins for e in self._entries.values())
+
+    def info(self, key: PreparedKey) -> EntryInfo:
+        with self._lock:
+            e = self._entries.get(key) or _Entry(key)
+            return EntryInfo(key, e.state, e.generation, e.nbytes, e.pins, e.persisted, e.location,
+                             e.device, e.error)
+
+    def readiness(self, keys: Iterable[PreparedKey]) -> ReadinessView:
+        return ReadinessView(self, keys)
+
+    # -- state machine -----------------------------------------------------------------
+
+    def _move(self, e: _Entry, to: ResidencyState) -> None:  # locked
+        if to not in _LEGAL.get(e.state, frozenset()):
+            raise PreparedStateError(f"illegal transition {e.state.value} -> {to.value} "
+                                     f"for prepared object {e.key!r}", e.key)
+        if e.state is _S.RESIDENT:
+            self._epoch += 1  # leaving residency invalidates every readiness view
+        e.state = to
+        self._cond.notify_all()
+
+    def _entry(self, key: PreparedKey) -> _Entry:  # locked
+        e = self._entries.get(key)
+        if e is None:
+            e = self._entries[key] = _Entry(key)
+        return e
+
+    def _owned(self, key: PreparedKey, generation: int) -> _Entry:  # locked
+        e = self._entries.get(key)
+        if e is None or e.generation != generation or e.state not in _IN_FLIGHT:
+            state = "unknown" if e is None else f"{e.state.value} generation {e.generation}"
+            raise PreparedStateError(f"prepared object {key!r} generation {generation} is not loading "
+                                     f"(it is {state})", key)
+        return e
+
+    def _resident_obj(self, e: _Entry) -> ResidentObject:
+        return ResidentObject(e.key, e.generation, e.buffer, e.nbytes, e.device)
+
+    def begin_load(self, key: PreparedKey, *, device: str = "cpu") -> tuple[Materialization, bool]:
+        with self._cond:
+            e = self._entry(key)
+            while e.state is _S.EVICTING:  # short: the buffer is being released
+                self._cond.wait()
+            if e.state is _S.RESIDENT or e.state in _IN_FLIGHT:
+                assert e.future is not None
+                return e.future, False
+            e.origin = e.state if e.state is _S.PERSISTED else _S.ABSENT
+            self._move(e, _S.LOADING)
+            e.generation += 1
+            e.error = None
+            e.device = device
+            e.future = Materialization(key, e.generation)
+            self.materializations += 1
+            return e.future, True
+
+    def mark_preparing(self, key: PreparedKey, generation: int) -> None:
+        with self._lock:
+            e = self._owned(key, generation)
+            if e.state is _S.LOADING:
+                self._move(e, _S.PREPARING)
+
+    def publish(self, key: PreparedKey, generation: int, buffer: Any, *, persisted: bool = False,
+                location: str | None = None) -> ResidentObject:
+        """Make ``buffer`` the resident bytes of this generation (atomic: waiters see it
+        only once the entry is resident)."""
+        nbytes = int(buffer.nbytes)
+        with self._lock:
+            e = self._owned(key, generation)
+            self._move(e, _S.RESIDENT)
+            e.buffer, e.nbytes = buffer, nbytes
+            e.persisted = e.persisted or persisted
+            if location is not None:
+                e.location = location
+            e.last_use = next(self._tick)
+            self._resident_bytes += nbytes
+            obj = self._resident_obj(e)
+            fut = e.future
+        assert fut is not None
+        fut._settle(obj, None)
+        self._enforce_residency_limit(exclude=key)
+        return obj
+
+    def fail(self, key: PreparedKey, generation: int, error: BaseException) -> None:
+        with self._lock:
+            e = self._owned(key, generation)
+            self._move(e, _S.FAILED)
+            e.error = error
+            fut = e.future
+        assert fut is not None
+        fut._settle(None, error)
+
+    def abandon(self, key: PreparedKey, generation: int) -> None:
+        """A cancelled load: back to the resting state it started from; waiters get CancelledError."""
+        with self._lock:
+            e = self._owned(key, generation)
+            self._move(e, e.origin)
+            fut = e.future
+        assert fut is not None
+        fut._settle(None, CancelledError(f"load of prepared object {key!r} was cancelled"))
+
+    def settle_unfinished(self, key: PreparedKey, generation: int, error: BaseException | None = None) -> bool:
+        """If ``generation`` of ``key`` is still loading, end it: ``fail`` with ``error`` or
+        ``abandon`` when ``error`` is None. Idempotent; ``False`` when nothing was in flight.
+
+        A load usually spans several tasks (read -> prepack); when the chain stops early the
+        session calls this from the publishing task's done-callback so the entry never
+        stays ``loading`` and waiters are released."""
+        with self._lock:
+            e = self._entries.get(key)
+            if e is None or e.generation != generation or e.state not in _IN_FLIGHT:
+                return False
+        try:
+            if error is None:
+                self.abandon(key, generation)
+            else:
+                self.fail(key, generation, error)
+        except PreparedStateError:  # settled concurrently by its owner
+            return False
+        return True
+
+    def mark_persisted(self, key: PreparedKey, location: str | None = None) -> None:
+        with self._lock:
+            e = self._entry(key)
+            e.persisted = True
+            if location is not None:
+                e.location = location
+
+    # -- convenience --------------------------------------------------------------------
+
+    def acquire(self, key: PreparedKey, materialize: Callable[[LoadContext], Any], *, pin: bool = False,
+                timeout: float | None = None, device: str = "cpu") -> ResidentObject:
+        while True:
+            with self._lock:
+                e = self._entries.get(key)
+                if e is not None and e.state is _S.RESIDENT:
+                    if pin:
+                        return self._pin_locked(e, None)
+                    e.last_use = next(self._tick)
+                    return self._resident_obj(e)
+                previous = e.state if e is not None else _S.ABSENT
+                persisted = bool(e and e.persisted)
+                location = e.location if e is not None else None
+            fut, owner = self.begin_load(key, device=device)
+            if owner:
+                ctx = LoadContext(self, key, fut.generation, previous, persisted, location)
+                try:
+                    buffer = materialize(ctx)
+                except CancelledError:
+                    self.abandon(key, fut.generation)
+                    raise
+                except BaseException as exc:
+                    self.fail(key, fut.generation, exc)
+                    raise
+                self.publish(key, fut.generation, buffer, persisted=ctx.persisted, location=ctx.location)
+            else:
+                fut.result(timeout)
+            # Loop: pin (or return) under the lock; if it was evicted meanwhile, load again.
+
+    # -- pins -------------------------------------------------------------------------------
+
+    def _pin_locked(self, e: _Entry, generation: int | None) -> ResidentObject:
+        if e.state is not _S.RESIDENT:
+            raise PreparedStateError(f"cannot pin prepared object {e.key!r}: it is {e.state.value}", e.key)
+        if generation is not None and generation != e.generation:
+            raise PreparedStateError(f"cannot pin prepared object {e.key!r} generation {generation}: "
+                                     f"resident generation is {e.generation}", e.key)
+        e.pins += 1
+        e.last_use = next(self._tick)
+        return self._resident_obj(e)
+
+    def pin(self, key: PreparedKey, generation: int | None = None) -> ResidentObject:
+        with self._lock:
+            return self._pin_locked(self._entry(key), generation)
+
+    def unpin(self, key: PreparedKey) -> None:
+        with self._lock:
+            e = self._entries.get(key)
+            if e is None or e.pins == 0:
+                raise PreparedStateError(f"unpin of prepared object {key!r} that is not pinned", key)
+            e.pins -= 1
+
+    def _unpin_many(self, objects: dict[PreparedKey, ResidentObject]) -> None:
+        with self._lock:
+            for k in objects:
+                self._entries[k].pins -= 1
+
+    def pin_many(self, keys: Iterable[PreparedKey]) -> PinSet | None:
+        return ReadinessView(self, keys).pin_if_ready()
+
+    # -- eviction ---------------------------------------------------------------------------
+
+    def evict(self, key: PreparedKey) -> bool:
+        """Drop residency of ``key``. ``False`` (nothing done) when it is pinned or not resident."""
+        with self._lock:
+            e = self._entries.get(key)
+            if e is None or e.state is not _S.RESIDENT or e.pins:
+                return False
+            self._move(e, _S.EVICTING)
+            buffer, e.buffer = e.buffer, None
+        try:
+            buffer.release()
+        finally:
+            with self._lock:
+                self._resident_bytes -= e.nbytes
+                self._move(e, _S.PERSISTED if e.persisted else _S.ABSENT)
+        return True
+
+    def _enforce_residency_limit(self, exclude: PreparedKey | None = None) -> int:
+        """Evict unpinned persisted objects, least recently used first, until under the limit."""
+        if self.residency_limit is None:
+            return 0
+        freed = 0
+        while True:
+            with self._lock:
+                if self._resident_bytes <= self.residency_limit:
+                    return freed
+                candidates = [e for e in self._entries.values()
+                              if e.state is _S.RESIDENT and not e.pins and e.persisted and e.key != exclude]
+                if not candidates:
+                    return freed  # NOTE: over the retention target; the arena limit is the hard one
+                victim = min(candidates, key=lambda e: e.last_use)
+                n = victim.nbytes
+            if self.evict(victim.key):
+                freed += n
+
+    def clear(self) -> None:
+        """Evict everything (session close). Raises if anything is still pinned or loading."""
+        with self._lock:
+            busy = [e.key for e in self._entries.values() if e.pins or e.state in _IN_FLIGHT]
+        if busy:
+            raise PreparedStateError(f"cannot clear the store: {len(busy)} objects pinned or loading "
+                                     f"(first: {busy[0]!r})", busy[0])
+        for key in self.keys():
+            self.evict(key)
