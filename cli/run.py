@@ -24,8 +24,8 @@ SCHEMA = "onnx-prep.run/1"
 def _open_runtime_runner(path: Path, *, threads: int | None):
     """The prepared runtime as a ``Runner`` (core/generation.py) with ``close()``.
 
-    NOTE(lead): the one place the CLI obtains our runtime; finalize when
-    core/session.py lands (``threads`` is not passed on yet).
+    NOTE: the one place the CLI obtains our runtime. ``--threads`` maps to the
+    session's CPU workers (the pool that runs kernels); I/O workers keep their default.
     """
     try:
         from onnx_prep.core.session import Session
@@ -34,7 +34,7 @@ def _open_runtime_runner(path: Path, *, threads: int | None):
             raise
         raise UsageError("the prepared runtime (onnx_prep.core.session) is not in this build",
                          hint="decode with --runtime ort") from exc
-    return Session.open(path)
+    return Session.open(path) if threads is None else Session.open(path, cpu_workers=threads)
 
 
 def _open_runner(kind: str, path: Path, threads: int | None):
@@ -142,7 +142,8 @@ def run(
         else:
             path = model
         io = DecoderIO.from_model(path, mapping)
-        show = tokens >= PROGRESS_MIN_TOKENS
+        # Only on a terminal: a redirected stderr would just collect blank frames.
+        show = tokens >= PROGRESS_MIN_TOKENS and output.stderr.is_terminal
         open_ms, result = _decode(runtime, path, io, prompt, tokens, threads, show)
         doc = {"schema": SCHEMA, "model": str(path), "runtime": runtime,
                "prompt_ids": prompt.tolist(), "batch": int(prompt.shape[0]), "tokens_requested": tokens,

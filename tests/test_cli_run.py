@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import io as _io
 import json
+import sys
 from importlib import resources
 
 import numpy as np
@@ -137,8 +138,9 @@ def test_bad_model_and_io_map_files_exit_2(tmp_path, toy):
     assert "unknown keys" in _error([str(toy), "--runtime", "ort", "--io-map", str(bad_map)])
 
 
-@pytest.mark.skipif(HAVE_SESSION, reason="the prepared runtime exists; its absence cannot be tested")
-def test_missing_prepared_runtime_is_a_clear_error(toy):
+def test_missing_prepared_runtime_is_a_clear_error(toy, monkeypatch):
+    # A build without core/session.py: None in sys.modules makes its import fail.
+    monkeypatch.setitem(sys.modules, "onnx_prep.core.session", None)
     line = _error([str(toy)])
     assert "prepared runtime" in line and "--runtime ort" in line
 
@@ -188,11 +190,23 @@ def test_compare_reports_a_real_divergence_with_exit_1(tmp_path, toy, monkeypatc
 
 @needs_session
 def test_prepared_runtime_matches_ort_on_the_fixture(small_llm_path):
-    doc = _json([str(small_llm_path), "--compare", "ort", "--prompt-ids", "1,2,3,4,5", "--tokens", "12",
-                 "--batch", "2"])
+    doc = _json([str(small_llm_path), "--compare", "ort", "--prompt-ids", "1,2,3,4,5", "--tokens", "32",
+                 "--batch", "4"])
     assert doc["runtime"] == "prepared" and doc["compare"]["agrees"]
     assert doc["compare"]["first_step_max_abs_logit_diff"] <= 1e-3 * doc["compare"]["first_step_logit_range"]
-    assert doc["tokens"][0] == doc["tokens"][1]
+    assert all(row == doc["tokens"][0] for row in doc["tokens"])
+
+
+@needs_session
+@pytest.mark.parametrize("kw", [
+    dict(), dict(kv_names="dot", kv_dtype=10),
+    dict(kv_names="underscore", extras=("seqlens_k", "total_sequence_length", "cache_position")),
+    dict(layers=0),
+], ids=["hf-bhsd", "dot-fp16", "gqa-extras", "no-kv"])
+def test_prepared_runtime_matches_ort_on_toy_conventions(tmp_path, kw):
+    path = build_toy_decoder(tmp_path / "m.onnx", **kw)
+    doc = _json([str(path), "--compare", "ort", "--tokens", "10", "--batch", "2"])
+    assert doc["compare"]["identical"], doc["compare"]
 
 
 @needs_session
