@@ -10,10 +10,11 @@ import pytest
 from onnx_prep import native
 from onnx_prep.core.errors import NativeError
 from test_native_reference import (
-    FP32_REL_TOL,
-    INT8_REL_TOL,
     assert_close_rel,
     dequantize_matmul_nbits,
+    fold_weights,
+    fp32_rel_tol,
+    int8_error_bound,
     matmul_reference,
     random_matmul_nbits,
 )
@@ -35,16 +36,30 @@ def _case(seed, M, K, N, bs, zp, scale_dtype=np.float32, level=0, bias=False):
     return A, packed, W, b
 
 
+def check_against_numpy(got, A, B, s, z, b, *, K, N, bs, level):
+    """The kernel result vs float64 dequantize-then-matmul, within the stated bounds."""
+    W = dequantize_matmul_nbits(B, s, z, K=K, N=N, block_size=bs)
+    want, _ = matmul_reference(A, W, b)
+    mag = np.abs(A.astype(np.float64)) @ fold_weights(B, s, z, K=K, N=N, block_size=bs)
+    if b is not None:
+        mag = mag + np.abs(b)
+    extra = int8_error_bound(A, W, bs) if level == 4 else 0.0
+    assert_close_rel(got, want, mag, fp32_rel_tol(K, bs), f"level {level}", extra=extra)
+
+
 @pytest.mark.parametrize("M,K,N,bs", SHAPES)
 @pytest.mark.parametrize("zp", ZPS)
 def test_scalar_matches_numpy_dequantize_then_matmul(M, K, N, bs, zp):
-    A, packed, W, b = _case(1, M, K, N, bs, zp, bias=True)
-    want, mag = matmul_reference(A, W, b)
+    rng = np.random.default_rng(1)
+    B, s, z = random_matmul_nbits(rng, K=K, N=N, block_size=bs, zp=zp)
+    A = rng.standard_normal((M, K)).astype(np.float32)
+    b = rng.standard_normal(N).astype(np.float32)
+    packed = native.prepack_matmul_nbits(B, s, z, K=K, N=N, block_size=bs)
     got = native.matmul_nbits(A, packed, bias=b, isa="scalar")
     assert got.shape == (M, N) and got.dtype == np.float32
-    assert_close_rel(got, want, mag + np.abs(b), FP32_REL_TOL, "fp32")
+    check_against_numpy(got, A, B, s, z, b, K=K, N=N, bs=bs, level=0)
     got4 = native.matmul_nbits(A, packed, bias=b, isa="scalar", accuracy_level=4)
-    assert_close_rel(got4, want, mag + np.abs(b), INT8_REL_TOL, "int8")
+    check_against_numpy(got4, A, B, s, z, b, K=K, N=N, bs=bs, level=4)
 
 
 @pytest.mark.parametrize("isa", [i for i in ("avx2", "avx512") if i in native.available_isas()] or

@@ -7,9 +7,18 @@ from __future__ import annotations
 
 import numpy as np
 
-# Tolerances, relative to the magnitude of the terms (sum |a| |w| per output).
-FP32_REL_TOL = 2e-6     # fp32 compute vs float64 dequantize-then-matmul
-INT8_REL_TOL = 1.2e-2   # accuracy level 4: A is rounded to int8 per block (<= 0.5/127 each)
+# Tolerances. The kernels compute per block s * (sum a*q - z * sum a) in fp32, so
+# their rounding error is bounded relative to the FOLD MAGNITUDE
+# sum_k |a_k| (|q_k| + |z|) |s| (not sum |a||w|, which is 0 when q = z).
+FP32_UNIT_ROUNDOFF = 2.0 ** -24
+# Level 4 rounds each a to the int8 grid of its block: |error| <= max|a_block| / 254.
+INT8_HALF_STEP = 0.5 / 127
+
+
+def fp32_rel_tol(K: int, block_size: int) -> float:
+    """Worst-case relative error of the fp32 kernels: one rounding per term of the
+    longest chain (block_size fmas, then one fold per block, bias, slack)."""
+    return (block_size + -(-K // block_size) + 4) * FP32_UNIT_ROUNDOFF
 
 
 def random_matmul_nbits(rng, *, K, N, block_size, zp="none", scale_dtype=np.float32):
@@ -49,6 +58,31 @@ def dequantize_matmul_nbits(B, scales, zp, *, K, N, block_size) -> np.ndarray:
     return w.T
 
 
+def fold_weights(B, scales, zp, *, K, N, block_size) -> np.ndarray:
+    """float64 [K, N] of (|code| + |zero|) * |scale|: multiplied by |A| it is the fold magnitude."""
+    kb = -(-K // block_size)
+    codes = nibbles(B.reshape(N, kb, block_size // 2)).reshape(N, kb, block_size).astype(np.float64)
+    s = np.abs(np.asarray(scales, dtype=np.float64)).reshape(N, kb, 1)
+    if zp is None:
+        z = np.full((N, kb, 1), 8.0)
+    elif zp.dtype == np.uint8:
+        z = nibbles(zp.reshape(N, -1))[:, :kb].astype(np.float64).reshape(N, kb, 1)
+    else:
+        z = np.abs(np.asarray(zp, dtype=np.float64)).reshape(N, kb, 1)
+    return ((codes + z) * s).reshape(N, kb * block_size)[:, :K].T
+
+
+def int8_error_bound(A, W, block_size) -> np.ndarray:
+    """[M, N] bound on |A_int8 @ W - A @ W| from level 4's per-block rounding of A."""
+    A64 = np.abs(np.asarray(A, dtype=np.float64))
+    M, K = A64.shape
+    bound = np.zeros((M, W.shape[1]))
+    for k0 in range(0, K, block_size):
+        amax = A64[:, k0:k0 + block_size].max(axis=1, keepdims=True)
+        bound += amax * INT8_HALF_STEP * (np.abs(W[k0:k0 + block_size]).sum(axis=0))
+    return bound
+
+
 def matmul_reference(A, W, bias=None):
     """float64 A @ W (+ bias) and the per-output magnitude sum |A| @ |W| for tolerances."""
     A64 = np.asarray(A, dtype=np.float64)
@@ -58,10 +92,10 @@ def matmul_reference(A, W, bias=None):
     return y, np.abs(A64) @ np.abs(W)
 
 
-def assert_close_rel(got, want, magnitude, rel, what=""):
-    """|got - want| <= rel * magnitude + tiny, elementwise."""
+def assert_close_rel(got, want, magnitude, rel, what="", extra=0.0):
+    """|got - want| <= rel * magnitude + extra (+ tiny), elementwise."""
     err = np.abs(np.asarray(got, dtype=np.float64) - want)
-    bound = rel * magnitude + 1e-30
+    bound = rel * magnitude + extra + 1e-30
     worst = np.max(err / bound) if err.size else 0.0
     assert worst <= 1.0, f"{what}: max error {worst:.3g}x the tolerance (rel {rel})"
 
