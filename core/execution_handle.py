@@ -229,7 +229,7 @@ class ExecutionHandle:
                                    cancelled=tuple(cancelled))
         if failed:
             first = min(failed, key=lambda t: (t.end_ns or 0, t.id))
-            return ExecutionStatus(SubmissionState.FAILED, first.name, first.exception(0),
+            return ExecutionStatus(SubmissionState.FAILED, first.name, first._exc,
                                    tuple(suppressed), tuple(cancelled), counts)
         if cancelled or cancel_requested:
             return ExecutionStatus(SubmissionState.CANCELLED, None, None, (), tuple(cancelled), counts)

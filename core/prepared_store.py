@@ -44,9 +44,10 @@ Load protocol (what a session's READ/PREPACK tasks call):
     ``materialize(LoadContext) -> buffer`` on this thread if nobody is loading it, else
     waiting for the in-flight load. Two concurrent acquires -> one materialization.
 
-Pins: ``pin(key, generation=None) -> ResidentObject`` (must be resident), ``unpin(key)``,
-``pin_many(keys) -> PinSet | None`` (atomically pins all when all are resident).
-An object with pins is never evicted: ``evict`` refuses (returns ``False``).
+Pins: ``pin(key, generation=None) -> ResidentObject`` (must be resident), ``unpin(key)``
+(per-key, for a cold-path step from dispatch to completion); ``pin_many(keys) -> PinSet | None``
+(run-level, atomically all-or-nothing). An object with pins is never evicted: ``evict``
+refuses (returns ``False``).
 
 Eviction: ``evict(key) -> bool`` removes residency, never identity: the entry keeps its
 key, generation count and persisted location; the next consumer re-materializes
@@ -55,8 +56,9 @@ in the cache tier (eviction then goes to ``persisted``).
 
 Readiness epoch: ``epoch`` increments whenever any key leaves residency. ``readiness(keys)``
 returns a :class:`ReadinessView` whose ``is_ready()`` is O(1) while nothing has been evicted
-since it last saw every key resident, and whose ``pin_if_ready()`` pins the whole set under
-one lock acquisition (the hot path's run-level pin).
+since it last saw every key resident, and whose ``pin_if_ready() -> PinSet | None`` takes a
+run-level *lease* on the whole set in O(1) (the hot path's one pin; ``PinSet.objects`` maps
+each key to its resident object, cached per epoch). Keep one view per plan, not per run.
 
 Thread-safe: one lock; buffer ``release()`` and done-callbacks run outside it.
 """
@@ -66,6 +68,7 @@ import enum
 import itertools
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -251,10 +254,17 @@ class _Entry:
 
 
 class PinSet:
-    """Pins on a set of resident objects; ``release()`` (idempotent) or use as a context manager."""
+    """A run-level pin on every key of a :class:`ReadinessView` (a *lease*): while it is
+    held none of those objects can be evicted. O(1) to take and release, whatever the
+    number of keys. ``objects`` maps each key to its pinned :class:`ResidentObject`.
+    ``release()`` is idempotent; also a context manager."""
 
-    def __init__(self, store: PreparedObjectStore, objects: dict[PreparedKey, ResidentObject]) -> None:
+    __slots__ = ("_store", "_view", "objects")
+
+    def __init__(self, store: PreparedObjectStore, view: ReadinessView,
+                 objects: dict[PreparedKey, ResidentObject]) -> None:
         self._store = store
+        self._view: ReadinessView | None = view
         self.objects = objects
 
     def __getitem__(self, key: PreparedKey) -> ResidentObject:
@@ -262,12 +272,12 @@ class PinSet:
 
     @property
     def released(self) -> bool:
-        return self.objects is None  # type: ignore[comparison-overlap]
+        return self._view is None
 
     def release(self) -> None:
-        objects, self.objects = self.objects, None  # type: ignore[assignment]
-        if objects:
-            self._store._unpin_many(objects)
+        view, self._view = self._view, None
+        if view is not None:
+            self._store._end_lease(view)
 
     def __enter__(self) -> PinSet:
         return self
@@ -277,12 +287,16 @@ class PinSet:
 
 
 class ReadinessView:
-    """O(1) "everything in ``keys`` is resident and nothing was evicted since" check."""
+    """O(1) "everything in ``keys`` is resident and nothing was evicted since" check, and
+    the O(1) run-level pin of those keys (:meth:`pin_if_ready`)."""
 
     def __init__(self, store: PreparedObjectStore, keys: Iterable[PreparedKey]) -> None:
         self._store = store
         self.keys = tuple(dict.fromkeys(keys))
+        self.keyset = frozenset(self.keys)
         self._ready_epoch = -1
+        self._objects: dict[PreparedKey, ResidentObject] = {}
+        self.last_use = 0  # LRU tick of the latest lease (leased keys count as used)
 
     def is_ready(self) -> bool:
         store = self._store
@@ -296,20 +310,28 @@ class ReadinessView:
         if self._ready_epoch == store._epoch:
             return True
         entries = store._entries
+        objects = {}
         for k in self.keys:
             e = entries.get(k)
             if e is None or e.state is not _S.RESIDENT:
                 return False
+            objects[k] = store._resident_obj(e)
+        # Generations only change through eviction, which moves the epoch: the cached
+        # objects stay exact for as long as the epoch does.
+        self._objects = objects
         self._ready_epoch = store._epoch
         return True
 
     def pin_if_ready(self) -> PinSet | None:
-        """Pin every key when all are resident (atomically); ``None`` otherwise."""
+        """Pin every key when all are resident (atomically, O(1) when the epoch is
+        unchanged); ``None`` otherwise, pinning nothing."""
         store = self._store
         with store._lock:
-            if not self._recheck_locked():
+            if self._ready_epoch != store._epoch and not self._recheck_locked():
                 return None
-            return PinSet(store, {k: store._pin_locked(store._entries[k], None) for k in self.keys})
+            store._leases[self] = store._leases.get(self, 0) + 1
+            self.last_use = next(store._tick)
+            return PinSet(store, self, self._objects)
 
 
 class PreparedObjectStore:
@@ -324,6 +346,8 @@ class PreparedObjectStore:
         self._epoch = 0
         self._tick = itertools.count(1)
         self.materializations = 0  # loads started (generations created), for tests and stats
+        self._leases: dict[ReadinessView, int] = {}  # active run-level pins per view
+        self._views: weakref.WeakSet[ReadinessView] = weakref.WeakSet()
 
     # -- queries ---------------------------------------------------------------------
 
@@ -351,13 +375,27 @@ class PreparedObjectStore:
         return self.state(key) is _S.RESIDENT
 
     def pins(self, key: PreparedKey) -> int:
-        e = self._entries.get(key)
-        return 0 if e is None else e.pins
+        """Pins on ``key``: per-key pins plus active leases of views that contain it."""
+        with self._lock:
+            e = self._entries.get(key)
+            return (0 if e is None else e.pins) + self._leased_locked(key)
 
     @property
     def total_pins(self) -> int:
+        """Per-key pins plus active run-level leases (each lease counts once)."""
         with self._lock:
-            return sum(e.pins for e in self._entries.values())
+            return sum(e.pins for e in self._entries.values()) + sum(self._leases.values())
+
+    def _leased_locked(self, key: PreparedKey) -> int:
+        return sum(n for v, n in self._leases.items() if key in v.keyset)
+
+    def _end_lease(self, view: ReadinessView) -> None:
+        with self._lock:
+            n = self._leases[view] - 1
+            if n:
+                self._leases[view] = n
+            else:
+                del self._leases[view]
 
     def info(self, key: PreparedKey) -> EntryInfo:
         with self._lock:
@@ -366,7 +404,10 @@ class PreparedObjectStore:
                              e.device, e.error)
 
     def readiness(self, keys: Iterable[PreparedKey]) -> ReadinessView:
-        return ReadinessView(self, keys)
+        view = ReadinessView(self, keys)
+        with self._lock:
+            self._views.add(view)
+        return view
 
     # -- state machine -----------------------------------------------------------------
 
@@ -539,13 +580,9 @@ class PreparedObjectStore:
                 raise PreparedStateError(f"unpin of prepared object {key!r} that is not pinned", key)
             e.pins -= 1
 
-    def _unpin_many(self, objects: dict[PreparedKey, ResidentObject]) -> None:
-        with self._lock:
-            for k in objects:
-                self._entries[k].pins -= 1
-
     def pin_many(self, keys: Iterable[PreparedKey]) -> PinSet | None:
-        return ReadinessView(self, keys).pin_if_ready()
+        """One-off run-level pin of ``keys`` (builds a view; keep a view to reuse the epoch)."""
+        return self.readiness(keys).pin_if_ready()
 
     # -- eviction ---------------------------------------------------------------------------
 
@@ -553,7 +590,7 @@ class PreparedObjectStore:
         """Drop residency of ``key``. ``False`` (nothing done) when it is pinned or not resident."""
         with self._lock:
             e = self._entries.get(key)
-            if e is None or e.state is not _S.RESIDENT or e.pins:
+            if e is None or e.state is not _S.RESIDENT or e.pins or self._leased_locked(key):
                 return False
             self._move(e, _S.EVICTING)
             buffer, e.buffer = e.buffer, None
@@ -575,10 +612,16 @@ class PreparedObjectStore:
                 if self._resident_bytes <= self.residency_limit:
                     return freed
                 candidates = [e for e in self._entries.values()
-                              if e.state is _S.RESIDENT and not e.pins and e.persisted and e.key != exclude]
+                              if e.state is _S.RESIDENT and not e.pins and e.persisted and e.key != exclude
+                              and not self._leased_locked(e.key)]
                 if not candidates:
                     return freed  # NOTE: over the retention target; the arena limit is the hard one
-                victim = min(candidates, key=lambda e: e.last_use)
+                views = list(self._views)
+
+                def lru(e: _Entry) -> int:  # a lease on a view counts as a use of its keys
+                    return max([e.last_use] + [v.last_use for v in views if e.key in v.keyset])
+
+                victim = min(candidates, key=lru)
                 n = victim.nbytes
             if self.evict(victim.key):
                 freed += n

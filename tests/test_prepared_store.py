@@ -205,10 +205,15 @@ def test_readiness_epoch_changes_only_when_residency_is_lost():
     assert st.epoch == e0  # becoming resident does not move the epoch
     assert view.is_ready()
     pins = view.pin_if_ready()
-    assert pins is not None and st.total_pins == 3 and pins[keys[0]].generation == 1
+    assert pins is not None and pins[keys[0]].generation == 1
+    assert st.total_pins == 1 and all(st.pins(k) == 1 for k in keys)  # one run-level lease
+    second = st.pin_many(keys[1:])  # another run's lease, overlapping
+    assert st.pins(keys[1]) == 2 and st.pins(keys[0]) == 1
     assert not st.evict(keys[1])
     pins.release()
     pins.release()  # idempotent
+    assert not st.evict(keys[2])  # still leased by the second run
+    second.release()
     assert st.total_pins == 0
     _load(st, "P:other|l|cpu", 5)
     assert st.evict("P:other|l|cpu") and st.epoch == e0 + 1
@@ -236,11 +241,13 @@ def test_residency_limit_evicts_unpinned_persisted_lru():
     assert st.resident_bytes == 130 and all(st.is_resident(k) for k in "bcde")
     st.unpin("b")
     st.unpin("d")
+    lease = st.pin_many(["b"])  # a run-level lease protects b, the least recently used
     fut, _ = st.begin_load("f")
     st.publish("f", fut.generation, Buf(10), persisted=True)
-    # b is least recently used among b, d, e -> then d.
-    assert st.state("b") is S.PERSISTED and st.state("d") is S.PERSISTED and st.is_resident("e")
-    assert st.resident_bytes == 80
+    # 140: b is leased, so d then e (LRU order) go until 70 <= 100.
+    assert st.is_resident("b") and st.state("d") is S.PERSISTED and st.state("e") is S.PERSISTED
+    assert st.resident_bytes == 70
+    lease.release()
 
 
 def test_concurrent_acquire_pin_evict_keeps_invariants():
