@@ -27,6 +27,7 @@ hot path: no per-action dict is built while replaying).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -137,7 +138,7 @@ class ActionProgram:
         compiled: list[tuple] = []
         raw_weights: dict[str, None] = {}
         for node in resolved.nodes:
-            fn, attrs = bind_node(node, resolved.opsets, resolved.weights)
+            fn, attrs, implicit = bind_node(node, resolved.opsets, resolved.weights)
             replaced: dict[int, PreparedKey] = {}
             if use_prepared:
                 for key, names in node.prepared_inputs.items():
@@ -149,6 +150,10 @@ class ActionProgram:
                 if not name or pos in replaced:
                     in_slots.append(NONE_SLOT)
                     continue
+                in_slots.append(slot(name))
+                if name in resolved.weights and name not in resolved.inline_values:
+                    raw_weights[name] = None
+            for name in implicit:  # outer-scope values a subgraph reads: after the inputs
                 in_slots.append(slot(name))
                 if name in resolved.weights and name not in resolved.inline_values:
                     raw_weights[name] = None
@@ -263,6 +268,19 @@ class ActionProgram:
                                   Where(model=str(self.resolved.model_path), node=a.name)) from e
         finally:
             values[DISCARD_SLOT] = None
+
+    def execute_profiled(self, values: Values, prepared: Mapping[PreparedKey, np.ndarray] | PreparedBinding | None,
+                         begin: int = 0, end: int | None = None) -> list[int]:
+        """``execute`` one action at a time, returning each action's wall time in ns
+        (index ``i - begin``). For profiles; the hot path uses ``execute``."""
+        end = len(self.actions) if end is None else end
+        times = []
+        clock = time.perf_counter_ns
+        for i in range(begin, end):
+            t0 = clock()
+            self.execute(values, prepared, i, i + 1)
+            times.append(clock() - t0)
+        return times
 
     def fetch(self, values: Values) -> dict[str, np.ndarray]:
         """The graph outputs present in ``values`` (all of them after a full run)."""

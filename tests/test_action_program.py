@@ -238,3 +238,47 @@ def test_node_without_kernel_fails_compile_naming_it(tmp_path):
 def test_compile_rejects_non_frozen():
     with pytest.raises(OnnxPrepError, match="frozen ResolvedModel"):
         ActionProgram.compile(object())  # type: ignore[arg-type]
+
+
+def test_control_flow_with_outer_scope_values_matches_ort(tmp_path):
+    """If whose branches read outer values (an activation and an initializer), and a Loop
+    whose body reads an outer value: the reference fallback gets them as its context."""
+    ort = ort_or_skip()
+    f32 = TensorProto.FLOAT
+    then_g = helper.make_graph([helper.make_node("Add", ["h", "w"], ["t_out"])], "then", [],
+                               [helper.make_tensor_value_info("t_out", f32, [3])])
+    else_g = helper.make_graph([helper.make_node("Sub", ["h", "w"], ["e_out"])], "else", [],
+                               [helper.make_tensor_value_info("e_out", f32, [3])])
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+         helper.make_node("Add", ["acc_in", "h"], ["acc_out"])],
+        "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("acc_in", f32, [3])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("acc_out", f32, [3])])
+    nodes = [
+        helper.make_node("Relu", ["x"], ["h"], name="relu"),
+        helper.make_node("If", ["c"], ["y"], name="if0", then_branch=then_g, else_branch=else_g),
+        helper.make_node("Loop", ["trips", "", "x"], ["z"], name="loop0", body=body),
+    ]
+    w = np.float32([10, 20, 30])
+    g = helper.make_graph(nodes, "cf",
+                          [helper.make_tensor_value_info("x", f32, [3]),
+                           helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+                           helper.make_tensor_value_info("trips", TensorProto.INT64, [])],
+                          [helper.make_tensor_value_info("y", f32, [3]), helper.make_tensor_value_info("z", f32, [3])],
+                          initializer=[numpy_helper.from_array(w, "w")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    path = _save(m, tmp_path / "cf.onnx", external=False)
+    resolved = resolve_model(path)
+    assert {n.name: n.kernel for n in resolved.nodes}["if0"] == "reference"
+    program = ActionProgram.compile(resolved)
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for cond in (True, False):
+        feeds = {"x": np.float32([-1, 2, 3]), "c": np.array(cond), "trips": np.array(3, np.int64)}
+        ours = program.run(feeds, {})
+        theirs = dict(zip(["y", "z"], sess.run(None, feeds)))
+        for k in theirs:
+            np.testing.assert_allclose(ours[k], theirs[k], rtol=1e-6)

@@ -124,6 +124,22 @@ def test_tiny_fixture_matches_ort(tiny_native, batch):
     assert r["steps"] == GENERATED and not r["skipped"], r
 
 
+def _isas():
+    from onnx_prep import native
+
+    return native.available_isas()
+
+
+@pytest.mark.parametrize("isa", _isas())
+def test_small_fixture_matches_ort_on_every_isa(small_native, isa, monkeypatch):
+    from onnx_prep import native
+
+    monkeypatch.setenv(native.ENV_VAR, isa)
+    assert native.active_isa() == isa
+    r = compare_generation(small_native, 4, seed=4)
+    assert r["steps"] == GENERATED and not r["skipped"], r
+
+
 def test_small_fixture_reference_backend_matches_ort(small_llm_path):
     r = compare_generation(Decoder(small_llm_path, "reference"), 4, seed=2)
     assert not r["skipped"], r

@@ -57,7 +57,9 @@ FALLBACK_CASES = [
     ("resize-nearest", "Resize", [R.standard_normal((1, 1, 2, 2)).astype(np.float32), None,
                                   np.array([1, 1, 2, 2], np.float32)], {"mode": "nearest"}),
     ("clip", "Clip", [R.standard_normal((5,)).astype(np.float32), np.float32(-0.5), np.float32(0.5)], {}),
-    ("cast-to-string-free", "Mod", [np.array([5, -7, 9], np.int64), np.array([3, 3, -4], np.int64)], {}),
+    ("hard-swish-function-body", "HardSwish", [R.standard_normal((6,)).astype(np.float32) * 4], {}),
+    ("mvn-function-body", "MeanVarianceNormalization", [R.standard_normal((2, 3, 4, 2)).astype(np.float32)], {}),
+    ("mod", "Mod", [np.array([5, -7, 9], np.int64), np.array([3, 3, -4], np.int64)], {}),
 ]
 
 

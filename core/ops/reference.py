@@ -6,15 +6,14 @@ assigns the ``reference`` kernel to every standard op without a numpy implementa
 here; the numpy ops also use it for the corners they do not cover themselves (Cast to
 bfloat16 / float8 / strings).
 
-Known gap: control-flow ops (If, Loop, Scan) whose subgraphs read values of the outer
-graph need those values as a context; the action program does not pass one, so such
-nodes fail with UnsupportedOpError naming the node. Subgraphs that only read their own
-inputs run.
+Control flow (If, Loop, Scan): a subgraph may read values of the enclosing graph.
+``outer_names`` lists them; the action program appends their slots after the node's
+own inputs and ``ReferenceOp`` hands them to the implementation as its context.
 """
 from __future__ import annotations
 
 import threading
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -47,7 +46,12 @@ class ReferenceOp:
     """
 
     def __init__(self, op_type: str, domain: str, attrs: Mapping[str, Any], opset: int | None,
-                 *, node_name: str = "", opsets: Mapping[str, int] | None = None) -> None:
+                 *, node_name: str = "", opsets: Mapping[str, int] | None = None,
+                 present_inputs: Sequence[bool] | None = None, implicit_inputs: Sequence[str] = ()) -> None:
+        """``present_inputs``: which input positions the node fills (absent optional
+        inputs are False); function-body expansions need the node's input list.
+        ``implicit_inputs``: outer-scope names the node's subgraphs read; their values
+        follow the regular inputs in every call."""
         import onnx
         from onnx import helper
 
@@ -65,41 +69,112 @@ class ReferenceOp:
         )
         self._n_outputs = int(attrs.get(N_OUTPUTS, 1))
         node.output.extend(f"o{i}" for i in range(self._n_outputs))
+        node.input.extend(f"i{j}" if p else "" for j, p in enumerate(present_inputs or ()))
         self._node = node
+        self._n_inputs = len(present_inputs) if present_inputs is not None else None
+        self._implicit = tuple(implicit_inputs)
+        self._node_name = node_name
+        self._opsets = dict(opsets or {domain: self.opset})
+        self._by_types: dict[tuple, Any] = {}
+        self._impl = None
         try:
-            if domain == "":
-                from onnx.reference.ops import load_op
-            else:
-                from onnx.reference.ops.aionnxml import load_op
-            cls = load_op(domain, op_type, self.opset)
+            self._impl = self._instantiate(None)
+        except _context_error():
+            # A context-dependent function body (expanded per input types): built on
+            # first call from the actual input dtypes, then cached per dtype tuple.
+            pass
         except Exception as e:  # onnx raises plain exceptions for unknown ops
             raise UnsupportedOpError(
                 f"no reference implementation for {domain or 'ai.onnx'}::{op_type} at opset {self.opset}: {e}",
                 Where(node=node_name or None)) from e
+
+    def _instantiate(self, input_types):
         from onnx.reference.reference_evaluator import ReferenceEvaluator
 
-        run_params = {"log": lambda *a: None, "opsets": dict(opsets or {domain: self.opset}),
-                      "verbose": 0, "new_ops": {}, "existing_functions": {},
-                      "evaluator_cls": ReferenceEvaluator}
-        self._impl = cls(node, run_params)
-        self._node_name = node_name
+        if self.domain == "":
+            from onnx.reference.ops import load_op
+
+            # evaluator_cls lets load_op expand ops defined by a function body.
+            cls = load_op("", self.op_type, self.opset, evaluator_cls=ReferenceEvaluator,
+                          node=self._node if input_types is not None else None, input_types=input_types)
+        else:
+            from onnx.reference.ops.aionnxml import load_op
+
+            cls = load_op(self.domain, self.op_type, self.opset)
+        run_params = {"log": lambda *a: None, "opsets": self._opsets, "verbose": 0, "new_ops": {},
+                      "existing_functions": {}, "evaluator_cls": ReferenceEvaluator}
+        return cls(self._node, run_params)
+
+    def _impl_for(self, args: list):
+        from onnx import helper
+
+        key = tuple(None if a is None else a.dtype.str for a in args)
+        impl = self._by_types.get(key)
+        if impl is None:
+            types = [helper.make_tensor_type_proto(helper.np_dtype_to_tensor_dtype(a.dtype), None)
+                     if a is not None else None for a in args]
+            impl = self._by_types[key] = self._instantiate(types)
+        return impl
 
     def __call__(self, inputs: list, attrs: Mapping[str, Any] | None = None,
                  prepared: Mapping | None = None) -> list:
+        args = list(inputs)
+        context = None
+        if self._implicit:
+            n = len(args) - len(self._implicit)
+            context = dict(zip(self._implicit, args[n:]))
+            args = args[:n]
+        if self.op_type == "Loop" and len(args) > 1 and args[1] is None:
+            # ONNX: an absent `cond` means "true"; onnx.reference's Loop would run zero
+            # iterations (`while cond and ...`), ORT runs M.
+            args[1] = np.array(True)
         # Trailing absent optional inputs are dropped; inner ones stay None, which the
         # reference implementations read as "absent".
-        args = list(inputs)
         while args and args[-1] is None:
             args.pop()
-        try:
-            out = self._impl.run(*args)
-        except RuntimeError as e:
-            if "context" in str(e):
-                raise UnsupportedOpError(
-                    f"{self.op_type}: subgraphs that read outer-scope values are not supported",
-                    Where(node=self._node_name or None)) from e
-            raise
+        impl = self._impl if self._impl is not None else self._impl_for(args)
+        if impl.need_context():
+            out = impl.run(*args, context=context or {})
+        else:
+            out = impl.run(*args)
         return [np.asarray(o) if not isinstance(o, np.ndarray) else o for o in out]
+
+
+def outer_names(attrs: Mapping[str, Any]) -> tuple[str, ...]:
+    """Names the node's subgraph attributes read from enclosing scopes (sorted)."""
+    import onnx
+
+    used: set[str] = set()
+    for v in attrs.values():
+        graphs = [v] if isinstance(v, onnx.GraphProto) else \
+            [g for g in v if isinstance(g, onnx.GraphProto)] if isinstance(v, (list, tuple)) else []
+        for g in graphs:
+            used |= _graph_outer_names(g)
+    return tuple(sorted(used))
+
+
+def _graph_outer_names(graph) -> set[str]:
+    import onnx
+
+    defined = {v.name for v in graph.input} | {t.name for t in graph.initializer} | \
+        {t.values.name for t in graph.sparse_initializer}
+    used: set[str] = set()
+    for node in graph.node:
+        for name in node.input:
+            if name and name not in defined:
+                used.add(name)
+        for a in node.attribute:
+            for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                used |= {n for n in _graph_outer_names(g) if n not in defined}
+        defined.update(node.output)
+    used |= {v.name for v in graph.output if v.name not in defined}
+    return used
+
+
+def _context_error():
+    from onnx.reference.op_run import RuntimeContextError
+
+    return RuntimeContextError
 
 
 def _freeze(value: Any):
@@ -123,9 +198,10 @@ def run_reference(op_type: str, domain: str, attrs: Mapping[str, Any], inputs: l
     For occasional use inside numpy ops; the action program binds a ``ReferenceOp``
     per node instead.
     """
-    key = (op_type, domain, opset, tuple((k, _freeze(v)) for k, v in sorted(attrs.items())))
+    present = tuple(x is not None for x in inputs)
+    key = (op_type, domain, opset, present, tuple((k, _freeze(v)) for k, v in sorted(attrs.items())))
     with _CACHE_LOCK:
         op = _CACHE.get(key)
         if op is None:
-            op = _CACHE[key] = ReferenceOp(op_type, domain, attrs, opset)
+            op = _CACHE[key] = ReferenceOp(op_type, domain, attrs, opset, present_inputs=present)
     return op(inputs)

@@ -17,7 +17,7 @@ Kernel ids are the kernel registry's (core/kernel_registry.py): ``int4_matmul``,
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
 
@@ -26,7 +26,7 @@ from onnx_prep.core.ops import elementwise as ew
 from onnx_prep.core.ops import gemm as gm
 from onnx_prep.core.ops import int4, nn, reduce, shape
 from onnx_prep.core.ops.attributes import N_OUTPUTS, ROW_SHAPE, normalize_attributes
-from onnx_prep.core.ops.reference import ReferenceOp, run_reference
+from onnx_prep.core.ops.reference import ReferenceOp, outer_names, run_reference
 
 OpImpl = Callable[[list, Mapping[str, Any], Mapping[int, np.ndarray]], list]
 
@@ -119,13 +119,19 @@ def get_op(op_type: str, domain: str = "", kernel_id: str | None = "numpy", opse
     raise UnsupportedOpError(f"no kernel for {domain or 'ai.onnx'}::{op_type} (kernel id {kernel_id!r})")
 
 
-def bind_node(node, opsets: Mapping[str, int], weights: Mapping[str, Any] | None = None
-              ) -> tuple[OpImpl, Mapping[str, Any]]:
-    """(impl, attrs) for one ``NodeKernel``, resolved once at compile time.
+class BoundOp(NamedTuple):
+    fn: OpImpl
+    attrs: dict[str, Any]
+    implicit_inputs: tuple[str, ...]  # outer-scope values the subgraphs read, passed after the inputs
+
+
+def bind_node(node, opsets: Mapping[str, int], weights: Mapping[str, Any] | None = None) -> BoundOp:
+    """The implementation of one ``NodeKernel``, resolved once at compile time.
 
     Adds the reserved attributes the ops read (``N_OUTPUTS``; ``ROW_SHAPE`` for a
-    prepacked gather, from the data's WeightDescriptor) and instantiates the reference
-    implementation for ``reference`` nodes.
+    prepacked gather, from the data's WeightDescriptor), instantiates the reference
+    implementation for ``reference`` nodes, and lists the outer-scope values a
+    control-flow node's subgraphs read (the caller appends them to the inputs).
     """
     if node.kernel is None:
         raise UnsupportedOpError(f"no kernel for {node.domain or 'ai.onnx'}::{node.op_type}",
@@ -137,9 +143,12 @@ def bind_node(node, opsets: Mapping[str, int], weights: Mapping[str, Any] | None
     if node.kernel == "int4_gather" and weights is not None and node.inputs[0] in weights:
         attrs[ROW_SHAPE] = _gather_row_shape(weights[node.inputs[0]], attrs)
     if node.kernel == "reference" or (node.kernel == "numpy" and _numpy_impl(node.op_type, domain, opset) is None):
-        return ReferenceOp(node.op_type, domain, attrs, opset, node_name=node.name, opsets=opsets), attrs
+        implicit = outer_names(attrs)
+        fn = ReferenceOp(node.op_type, domain, attrs, opset, node_name=node.name, opsets=opsets,
+                         present_inputs=[bool(n) for n in node.inputs], implicit_inputs=implicit)
+        return BoundOp(fn, attrs, implicit)
     try:
-        return get_op(node.op_type, domain, node.kernel, opset), attrs
+        return BoundOp(get_op(node.op_type, domain, node.kernel, opset), attrs, ())
     except UnsupportedOpError as e:
         raise UnsupportedOpError(e.message, Where(node=node.name)) from None
 

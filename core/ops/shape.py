@@ -187,8 +187,13 @@ def split(inputs, attrs, prepared):
         sizes = [min(part, dim - i * part) for i in range(n)]
     if sum(sizes) != dim:
         raise ValueError(f"Split sizes {sizes} do not sum to dimension {dim}")
-    bounds = np.cumsum(sizes)[:-1]
-    return list(np.split(x, bounds, axis=axis))
+    # Basic slicing (views); np.split costs ~10x more per call in Python overhead.
+    lead = (slice(None),) * axis
+    out, start = [], 0
+    for n in sizes:
+        out.append(x[lead + (slice(start, start + n),)])
+        start += n
+    return out
 
 
 def trilu(inputs, attrs, prepared):

@@ -1,0 +1,106 @@
+"""Where one decode step of a fixture model spends its time, per op type (ActionProgram,
+native prepared objects, hot-path binding). Prints a table; --json for machine output.
+
+    .venv/bin/python scripts/profile_ops.py [--preset tiny-llm] [--batch 1] [--past 16] [--repeats 20]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from onnx_prep.core.action_program import ActionProgram
+from onnx_prep.core.external_data import ExternalDataReader
+from onnx_prep.core.ops.prepack import prepack_all, source_loader
+from onnx_prep.core.resolution import resolve_model
+from onnx_prep.fixtures import generate
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="tiny-llm")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--past", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--backend", default="native", choices=["native", "reference"])
+    ap.add_argument("--ort", action="store_true", help="also time ONNX Runtime (1 thread) on the same feeds")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    tmp = tempfile.TemporaryDirectory()
+    path = generate(args.preset, Path(tmp.name))
+    resolved = resolve_model(path)
+    load = source_loader(resolved, ExternalDataReader.for_model(resolved))
+    program = ActionProgram.compile(resolved)
+    binding = program.bind_prepared(prepack_all(resolved, load, backend=args.backend))
+    weights = {n: load(n) for n in program.weight_names}
+
+    kv = [v for v in resolved.inputs if v.name.startswith("past_key_values.")]
+    heads, dim = kv[0].shape[1], kv[0].shape[3]
+    rng = np.random.default_rng(0)
+    feeds = {"input_ids": rng.integers(0, 100, size=(args.batch, 1)).astype(np.int64),
+             "position_ids": np.full((args.batch, 1), args.past, np.int64)}
+    for v in kv:
+        feeds[v.name] = rng.standard_normal((args.batch, heads, args.past, dim)).astype(np.float32)
+
+    for _ in range(3):  # warm up
+        program.run(feeds, binding, weights=weights)
+    t0 = time.perf_counter()
+    for _ in range(args.repeats):
+        program.run(feeds, binding, weights=weights)
+    step_ms = (time.perf_counter() - t0) / args.repeats * 1e3
+
+    ort_ms = None
+    if args.ort:
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = 1
+        sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        for _ in range(3):
+            sess.run(None, feeds)
+        t0 = time.perf_counter()
+        for _ in range(args.repeats):
+            sess.run(None, feeds)
+        ort_ms = (time.perf_counter() - t0) / args.repeats * 1e3
+    tmp.cleanup()
+
+    per_op: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    total_profiled = 0.0
+    for _ in range(args.repeats):
+        values = program.new_values(feeds, weights)
+        for a, ns in zip(program.actions, program.execute_profiled(values, binding)):
+            kind = f"{a.op_type} [{resolved.nodes[a.node_index].kernel}]"
+            per_op[kind][0] += ns / 1e6 / args.repeats
+            per_op[kind][1] += 1
+            total_profiled += ns / 1e6 / args.repeats
+    rows = sorted(((k, v[0], v[1] // args.repeats) for k, v in per_op.items()), key=lambda r: -r[1])
+    from onnx_prep import native
+
+    record = {"preset": args.preset, "batch": args.batch, "past": args.past, "backend": args.backend,
+              "isa": native.active_isa(), "actions": len(program), "step_ms": round(step_ms, 3),
+              "ort_step_ms": None if ort_ms is None else round(ort_ms, 3),
+              "profiled_ms": round(total_profiled, 3),
+              "per_op": [{"op": k, "ms": round(ms, 3), "count": n, "share": round(ms / total_profiled, 4)}
+                         for k, ms, n in rows]}
+    if args.json:
+        json.dump(record, sys.stdout, indent=1)
+        print()
+        return 0
+    print(f"{args.preset} batch {args.batch} past {args.past} backend {args.backend} isa {record['isa']}: "
+          f"{len(program)} actions, decode step {step_ms:.2f} ms (per-action profile {total_profiled:.2f} ms)"
+          + ("" if ort_ms is None else f"; ONNX Runtime (1 thread) {ort_ms:.2f} ms"))
+    print(f"{'op [kernel]':40s} {'count':>5s} {'ms':>8s} {'share':>6s}")
+    for k, ms, n in rows:
+        print(f"{k:40s} {n:5d} {ms:8.3f} {ms / total_profiled:6.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
