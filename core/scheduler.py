@@ -107,28 +107,44 @@ class TaskState(enum.Enum):
 _TERMINAL = frozenset({TaskState.DONE, TaskState.FAILED, TaskState.CANCELLED})
 
 
+_lazy_lock = threading.Lock()  # creation of lazily-made Events (rare: only when someone blocks)
+
+
 class CancelToken:
     """Cooperative cancellation flag handed to a running task (``ctx.token``)."""
 
-    __slots__ = ("_event",)
+    # NOTE: a plain flag; the Event behind wait() is created only if someone waits, since
+    # a threading.Event costs more than the rest of a task's bookkeeping.
+    __slots__ = ("_flag", "_event")
 
     def __init__(self) -> None:
-        self._event = threading.Event()
+        self._flag = False
+        self._event: threading.Event | None = None
 
     def cancel(self) -> None:
-        self._event.set()
+        self._flag = True
+        with _lazy_lock:
+            event = self._event
+        if event is not None:
+            event.set()
 
     @property
     def cancelled(self) -> bool:
-        return self._event.is_set()
+        return self._flag
 
     def raise_if_cancelled(self, what: str = "task") -> None:
-        if self._event.is_set():
+        if self._flag:
             raise CancelledError(f"{what} cancelled")
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until cancelled (or timeout); for tasks that wait on something cancellable."""
-        return self._event.wait(timeout)
+        with _lazy_lock:
+            if self._event is None:
+                self._event = threading.Event()
+                if self._flag:
+                    self._event.set()
+            event = self._event
+        return event.wait(timeout)
 
 
 class TaskContext:
@@ -209,10 +225,10 @@ class TaskHandle:
         self._dependents: list[TaskHandle] = []
         self._pending = 0
         self._reservation: Reservation | None = None
-        self._done = threading.Event()
+        self._done: threading.Event | None = None  # made on first wait (see _done_event)
         self._callbacks: list[Callable[[TaskHandle], None]] = []
+        self._signalled = False  # terminal and visible to waiters (set after the state)
         self._consumers = 0
-        self._shared = False
         self._token_seq = 0  # heap entry validity
         self._blocked = False  # parked waiting for memory
         self._ran_critical = False
@@ -232,17 +248,27 @@ class TaskHandle:
     def priority(self) -> Priority:
         return self._priority
 
+    def _done_event(self) -> threading.Event:
+        with self._sched._lock:
+            if self._done is None:
+                self._done = threading.Event()
+                if self._signalled:
+                    self._done.set()
+            return self._done
+
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._signalled
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until terminal; ``False`` on timeout."""
-        return self._done.wait(timeout)
+        if self._signalled:
+            return True
+        return self._done_event().wait(timeout)
 
     def result(self, timeout: float | None = None) -> Any:
         """The task's return value; raises its exception if FAILED, :class:`CancelledError` if
         CANCELLED, :class:`TimeoutError` on timeout."""
-        if not self._done.wait(timeout):
+        if not self.wait(timeout):
             raise TimeoutError(f"task {self.name!r} not done after {timeout}s")
         if self._state is TaskState.DONE:
             return self._result
@@ -252,7 +278,7 @@ class TaskHandle:
         raise self.cancelled_error()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        if not self._done.wait(timeout):
+        if not self.wait(timeout):
             raise TimeoutError(f"task {self.name!r} not done after {timeout}s")
         return self._exc
 
@@ -287,7 +313,6 @@ class TaskHandle:
         """Register one more consumer of this (shared) task."""
         with self._sched._lock:
             self._consumers += 1
-            self._shared = True
 
     def release(self, *, cancel_if_unused: bool = True) -> bool:
         """Drop one consumer. Cancels the task (and producers shared only through it) when
@@ -689,7 +714,10 @@ class Scheduler:
         for t in finished:
             with self._lock:
                 callbacks, t._callbacks = t._callbacks, []
-            t._done.set()
+                t._signalled = True
+                event = t._done
+            if event is not None:
+                event.set()
             for fn in callbacks:
                 _call(fn, t)
         if inline:
