@@ -31,6 +31,10 @@ Contract (stable)
 ``status() -> ExecutionStatus`` — state (RUNNING / DONE / FAILED / CANCELLED), failing task,
     its error, suppressed task names (cancelled because of the failure), cancelled task
     names, counts per task state.
+Known gap: when an owned task fails, the handle still waits for the shared tasks it
+retained (they are not cancelled: the session will want them); only ``cancel()`` lets
+them go early.
+
 ``add_finalizer(fn)`` — ``fn()`` runs once, when the submission becomes terminal (on the
     thread completing its last task, or at once). Use it for run-level cleanup such as
     unpinning; it must not reference the handle (see below).

@@ -42,6 +42,8 @@ waits for running ones, joins every worker thread. Also a context manager.
 Execution rules
 ---------------
 
+- Known gap: DEVICE is one plain worker queue (``device_queues`` threads); there are no
+  per-stream events yet, so a copy overlaps a kernel only across different workers.
 - Queues: one priority queue per resource (IO, CPU, DEVICE), ordered by (priority class,
   submission sequence). INLINE tasks run on the thread that made them ready (the
   submitting thread, or the thread completing the last dependency), through a per-thread
