@@ -60,6 +60,8 @@ from dataclasses import dataclass
 
 from onnx_prep.core.errors import BudgetError
 
+__all__ = ["Arena", "ArenaStats", "BudgetSnapshot", "MemoryBudget", "Reservation"]
+
 
 class Arena(enum.Enum):
     PREPARATION = "preparation"

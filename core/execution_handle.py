@@ -24,13 +24,14 @@ Contract (stable)
     task), :class:`CancelledError` when the submission was cancelled (or lost a task to
     cancellation) without a failure, :class:`TimeoutError` if ``timeout`` expires first.
 ``is_ready() -> bool`` — every task terminal (non-blocking).
-``cancel() -> None`` — a no-op once the submission is finished; else cooperative: cancels the owned tasks (queued ones never run, running
-    ones see their token), then releases this submission's interest in each shared task;
-    a shared task is cancelled only when no other consumer (handle or live dependent)
-    remains. Idempotent.
+``cancel() -> None`` — a no-op once the submission is finished; else cooperative: cancels
+    the owned tasks (queued ones never run, running ones see their token), then releases
+    this submission's interest in each shared task; a shared task is cancelled only when
+    no other consumer (handle or live dependent) remains. Idempotent.
 ``status() -> ExecutionStatus`` — state (RUNNING / DONE / FAILED / CANCELLED), failing task,
     its error, suppressed task names (cancelled because of the failure), cancelled task
     names, counts per task state.
+
 Known gap: when an owned task fails, the handle still waits for the shared tasks it
 retained (they are not cancelled: the session will want them); only ``cancel()`` lets
 them go early.
@@ -56,8 +57,17 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from onnx_prep.core.errors import EXIT_INTERNAL, CancelledError, OnnxPrepError, TaskFailedError, UsageError, Where
+from onnx_prep.core.errors import (
+    EXIT_INTERNAL,
+    CancelledError,
+    OnnxPrepError,
+    TaskFailedError,
+    UsageError,
+    Where,
+)
 from onnx_prep.core.scheduler import TaskHandle, TaskState, _call
+
+__all__ = ["ExecutionHandle", "ExecutionStatus", "SubmissionState"]
 
 
 class SubmissionState(enum.Enum):

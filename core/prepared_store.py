@@ -78,6 +78,11 @@ from onnx_prep.core.prepared_key import PreparedKey
 
 _log = logging.getLogger(__name__)
 
+__all__ = [
+    "PreparedObjectStore", "ResidencyState", "ResidentObject", "EntryInfo", "Materialization",
+    "LoadContext", "PinSet", "ReadinessView", "PreparedBuffer", "PreparedStateError",
+]
+
 
 class PreparedStateError(OnnxPrepError):
     """An illegal residency transition or misuse of the store (a bug in the caller)."""
@@ -618,7 +623,8 @@ class PreparedObjectStore:
                     return freed  # NOTE: over the retention target; the arena limit is the hard one
                 views = list(self._views)
 
-                def lru(e: _Entry) -> int:  # a lease on a view counts as a use of its keys
+                def lru(e: _Entry, views: list[ReadinessView] = views) -> int:
+                    # a lease on a view counts as a use of its keys
                     return max([e.last_use] + [v.last_use for v in views if e.key in v.keyset])
 
                 victim = min(candidates, key=lru)

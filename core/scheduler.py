@@ -15,7 +15,8 @@ Contract (stable)
     included — on ONE worker thread in priority order: the same task set, one at a time,
     for comparisons.
 
-``submit(fn, *, resource=CPU, priority=CRITICAL, deps=(), mem=None, name="", group=None, meta=None, promote_deps=False) -> TaskHandle``
+``submit(fn, *, resource=CPU, priority=CRITICAL, deps=(), mem=None, name="", group=None,
+meta=None, promote_deps=False) -> TaskHandle``
     ``fn(ctx: TaskContext) -> result``. The task becomes READY when every handle in
     ``deps`` is DONE; if any dependency FAILED or was CANCELLED it becomes CANCELLED (cause =
     the root failing task) without running. ``mem`` (``{Arena: bytes}``) is reserved in the
@@ -91,6 +92,8 @@ from onnx_prep.core.errors import BudgetError, CancelledError, UsageError
 from onnx_prep.core.task import Priority, ResourceClass
 
 _log = logging.getLogger(__name__)
+
+__all__ = ["Scheduler", "TaskHandle", "TaskContext", "TaskGroup", "TaskEvent", "TaskState", "CancelToken"]
 
 
 class TaskState(enum.Enum):

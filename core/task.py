@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from onnx_prep.core.arenas import Arena
 from onnx_prep.core.prepared_key import PreparedKey
 
+__all__ = ["TaskId", "TaskScope", "TaskKind", "ResourceClass", "Priority", "TaskDescriptor"]
+
 TaskId = str
 
 

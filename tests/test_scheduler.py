@@ -168,6 +168,7 @@ def test_memory_admission_waits_without_holding_a_worker(make_sched):
     assert b.state is TaskState.READY
     release_a.set()
     assert b.result(T) == 50  # a's 80 bytes were returned before b was admitted
+    assert a.state is TaskState.DONE and a.end_ns <= b.start_ns
     assert budget.peak(Arena.PREPARATION) <= 100 and budget.live(Arena.PREPARATION) == 0
 
 
@@ -367,7 +368,7 @@ def test_sequential_mode_runs_one_task_at_a_time(make_sched):
     assert state["max"] == 1 and len(threads) == 1
     assert threads == set(s.worker_names) and len(s.worker_names) == 1
     ev = sorted(s.events(), key=lambda e: e.start_ns)
-    assert all(a.end_ns <= b.start_ns for a, b in zip(ev, ev[1:]))
+    assert all(a.end_ns <= b.start_ns for a, b in zip(ev, ev[1:], strict=False))
 
 
 def test_device_work_needs_a_device_queue(make_sched):
