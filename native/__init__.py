@@ -15,7 +15,7 @@ from onnx_prep.native.gather_block_quantized import (
 from onnx_prep.native.gemm import gemm, gemm_b_packed_size, prepack_gemm_b
 from onnx_prep.native.isa import ENV_VAR, active_isa, available_isas, cpu_features
 from onnx_prep.native.matmul_nbits import (
-    TILE_N,
+    PANEL_N,
     matmul_nbits,
     matmul_nbits_packed_size,
     prepack_matmul_nbits,
@@ -29,7 +29,7 @@ __all__ = [
     "NATIVE_VERSION",
     "PackedHeader",
     "StableSlot",
-    "TILE_N",
+    "PANEL_N",
     "active_isa",
     "available_isas",
     "cpu_features",

@@ -79,7 +79,7 @@ int op_matmul_nbits(int isa, const float *A, size_t M, size_t lda, const uint8_t
     op_mm_args a;
     memset(&a, 0, sizeof a);
     a.h = &h;
-    a.tiles = packed + h.data_offset;
+    a.panels = packed + h.data_offset;
     a.M = M;
     a.Kp = Kp;
     a.bias = bias;
@@ -168,7 +168,7 @@ int op_gather_block_quantized(const int64_t *indices, size_t n_indices, const ui
     const int zk = (int)(h.flags & OP_FLAG_ZP_MASK);
     for (size_t i = 0; i < n_indices; i++) {
         int64_t v = indices[i] < 0 ? indices[i] + V : indices[i];
-        const uint8_t *row = packed + h.data_offset + (size_t)v * h.tile_stride;
+        const uint8_t *row = packed + h.data_offset + (size_t)v * h.panel_stride;
         const float *sc = (const float *)(row + codes);
         const uint8_t *zu = row + codes + (size_t)nb * 4u;
         const float *zf = (const float *)zu;

@@ -29,26 +29,27 @@ static void mm_f32_scalar(const op_mm_args *a) {
     const uint32_t bs = h->block_size, nb = h->n_blocks;
     const size_t t0 = a->col_begin / OP_TILE_N, t1 = (a->col_end + OP_TILE_N - 1) / OP_TILE_N;
     for (size_t t = t0; t < t1; t++) {
-        const uint8_t *tile = a->tiles + t * h->tile_stride;
-        const float *sc = op_mm_scales(h, tile);
+        const size_t p = t / OP_PANEL_TILES;
+        const int i = (int)(t % OP_PANEL_TILES);
         for (size_t m = 0; m < a->M; m++) {
             const float *arow = a->A + m * a->lda;
             float out[OP_TILE_N] = {0};
             for (uint32_t b = 0; b < nb; b++) {
+                const uint8_t *blk = op_mm_block(h, a->panels, p, b);
                 float acc[OP_TILE_N] = {0}, z[OP_TILE_N];
-                const uint8_t *blk = tile + (size_t)b * bs * 8u;
                 for (uint32_t g = 0; g < bs / OP_GROUP_K; g++) {
-                    const uint8_t *grp = blk + (size_t)g * OP_GROUP_BYTES;
+                    const uint8_t *grp = op_mm_group(blk, g, i);
                     const float *ak = arow + (size_t)b * bs + (size_t)g * OP_GROUP_K;
                     for (int j = 0; j < OP_GROUP_K; j++)
                         for (int c = 0; c < OP_TILE_N; c++)
                             acc[c] = fmaf(ak[j], (float)code_at(grp, c, j), acc[c]);
                 }
-                op_mm_block_zeros(h, tile, b, z);
+                op_mm_block_zeros(h, blk, i, z);
+                const float *sc = op_mm_scales(h, blk, i);
                 const float s_a = a->asum[m * nb + b];
                 for (int c = 0; c < OP_TILE_N; c++) {
                     float d = fmaf(-z[c], s_a, acc[c]);
-                    out[c] = fmaf(sc[(size_t)b * OP_TILE_N + c], d, out[c]);
+                    out[c] = fmaf(sc[c], d, out[c]);
                 }
             }
             store_tile(a, m, t, out);
@@ -61,27 +62,28 @@ static void mm_i8_scalar(const op_mm_args *a) {
     const uint32_t bs = h->block_size, nb = h->n_blocks;
     const size_t t0 = a->col_begin / OP_TILE_N, t1 = (a->col_end + OP_TILE_N - 1) / OP_TILE_N;
     for (size_t t = t0; t < t1; t++) {
-        const uint8_t *tile = a->tiles + t * h->tile_stride;
-        const float *sc = op_mm_scales(h, tile);
+        const size_t p = t / OP_PANEL_TILES;
+        const int i = (int)(t % OP_PANEL_TILES);
         for (size_t m = 0; m < a->M; m++) {
             const int8_t *arow = a->a8 + m * a->Kp;
             float out[OP_TILE_N] = {0};
             for (uint32_t b = 0; b < nb; b++) {
+                const uint8_t *blk = op_mm_block(h, a->panels, p, b);
                 int32_t isum[OP_TILE_N] = {0};
                 float z[OP_TILE_N];
-                const uint8_t *blk = tile + (size_t)b * bs * 8u;
                 for (uint32_t g = 0; g < bs / OP_GROUP_K; g++) {
-                    const uint8_t *grp = blk + (size_t)g * OP_GROUP_BYTES;
+                    const uint8_t *grp = op_mm_group(blk, g, i);
                     const int8_t *ak = arow + (size_t)b * bs + (size_t)g * OP_GROUP_K;
                     for (int j = 0; j < OP_GROUP_K; j++)
                         for (int c = 0; c < OP_TILE_N; c++)
                             isum[c] += (int32_t)ak[j] * (int32_t)code_at(grp, c, j);
                 }
-                op_mm_block_zeros(h, tile, b, z);
+                op_mm_block_zeros(h, blk, i, z);
+                const float *sc = op_mm_scales(h, blk, i);
                 const float s_a = a->asum[m * nb + b], as = a->ascale[m * nb + b];
                 for (int c = 0; c < OP_TILE_N; c++) {
                     float d = fmaf(-z[c], s_a, (float)isum[c]);
-                    out[c] = fmaf(as * sc[(size_t)b * OP_TILE_N + c], d, out[c]);
+                    out[c] = fmaf(as * sc[c], d, out[c]);
                 }
             }
             store_tile(a, m, t, out);
@@ -94,7 +96,7 @@ static void gemm_scalar(const op_gemm_args *g) {
     const size_t K = (size_t)h->K;
     const size_t t0 = g->col_begin / OP_TILE_N, t1 = (g->col_end + OP_TILE_N - 1) / OP_TILE_N;
     for (size_t t = t0; t < t1; t++) {
-        const float *tile = (const float *)(g->tiles + t * h->tile_stride);
+        const float *tile = (const float *)(g->tiles + t * h->panel_stride);
         for (size_t m = 0; m < g->M; m++) {
             const float *arow = g->A + m * g->lda;
             float acc[OP_TILE_N] = {0};

@@ -14,7 +14,7 @@ from onnx_prep.native.isa import isa_id
 from onnx_prep.native.packed import ZP_KINDS, as_packed, new_buffer, ptr, read_header
 
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)  # 0-3: fp32 compute; 4: int8 compute (ORT semantics)
-TILE_N = int(lib.op_packed_tile_n())  # column-tile width; split column ranges on it
+PANEL_N = int(lib.op_packed_panel_n())  # columns per packed panel: split column ranges on it
 
 
 def zero_point_kind(zero_points) -> str:
@@ -148,7 +148,7 @@ def matmul_nbits(A: np.ndarray, packed: np.ndarray, *, bias: np.ndarray | None =
     quantizes A per block to int8 (ONNX Runtime's semantics). ``isa`` forces a
     kernel path (tests, benchmarks); default :func:`active_isa`.
     Releases the GIL for the whole computation. For work splitting, column ranges
-    aligned to :data:`TILE_N` avoid recomputing a shared tile.
+    on multiples of :data:`PANEL_N` avoid computing a shared panel twice.
     """
     h, info = read_header(packed, lib.OP_KIND_INT4_MATMUL)
     K, N = info.K, info.N

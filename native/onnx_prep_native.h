@@ -9,7 +9,8 @@
  *   (64 bytes, little-endian host order) that every kernel validates.
  * - Kernels take a column range [col_begin, col_end) so the caller's executor
  *   splits the work; nothing here starts a thread. cffi API mode releases the
- *   GIL around every call.
+ *   GIL around every call. Any range is correct; ranges on multiples of
+ *   op_packed_panel_n() avoid computing a shared panel twice.
  * - `isa` arguments take an OP_ISA_* value; the caller picks it once (Python:
  *   onnx_prep.native.active_isa()). Kernels refuse an ISA this CPU or this build
  *   lacks (OP_E_ISA) instead of faulting on an illegal instruction.
@@ -45,7 +46,7 @@ int op_cpu_has_avx512(void);        /* AVX-512 F, BW, VL, DQ + OS saves ZMM/opma
 int op_cpu_has_avx512_vnni(void);   /* op_cpu_has_avx512() and AVX512_VNNI */
 int op_isa_compiled(int isa);       /* 1 if this build contains code for `isa` */
 int op_isa_supported(int isa);      /* compiled in and the CPU/OS can run it */
-uint32_t op_packed_tile_n(void);    /* column-tile width of the packed formats (16) */
+uint32_t op_packed_panel_n(void);   /* columns per int4 matmul panel (64): split ranges on it */
 
 /* ---- packed buffer header (64 bytes) ---------------------------------------- */
 typedef struct {
@@ -57,8 +58,8 @@ typedef struct {
     uint64_t K;              /* reduction length (gather: row length) */
     uint64_t N;              /* output columns (gather: rows V) */
     uint32_t n_blocks;       /* ceil(K / block_size) (gather: blocks per row) */
-    uint32_t tile_n;         /* column-tile width (int4 matmul, gemm) */
-    uint64_t tile_stride;    /* bytes per column tile (gather: bytes per row) */
+    uint32_t panel_n;        /* columns per panel (int4 matmul 64, gemm 16; gather 0) */
+    uint64_t panel_stride;   /* bytes per panel (gather: bytes per row) */
     uint64_t data_offset;    /* offset of the first tile / row from the buffer start */
     uint64_t total_size;     /* exact byte length of the whole packed buffer */
 } op_packed_header;
@@ -138,6 +139,10 @@ int op_slot_release(void *p, size_t n);
 /* Bytes of [p, p+n) resident in RAM (mincore), or -errno. p page-aligned. */
 int64_t op_resident_bytes(const void *p, size_t n);
 size_t op_page_size(void);
+
+/* ---- benchmark probes (scripts/bench_kernels.py) ------------------------------- */
+uint64_t op_bench_read(const uint8_t *p, size_t n);   /* reads n bytes (p 8-aligned) */
+void op_bench_copy(uint8_t *dst, const uint8_t *src, size_t n);   /* memcpy */
 /* CDEF-END */
 
 #endif

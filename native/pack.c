@@ -20,7 +20,7 @@ const char *op_status_string(int status) {
     }
 }
 
-uint32_t op_packed_tile_n(void) { return OP_TILE_N; }
+uint32_t op_packed_panel_n(void) { return OP_PANEL_N; }
 
 static size_t align64(size_t n) { return (n + 63u) & ~(size_t)63u; }
 
@@ -30,20 +30,16 @@ static int valid_block_size(uint32_t bs) {
 
 /* ---- INT4 matmul ---------------------------------------------------------- */
 
-static size_t mm_zero_bytes_per_block(int zp_kind) {
-    return zp_kind == OP_ZP_U4 ? OP_TILE_N : zp_kind == OP_ZP_FLOAT ? OP_TILE_N * 4u : 0u;
-}
-
-static size_t mm_tile_stride(uint64_t K, uint32_t bs, int zp_kind) {
+static size_t mm_panel_stride(uint64_t K, uint32_t bs, int zp_kind) {
     size_t nb = (size_t)((K + bs - 1) / bs);
-    return align64(nb * bs * 8u + nb * OP_TILE_N * 4u + nb * mm_zero_bytes_per_block(zp_kind));
+    return nb * op_mm_block_bytes(bs, zp_kind);
 }
 
 size_t op_matmul_nbits_packed_size(uint64_t K, uint64_t N, uint32_t block_size, int zp_kind) {
     if (K == 0 || N == 0 || !valid_block_size(block_size) || zp_kind < 0 || zp_kind > 2) return 0;
     if ((K + block_size - 1) / block_size > UINT32_MAX) return 0;
-    size_t tiles = (size_t)((N + OP_TILE_N - 1) / OP_TILE_N);
-    return OP_HEADER_SIZE + tiles * mm_tile_stride(K, block_size, zp_kind);
+    size_t panels = (size_t)((N + OP_PANEL_N - 1) / OP_PANEL_N);
+    return OP_HEADER_SIZE + panels * mm_panel_stride(K, block_size, zp_kind);
 }
 
 /* Interleave the nibbles of one 32-bit source word (codes k0..k7 of one column,
@@ -58,7 +54,7 @@ static inline uint32_t interleave_group(uint32_t w) {
 }
 
 static void write_header(uint8_t *out, uint16_t kind, uint32_t flags, uint32_t bs, uint64_t K,
-                         uint64_t N, uint32_t nb, uint32_t tile_n, uint64_t stride,
+                         uint64_t N, uint32_t nb, uint32_t panel_n, uint64_t stride,
                          uint64_t total) {
     op_packed_header h;
     memset(&h, 0, sizeof h);
@@ -70,8 +66,8 @@ static void write_header(uint8_t *out, uint16_t kind, uint32_t flags, uint32_t b
     h.K = K;
     h.N = N;
     h.n_blocks = nb;
-    h.tile_n = tile_n;
-    h.tile_stride = stride;
+    h.panel_n = panel_n;
+    h.panel_stride = stride;
     h.data_offset = OP_HEADER_SIZE;
     h.total_size = total;
     memcpy(out, &h, sizeof h);
@@ -86,27 +82,25 @@ int op_prepack_matmul_nbits(const uint8_t *B, const float *scales, const uint8_t
     if (accuracy_level < 0 || accuracy_level > 4) return OP_E_ARG;
     if ((zp_kind == OP_ZP_U4 && !zp_u4) || (zp_kind == OP_ZP_FLOAT && !zp_f32)) return OP_E_ARG;
     const uint32_t nb = (uint32_t)((K + bs - 1) / bs);
-    const size_t blob = bs / 2, stride = mm_tile_stride(K, bs, zp_kind);
-    const size_t data_bytes = (size_t)nb * bs * 8u;
-    const size_t tiles = (size_t)((N + OP_TILE_N - 1) / OP_TILE_N);
+    const size_t blob = bs / 2, stride = mm_panel_stride(K, bs, zp_kind);
+    const size_t blk_bytes = op_mm_block_bytes(bs, zp_kind);
+    const size_t panels = (size_t)((N + OP_PANEL_N - 1) / OP_PANEL_N);
     uint32_t flags = (uint32_t)zp_kind | ((uint32_t)accuracy_level << OP_FLAG_ACC_SHIFT) |
                      (scales_were_f16 ? OP_FLAG_SCALES_F16 : 0u);
-    write_header(out, OP_KIND_INT4_MATMUL, flags, bs, K, N, nb, OP_TILE_N, stride, need);
+    write_header(out, OP_KIND_INT4_MATMUL, flags, bs, K, N, nb, OP_PANEL_N, stride, need);
 
-    for (size_t t = 0; t < tiles; t++) {
-        uint8_t *tile = out + OP_HEADER_SIZE + t * stride;
-        const size_t n0 = t * OP_TILE_N;
-        const size_t ncols = (N - n0) < OP_TILE_N ? (size_t)(N - n0) : OP_TILE_N;
-        if (ncols < OP_TILE_N) memset(tile, 0, stride);   /* padded columns: all zero */
-        float *sc = (float *)(tile + data_bytes);
-        uint8_t *zb = tile + data_bytes + (size_t)nb * OP_TILE_N * 4u;
-        size_t used = data_bytes + (size_t)nb * OP_TILE_N * 4u + nb * mm_zero_bytes_per_block(zp_kind);
-        memset(tile + used, 0, stride - used);
+    for (size_t p = 0; p < panels; p++) {
+        uint8_t *panel = out + OP_HEADER_SIZE + p * stride;
+        const size_t n0 = p * OP_PANEL_N;
+        const size_t ncols = (N - n0) < OP_PANEL_N ? (size_t)(N - n0) : OP_PANEL_N;
+        if (ncols < OP_PANEL_N) memset(panel, 0, stride); /* padded columns: all zero */
         for (uint32_t b = 0; b < nb; b++) {
-            uint32_t *dst = (uint32_t *)(tile + (size_t)b * bs * 8u);
+            uint8_t *blk = panel + (size_t)b * blk_bytes;
+            float *sc = (float *)(blk + (size_t)bs * 32u);
+            uint8_t *zb = blk + (size_t)bs * 32u + OP_PANEL_N * 4u;
             const uint64_t valid = (K - (uint64_t)b * bs) < bs ? K - (uint64_t)b * bs : bs;
-            for (size_t c = 0; c < ncols; c++) {
-                const size_t n = n0 + c;
+            for (size_t col = 0; col < ncols; col++) {
+                const size_t n = n0 + col, i = col / OP_TILE_N, c = col % OP_TILE_N;
                 const uint8_t *src = B + ((size_t)n * nb + b) * blob;
                 for (uint32_t g = 0; g < bs / OP_GROUP_K; g++) {
                     uint32_t w;
@@ -114,18 +108,21 @@ int op_prepack_matmul_nbits(const uint8_t *B, const float *scales, const uint8_t
                     uint64_t first = (uint64_t)g * OP_GROUP_K;
                     if (first + OP_GROUP_K > valid) /* block padding past K: zero codes */
                         w = first >= valid ? 0u : w & (uint32_t)((1ull << (4 * (valid - first))) - 1u);
-                    dst[(size_t)g * OP_TILE_N + c] = interleave_group(w);
+                    w = interleave_group(w);
+                    memcpy((uint8_t *)op_mm_group(blk, g, (int)i) + 4 * c, &w, 4);
                 }
-                sc[(size_t)b * OP_TILE_N + c] = scales[(size_t)n * nb + b];
+                sc[col] = scales[(size_t)n * nb + b];
                 if (zp_kind == OP_ZP_U4)
-                    zb[(size_t)b * OP_TILE_N + c] = zp_u4[(size_t)n * nb + b] & 0x0Fu;
+                    zb[col] = zp_u4[(size_t)n * nb + b] & 0x0Fu;
                 else if (zp_kind == OP_ZP_FLOAT)
-                    ((float *)zb)[(size_t)b * OP_TILE_N + c] = zp_f32[(size_t)n * nb + b];
+                    ((float *)zb)[col] = zp_f32[(size_t)n * nb + b];
             }
         }
     }
     return OP_OK;
 }
+
+static size_t gather_row_stride(uint32_t nb, uint32_t bs, int zp_kind);
 
 /* ---- header validation ----------------------------------------------------- */
 
@@ -143,21 +140,24 @@ int op_packed_header_read(const uint8_t *packed, size_t size, int expected_kind,
     case OP_KIND_INT4_MATMUL: {
         int zk = (int)(h.flags & OP_FLAG_ZP_MASK);
         uint32_t acc = (h.flags & OP_FLAG_ACC_MASK) >> OP_FLAG_ACC_SHIFT;
-        if (zk > 2 || acc > 4 || h.tile_n != OP_TILE_N) return OP_E_HEADER;
+        if (zk > 2 || acc > 4 || h.panel_n != OP_PANEL_N) return OP_E_HEADER;
+        if (!valid_block_size(h.block_size)) return OP_E_HEADER;
         if (h.n_blocks != (h.K + h.block_size - 1) / h.block_size) return OP_E_HEADER;
-        if (h.tile_stride != mm_tile_stride(h.K, h.block_size, zk)) return OP_E_HEADER;
+        if (h.panel_stride != mm_panel_stride(h.K, h.block_size, zk)) return OP_E_HEADER;
         expect = op_matmul_nbits_packed_size(h.K, h.N, h.block_size, zk);
         break;
     }
     case OP_KIND_INT4_GATHER: {
         int zk = (int)(h.flags & OP_FLAG_ZP_MASK);
-        if (zk > 2 || h.tile_n != 0 || (uint64_t)h.n_blocks * h.block_size != h.K)
+        if (zk > 2 || h.panel_n != 0 || !valid_block_size(h.block_size) ||
+            (uint64_t)h.n_blocks * h.block_size != h.K ||
+            h.panel_stride != gather_row_stride(h.n_blocks, h.block_size, zk))
             return OP_E_HEADER;
         expect = op_gather_packed_size(h.N, h.n_blocks, h.block_size, zk);
         break;
     }
     case OP_KIND_GEMM_B:
-        if (h.tile_n != OP_TILE_N || h.tile_stride != h.K * OP_TILE_N * 4u) return OP_E_HEADER;
+        if (h.panel_n != OP_TILE_N || h.panel_stride != h.K * OP_TILE_N * 4u) return OP_E_HEADER;
         expect = op_gemm_b_packed_size(h.K, h.N);
         break;
     default:
@@ -210,8 +210,8 @@ int op_prepack_gather(const uint8_t *data, const float *scales, const uint8_t *z
 }
 
 /* ---- fp32 Gemm B -----------------------------------------------------------------
- * Layout: ceil(N / 16) tiles of K rows x 16 fp32 (row k = B[k, c0..c0+15]),
- * columns past N zero. */
+ * Layout: ceil(N / 16) tiles ("panels" of one tile) of K rows x 16 fp32
+ * (row k = B[k, c0..c0+15]), columns past N zero. */
 
 size_t op_gemm_b_packed_size(uint64_t K, uint64_t N) {
     if (K == 0 || N == 0) return 0;

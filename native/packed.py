@@ -29,8 +29,8 @@ class PackedHeader:
     accuracy_level: int
     scales_were_f16: bool
     trans_b: bool
-    tile_n: int
-    tile_stride: int
+    panel_n: int
+    panel_stride: int
     total_size: int
 
 
@@ -57,8 +57,8 @@ def read_header(packed: np.ndarray, expected_kind: int = 0) -> tuple[object, Pac
         zero_points=_ZP_NAMES.get(flags & lib.OP_FLAG_ZP_MASK, "none"),
         accuracy_level=(flags & lib.OP_FLAG_ACC_MASK) >> lib.OP_FLAG_ACC_SHIFT,
         scales_were_f16=bool(flags & lib.OP_FLAG_SCALES_F16),
-        trans_b=bool(flags & lib.OP_FLAG_TRANS_B), tile_n=h.tile_n,
-        tile_stride=h.tile_stride, total_size=h.total_size)
+        trans_b=bool(flags & lib.OP_FLAG_TRANS_B), panel_n=h.panel_n,
+        panel_stride=h.panel_stride, total_size=h.total_size)
     return h, info
 
 
