@@ -62,9 +62,9 @@ AI void f32_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP,
     const op_packed_header *h = a->h;
     const uint32_t bs = h->block_size, nb = h->n_blocks;
     const __m512 tbl = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const float *arow[4];
+    const float *arow[8];
     for (int r = 0; r < R; r++) arow[r] = a->A + (m + r) * a->lda;
-    __m512 out[4][4], acc[4][4];
+    __m512 out[4][8], acc[4][8];
     for (int i = 0; i < TP; i++)
         for (int r = 0; r < R; r++) out[i][r] = _mm512_setzero_ps();
     for (uint32_t b = 0; b < nb; b++) {
@@ -76,7 +76,7 @@ AI void f32_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP,
             const uint8_t *src[4];
             for (int i = 0; i < TP; i++) src[i] = op_mm_group(blk, g, i0 + i);
             for (int j = 0; j < 8; j++) {
-                __m512 av[4];
+                __m512 av[8];
                 for (int r = 0; r < R; r++) av[r] = _mm512_set1_ps(arow[r][kb + j]);
                 for (int i = 0; i < TP; i++) {
                     __m512i x = _mm512_loadu_si512((const void *)src[i]);
@@ -167,11 +167,21 @@ AI __m512i dot_bw(__m512i acc, __m512i u, __m512i s) {
 DEFINE_I8_PANEL(i8_panel_bw, dot_bw)
 
 /* ---- drivers ------------------------------------------------------------------------
- * Walk the panels overlapping the column range front to back. Decode (M < 4): each
- * row takes the panel's tiles in one pass (one sequential stream, >= 4 chains).
- * Prefill: two tiles x four rows per pass (8 chains; the panel stays in L1/L2
- * across row chunks). */
-#define DEFINE_DRIVER(NAME, PANEL)                                                    \
+ * Walk the panels overlapping the column range front to back, finishing every row
+ * of a panel while its data is in cache. Rows go in chunks of BIG (8 for fp32: one
+ * tile x 8 rows, so each unpacked code feeds 8 FMAs; 4 for int8: two tiles x 4
+ * rows), then one chunk of 4 (two tiles x 4 rows), then the last 1-3 rows take all
+ * of the panel's tiles in one pass, so a decode GEMV (M = 1) reads the buffer as
+ * one sequential stream with four independent chains. */
+#define SMALL_ROWS(PANEL, a, p, tb, n, m, R)                                          \
+    switch (n) {                                                                      \
+    case 4: PANEL(a, p, tb, m, 4, R); break;                                          \
+    case 3: PANEL(a, p, tb, m, 3, R); break;                                          \
+    case 2: PANEL(a, p, tb, m, 2, R); break;                                          \
+    default: PANEL(a, p, tb, m, 1, R); break;                                         \
+    }
+
+#define DEFINE_DRIVER(NAME, PANEL, BIG)                                               \
     static void NAME(const op_mm_args *a) {                                           \
         const size_t t0 = a->col_begin / OP_TILE_N;                                   \
         const size_t t1 = (a->col_end + OP_TILE_N - 1) / OP_TILE_N;                   \
@@ -179,30 +189,25 @@ DEFINE_I8_PANEL(i8_panel_bw, dot_bw)
             const size_t pt = p * OP_PANEL_TILES;                                     \
             const int tb = (int)(t0 > pt ? t0 - pt : 0);                              \
             const int te = (int)(t1 - pt < OP_PANEL_TILES ? t1 - pt : OP_PANEL_TILES); \
-            if (a->M < 4) {                                                           \
-                for (size_t m = 0; m < a->M; m++) switch (te - tb) {                  \
-                    case 4: PANEL(a, p, tb, m, 4, 1); break;                          \
-                    case 3: PANEL(a, p, tb, m, 3, 1); break;                          \
-                    case 2: PANEL(a, p, tb, m, 2, 1); break;                          \
-                    default: PANEL(a, p, tb, m, 1, 1); break;                         \
-                    }                                                                 \
-                continue;                                                             \
-            }                                                                         \
-            for (int i = tb; i < te; i += 2) {                                        \
-                const int two = i + 2 <= te;                                          \
-                size_t m = 0;                                                         \
-                for (; m + 4 <= a->M; m += 4) {                                       \
-                    if (two) PANEL(a, p, i, m, 2, 4); else PANEL(a, p, i, m, 1, 4);   \
+            size_t m = 0;                                                             \
+            if (BIG == 8)                                                             \
+                for (; m + 8 <= a->M; m += 8)                                         \
+                    for (int i = tb; i < te; i++) PANEL(a, p, i, m, 1, 8);            \
+            for (; m + 4 <= a->M; m += 4)                                             \
+                for (int i = tb; i < te; i += 2) {                                    \
+                    if (i + 2 <= te) PANEL(a, p, i, m, 2, 4); else PANEL(a, p, i, m, 1, 4); \
                 }                                                                     \
-                for (; m < a->M; m++) {                                               \
-                    if (two) PANEL(a, p, i, m, 2, 1); else PANEL(a, p, i, m, 1, 1);   \
-                }                                                                     \
+            switch (a->M - m) {                                                       \
+            case 3: SMALL_ROWS(PANEL, a, p, tb, te - tb, m, 3); break;                \
+            case 2: SMALL_ROWS(PANEL, a, p, tb, te - tb, m, 2); break;                \
+            case 1: SMALL_ROWS(PANEL, a, p, tb, te - tb, m, 1); break;                \
+            default: break;                                                           \
             }                                                                         \
         }                                                                             \
     }
 
-DEFINE_DRIVER(mm_f32_avx512, f32_panel)
-DEFINE_DRIVER(mm_i8_avx512_bw, i8_panel_bw)
+DEFINE_DRIVER(mm_f32_avx512, f32_panel, 8)
+DEFINE_DRIVER(mm_i8_avx512_bw, i8_panel_bw, 4)
 
 /* ---- fp32 gemm ------------------------------------------------------------------ */
 
@@ -269,7 +274,7 @@ const op_kernel_table op_kernels_avx512 = {mm_f32_avx512, mm_i8_avx512_bw, gemm_
 #pragma GCC target("avx512vnni")
 AI __m512i dot_vnni(__m512i acc, __m512i u, __m512i s) { return _mm512_dpbusd_epi32(acc, u, s); }
 DEFINE_I8_PANEL(i8_panel_vnni, dot_vnni)
-DEFINE_DRIVER(mm_i8_avx512_vnni, i8_panel_vnni)
+DEFINE_DRIVER(mm_i8_avx512_vnni, i8_panel_vnni, 4)
 #pragma GCC pop_options
 
 const op_kernel_table op_kernels_avx512_vnni = {mm_f32_avx512, mm_i8_avx512_vnni, gemm_avx512};

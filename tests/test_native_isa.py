@@ -54,3 +54,28 @@ def test_cpu_features_are_consistent():
 def test_native_version_matches_package():
     from onnx_prep import __version__
     assert native.NATIVE_VERSION == __version__
+
+
+def test_forcing_an_isa_missing_here_names_the_available_ones(monkeypatch):
+    # Simulate a CPU with only the scalar path; the error must say what to use instead.
+    monkeypatch.setattr(isa_mod, "available_isas", lambda: ("scalar",))
+    with pytest.raises(NativeError, match="ONNX_PREP_ISA=avx512 was forced.*available here: scalar"):
+        isa_mod.select_isa("avx512")
+
+
+def test_kernels_follow_the_forced_isa_and_refuse_bad_values(monkeypatch):
+    import numpy as np
+    g = native.prepack_gemm_b(np.ones((8, 8), np.float32), trans_b=False)
+    monkeypatch.setenv("ONNX_PREP_ISA", "bogus")
+    with pytest.raises(NativeError, match="not an ISA name"):
+        native.gemm(np.ones((1, 8), np.float32), g)
+    monkeypatch.setenv("ONNX_PREP_ISA", "scalar")
+    assert native.gemm(np.ones((1, 8), np.float32), g).tolist() == [[8.0] * 8]
+
+
+def test_stale_module_version_is_refused_with_a_rebuild_hint(monkeypatch):
+    import onnx_prep
+    from onnx_prep.native import _module
+    monkeypatch.setattr(onnx_prep, "__version__", "9.9.9")
+    with pytest.raises(NativeError, match="rebuild"):
+        _module._check_version()
