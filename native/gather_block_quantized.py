@@ -6,7 +6,7 @@ import numpy as np
 
 from onnx_prep.native._module import check, ffi, lib
 from onnx_prep.native.matmul_nbits import zero_point_kind
-from onnx_prep.native.packed import ZP_KINDS, as_packed, new_buffer, ptr, read_header
+from onnx_prep.native.packed import ZP_KINDS, k_n, new_buffer, ptr
 
 
 def gather_zero_point_codes(zero_points: np.ndarray, V: int, n_blocks: int) -> np.ndarray:
@@ -78,20 +78,19 @@ def gather_block_quantized(indices: np.ndarray, packed: np.ndarray, *, out: np.n
                            ) -> np.ndarray:
     """Dequantized rows ``[*indices.shape, K]`` (float32); negative indices count from
     the end; an index outside ``[-V, V)`` raises IndexError. Releases the GIL."""
-    _, info = read_header(packed, lib.OP_KIND_INT4_GATHER)
+    K, V = k_n(packed, lib.OP_KIND_INT4_GATHER)
     idx = np.ascontiguousarray(indices, dtype=np.int64)
-    shape = idx.shape + (info.K,)
+    shape = idx.shape + (K,)
     if out is None:
         out = np.empty(shape, dtype=np.float32)
     elif out.dtype != np.float32 or out.shape != shape or not out.flags.c_contiguous or not out.flags.writeable:
         raise ValueError(f"gather_block_quantized: out must be writable C-contiguous float32 {shape}")
-    p = as_packed(packed)
     bad = ffi.new("size_t *")
     flat = idx.reshape(-1)
-    status = lib.op_gather_block_quantized(ptr(flat, "int64_t *"), flat.size, ptr(p, "uint8_t *"),
-                                           p.nbytes, ptr(out, "float *"), bad)
+    status = lib.op_gather_block_quantized(ptr(flat, "int64_t *"), flat.size, ptr(packed, "uint8_t *"),
+                                           packed.nbytes, ptr(out, "float *"), bad)
     if status == lib.OP_E_INDEX:
         pos = int(bad[0])
-        raise IndexError(f"gather index {int(flat[pos])} at position {pos} is outside [-{info.N}, {info.N})")
+        raise IndexError(f"gather index {int(flat[pos])} at position {pos} is outside [-{V}, {V})")
     check(status, "gather_block_quantized")
     return out

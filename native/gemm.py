@@ -9,7 +9,7 @@ import numpy as np
 from onnx_prep.native._module import check, lib
 from onnx_prep.native.isa import isa_id
 from onnx_prep.native.matmul_nbits import col_range, out_rows, rows_f32
-from onnx_prep.native.packed import as_packed, new_buffer, ptr, read_header
+from onnx_prep.native.packed import k_n, new_buffer, ptr
 
 
 def gemm_b_packed_size(*, K: int, N: int) -> int:
@@ -40,8 +40,7 @@ def gemm(A: np.ndarray, packed: np.ndarray, *, bias: np.ndarray | None = None, a
 
     A: float32 ``[..., K]``; bias: broadcastable to ``[M, N]`` (M = rows of A), or None.
     Only the range's columns are written (a fresh ``out`` is zeros elsewhere)."""
-    _, info = read_header(packed, lib.OP_KIND_GEMM_B)
-    K, N = info.K, info.N
+    K, N = k_n(packed, lib.OP_KIND_GEMM_B)
     A2, M, lda = rows_f32(A, K, "gemm")
     cb, ce = col_range(col_begin, col_end, N, "gemm")
     bp, rs, cs = None, 0, 0
@@ -57,8 +56,7 @@ def gemm(A: np.ndarray, packed: np.ndarray, *, bias: np.ndarray | None = None, a
         rs, cs = bb.strides[0] // 4, bb.strides[1] // 4
         bp = base
     res, o2, ldy = out_rows(out, A.shape[:-1], M, N, cb == 0 and ce == N, "gemm")
-    p = as_packed(packed)
-    check(lib.op_gemm(isa_id(isa), ptr(A2, "float *"), M, lda, ptr(p, "uint8_t *"), p.nbytes,
+    check(lib.op_gemm(isa_id(isa), ptr(A2, "float *"), M, lda, ptr(packed, "uint8_t *"), packed.nbytes,
                       ptr(bp, "float *"), rs, cs, float(alpha), float(beta), ptr(o2, "float *"), ldy, cb, ce),
           "gemm")
     return res

@@ -11,7 +11,7 @@ import numpy as np
 
 from onnx_prep.native._module import check, lib
 from onnx_prep.native.isa import isa_id
-from onnx_prep.native.packed import ZP_KINDS, as_packed, new_buffer, ptr, read_header
+from onnx_prep.native.packed import ZP_KINDS, k_n, new_buffer, ptr
 
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)  # 0-3: fp32 compute; 4: int8 compute (ORT semantics)
 PANEL_N = int(lib.op_packed_panel_n())  # columns per packed panel: split column ranges on it
@@ -112,7 +112,7 @@ def rows_f32(A: np.ndarray, K: int, what: str) -> tuple[np.ndarray, int, int]:
         raise ValueError(f"{what}: A must be a float32 numpy array")
     if A.ndim == 0 or A.shape[-1] != K:
         raise ValueError(f"{what}: A's last dimension must be K={K}, got shape {A.shape}")
-    A2 = np.ascontiguousarray(A).reshape(-1, K)
+    A2 = A if A.ndim == 2 and A.flags.c_contiguous else np.ascontiguousarray(A).reshape(-1, K)
     if A2.shape[0] == 0:
         raise ValueError(f"{what}: A has no rows")
     return A2, A2.shape[0], K
@@ -150,8 +150,7 @@ def matmul_nbits(A: np.ndarray, packed: np.ndarray, *, bias: np.ndarray | None =
     Releases the GIL for the whole computation. For work splitting, column ranges
     on multiples of :data:`PANEL_N` avoid computing a shared panel twice.
     """
-    h, info = read_header(packed, lib.OP_KIND_INT4_MATMUL)
-    K, N = info.K, info.N
+    K, N = k_n(packed, lib.OP_KIND_INT4_MATMUL)
     A2, M, lda = rows_f32(A, K, "matmul_nbits")
     cb, ce = col_range(col_begin, col_end, N, "matmul_nbits")
     level = -1 if accuracy_level is None else _check_level(accuracy_level)
@@ -160,8 +159,7 @@ def matmul_nbits(A: np.ndarray, packed: np.ndarray, *, bias: np.ndarray | None =
         if bias.size != N:
             raise ValueError(f"matmul_nbits: bias must have N={N} values, got {bias.size}")
     res, o2, ldy = out_rows(out, A.shape[:-1], M, N, cb == 0 and ce == N, "matmul_nbits")
-    p = as_packed(packed)
-    check(lib.op_matmul_nbits(isa_id(isa), ptr(A2, "float *"), M, lda, ptr(p, "uint8_t *"), p.nbytes,
+    check(lib.op_matmul_nbits(isa_id(isa), ptr(A2, "float *"), M, lda, ptr(packed, "uint8_t *"), packed.nbytes,
                               ptr(bias, "float *"), ptr(o2, "float *"), ldy, cb, ce, level),
           "matmul_nbits")
     return res

@@ -3,6 +3,7 @@ names its kind, format version, shape and parameters (see onnx_prep_native.h).
 The C side validates it on every kernel call; this module reads it for Python."""
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,6 +63,25 @@ def read_header(packed: np.ndarray, expected_kind: int = 0) -> tuple[object, Pac
     return h, info
 
 
+_MAGIC_KIND = struct.Struct("<IHH")
+_K_N = struct.Struct("<QQ")
+
+
+def k_n(packed: np.ndarray, expected_kind: int) -> tuple[int, int]:
+    """(K, N) of a packed buffer, cheaply (the hot path of every kernel call).
+
+    Reads only what Python needs to shape the output; the C kernel validates the
+    whole header on every call. Anything unexpected takes the full check, which
+    raises the precise error."""
+    if (type(packed) is np.ndarray and packed.dtype == np.uint8 and packed.ndim == 1
+            and packed.flags.c_contiguous and packed.nbytes >= HEADER_SIZE):
+        magic, version, kind = _MAGIC_KIND.unpack_from(packed, 0)
+        if magic == lib.OP_PACK_MAGIC and version == lib.OP_PACK_FORMAT_VERSION and kind == expected_kind:
+            return _K_N.unpack_from(packed, 16)
+    info = read_header(packed, expected_kind)[1]
+    return info.K, info.N
+
+
 def packed_header(packed: np.ndarray) -> PackedHeader:
     """The validated header of any packed buffer."""
     return read_header(packed)[1]
@@ -84,7 +104,11 @@ def new_buffer(nbytes: int, out: np.ndarray | None, what: str) -> np.ndarray:
 
 
 def ptr(arr: np.ndarray | None, ctype: str):
-    """A cffi pointer into ``arr``'s buffer (NULL for None)."""
+    """A cffi pointer into ``arr``'s buffer (NULL for None). The caller keeps ``arr``
+    alive for the duration of the C call."""
     if arr is None:
         return ffi.NULL
-    return ffi.cast(ctype, ffi.from_buffer(arr, require_writable=False))
+    return ffi.from_buffer(_ARRAY_TYPES[ctype], arr)
+
+
+_ARRAY_TYPES = {"float *": "float[]", "uint8_t *": "uint8_t[]", "int64_t *": "int64_t[]"}
