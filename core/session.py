@@ -100,8 +100,9 @@ class RuntimeContext:
     "hot" or "cold". Output bytes stay reserved in the IO arena until ``release()``.
     """
 
-    def __init__(self, feeds: Mapping[str, np.ndarray]) -> None:
+    def __init__(self, feeds: Mapping[str, np.ndarray], *, on_step=None) -> None:
         self.feeds = dict(feeds)
+        self.on_step = on_step  # called as on_step(step_index) after each cold-path step
         self.outputs: dict[str, np.ndarray] | None = None
         self.step_log: list[tuple[int, int, int, str]] = []
         self.mode: str | None = None
@@ -164,6 +165,7 @@ class SessionCounters:
     materializations: int = 0  # publishes (prepacks, raw reads, packed reads)
     rematerializations: int = 0  # publishes of a key that had been resident before (page-ins)
     evictions: int = 0  # objects the session evicted to make room under the PREPARED limit
+    shed: int = 0  # speculative tasks cancelled because a run's producer could not get memory
     source_reads: int = 0
 
 
@@ -339,6 +341,7 @@ class Session:
                 self.program.execute(values, self._hot_binding)
                 ctx.outputs = self.program.fetch(values)
                 ctx.done_ns = time.perf_counter_ns()
+                self._settle_outputs(ctx)
             finally:
                 _release(run.exec_reservation)
         except OnnxPrepError as e:
@@ -402,11 +405,14 @@ class Session:
             finally:
                 if pins is not None:
                     pins.release()
+            if ctx.on_step is not None:
+                ctx.on_step(si)
             run.step += 1
             self._prefetch(run.step)
         ctx.outputs = program.fetch(values)
         ctx.done_ns = time.perf_counter_ns()
         run.values = None
+        self._settle_outputs(ctx)
 
     def _prefetch(self, from_step: int) -> None:
         """Keep the producers of the next ``lookahead.steps`` steps in flight, bounded
@@ -449,6 +455,27 @@ class Session:
         io = res.detach(Arena.IO) if Arena.IO in res.amounts else None
         run.exec_reservation = res
         run.ctx._io_reservation = io
+
+    def _settle_outputs(self, ctx: RuntimeContext) -> None:
+        """True the IO-arena reservation up to the real output bytes: shrink it, or
+        reserve the difference (a BudgetError if it cannot fit: the outputs are dropped)."""
+        actual = sum(int(v.nbytes) for v in (ctx.outputs or {}).values())
+        res = ctx._io_reservation
+        held = res.amounts.get(Arena.IO, 0) if res is not None else 0
+        if actual <= held:
+            if res is not None:
+                res.shrink(Arena.IO, actual)
+            return
+        self.budget.check_fits({Arena.IO: actual}, label="run outputs")
+        extra = self.budget.try_reserve(Arena.IO, actual - held, critical=True, label="run outputs")
+        if extra is None:
+            ctx.outputs = None
+            raise BudgetError(
+                f"not enough memory for the run's outputs now: io arena needs {actual} bytes, "
+                f"{self.budget.live(Arena.IO)} in use of {self.budget.limit(Arena.IO)}",
+                Where(model=str(self.resolved.model_path)),
+                hint="release earlier outputs (RuntimeContext.release) or raise the budget")
+        ctx._io_reservation = _Joined(res, extra)
 
     # ------------------------------------------------------------ session tasks
     def _check_open(self) -> None:
@@ -594,10 +621,12 @@ class Session:
         Returns the number evicted."""
         budget = self.budget
         limit = budget.limit(Arena.PREPARED)
-        if limit is None:
-            return 0
         with self._lock:
             waits = dict(self._critical_wait)
+            if limit is None:
+                if waits:
+                    self._shed_speculative_if_blocked(waits)
+                return 0
             if not waits:
                 return 0
             needed = sum(self.plan.by_key[k].packed_bytes for k in waits
@@ -606,6 +635,7 @@ class Session:
             at = min(waits.values())
             for si in set(waits.values()):
                 keep.update(self._step_keys[si])
+            self._shed_speculative_if_blocked(waits)
             free = limit - budget.live(Arena.PREPARED)
             if free >= needed:
                 return 0
@@ -622,6 +652,36 @@ class Session:
                     evicted += 1
             self.counters.evictions += evicted
             return evicted
+
+    def _shed_speculative_if_blocked(self, waits: Mapping[PreparedKey, int]) -> int:
+        """Speculative work must not hold memory an active run needs: when a producer a
+        run waits for is queued but cannot be admitted (its memory does not fit now),
+        cancel every not-yet-running PREFETCH/BACKGROUND session task and free the source
+        buffers only they still needed. They are resubmitted when next wanted.
+        Caller holds the lock. Returns the number cancelled."""
+        budget = self.budget
+        blocked = False
+        for k in waits:
+            for t in self.plan.session_closure((k,)):
+                h = self._handles.get(t.id)
+                if h is None or h.state is not TaskState.READY:
+                    continue
+                for arena, n in t.memory_request().items():
+                    lim = budget.limit(arena)
+                    if lim is not None and budget.live(arena) + n > lim:
+                        blocked = True
+        if not blocked:
+            return 0
+        shed = 0
+        for tid, h in list(self._handles.items()):
+            if h.priority is not Priority.CRITICAL and h.state in (TaskState.PENDING, TaskState.READY):
+                if h.cancel():
+                    shed += 1
+        for tid in list(self._handles):
+            if self.plan.by_id[tid].kind is TaskKind.READ_SOURCE and self.plan.by_id[tid].publishes is None:
+                self._maybe_release_read(tid)
+        self.counters.shed += shed
+        return shed
 
     def _maybe_release_read(self, read_tid: TaskId) -> None:
         """Free a source buffer once every plan consumer of it is resident (a tied
@@ -660,6 +720,28 @@ class _Source:
         self.array = None
         _release(self.reservation)
         self.reservation = None
+
+
+class _Joined:
+    """Two reservations released together."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, *parts) -> None:
+        self.parts = parts
+
+    @property
+    def amounts(self) -> dict:
+        out: dict = {}
+        for p in self.parts:
+            if p is not None:
+                for a, n in p.amounts.items():
+                    out[a] = out.get(a, 0) + n
+        return out
+
+    def release(self) -> None:
+        for p in self.parts:
+            _release(p)
 
 
 def _release(reservation) -> None:
