@@ -1,0 +1,240 @@
+"""Load benchmark of the prepared execution runtime: the same task set, sequential vs
+parallel, in one run.
+
+    .venv/bin/python scripts/bench_load.py [--model PATH | --preset medium] [--repeats 5]
+                                           [--prompt-len 8] [--json FILE] [--warm-cache]
+
+Per repeat and mode, a fresh Session (fresh scheduler, store and arenas) over the same
+model: the data file is dropped from the page cache first (posix_fadvise DONTNEED; pass
+--warm-cache to keep it), then one run (a prefill of --prompt-len tokens) is submitted
+and, right behind it, prepare_async() submits every remaining session task at lower
+priority. Figures (counters first, then times as min/median/max):
+
+  plan_ms            plan construction (build_prepared_execution_plan)
+  bytes_read         source bytes read through the one reader (counter)
+  first_step_ms      submission -> first runnable inference step starts
+  first_output_ms    submission -> the run's outputs exist (TTFO)
+  all_ready_ms       submission -> every session task finished (all prepared)
+  peak_<arena>       peak bytes per arena; max_in_flight = peak of all arenas together
+
+Stages measured alone in the same process, same model (the pipelining limit):
+  reads_alone_ms     every manifest read, one reader, nothing else running
+  prepacks_alone_ms  every prepack from in-memory sources
+  first_run_alone_ms the same prefill on an already-prepared session (hot path)
+
+And the hot path against a direct replay of the same kernels without the scheduler
+(same binding, interleaved, --hot-repeats each).
+
+Targets (issue #4): parallel all_ready <= 0.65 x sequential; first_output <= 0.6 x
+(sequential all_ready + first run) and <= 1.2 x the longest single stage; hot-path
+overhead <= 3%.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _stats(xs):
+    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
+
+
+def _fmt(st):
+    return f"{st['min']:9.1f} {st['median']:9.1f} {st['max']:9.1f}"
+
+
+def _drop_cache(resolved) -> None:
+    files = {resolved.model_dir / d.file for d in resolved.manifest if d.file}
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _feeds(resolved, prompt_len: int):
+    from onnx_prep.core.decoder_io import DecoderIO
+    from onnx_prep.core.generation import step_feeds
+
+    io = DecoderIO.discover(resolved.inputs, resolved.outputs)
+    ids = np.arange(1, prompt_len + 1, dtype=np.int64)[None, :]
+    return step_feeds(io, ids, io.empty_past(1), 0)
+
+
+def one_load(resolved, feeds, *, sequential: bool, warm: bool) -> dict:
+    from onnx_prep.core.arenas import Arena
+    from onnx_prep.core.session import RuntimeContext, Session
+
+    if not warm:
+        _drop_cache(resolved)
+    t_plan = time.perf_counter()
+    s = Session(resolved, sequential=sequential)
+    session_ms = (time.perf_counter() - t_plan) * 1e3
+    try:
+        ctx = RuntimeContext(feeds)
+        t0 = time.perf_counter_ns()
+        run = s.run_async(ctx)
+        prep = s.prepare_async()
+        run.wait()
+        prep.wait()
+        events = [e for e in s.scheduler.events() if e.name.startswith("S.")]
+        all_ready_ns = max(e.end_ns for e in events)
+        budget = s.budget
+        return {
+            "plan_ms": s.plan.build_ms,
+            "session_ms": session_ms,
+            "bytes_read": s.reader.counters.snapshot()["bytes_read"],
+            "session_tasks": len(events),
+            "first_step_ms": (ctx.first_step_ns - t0) / 1e6,
+            "first_output_ms": (ctx.done_ns - t0) / 1e6,
+            "all_ready_ms": (max(all_ready_ns, ctx.done_ns) - t0) / 1e6,
+            "peak_preparation": budget.peak(Arena.PREPARATION),
+            "peak_prepared": budget.peak(Arena.PREPARED),
+            "peak_execution": budget.peak(Arena.EXECUTION),
+            "peak_io": budget.peak(Arena.IO),
+            "max_in_flight": budget.max_in_flight_bytes,
+            "yields": s.counters.yields,
+        }
+    finally:
+        s.close()
+
+
+def stages_alone(resolved, feeds, *, warm: bool) -> dict:
+    """Each stage alone, in this process: all reads, all prepacks, the first run."""
+    from onnx_prep.core.external_data import ExternalDataReader, as_array
+    from onnx_prep.core.ops.prepack import prepack
+    from onnx_prep.core.session import Session
+
+    if not warm:
+        _drop_cache(resolved)
+    reader = ExternalDataReader.for_model(resolved)
+    t = time.perf_counter()
+    sources = {d.name: as_array(d, reader.read(d)) for d in resolved.manifest}
+    reads_ms = (time.perf_counter() - t) * 1e3
+    nodes = {}
+    for n in resolved.nodes:
+        for r in n.requirements:
+            nodes.setdefault(r.key, (n, r))
+    t = time.perf_counter()
+    for node, req in nodes.values():
+        src = {name: sources.get(name, resolved.inline_values.get(name)) for name in req.source_lineage}
+        prepack(node.kernel, req, src, node.attributes)
+    prepacks_ms = (time.perf_counter() - t) * 1e3
+    del sources
+    with Session(resolved) as s:
+        s.prepare()
+        s.run(feeds)  # warm-up (lazy imports, first allocations)
+        xs = []
+        for _ in range(3):
+            t = time.perf_counter()
+            s.run(feeds)
+            xs.append((time.perf_counter() - t) * 1e3)
+    return {"reads_alone_ms": reads_ms, "prepacks_alone_ms": prepacks_ms, "first_run_alone_ms": min(xs)}
+
+
+def hot_vs_direct(resolved, feeds, repeats: int) -> dict:
+    from onnx_prep.core.session import Session
+
+    with Session(resolved) as s:
+        s.prepare()
+        s.run(feeds)
+        s.run(feeds)
+        subs = s.scheduler.submissions
+        prog, binding, weights = s.program, s._hot_binding, s._hot_weights
+        hot, direct = [], []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            s.run(feeds)
+            hot.append((time.perf_counter() - t) * 1e3)
+            t = time.perf_counter()
+            prog.run(feeds, binding, weights=weights)
+            direct.append((time.perf_counter() - t) * 1e3)
+        assert s.scheduler.submissions == subs, "hot path submitted scheduler tasks"
+    return {"hot_ms": _stats(hot), "direct_ms": _stats(direct),
+            "overhead_median": statistics.median(hot) / statistics.median(direct) - 1.0,
+            "overhead_min": min(hot) / min(direct) - 1.0}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, help="an ONNX decoder model (default: the --preset fixture)")
+    ap.add_argument("--preset", default="medium", help="fixture preset when --model is absent")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--hot-repeats", type=int, default=20)
+    ap.add_argument("--prompt-len", type=int, default=8)
+    ap.add_argument("--warm-cache", action="store_true", help="keep the data file in the page cache")
+    ap.add_argument("--json", type=Path, help="write raw samples and summary here")
+    args = ap.parse_args(argv)
+
+    from onnx_prep import __version__
+    from onnx_prep.core.resolution import resolve_model
+    from onnx_prep.fixtures import FixtureConfig, ensure_cached
+    from onnx_prep.native import active_isa
+
+    path = args.model or ensure_cached(FixtureConfig.preset(args.preset))
+    resolved = resolve_model(path)
+    feeds = _feeds(resolved, args.prompt_len)
+    warm = args.warm_cache
+    print(f"onnx-prep {__version__}  model {path}  payload {resolved.manifest.total_bytes / 2**20:.1f} MiB  "
+          f"isa {active_isa()}  cpus {os.cpu_count()}  {platform.machine()}  "
+          f"page cache {'warm' if warm else 'dropped per repeat'}", file=sys.stderr)
+
+    samples = {"sequential": [], "parallel": []}
+    for i in range(args.repeats):
+        for mode in ("sequential", "parallel"):  # interleaved: drift hits both alike
+            samples[mode].append(one_load(resolved, feeds, sequential=mode == "sequential", warm=warm))
+        print(f"  repeat {i + 1}/{args.repeats} done", file=sys.stderr)
+    stages = stages_alone(resolved, feeds, warm=warm)
+    hot = hot_vs_direct(resolved, feeds, args.hot_repeats)
+
+    keys_ms = ["plan_ms", "first_step_ms", "first_output_ms", "all_ready_ms"]
+    summary = {m: {k: _stats([x[k] for x in xs]) for k in keys_ms} for m, xs in samples.items()}
+    counters = {m: {k: xs[0][k] for k in ("bytes_read", "session_tasks", "peak_preparation", "peak_prepared",
+                                          "peak_execution", "peak_io", "max_in_flight")}
+                for m, xs in samples.items()}
+    for m, xs in samples.items():  # counters must not vary across repeats
+        for k in ("bytes_read", "session_tasks"):
+            assert len({x[k] for x in xs}) == 1, f"{m} {k} varies across repeats"
+
+    print("\ncounters              sequential      parallel")
+    for k in counters["parallel"]:
+        print(f"  {k:18s} {counters['sequential'][k]:>12,} {counters['parallel'][k]:>12,}")
+    print("\ntimes (ms)                   sequential: min    median       max |   parallel: min    median       max")
+    for k in keys_ms:
+        print(f"  {k:18s} {_fmt(summary['sequential'][k])}   | {_fmt(summary['parallel'][k])}")
+    print("\nstages alone (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in stages.items()))
+    seq_init = summary["sequential"]["all_ready_ms"]["median"]
+    par = summary["parallel"]
+    longest = max(stages.values())
+    ratios = {
+        "parallel_init_over_sequential": par["all_ready_ms"]["median"] / seq_init,
+        "ttfo_over_sequential_init_plus_run": par["first_output_ms"]["median"]
+        / (seq_init + stages["first_run_alone_ms"]),
+        "ttfo_over_longest_stage": par["first_output_ms"]["median"] / longest,
+        "hot_overhead_median": hot["overhead_median"],
+    }
+    print(f"hot path {hot['hot_ms']['median']:.2f} ms vs direct replay {hot['direct_ms']['median']:.2f} ms "
+          f"(median; min {hot['hot_ms']['min']:.2f} vs {hot['direct_ms']['min']:.2f})")
+    print("\nratios (medians)                          measured   target")
+    for (k, v), target in zip(ratios.items(), ("<= 0.65", "<= 0.60", "<= 1.20", "<= 0.03")):
+        print(f"  {k:38s} {v:8.3f}   {target}")
+    if args.json:
+        args.json.write_text(json.dumps({"model": str(path), "isa": active_isa(), "warm_cache": warm,
+                                         "samples": samples, "summary": summary, "counters": counters,
+                                         "stages_alone": stages, "hot_vs_direct": hot, "ratios": ratios},
+                                        indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
