@@ -61,6 +61,64 @@ static void quantize_row(const float *a, size_t K, uint32_t bs, uint32_t nb, int
     }
 }
 
+/* Block floating point for accuracy level 0 (see op_internal.h): per block,
+ * m_k = round_even(a_k / 2^e) with e chosen so max |m_k| lies in [2^22, 2^23) (one
+ * step lower if it would exceed what three balanced base-256 digits hold), stored
+ * as three signed bytes lo, mid, hi with m = hi * 65536 + mid * 256 + lo, in
+ * 24-byte groups [lo k0..3][lo k4..7][mid k0..3][mid k4..7][hi k0..3][hi k4..7].
+ * p2 = 2^e, msum = sum of m_k. Blocks whose max |a| is below FLT_MIN (zero or
+ * denormal) are zero (flush to zero); a block holding inf or NaN gets p2 = NaN,
+ * so its outputs are NaN. */
+#define BFP_MAX_M 8355711 /* 127 * 65536 + 127 * 256 + 127 */
+
+static void bfp_row(const float *a, size_t K, uint32_t bs, uint32_t nb, int8_t *d24, float *p2,
+                    float *msum) {
+    for (uint32_t b = 0; b < nb; b++) {
+        size_t k0 = (size_t)b * bs, n = K - k0 < bs ? K - k0 : bs;
+        float amax = 0.0f;
+        int finite = 1;
+        for (size_t i = 0; i < n; i++) {
+            float v = fabsf(a[k0 + i]);
+            if (!(v <= 3.4028234663852886e38f)) finite = 0; /* inf or NaN */
+            amax = v > amax ? v : amax;
+        }
+        int8_t *dst = d24 + k0 * 3;
+        memset(dst, 0, (size_t)bs * 3);
+        msum[b] = 0.0f;
+        if (!finite) {
+            p2[b] = NAN;
+            continue;
+        }
+        if (!(amax >= 1.17549435e-38f)) { /* zero or denormal block */
+            p2[b] = 0.0f;
+            continue;
+        }
+        int ex;
+        (void)frexpf(amax, &ex);    /* amax in [2^(ex-1), 2^ex) */
+        int e = ex - 23;            /* amax / 2^e in [2^22, 2^23) */
+        if (nearbyint(ldexp((double)amax, -e)) > BFP_MAX_M) e++;
+        const double inv = ldexp(1.0, -e);
+        int64_t sum = 0;
+        for (size_t i = 0; i < n; i++) {
+            /* exact scaling, then round half to even by adding and removing 1.5 * 2^52
+             * (|x| < 2^23 here; no libm call in the per-element loop; without
+             * -ffast-math the compiler must keep both steps) */
+            double x = (double)a[k0 + i] * inv + 6755399441055744.0;
+            int32_t m = (int32_t)(x - 6755399441055744.0);
+            int32_t lo = ((m + 128) & 255) - 128, m1 = (m - lo) / 256;
+            int32_t mid = ((m1 + 128) & 255) - 128, hi = (m1 - mid) / 256;
+            size_t g = i / OP_GROUP_K, j = i % OP_GROUP_K;
+            int8_t *grp = dst + g * 24 + (j >= 4 ? 4 : 0) + (j & 3);
+            grp[0] = (int8_t)lo;
+            grp[8] = (int8_t)mid;
+            grp[16] = (int8_t)hi;
+            sum += m;
+        }
+        p2[b] = ldexpf(1.0f, e);
+        msum[b] = (float)sum;
+    }
+}
+
 int op_matmul_nbits(int isa, const float *A, size_t M, size_t lda, const uint8_t *packed,
                     size_t packed_size, const float *bias, float *Y, size_t ldy,
                     size_t col_begin, size_t col_end, int accuracy_level) {
@@ -88,15 +146,27 @@ int op_matmul_nbits(int isa, const float *A, size_t M, size_t lda, const uint8_t
     a.col_begin = col_begin;
     a.col_end = col_end;
 
-    const int int8 = accuracy_level == 4;
+    /* NOTE: level 0 ("unset") runs the block floating point path: fp32-accurate
+     * and, being integer dot products, bandwidth-bound at decode; levels 1-3 run
+     * IEEE fp32 FMA chains (ONNX Runtime computes both in fp32 on CPU). */
+    const int int8 = accuracy_level == 4, bfp = accuracy_level == 0;
     const int pad = Kp != K;
-    size_t bytes = M * nb * sizeof(float) * (int8 ? 2 : 1);
-    bytes += int8 ? M * Kp : (pad ? M * Kp * sizeof(float) : 0);
+    size_t bytes = M * nb * sizeof(float) * (int8 || bfp ? 2 : 1);
+    bytes += int8 ? M * Kp : bfp ? M * Kp * 3 : (pad ? M * Kp * sizeof(float) : 0);
     void *scratch = malloc(bytes ? bytes : 1);
     if (!scratch) return OP_E_NOMEM;
     float *asum = (float *)scratch;
     a.asum = asum;
-    if (int8) {
+    if (bfp) {
+        float *p2 = asum + M * nb;
+        int8_t *d24 = (int8_t *)(p2 + M * nb);
+        for (size_t m = 0; m < M; m++)
+            bfp_row(A + m * lda, K, (uint32_t)bs, (uint32_t)nb, d24 + m * Kp * 3, p2 + m * nb,
+                    asum + m * nb);
+        a.a8 = d24;
+        a.ascale = p2;
+        kt->mm_bfp(&a);
+    } else if (int8) {
         float *ascale = asum + M * nb;
         int8_t *a8 = (int8_t *)(ascale + M * nb);
         for (size_t m = 0; m < M; m++)

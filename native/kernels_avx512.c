@@ -166,6 +166,77 @@ AI __m512i dot_bw(__m512i acc, __m512i u, __m512i s) {
 }
 DEFINE_I8_PANEL(i8_panel_bw, dot_bw)
 
+AI __m512i bcast32(const int8_t *p) {
+    int32_t v;
+    __builtin_memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* ---- bfp compute (accuracy level 0) --------------------------------------------
+ * Three byte planes of A's 24-bit block mantissas against the same unpacked codes:
+ * six four-way dot products per 8 codes x 16 columns, all exact. */
+#define DEFINE_BFP_PANEL(NAME, DOT)                                                    \
+    AI void NAME(const op_mm_args *a, size_t p, int i0, size_t m, const int TP, const int R) { \
+        const op_packed_header *h = a->h;                                              \
+        const uint32_t bs = h->block_size, nb = h->n_blocks;                           \
+        const __m512i m0f = _mm512_set1_epi8(0x0F);                                    \
+        const int8_t *drow[4];                                                         \
+        for (int r = 0; r < R; r++) drow[r] = a->a8 + (m + r) * a->Kp * 3;           \
+        __m512 out[4][4];                                                              \
+        __m512i il[4][4], im[4][4], ih[4][4];                                          \
+        for (int i = 0; i < TP; i++)                                                   \
+            for (int r = 0; r < R; r++) out[i][r] = _mm512_setzero_ps();              \
+        for (uint32_t b = 0; b < nb; b++) {                                            \
+            const uint8_t *blk = op_mm_block(h, a->panels, p, b);                      \
+            for (int i = 0; i < TP; i++)                                               \
+                for (int r = 0; r < R; r++)                                            \
+                    il[i][r] = im[i][r] = ih[i][r] = _mm512_setzero_si512();           \
+            for (uint32_t g = 0; g < bs / OP_GROUP_K; g++) {                           \
+                const size_t go = ((size_t)b * bs / OP_GROUP_K + g) * 24;              \
+                /* one row: the six broadcasts serve every tile, so hoist them;    \
+                 * several rows: broadcast at the point of use (memory operands),   \
+                 * since R x 6 live registers would spill */                       \
+                __m512i w[6];                                                          \
+                if (R == 1)                                                            \
+                    for (int d = 0; d < 6; d++) w[d] = bcast32(drow[0] + go + 4 * d);  \
+                for (int i = 0; i < TP; i++) {                                         \
+                    __m512i x = _mm512_loadu_si512((const void *)op_mm_group(blk, g, i0 + i)); \
+                    __m512i lo = _mm512_and_si512(x, m0f);                             \
+                    __m512i hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), m0f);       \
+                    for (int r = 0; r < R; r++) {                                      \
+                        const int8_t *v = drow[r] + go;                                \
+                        if (R == 1) {                                                  \
+                            il[i][r] = DOT(DOT(il[i][r], lo, w[0]), hi, w[1]);         \
+                            im[i][r] = DOT(DOT(im[i][r], lo, w[2]), hi, w[3]);         \
+                            ih[i][r] = DOT(DOT(ih[i][r], lo, w[4]), hi, w[5]);         \
+                        } else {                                                       \
+                            il[i][r] = DOT(DOT(il[i][r], lo, bcast32(v)), hi, bcast32(v + 4)); \
+                            im[i][r] = DOT(DOT(im[i][r], lo, bcast32(v + 8)), hi, bcast32(v + 12)); \
+                            ih[i][r] = DOT(DOT(ih[i][r], lo, bcast32(v + 16)), hi, bcast32(v + 20)); \
+                        }                                                              \
+                    }                                                                  \
+                }                                                                      \
+            }                                                                          \
+            for (int i = 0; i < TP; i++) {                                             \
+                const __m512 s = _mm512_loadu_ps(op_mm_scales(h, blk, i0 + i));        \
+                const __m512 z = block_zeros(h, blk, i0 + i);                          \
+                for (int r = 0; r < R; r++) {                                          \
+                    const size_t ab = (m + r) * nb + b;                                \
+                    __m512i t = _mm512_add_epi32(il[i][r], _mm512_slli_epi32(im[i][r], 8)); \
+                    __m512 d = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih[i][r]), _mm512_set1_ps(65536.0f), \
+                                               _mm512_cvtepi32_ps(t));                 \
+                    d = _mm512_fnmadd_ps(z, _mm512_set1_ps(a->asum[ab]), d);           \
+                    __m512 sc = _mm512_mul_ps(s, _mm512_set1_ps(a->ascale[ab]));       \
+                    out[i][r] = _mm512_fmadd_ps(sc, d, out[i][r]);                     \
+                }                                                                      \
+            }                                                                          \
+        }                                                                              \
+        for (int i = 0; i < TP; i++)                                                   \
+            for (int r = 0; r < R; r++)                                                \
+                store_out(a, m + r, p * OP_PANEL_TILES + (size_t)(i0 + i), out[i][r]); \
+    }
+DEFINE_BFP_PANEL(bfp_panel_bw, dot_bw)
+
 /* ---- drivers ------------------------------------------------------------------------
  * Walk the panels overlapping the column range front to back, finishing every row
  * of a panel while its data is in cache. Rows go in chunks of BIG (8 for fp32: one
@@ -208,6 +279,24 @@ DEFINE_I8_PANEL(i8_panel_bw, dot_bw)
 
 DEFINE_DRIVER(mm_f32_avx512, f32_panel, 8)
 DEFINE_DRIVER(mm_i8_avx512_bw, i8_panel_bw, 4)
+
+/* bfp: three accumulators per (tile, row), so prefill goes one tile by four rows
+ * (12 chains), and every remaining row takes the whole panel in one pass. */
+#define DEFINE_BFP_DRIVER(NAME, PANEL)                                                \
+    static void NAME(const op_mm_args *a) {                                           \
+        const size_t t0 = a->col_begin / OP_TILE_N;                                   \
+        const size_t t1 = (a->col_end + OP_TILE_N - 1) / OP_TILE_N;                   \
+        for (size_t p = t0 / OP_PANEL_TILES; p * OP_PANEL_TILES < t1; p++) {          \
+            const size_t pt = p * OP_PANEL_TILES;                                     \
+            const int tb = (int)(t0 > pt ? t0 - pt : 0);                              \
+            const int te = (int)(t1 - pt < OP_PANEL_TILES ? t1 - pt : OP_PANEL_TILES); \
+            size_t m = 0;                                                             \
+            for (; m + 4 <= a->M; m += 4)                                             \
+                for (int i = tb; i < te; i++) PANEL(a, p, i, m, 1, 4);                \
+            for (; m < a->M; m++) SMALL_ROWS(PANEL, a, p, tb, te - tb, m, 1);         \
+        }                                                                             \
+    }
+DEFINE_BFP_DRIVER(mm_bfp_avx512_bw, bfp_panel_bw)
 
 /* ---- fp32 gemm ------------------------------------------------------------------ */
 
@@ -267,7 +356,7 @@ static void gemm_avx512(const op_gemm_args *g) {
     }
 }
 
-const op_kernel_table op_kernels_avx512 = {mm_f32_avx512, mm_i8_avx512_bw, gemm_avx512};
+const op_kernel_table op_kernels_avx512 = {mm_f32_avx512, mm_bfp_avx512_bw, mm_i8_avx512_bw, gemm_avx512};
 
 /* ---- VNNI variant of the int8 path ------------------------------------------------ */
 #pragma GCC push_options
@@ -275,7 +364,10 @@ const op_kernel_table op_kernels_avx512 = {mm_f32_avx512, mm_i8_avx512_bw, gemm_
 AI __m512i dot_vnni(__m512i acc, __m512i u, __m512i s) { return _mm512_dpbusd_epi32(acc, u, s); }
 DEFINE_I8_PANEL(i8_panel_vnni, dot_vnni)
 DEFINE_DRIVER(mm_i8_avx512_vnni, i8_panel_vnni, 4)
+DEFINE_BFP_PANEL(bfp_panel_vnni, dot_vnni)
+DEFINE_BFP_DRIVER(mm_bfp_avx512_vnni, bfp_panel_vnni)
 #pragma GCC pop_options
 
-const op_kernel_table op_kernels_avx512_vnni = {mm_f32_avx512, mm_i8_avx512_vnni, gemm_avx512};
+const op_kernel_table op_kernels_avx512_vnni = {mm_f32_avx512, mm_bfp_avx512_vnni, mm_i8_avx512_vnni,
+                                                gemm_avx512};
 #endif

@@ -91,6 +91,47 @@ static void mm_i8_scalar(const op_mm_args *a) {
     }
 }
 
+static void mm_bfp_scalar(const op_mm_args *a) {
+    const op_packed_header *h = a->h;
+    const uint32_t bs = h->block_size, nb = h->n_blocks;
+    const size_t t0 = a->col_begin / OP_TILE_N, t1 = (a->col_end + OP_TILE_N - 1) / OP_TILE_N;
+    for (size_t t = t0; t < t1; t++) {
+        const size_t p = t / OP_PANEL_TILES;
+        const int i = (int)(t % OP_PANEL_TILES);
+        for (size_t m = 0; m < a->M; m++) {
+            const int8_t *drow = a->a8 + m * a->Kp * 3;
+            float out[OP_TILE_N] = {0};
+            for (uint32_t b = 0; b < nb; b++) {
+                const uint8_t *blk = op_mm_block(h, a->panels, p, b);
+                int32_t il[OP_TILE_N] = {0}, im[OP_TILE_N] = {0}, ih[OP_TILE_N] = {0};
+                float z[OP_TILE_N];
+                for (uint32_t g = 0; g < bs / OP_GROUP_K; g++) {
+                    const uint8_t *grp = op_mm_group(blk, g, i);
+                    const int8_t *d = drow + ((size_t)b * bs / OP_GROUP_K + g) * 24;
+                    for (int j = 0; j < OP_GROUP_K; j++) {
+                        const int o = (j >= 4 ? 4 : 0) + (j & 3);
+                        for (int c = 0; c < OP_TILE_N; c++) {
+                            const int32_t q = (int32_t)code_at(grp, c, j);
+                            il[c] += d[o] * q;
+                            im[c] += d[8 + o] * q;
+                            ih[c] += d[16 + o] * q;
+                        }
+                    }
+                }
+                op_mm_block_zeros(h, blk, i, z);
+                const float *sc = op_mm_scales(h, blk, i);
+                const float msum = a->asum[m * nb + b], p2 = a->ascale[m * nb + b];
+                for (int c = 0; c < OP_TILE_N; c++) {
+                    float d = fmaf((float)ih[c], 65536.0f, (float)(il[c] + im[c] * 256));
+                    d = fmaf(-z[c], msum, d);
+                    out[c] = fmaf(sc[c] * p2, d, out[c]);
+                }
+            }
+            store_tile(a, m, t, out);
+        }
+    }
+}
+
 static void gemm_scalar(const op_gemm_args *g) {
     const op_packed_header *h = g->h;
     const size_t K = (size_t)h->K;
@@ -114,4 +155,4 @@ static void gemm_scalar(const op_gemm_args *g) {
     }
 }
 
-const op_kernel_table op_kernels_scalar = {mm_f32_scalar, mm_i8_scalar, gemm_scalar};
+const op_kernel_table op_kernels_scalar = {mm_f32_scalar, mm_bfp_scalar, mm_i8_scalar, gemm_scalar};

@@ -34,11 +34,26 @@
  * depend on whatever the source had there.
  *
  * Compute (every ISA, same order per output lane, so paths agree bit for bit):
- *   fp32 mode  acc_b = fma-chain over k in block (k ascending) of a[k] * code
+ *   fp32 mode  (accuracy levels 1-3)
+ *              acc_b = fma-chain over k in block (k ascending) of a[k] * code
  *              out  = fma(scale, fma(-zero, sum_b(a), acc_b), out)      per block
- *   int8 mode  isum_b = exact integer sum of a8[k] * code
+ *   bfp mode   (accuracy level 0: fp32-accurate block floating point)
+ *              a[k] = m[k] * p2_b with m integer, |m| < 2^23 (24-bit mantissas
+ *              sharing the block's exponent), split into signed bytes
+ *              m = hi * 65536 + mid * 256 + lo. Exact integer dot products per
+ *              byte plane (isum_lo, isum_mid, isum_hi), then
+ *              d   = fma(float(isum_hi), 65536, float(isum_lo + 256 * isum_mid))
+ *              out = fma(scale * p2_b, fma(-zero, sum_b(m), d), out)
+ *   int8 mode  (accuracy level 4)
+ *              isum_b = exact integer sum of a8[k] * code
  *              out  = fma(ascale_b * scale, fma(-zero, sum_b(a8), isum_b), out)
  *   Y = out (+ bias).
+ * NOTE: why bfp: an fp32 FMA per code needs the code converted to float first
+ * (shift + vpermps), which bounds a decode GEMV at ~17 GB/s on the development
+ * machine (~55% of its read bandwidth). Three byte-plane VNNI dot products per
+ * 4 codes cost a third of that, so the GEMV becomes memory-bound, while the
+ * 24-bit mantissas keep the error at fp32's level (<= 2^-22 of the block's max
+ * |a| per element, then exact integer sums).
  * With an integer zero point, fma(-zero, sum(a8), isum) is the exact integer
  * sum(a8 * (code - zero)) (all terms < 2^24), which is what ONNX Runtime computes.
  */
@@ -74,10 +89,11 @@ typedef struct {
     /* fp32 mode: A rows of length >= Kp (zero-padded past K) */
     const float *A;
     size_t lda;
-    /* int8 mode: a8 [M][Kp], ascale [M][n_blocks] */
+    /* int8 mode: a8 [M][Kp], ascale [M][n_blocks];
+     * bfp mode: a8 = digit planes [M][3 * Kp] (24-byte groups), ascale = p2 [M][n_blocks] */
     const int8_t *a8;
     const float *ascale;
-    /* both: per-block sums of the A operand, [M][n_blocks] (of a8 in int8 mode) */
+    /* all: per-block sums of the A operand, [M][n_blocks] (of a8 / m in int8 / bfp mode) */
     const float *asum;
     const float *bias;      /* [N] or NULL */
     float *Y;
@@ -101,6 +117,7 @@ typedef struct {
 
 typedef struct {
     void (*mm_f32)(const op_mm_args *);
+    void (*mm_bfp)(const op_mm_args *);
     void (*mm_i8)(const op_mm_args *);
     void (*gemm)(const op_gemm_args *);
 } op_kernel_table;

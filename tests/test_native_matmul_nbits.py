@@ -13,11 +13,12 @@ from test_native_reference import (
     assert_close_rel,
     dequantize_matmul_nbits,
     fold_weights,
-    fp32_rel_tol,
-    int8_error_bound,
+    level_bounds,
     matmul_reference,
     random_matmul_nbits,
 )
+
+LEVELS = [0, 1, 4]  # block floating point, fp32 FMA, int8 (the three kernel families)
 
 SHAPES = [  # (M, K, N, block_size): odd N, K not a multiple of the block, every block size
     (1, 64, 16, 16), (1, 100, 37, 32), (3, 250, 33, 64), (5, 384, 50, 128),
@@ -43,8 +44,8 @@ def check_against_numpy(got, A, B, s, z, b, *, K, N, bs, level):
     mag = np.abs(A.astype(np.float64)) @ fold_weights(B, s, z, K=K, N=N, block_size=bs)
     if b is not None:
         mag = mag + np.abs(b)
-    extra = int8_error_bound(A, W, bs) if level == 4 else 0.0
-    assert_close_rel(got, want, mag, fp32_rel_tol(K, bs), f"level {level}", extra=extra)
+    rel, extra = level_bounds(A, W, mag, K=K, block_size=bs, level=level)
+    assert_close_rel(got, want, mag, rel, f"level {level}", extra=extra)
 
 
 @pytest.mark.parametrize("M,K,N,bs", SHAPES)
@@ -55,16 +56,15 @@ def test_scalar_matches_numpy_dequantize_then_matmul(M, K, N, bs, zp):
     A = rng.standard_normal((M, K)).astype(np.float32)
     b = rng.standard_normal(N).astype(np.float32)
     packed = native.prepack_matmul_nbits(B, s, z, K=K, N=N, block_size=bs)
-    got = native.matmul_nbits(A, packed, bias=b, isa="scalar")
-    assert got.shape == (M, N) and got.dtype == np.float32
-    check_against_numpy(got, A, B, s, z, b, K=K, N=N, bs=bs, level=0)
-    got4 = native.matmul_nbits(A, packed, bias=b, isa="scalar", accuracy_level=4)
-    check_against_numpy(got4, A, B, s, z, b, K=K, N=N, bs=bs, level=4)
+    for level in LEVELS:
+        got = native.matmul_nbits(A, packed, bias=b, isa="scalar", accuracy_level=level)
+        assert got.shape == (M, N) and got.dtype == np.float32
+        check_against_numpy(got, A, B, s, z, b, K=K, N=N, bs=bs, level=level)
 
 
 @pytest.mark.parametrize("isa", [i for i in ("avx2", "avx512") if i in native.available_isas()] or
                          [pytest.param("avx2", marks=pytest.mark.skip(reason="no SIMD ISA on this CPU/build"))])
-@pytest.mark.parametrize("level", [0, 4])
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("zp", ZPS)
 def test_isa_paths_equal_scalar_bit_for_bit(isa, level, zp):
     for i, (M, K, N, bs) in enumerate(SHAPES + [(16, 256, 64, 32), (7, 96, 200, 32)]):
@@ -189,3 +189,29 @@ def test_bad_arguments_are_value_errors():
         native.prepack_matmul_nbits(B, s, None, K=64, N=16, block_size=24)
     with pytest.raises(ValueError, match="B must be"):
         native.prepack_matmul_nbits(B[:8], s, None, K=64, N=16, block_size=16)
+
+
+def test_block_floating_point_edge_values():
+    """Level 0 represents A per block as 24-bit mantissas with a shared exponent:
+    zero blocks, huge and tiny magnitudes and denormals stay within the bound, every
+    ISA path agrees, and a non-finite value poisons only its own row."""
+    rng = np.random.default_rng(11)
+    K, N, bs = 128, 40, 32
+    B, s, z = random_matmul_nbits(rng, K=K, N=N, block_size=bs, zp="u4")
+    packed = native.prepack_matmul_nbits(B, s, z, K=K, N=N, block_size=bs)
+    A = rng.standard_normal((5, K)).astype(np.float32)
+    A[0, :32] = 0.0                                   # an all-zero block
+    A[1, :32] *= np.float32(1e30)                     # huge block next to normal ones
+    A[1, 40] = np.float32(1e-30)                      # tiny value inside a normal block
+    A[2, 32:64] = np.float32(1e-40)                   # a denormal block: flushed to zero
+    A[3, 64] = np.float32(3.0e38)                     # near FLT_MAX
+    A[4, 5] = np.nan
+    good = A[:4]
+    ref = native.matmul_nbits(good, packed, isa="scalar", accuracy_level=0)
+    check_against_numpy(ref, good, B, s, z, None, K=K, N=N, bs=bs, level=0)
+    full = native.matmul_nbits(A, packed, isa="scalar", accuracy_level=0)
+    np.testing.assert_array_equal(full[:4], ref)
+    assert np.all(np.isnan(full[4]))
+    for isa in native.available_isas()[1:]:
+        np.testing.assert_array_equal(native.matmul_nbits(A, packed, isa=isa, accuracy_level=0), full,
+                                      err_msg=isa)

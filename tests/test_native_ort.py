@@ -65,7 +65,7 @@ CASES = [  # (M, K, N, block_size): odd N, K not a multiple of the block, every 
 @pytest.mark.parametrize("M,K,N,bs", CASES)
 @pytest.mark.parametrize("zp", ["none", "u4", "float"])
 @pytest.mark.parametrize("scale_dtype", [np.float32, np.float16], ids=["f32", "f16"])
-@pytest.mark.parametrize("level", [0, 4])
+@pytest.mark.parametrize("level", [0, 1, 4])
 def test_matmul_nbits_matches_onnxruntime(M, K, N, bs, zp, scale_dtype, level):
     rng = np.random.default_rng(M * 7919 + K * 31 + N + bs)
     B, s, z = random_matmul_nbits(rng, K=K, N=N, block_size=bs, zp=zp, scale_dtype=scale_dtype)

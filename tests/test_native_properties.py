@@ -21,7 +21,7 @@ shapes = st.tuples(
 )
 
 
-@given(shape=shapes, zp=st.sampled_from(["none", "u4", "float"]), level=st.sampled_from([0, 4]),
+@given(shape=shapes, zp=st.sampled_from(["none", "u4", "float"]), level=st.sampled_from([0, 1, 4]),
        seed=st.integers(0, 2**32 - 1), bias=st.booleans())
 def test_matmul_nbits_properties(shape, zp, level, seed, bias):
     M, K, N, bs = shape

@@ -13,6 +13,9 @@ import numpy as np
 FP32_UNIT_ROUNDOFF = 2.0 ** -24
 # Level 4 rounds each a to the int8 grid of its block: |error| <= max|a_block| / 254.
 INT8_HALF_STEP = 0.5 / 127
+# Level 0 (block floating point) rounds each a to a 24-bit mantissa sharing the
+# block's exponent: |error| <= 2^-22 max|a_block| (the grid step is <= 2^-21 max).
+BFP_HALF_STEP = 2.0 ** -22
 
 
 def fp32_rel_tol(K: int, block_size: int) -> float:
@@ -72,15 +75,30 @@ def fold_weights(B, scales, zp, *, K, N, block_size) -> np.ndarray:
     return ((codes + z) * s).reshape(N, kb * block_size)[:, :K].T
 
 
-def int8_error_bound(A, W, block_size) -> np.ndarray:
-    """[M, N] bound on |A_int8 @ W - A @ W| from level 4's per-block rounding of A."""
+def block_rounding_bound(A, W, block_size, half_step) -> np.ndarray:
+    """[M, N] bound on |A' @ W - A @ W| when A' rounds each a to a grid of
+    half_step * max|a| of its block (level 4: int8; level 0: 24-bit mantissas)."""
     A64 = np.abs(np.asarray(A, dtype=np.float64))
     M, K = A64.shape
     bound = np.zeros((M, W.shape[1]))
     for k0 in range(0, K, block_size):
         amax = A64[:, k0:k0 + block_size].max(axis=1, keepdims=True)
-        bound += amax * INT8_HALF_STEP * (np.abs(W[k0:k0 + block_size]).sum(axis=0))
+        bound += amax * half_step * (np.abs(W[k0:k0 + block_size]).sum(axis=0))
     return bound
+
+
+def int8_error_bound(A, W, block_size) -> np.ndarray:
+    return block_rounding_bound(A, W, block_size, INT8_HALF_STEP)
+
+
+def level_bounds(A, W, fold_mag, *, K, block_size, level):
+    """(relative tolerance on the fold magnitude, extra absolute bound) per accuracy level."""
+    nb = -(-K // block_size)
+    if level == 4:  # exact integer sums; fp32 only in the per-block fold
+        return (nb + 8) * FP32_UNIT_ROUNDOFF, int8_error_bound(A, W, block_size)
+    if level == 0:  # same, with A on a 24-bit grid
+        return (nb + 8) * FP32_UNIT_ROUNDOFF, block_rounding_bound(A, W, block_size, BFP_HALF_STEP)
+    return fp32_rel_tol(K, block_size), 0.0
 
 
 def matmul_reference(A, W, bias=None):
