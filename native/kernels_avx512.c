@@ -166,6 +166,9 @@ AI __m512i dot_bw(__m512i acc, __m512i u, __m512i s) {
 }
 DEFINE_I8_PANEL(i8_panel_bw, dot_bw)
 
+#ifndef BFP_PF
+#define BFP_PF 4096
+#endif
 AI __m512i bcast32(const int8_t *p) {
     int32_t v;
     __builtin_memcpy(&v, p, 4);
@@ -200,7 +203,8 @@ AI __m512i bcast32(const int8_t *p) {
                 if (R == 1)                                                            \
                     for (int d = 0; d < 6; d++) w[d] = bcast32(drow[0] + go + 4 * d);  \
                 for (int i = 0; i < TP; i++) {                                         \
-                    __m512i x = _mm512_loadu_si512((const void *)op_mm_group(blk, g, i0 + i)); \
+                    const uint8_t *src = op_mm_group(blk, g, i0 + i);                  \
+                    __m512i x = _mm512_loadu_si512((const void *)src);                 \
                     __m512i lo = _mm512_and_si512(x, m0f);                             \
                     __m512i hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), m0f);       \
                     for (int r = 0; r < R; r++) {                                      \
