@@ -105,7 +105,7 @@ class ActionProgram:
         self.output_names = output_names
         self.weight_names = weight_names
         self.use_prepared = use_prepared
-        self._input_slots = tuple(slot_of[n] for n in input_names)
+        self._input_slots = frozenset(slot_of[n] for n in input_names)
         self._output_slots = tuple(slot_of[n] for n in output_names)
         self._weight_slots = tuple(slot_of[n] for n in weight_names)
         self.requirements: tuple[PreparedKey, ...] = tuple(dict.fromkeys(

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, numpy_helper
 from ops_oracle import check_against_ort, run_ours
 
 from conftest import ort_or_skip

@@ -53,7 +53,6 @@ class ReferenceOp:
         ``implicit_inputs``: outer-scope names the node's subgraphs read; their values
         follow the regular inputs in every call."""
         import onnx
-        from onnx import helper
 
         domain = "" if domain == "ai.onnx" else domain
         if domain not in REFERENCE_DOMAINS:
