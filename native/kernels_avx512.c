@@ -166,9 +166,6 @@ AI __m512i dot_bw(__m512i acc, __m512i u, __m512i s) {
 }
 DEFINE_I8_PANEL(i8_panel_bw, dot_bw)
 
-#ifndef BFP_PF
-#define BFP_PF 4096
-#endif
 AI __m512i bcast32(const int8_t *p) {
     int32_t v;
     __builtin_memcpy(&v, p, 4);
