@@ -13,7 +13,7 @@ from onnx_prep.native.gather_block_quantized import (
     prepack_gather_block_quantized,
 )
 from onnx_prep.native.gemm import gemm, gemm_b_packed_size, prepack_gemm_b
-from onnx_prep.native.isa import ENV_VAR, active_isa, available_isas, cpu_features
+from onnx_prep.native.isa import ENV_VAR, active_isa, available_isas, cpu_features, kernel_variants
 from onnx_prep.native.matmul_nbits import (
     PANEL_N,
     matmul_nbits,
@@ -37,6 +37,7 @@ __all__ = [
     "gather_packed_size",
     "gemm",
     "gemm_b_packed_size",
+    "kernel_variants",
     "matmul_nbits",
     "matmul_nbits_packed_size",
     "packed_header",

@@ -62,7 +62,8 @@ int op_isa_compiled(int isa) {
     switch (isa) {
     case OP_ISA_SCALAR: return 1;
     case OP_ISA_AVX2:
-    case OP_ISA_AVX512: return OP_SIMD;
+    case OP_ISA_AVX512:
+    case OP_ISA_AVX512_NOVNNI: return OP_SIMD;
     default: return 0;
     }
 }
@@ -72,7 +73,8 @@ int op_isa_supported(int isa) {
     switch (isa) {
     case OP_ISA_SCALAR: return 1;
     case OP_ISA_AVX2: return op_cpu_has_avx2_fma();
-    case OP_ISA_AVX512: return op_cpu_has_avx512();
+    case OP_ISA_AVX512:
+    case OP_ISA_AVX512_NOVNNI: return op_cpu_has_avx512();
     default: return 0;
     }
 }

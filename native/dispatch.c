@@ -22,6 +22,7 @@ static const op_kernel_table *kernels_for(int isa, int *status) {
     case OP_ISA_AVX2: return &op_kernels_avx2;
     case OP_ISA_AVX512:
         return op_cpu_has_avx512_vnni() ? &op_kernels_avx512_vnni : &op_kernels_avx512;
+    case OP_ISA_AVX512_NOVNNI: return &op_kernels_avx512;
 #endif
     default: return &op_kernels_scalar;
     }

@@ -14,7 +14,11 @@ from onnx_prep.native._module import lib
 
 ENV_VAR = "ONNX_PREP_ISA"
 ISAS: tuple[str, ...] = ("scalar", "avx2", "avx512")  # best last
-_IDS = {"scalar": lib.OP_ISA_SCALAR, "avx2": lib.OP_ISA_AVX2, "avx512": lib.OP_ISA_AVX512}
+# Kernel variants a caller may name in a kernel's `isa=` argument (tests, benchmarks)
+# besides the ISAs: AVX-512 without VNNI, to exercise that path on a VNNI CPU.
+VARIANTS: tuple[str, ...] = ("avx512-novnni",)
+_IDS = {"scalar": lib.OP_ISA_SCALAR, "avx2": lib.OP_ISA_AVX2, "avx512": lib.OP_ISA_AVX512,
+        "avx512-novnni": lib.OP_ISA_AVX512_NOVNNI}
 
 
 def cpu_features() -> dict[str, bool]:
@@ -37,7 +41,7 @@ def select_isa(requested: str | None) -> str:
     if not requested:
         return avail[-1]
     name = requested.strip().lower()
-    if name not in _IDS:
+    if name not in ISAS:
         raise NativeError(f"{ENV_VAR}={requested!r} is not an ISA name",
                           hint=f"use one of: {', '.join(ISAS)} (unset = detect)")
     if name not in avail:
@@ -65,6 +69,19 @@ def active_isa() -> str:
     return name
 
 
+def kernel_variants() -> tuple[str, ...]:
+    """Every kernel path runnable here: :func:`available_isas` plus the variants."""
+    return available_isas() + tuple(v for v in VARIANTS if lib.op_isa_supported(_IDS[v]))
+
+
 def isa_id(isa: str | None) -> int:
-    """The C enum value for ``isa`` (None = :func:`active_isa`), validated."""
-    return _IDS[active_isa() if isa is None else select_isa(isa)]
+    """The C enum value for ``isa`` (None = :func:`active_isa`), validated; a kernel
+    variant name is accepted here (not in ONNX_PREP_ISA)."""
+    if isa is None:
+        return _IDS[active_isa()]
+    if isa in VARIANTS:
+        if isa not in kernel_variants():
+            raise NativeError(f"kernel variant {isa} is not available here",
+                              hint=f"available: {', '.join(kernel_variants())}")
+        return _IDS[isa]
+    return _IDS[select_isa(isa)]

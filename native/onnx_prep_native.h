@@ -38,7 +38,12 @@ typedef enum {
 const char *op_status_string(int status);
 
 /* ---- CPU features and ISA selection ----------------------------------------- */
-typedef enum { OP_ISA_SCALAR = 0, OP_ISA_AVX2 = 1, OP_ISA_AVX512 = 2 } op_isa;
+typedef enum {
+    OP_ISA_SCALAR = 0,
+    OP_ISA_AVX2 = 1,
+    OP_ISA_AVX512 = 2,            /* uses VNNI for the integer paths where the CPU has it */
+    OP_ISA_AVX512_NOVNNI = 3      /* AVX-512 without VNNI even if present (tests, benchmarks) */
+} op_isa;
 /* Named predicates; each includes the OS support check (XGETBV) for the register
  * state it needs. 0/1. */
 int op_cpu_has_avx2_fma(void);      /* AVX, AVX2, FMA, F16C + OS saves YMM */

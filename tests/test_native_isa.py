@@ -79,3 +79,10 @@ def test_stale_module_version_is_refused_with_a_rebuild_hint(monkeypatch):
     monkeypatch.setattr(onnx_prep, "__version__", "9.9.9")
     with pytest.raises(NativeError, match="rebuild"):
         _module._check_version()
+
+
+def test_kernel_variants_are_not_env_values(monkeypatch):
+    assert set(native.available_isas()) <= set(native.kernel_variants())
+    monkeypatch.setenv("ONNX_PREP_ISA", "avx512-novnni")
+    with pytest.raises(NativeError, match="not an ISA name"):
+        native.active_isa()

@@ -62,7 +62,7 @@ def test_scalar_matches_numpy_dequantize_then_matmul(M, K, N, bs, zp):
         check_against_numpy(got, A, B, s, z, b, K=K, N=N, bs=bs, level=level)
 
 
-@pytest.mark.parametrize("isa", [i for i in ("avx2", "avx512") if i in native.available_isas()] or
+@pytest.mark.parametrize("isa", [i for i in native.kernel_variants() if i != "scalar"] or
                          [pytest.param("avx2", marks=pytest.mark.skip(reason="no SIMD ISA on this CPU/build"))])
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("zp", ZPS)
@@ -212,6 +212,6 @@ def test_block_floating_point_edge_values():
     full = native.matmul_nbits(A, packed, isa="scalar", accuracy_level=0)
     np.testing.assert_array_equal(full[:4], ref)
     assert np.all(np.isnan(full[4]))
-    for isa in native.available_isas()[1:]:
+    for isa in native.kernel_variants()[1:]:
         np.testing.assert_array_equal(native.matmul_nbits(A, packed, isa=isa, accuracy_level=0), full,
                                       err_msg=isa)

@@ -23,7 +23,7 @@ ORT_INT8_REL_TOL = 1e-6   # level 4: both sides quantize A per block to int8 ali
 # bound = A's int8 rounding, <= (max|a| / 254) per element, about 3/254 of the sum [1.5e-3].
 ORT_INT8_FALLBACK_REL_TOL = 1.2e-2
 ORT_FP16_REL_TOL = 1e-3   # fp16 scales: ORT rounds Y to fp16 (2^-11 relative) [1.7e-4]
-ISAS = native.available_isas()
+ISAS = native.kernel_variants()
 
 
 def run_matmul_nbits(A, B, s, z, bias, *, K, N, bs, level):

@@ -11,7 +11,7 @@ from onnx_prep import native
 from test_native_matmul_nbits import check_against_numpy
 from test_native_reference import FP32_UNIT_ROUNDOFF, assert_close_rel, random_matmul_nbits
 
-ISAS = native.available_isas()
+ISAS = native.kernel_variants()
 
 shapes = st.tuples(
     st.integers(1, 20),                    # M (covers the 8-, 4- and 1..3-row chunks)
