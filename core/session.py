@@ -221,6 +221,7 @@ class Session:
         self._hot_binding = None
         self._hot_weights: dict[str, np.ndarray] | None = None
         self._out_estimator = _OutputBytes(resolved)
+        self._nodes_by_name = {n.name: n for n in resolved.nodes}
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -538,11 +539,13 @@ class Session:
         return _Source(as_array(wd, buf), reservation)
 
     def _prepack(self, desc: TaskDescriptor, tctx: TaskContext):
-        from onnx_prep.core.ops.prepack import prepack
+        """Prepack straight into the key's stable slot: the packed bytes are written once,
+        in place (no temporary packed buffer, no copy)."""
+        from onnx_prep.core.ops.prepack import packed_size, prepack
 
         key = desc.publishes
         req = self.plan.by_key[key]
-        node = next(n for n in self.resolved.nodes if n.name == req.node)
+        node = self._nodes_by_name[req.node]
         sources: dict[str, np.ndarray] = {}
         for dep_id, src in zip(desc.dependencies, tctx.inputs):
             sources[dep_id.split(":", 1)[1]] = src.array
@@ -551,13 +554,20 @@ class Session:
                 sources[n] = self.resolved.inline_values[n]
         try:
             tctx.raise_if_cancelled()
-            packed = prepack(node.kernel, req.request, sources, node.attributes)
-            packed = np.ascontiguousarray(packed).view(np.uint8).reshape(-1)
+            size = packed_size(node.kernel, req.request, self.resolved)
+            if size is None:  # no exact size query for this kernel: pack, then copy
+                packed = np.ascontiguousarray(
+                    prepack(node.kernel, req.request, sources, node.attributes)).view(np.uint8).reshape(-1)
 
-            def materialize(nbytes: int, view: np.ndarray) -> None:
-                view[:] = packed
+                def fill(nbytes: int, view: np.ndarray) -> None:
+                    view[:] = packed
 
-            self._materialize(key, tctx, packed.nbytes, materialize)
+                size = packed.nbytes
+            else:
+                def fill(nbytes: int, view: np.ndarray) -> None:
+                    prepack(node.kernel, req.request, sources, node.attributes, out=view)
+
+            self._materialize(key, tctx, size, fill)
         finally:
             with self._lock:
                 for dep_id in desc.dependencies:

@@ -43,8 +43,14 @@ def _sources(request: PrepackRequest, sources: Mapping[str, np.ndarray]) -> list
 
 
 def prepack(kernel_id: str, request: PrepackRequest, sources: Mapping[str, np.ndarray],
-            node_attrs: Mapping[str, Any], *, backend: str = NATIVE) -> np.ndarray:
-    """The prepared object for ``request``: uint8 (native) or float32 (reference)."""
+            node_attrs: Mapping[str, Any], *, backend: str = NATIVE,
+            out: np.ndarray | None = None) -> np.ndarray:
+    """The prepared object for ``request``: uint8 (native) or float32 (reference).
+
+    ``out`` (native only): a uint8 buffer of exactly ``packed_size(...)`` bytes to pack
+    into, e.g. a stable-VA slot's view, so the packed bytes are written once, in place."""
+    if out is not None and backend != NATIVE:
+        raise OnnxPrepError("out= is only supported by the native backend", Where(tensor=request.logical_value))
     attrs = normalize_attributes(node_attrs)
     src = _sources(request, sources)
     if kernel_id == "int4_matmul":
@@ -57,7 +63,7 @@ def prepack(kernel_id: str, request: PrepackRequest, sources: Mapping[str, np.nd
         return native.prepack_matmul_nbits(
             np.ascontiguousarray(b), np.ascontiguousarray(scales).reshape(-1),
             None if zp is None else np.ascontiguousarray(zp),
-            K=K, N=N, block_size=bs, accuracy_level=int(attrs.get("accuracy_level", 0)))
+            K=K, N=N, block_size=bs, accuracy_level=int(attrs.get("accuracy_level", 0)), out=out)
     if kernel_id == "int4_gather":
         data, scales = src[0], src[1]
         zp = src[2] if len(src) > 2 else None
@@ -72,7 +78,7 @@ def prepack(kernel_id: str, request: PrepackRequest, sources: Mapping[str, np.nd
         return native.prepack_gather_block_quantized(
             np.ascontiguousarray(data).reshape(v, kb, bs // 2),
             np.ascontiguousarray(scales).reshape(v, kb, 1),
-            None if zp is None else np.ascontiguousarray(zp), block_size=bs)
+            None if zp is None else np.ascontiguousarray(zp), block_size=bs, out=out)
     if kernel_id == "gemm_packed":
         b = src[0].astype(np.float32, copy=False)
         trans_b = bool(int(attrs.get("transB", 0)))
@@ -80,7 +86,7 @@ def prepack(kernel_id: str, request: PrepackRequest, sources: Mapping[str, np.nd
             return np.ascontiguousarray(b.T if trans_b else b)
         from onnx_prep import native
 
-        return native.prepack_gemm_b(np.ascontiguousarray(b), trans_b=trans_b)
+        return native.prepack_gemm_b(np.ascontiguousarray(b), trans_b=trans_b, out=out)
     raise OnnxPrepError(f"kernel {kernel_id!r} has no prepared form", Where(tensor=request.logical_value))
 
 
