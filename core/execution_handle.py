@@ -43,11 +43,13 @@ them go early.
 Destroying a live handle WAITS (NOTE: the seed's documented behavior): tasks may still
 reference the RuntimeContext and caller-owned inputs, so ``__del__`` blocks until every
 task is terminal, ignoring errors (call ``wait()`` to see them). Exception: on a thread of
-the scheduler itself (a worker or an inline task), where waiting could deadlock,
-``__del__`` cancels instead. Prefer ``with session.run_async(ctx) as h:`` — ``__exit__``
-waits and raises the submission's error unless another exception is already propagating.
-Internal callbacks reference only the handle's tracker, never the handle, so dropping the
-last reference does trigger ``__del__``.
+the scheduler itself (a worker or an inline task) or inside the scheduler's lock (a GC
+run), where waiting could deadlock, ``__del__`` cancels instead (from a short-lived helper
+thread, so it never takes a lock the collecting thread holds). Prefer
+``with session.run_async(ctx) as h:`` — ``__exit__`` waits and raises the submission's
+error unless another exception is already propagating. Internal callbacks reference only
+the handle's tracker, never the handle, so dropping the last reference does trigger
+``__del__``.
 """
 from __future__ import annotations
 
@@ -256,18 +258,7 @@ class ExecutionHandle:
     # -- control -----------------------------------------------------------------------------
 
     def cancel(self) -> None:
-        tracker = self._tracker
-        with tracker.cond:
-            if tracker.finished:
-                return  # nothing left to stop; the outcome stands
-            tracker.cancel_requested = True
-            owned = [t for t, shared in tracker.members.values() if not shared]
-            held, tracker.held = list(tracker.held.values()), {}
-        for t in owned:  # first our own tasks, so they stop counting as live dependents
-            t.cancel()
-        for t in held:
-            if not t.release() and not t.state.terminal:
-                tracker.drop(t)  # someone else still needs it: not ours to wait for
+        _cancel_submission(self._tracker)
 
     # -- lifetime ----------------------------------------------------------------------------
 
@@ -290,7 +281,10 @@ class ExecutionHandle:
                 return
             sched = self._scheduler
             if sched is not None and sched.is_worker_thread():
-                self.cancel()  # cannot wait on our own scheduler's thread
+                # Cannot wait here (a worker, an inline task, or the GC inside a scheduler
+                # lock): cancel from a short-lived thread that holds no lock.
+                threading.Thread(target=_cancel_submission, args=(tracker,), daemon=True,
+                                 name=f"{sched.name}-handle-cancel").start()
                 return
             self._wait_terminal(None)
         except Exception:  # pragma: no cover - never raise from a finalizer
@@ -298,6 +292,20 @@ class ExecutionHandle:
 
     def __repr__(self) -> str:
         return f"ExecutionHandle({self.name!r}, {self.status().state.value})"
+
+
+def _cancel_submission(tracker: _Tracker) -> None:
+    with tracker.cond:
+        if tracker.finished:
+            return  # nothing left to stop; the outcome stands
+        tracker.cancel_requested = True
+        owned = [t for t, shared in tracker.members.values() if not shared]
+        held, tracker.held = list(tracker.held.values()), {}
+    for t in owned:  # first our own tasks, so they stop counting as live dependents
+        t.cancel()
+    for t in held:
+        if not t.release() and not t.state.terminal:
+            tracker.drop(t)  # someone else still needs it: not ours to wait for
 
 
 def _task_failed(st: ExecutionStatus) -> TaskFailedError:

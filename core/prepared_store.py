@@ -37,7 +37,8 @@ Load protocol (what a session's READ/PREPACK tasks call):
     ``fail(key, gen, error)``, or ``abandon(key, gen)`` (cancelled). Waiters see the outcome
     through the :class:`Materialization` (``wait``, ``result``, ``add_done_callback``).
     ``settle_unfinished(key, gen, error=None) -> bool`` ends a load whose task chain stopped
-    early (fail or abandon; idempotent) — call it from the publishing task's done-callback.
+    early (fail or abandon; idempotent) — call it once both the read and the publishing task
+    are terminal (a read may finish after its prepack was cancelled).
 
 ``acquire(key, materialize, *, pin=False, timeout=None) -> ResidentObject``
     Blocking convenience: returns the resident object, materializing it with

@@ -36,7 +36,7 @@ meta=None, promote_deps=False) -> TaskHandle``
 ``events()`` — list of :class:`TaskEvent`, one per terminal task, in completion order
 (task id, name, resource, priority, worker thread, submit/ready/start/end
 ``perf_counter_ns`` timestamps, state, cause). ``clear_events()`` empties it.
-``wait_idle(timeout=None) -> bool`` — until no task is live.
+``wait_idle(timeout=None) -> bool`` — until no task is live and every done-callback returned.
 ``close(cancel_pending=True)`` — cancels queued/pending tasks (or lets them drain),
 waits for running ones, joins every worker thread. Also a context manager.
 
@@ -403,13 +403,17 @@ class Scheduler:
         self.budget = budget if budget is not None else MemoryBudget()
         self.sequential = sequential
         self.name = name
-        self._lock = threading.Lock()
+        # NOTE: re-entrant only so that is_worker_thread() can tell whether this thread holds
+        # it (a finalizer run by the GC inside a locked section must not block); the code
+        # never re-enters it.
+        self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)
         self._tls = threading.local()
         self._seq = itertools.count(1)
         self._submissions = 0
         self._events: deque[TaskEvent] = deque(maxlen=event_log_limit)
         self._live: set[TaskHandle] = set()
+        self._settling = 0  # terminal tasks whose done-callbacks have not finished yet
         self._mem_blocked: list[TaskHandle] = []
         self._closing = False
         self._stop = False
@@ -455,9 +459,11 @@ class Scheduler:
         return self._workers_per_queue.get(resource, 0)
 
     def is_worker_thread(self) -> bool:
-        """True on one of this scheduler's workers or while running an inline task here:
-        places where blocking on this scheduler's tasks could deadlock."""
-        return threading.get_ident() in self._worker_idents or getattr(self._tls, "draining", False)
+        """True on one of this scheduler's workers, while running an inline task here, or
+        while this thread holds the scheduler's lock (a GC finalizer): places where blocking
+        on this scheduler's tasks could deadlock."""
+        return (threading.get_ident() in self._worker_idents or getattr(self._tls, "draining", False)
+                or self._lock._is_owned())  # type: ignore[attr-defined]
 
     def events(self) -> list[TaskEvent]:
         with self._lock:
@@ -471,9 +477,13 @@ class Scheduler:
         with self._lock:
             return len(self._live)
 
+    def _quiescent(self) -> bool:  # locked
+        return not self._live and not self._settling
+
     def wait_idle(self, timeout: float | None = None) -> bool:
+        """Until no task is live and every done-callback has returned."""
         with self._idle:
-            return self._idle.wait_for(lambda: not self._live, timeout)
+            return self._idle.wait_for(self._quiescent, timeout)
 
     def submit(self, fn: Callable[[TaskContext], Any], *, resource: ResourceClass = ResourceClass.CPU,
                priority: Priority = Priority.CRITICAL, deps: Iterable[TaskHandle] = (),
@@ -525,8 +535,6 @@ class Scheduler:
                     self._promote_locked(t)
                 if pending == 0:
                     self._make_ready(t, inline)
-            if not self._live:
-                self._idle.notify_all()
         if group is not None:
             group.add(t)
         self._after(finished, inline)
@@ -537,8 +545,9 @@ class Scheduler:
             return self._promote_locked(handle)
 
     def close(self, *, cancel_pending: bool = True, timeout: float | None = None) -> None:
-        """Stop: cancel (or drain) outstanding work, wait for running tasks, join workers.
-        Idempotent. Must not be called from a task of this scheduler."""
+        """Stop: cancel (or drain) outstanding work, wait for running tasks and their
+        done-callbacks, join workers. Idempotent. Must not be called from a task or a
+        done-callback of this scheduler."""
         if self.is_worker_thread():
             raise UsageError("Scheduler.close() called from one of its own tasks")
         finished: list[TaskHandle] = []
@@ -555,7 +564,7 @@ class Scheduler:
                         t.token.cancel()
         self._after(finished, [])
         with self._idle:
-            self._idle.wait_for(lambda: not self._live, timeout)
+            self._idle.wait_for(self._quiescent, timeout)
             self._stop = True
             for cv in self._cv.values():
                 cv.notify_all()
@@ -682,8 +691,6 @@ class Scheduler:
                             self._make_ready(d, inline)
             else:
                 self._cascade_cancel(t, _root(t), finished)
-            if not self._live:
-                self._idle.notify_all()
         self._after(finished, inline)
 
     def _set_terminal(self, t: TaskHandle, state: TaskState, result: Any, exc: BaseException | None,
@@ -697,6 +704,7 @@ class Scheduler:
             t.end_ns = time.perf_counter_ns()
         t._fn = None  # drop the closure: it may hold large buffers
         self._live.discard(t)
+        self._settling += 1
         self._events.append(TaskEvent(
             t.id, t.name, t.resource, t._priority, t.worker, t.submit_ns, t.ready_ns, t.start_ns,
             t.end_ns, state, t.cause.name if t.cause is not None else None))
@@ -725,6 +733,10 @@ class Scheduler:
                 event.set()
             for fn in callbacks:
                 _call(fn, t)
+            with self._lock:
+                self._settling -= 1
+                if not self._live and not self._settling:
+                    self._idle.notify_all()
         if inline:
             self._run_inline(inline)
 
@@ -790,8 +802,6 @@ class Scheduler:
         finished: list[TaskHandle] = []
         with self._lock:
             ok = self._cancel_locked(t, finished)
-            if not self._live:
-                self._idle.notify_all()
         self._after(finished, [])
         return ok
 
@@ -827,8 +837,6 @@ class Scheduler:
                 for c in orphans:
                     if self._cancel_locked(c, finished) and c is t:
                         cancelled_it = True
-            if not self._live:
-                self._idle.notify_all()
         self._after(finished, [])
         return cancelled_it
 

@@ -76,13 +76,18 @@ class MiniSession:
                               mem={Arena.PREPARATION: self.nbytes}, name=f"read {key}")
         p = self.sched.submit(self._prepack(key), deps=[r], priority=Priority.PREFETCH,
                               mem={Arena.PREPARED: self.nbytes}, name=f"prepack {key}")
-        p.add_done_callback(lambda p: self._chain_ended(key, r, p))
+        # Both ends: the read may finish after its prepack was already cancelled.
+        r.add_done_callback(lambda _: self._chain_ended(key, r, p))
+        p.add_done_callback(lambda _: self._chain_ended(key, r, p))
         self.session_tasks[key] = p
         return p
 
     def _chain_ended(self, key, read, prepack):
         """A load spans two tasks: if the chain stopped after the read, settle the store
-        entry and return the source bytes (the pattern the session must follow)."""
+        entry and return the source bytes (the pattern the session must follow). Runs
+        from the done-callbacks of both tasks; acts once both are terminal (idempotent)."""
+        if not (read.state.terminal and prepack.state.terminal):
+            return
         if prepack.state is TaskState.DONE or read.state is not TaskState.DONE or read.result() is None:
             return
         gen, source = read.result()
@@ -356,3 +361,20 @@ def test_completed_handle_and_finalizers(env):
     gate.set()
     live.wait(T)
     assert ran == ["now", "finished"]
+
+
+def test_handle_finalized_inside_the_scheduler_lock_cancels_without_blocking(env):
+    # Models the GC finalizing a live handle while this thread holds the scheduler lock:
+    # waiting there would deadlock, so __del__ hands the cancel to a helper thread.
+    started = threading.Event()
+    env.read_hooks["w0"] = _hold_until_cancelled(started)
+    box = [env.run_async()]
+    steps = [t for t in box[0].tasks if t.name.startswith("step")]
+    assert started.wait(T)
+    with env.sched._lock:
+        assert env.sched.is_worker_thread()
+        box.clear()  # __del__ runs here and must return at once
+    assert not env.sched.is_worker_thread()
+    assert env.sched.wait_idle(T)
+    assert all(t.state is TaskState.CANCELLED for t in steps)
+    _assert_quiescent(env)
