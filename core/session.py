@@ -507,6 +507,9 @@ class Session:
                                       deps=tuple(deps), mem=desc.memory_request(), name=desc.id,
                                       meta=desc)
             self._handles[tid] = h
+            if desc.kind is TaskKind.READ_SOURCE and desc.publishes is None:
+                # A read can finish after its consumers were cancelled (shed): free it then.
+                h.add_done_callback(lambda _h, t=tid: self._on_read_done(t))
             return h
 
     def _task_fn(self, desc: TaskDescriptor):
@@ -692,6 +695,10 @@ class Session:
                 self._maybe_release_read(tid)
         self.counters.shed += shed
         return shed
+
+    def _on_read_done(self, read_tid: TaskId) -> None:
+        with self._lock:
+            self._maybe_release_read(read_tid)
 
     def _maybe_release_read(self, read_tid: TaskId) -> None:
         """Free a source buffer once every plan consumer of it is resident (a tied
