@@ -77,8 +77,15 @@ _Static_assert(OP_TILE_N * 4 == OP_GROUP_BYTES, "a group is 16 columns x 8 codes
 #else
 #define OP_X86 0
 #endif
-/* SIMD kernel files present in this build (x86 only). */
-#define OP_SIMD OP_X86
+/* SIMD kernel files present in this build: x86 with GCC.
+ * KNOWN GAP: the SIMD files enable their ISA with `#pragma GCC target`, which clang
+ * ignores (it would need `#pragma clang attribute`); rather than fail to compile,
+ * other compilers build the scalar path only. */
+#if OP_X86 && defined(__GNUC__) && !defined(__clang__)
+#define OP_SIMD 1
+#else
+#define OP_SIMD 0
+#endif
 
 /* Arguments for one INT4 matmul call, after validation and A preprocessing. */
 typedef struct {

@@ -2,8 +2,9 @@
 """Benchmark the native INT4 kernels against numpy and ONNX Runtime.
 
 For each shape (K x N, the medium fixture's: 2048x2048, 2048x5632, 5632x2048,
-2048x32000), M in (1, 4, 16, 128), accuracy level (0 = fp32 compute, 4 = int8
-compute) and thread count (1, 2) it prints the kernel time (min / median / max),
+2048x32000), M in (1, 4, 16, 128), accuracy level (0 = fp32-accurate block floating
+point, 1 = fp32 FMA, 4 = int8; ONNX Runtime computes 0 and 1 alike, in fp32) and
+thread count (1, 2) it prints the kernel time (min / median / max),
 the effective bandwidth over the packed bytes the kernel streams, that bandwidth
 as a share of the machine's read bandwidth measured in the same run with the
 same thread count, and the speedup against (a) numpy dequantize + matmul and
@@ -19,7 +20,11 @@ Method:
   intra_op_num_threads. Each thread count runs in its own subprocess, with BLAS
   threads pinned to it (OPENBLAS_NUM_THREADS etc.) for the numpy baseline.
 - ORT runs through IOBinding with preallocated input and output, so neither side
-  pays a per-call allocation; both pay one Python call.
+  pays a per-call allocation; both pay one Python call. All ORT sessions share one
+  global intra-op pool of T threads; ours and ORT's runs are separate phases (ORT's
+  pool threads spin after a run and would otherwise steal our second core).
+- Our two-thread dispatch goes through Python threading.Event hand-offs, which
+  cost ~40-50 us per call on the development machine; that is included.
 - Speedup = other time / our time (median); > 1 means the native kernel is faster.
 
 Usage: python scripts/bench_kernels.py [--quick] [--hot] [--json out.json]
@@ -36,7 +41,7 @@ import time
 
 SHAPES = [(2048, 2048), (2048, 5632), (5632, 2048), (2048, 32000)]
 MS = [1, 4, 16, 128]
-LEVELS = [0, 4]
+LEVELS = [0, 1, 4]  # 0: block floating point (fp32-accurate), 1: fp32 FMA, 4: int8
 THREADS = [1, 2]
 BLOCK_SIZE = 32
 
@@ -129,6 +134,11 @@ def worker(args) -> dict:
     try:
         import onnxruntime as ort
         from onnx import TensorProto, helper, numpy_helper
+        from onnxruntime.capi import _pybind_state
+
+        # One intra-op pool of T threads shared by every session (like one runtime),
+        # instead of one spinning pool per session copy.
+        _pybind_state.set_global_thread_pool_sizes(T, 1)
     except ImportError:
         ort = None
 
@@ -141,8 +151,7 @@ def worker(args) -> dict:
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
                                                         helper.make_opsetid("com.microsoft", 1)])
         so = ort.SessionOptions()
-        so.intra_op_num_threads = T
-        so.inter_op_num_threads = 1
+        so.use_per_session_threads = False  # the global pool set up below: T threads in all
         return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
     for K, N in args.shapes:
@@ -168,9 +177,12 @@ def worker(args) -> dict:
         for level in args.levels:
             packs = [native.prepack_matmul_nbits(B, s0, None, K=K, N=N, block_size=BLOCK_SIZE,
                                                  accuracy_level=level) for B in Bs]
-            sessions = [ort_session(B, s0, K, N, level) for B in Bs] if ort else []
+            inputs = {M: rng.standard_normal((M, K)).astype(np.float32) for M in args.ms}
+            rows = {}
+            # Phase 1: ours, every M, with no ORT session alive (ORT's pool threads
+            # spin after each run and would steal the second core from our threads).
             for M in args.ms:
-                A = rng.standard_normal((M, K)).astype(np.float32)
+                A = inputs[M]
                 out = np.empty((M, N), dtype=np.float32)
                 calls = []
                 for p in packs:
@@ -186,9 +198,14 @@ def worker(args) -> dict:
                     t0 = time.perf_counter()
                     pool.run(calls[r % copies])
                     ts.append(time.perf_counter() - t0)
-                row = {"K": K, "N": N, "M": M, "level": level, "threads": T, "packed_bytes": packed_bytes,
-                       "copies": copies, "ours": _stats(ts)}
-                if sessions:
+                rows[M] = {"K": K, "N": N, "M": M, "level": level, "threads": T, "packed_bytes": packed_bytes,
+                           "copies": copies, "ours": _stats(ts)}
+            del packs
+            # Phase 2: ONNX Runtime, one session per weight copy, all on one global pool of T threads.
+            if ort:
+                sessions = [ort_session(B, s0, K, N, level) for B in Bs]
+                for M in args.ms:
+                    A = inputs[M]
                     bindings = []
                     for sess in sessions:
                         bnd = sess.io_binding()
@@ -204,9 +221,10 @@ def worker(args) -> dict:
                         t0 = time.perf_counter()
                         sess.run_with_iobinding(bnd)
                         ts.append(time.perf_counter() - t0)
-                    row["ort"] = _stats(ts)
-                result["rows"].append(row)
-            del sessions
+                    rows[M]["ort"] = _stats(ts)
+                del sessions, bindings
+                time.sleep(0.2)  # let ORT's spinning pool threads go idle before our next phase
+            result["rows"].extend(rows[M] for M in args.ms)
         # numpy dequantize + matmul: independent of the accuracy level, measured once
         if not args.no_numpy:
             for M in args.ms:
@@ -301,6 +319,7 @@ def main() -> int:
     if args.worker:
         json.dump(worker(args), sys.stdout)
         return 0
+    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
     results = []
     for t in THREADS:
         env = dict(os.environ, OPENBLAS_NUM_THREADS=str(t), OMP_NUM_THREADS=str(t), MKL_NUM_THREADS=str(t))
@@ -322,7 +341,11 @@ def main() -> int:
     print(f"onnx-prep {__version__}, ISA {results[0]['isa']}, CPU {cpu} ({os.cpu_count()} logical), "
           f"onnxruntime {ort_version}, block_size {BLOCK_SIZE}, no zero points, "
           f"{'hot cache' if args.hot else 'weights streamed from DRAM (rotating copies > 2x LLC)'}, "
-          f"{args.reps} repetitions\n")
+          f"{args.reps} repetitions")
+    if load_before:
+        print(f"load average (1 min) before / after: {load_before[0]:.2f} / {os.getloadavg()[0]:.2f} "
+              f"on {os.cpu_count()} CPUs (other work on the machine distorts the 2-thread rows first)")
+    print()
     print(render(results, args))
     if args.json:
         with open(args.json, "w") as f:
