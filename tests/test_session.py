@@ -321,3 +321,36 @@ def test_concurrent_runs_share_prepared_objects(small_llm_path):
         for i, c in enumerate(ctxs):
             alone = s.run(_feeds(io, ids[i:i + 1]))
             assert np.array_equal(alone[io.logits], c.outputs[io.logits])
+
+
+def test_cancelled_run_keeps_shared_tasks_another_run_needs(small_llm_path):
+    """Two cold runs share the producers of every prepared object; cancelling one while a
+    read is held releases its interest only: the other completes, and matches a fresh run."""
+    io = _io(small_llm_path)
+    feeds = _feeds(io, np.array([[4, 5, 6]]))
+    gate, entered = threading.Event(), threading.Event()
+    with Session.open(small_llm_path) as s:
+        def before(desc):
+            if desc.name == "embed_tokens.weight_q4":  # step 0: both runs wait on it
+                entered.set()
+                gate.wait(HOOK_TIMEOUT_S)
+
+        s.reader.hooks.before_read = before
+        a, b = RuntimeContext(feeds), RuntimeContext(feeds)
+        ha, hb = s.run_async(a), s.run_async(b)
+        assert entered.wait(HOOK_TIMEOUT_S)
+        try:
+            emb = s._handles[s.plan.requirements[0].publisher]  # step 0's producer (the gather prepack)
+            assert emb.consumers == 2  # both runs hold it as a shared task
+            ha.cancel()
+            assert emb.consumers == 1 and not emb.done()  # still wanted by run b: not cancelled
+        finally:
+            gate.set()
+        gate.set()
+        with pytest.raises(CancelledError):
+            ha.wait()
+        hb.wait()
+        s.reader.hooks.before_read = None
+        ref = s.run(feeds)
+        assert np.array_equal(b.outputs[io.logits], ref[io.logits])
+        assert s.store.total_pins == 0
