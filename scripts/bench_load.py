@@ -189,6 +189,10 @@ def main(argv=None) -> int:
           f"isa {active_isa()}  cpus {os.cpu_count()}  {platform.machine()}  "
           f"page cache {'warm' if warm else 'dropped per repeat'}", file=sys.stderr)
 
+    # NOTE: one discarded warm-up load. On a VM the first touch of memory the host has not
+    # backed yet costs ~2 ms/MB; every later load in this process, and the stages measured
+    # alone, reuse memory already backed, so without this the first sample is not like the rest.
+    one_load(resolved, feeds, sequential=False, warm=warm)
     samples = {"sequential": [], "parallel": []}
     for i in range(args.repeats):
         for mode in ("sequential", "parallel"):  # interleaved: drift hits both alike
