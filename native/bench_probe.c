@@ -21,3 +21,27 @@ uint64_t op_bench_read(const uint8_t *p, size_t n) {
 }
 
 void op_bench_copy(uint8_t *dst, const uint8_t *src, size_t n) { memcpy(dst, src, n); }
+
+/* Wait until *flag is `value` or OP_BENCH_PARK, spinning with pause (the GIL is
+ * released by cffi); returns what it saw. The benchmark hands work to a helper
+ * thread this way, without a futex wake-up per call, as ONNX Runtime's pool spins
+ * between ops; PARK tells the helper to block in Python instead of spinning while
+ * the other side (ORT) is measured. */
+#include <sched.h>
+uint32_t op_bench_spin_wait(volatile uint32_t *flag, uint32_t value) {
+    unsigned spins = 0;
+    for (;;) {
+        uint32_t v = __atomic_load_n(flag, __ATOMIC_ACQUIRE);
+        if (v == value || v == 0xFFFFFFFFu) return v;
+#if OP_X86
+        __builtin_ia32_pause();
+#endif
+        if (++spins > (1u << 20)) {
+            sched_yield();
+            spins = 0;
+        }
+    }
+}
+void op_bench_store(volatile uint32_t *flag, uint32_t value) {
+    __atomic_store_n(flag, value, __ATOMIC_RELEASE);
+}

@@ -148,6 +148,8 @@ size_t op_page_size(void);
 /* ---- benchmark probes (scripts/bench_kernels.py) ------------------------------- */
 uint64_t op_bench_read(const uint8_t *p, size_t n);   /* reads n bytes (p 8-aligned) */
 void op_bench_copy(uint8_t *dst, const uint8_t *src, size_t n);   /* memcpy */
+uint32_t op_bench_spin_wait(volatile uint32_t *flag, uint32_t value); /* spin until value or PARK */
+void op_bench_store(volatile uint32_t *flag, uint32_t value);     /* release store */
 /* CDEF-END */
 
 #endif
