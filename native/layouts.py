@@ -5,7 +5,8 @@ loading the native module.
 
 NOTE: the packed formats are ISA-independent: every ISA path (scalar reference,
 AVX2, AVX-512) reads the same bytes, so a cache built on one machine serves
-another. The column-tile width is therefore fixed in the key, not the ISA.
+another. The panel width (64 columns) is fixed by the format version, not chosen
+per ISA.
 """
 from __future__ import annotations
 
@@ -18,19 +19,25 @@ def matmul_nbits_layout(
     """Layout of the INT4 matmul kernel (MatMulNBits and DequantizeLinear+MatMul).
 
     zero_points: "none" (implicit 8), "u4" (packed uint4) or "float" (scales' type).
-    scale_dtype: "float16" | "float32" (the source's; packed scales are always fp32).
-    accuracy_level: ORT semantics; 0/1 -> fp32 compute, 4 -> int8 compute.
+    scale_dtype: "float16" | "float32" (the source's; packed scales are always fp32,
+    the header records the source type).
+    accuracy_level: 0-4, ORT's attribute. The packed header records it (it is the
+    kernels' default compute mode: 0 block floating point, 1-3 fp32, 4 int8), so it
+    is in the key even though the tile bytes do not depend on it.
     """
     if bits != 4:
         raise ValueError(f"only 4-bit weights are supported, got bits={bits}")
-    compute = "i8" if accuracy_level == 4 else "f32"
-    return f"int4mm.v{PACK_FORMAT_VERSION}.bs{block_size}.zp-{zero_points}.sc-{scale_dtype}.{compute}"
+    if int(accuracy_level) not in (0, 1, 2, 3, 4):
+        raise ValueError(f"accuracy_level must be 0-4, got {accuracy_level}")
+    return (f"int4mm.v{PACK_FORMAT_VERSION}.bs{block_size}.zp-{zero_points}.sc-{scale_dtype}"
+            f".acc{int(accuracy_level)}")
 
 
 def gather_block_quantized_layout(
     *, block_size: int, bits: int = 4, zero_points: str, scale_dtype: str
 ) -> str:
-    """Layout of the INT4 row gather (GatherBlockQuantized, quantize_axis = last)."""
+    """Layout of the INT4 row gather (GatherBlockQuantized, quantize_axis = last).
+    zero_points: "none" | "u4" | "float"; scale_dtype as for the matmul."""
     if bits != 4:
         raise ValueError(f"only 4-bit weights are supported, got bits={bits}")
     return f"int4gather.v{PACK_FORMAT_VERSION}.bs{block_size}.zp-{zero_points}.sc-{scale_dtype}"

@@ -215,3 +215,25 @@ def test_block_floating_point_edge_values():
     for isa in native.kernel_variants()[1:]:
         np.testing.assert_array_equal(native.matmul_nbits(A, packed, isa=isa, accuracy_level=0), full,
                                       err_msg=isa)
+
+
+def test_layout_key_names_everything_that_changes_the_bytes():
+    """Equal keys over equal sources give equal bytes; every parameter that changes
+    the packed bytes (level, zero-point kind, scale dtype, block size) changes the key."""
+    from onnx_prep.native.layouts import matmul_nbits_layout
+
+    rng = np.random.default_rng(12)
+    K, N = 128, 20
+    seen = {}
+    for bs in (32, 64):
+        B, s, z = random_matmul_nbits(rng, K=K, N=N, block_size=bs, zp="u4")
+        for level in (0, 1, 4):
+            for sdt in (np.float32, np.float16):
+                for zk, zarg in (("u4", z), ("none", None)):
+                    key = matmul_nbits_layout(block_size=bs, zero_points=zk, scale_dtype=np.dtype(sdt).name,
+                                              accuracy_level=level)
+                    packed = native.prepack_matmul_nbits(B, s.astype(sdt), zarg, K=K, N=N, block_size=bs,
+                                                         accuracy_level=level).tobytes()
+                    assert seen.setdefault((bs, key), packed) == packed
+    keys = [k for _, k in seen]
+    assert len(set(keys)) == len(keys) == 2 * 3 * 2 * 2
