@@ -312,11 +312,13 @@ class ExternalDataReader:
         ``dims[:-1] + (packed bytes per row,)`` when rows are byte-aligned, else flat."""
         return as_array(desc, self.read(desc, verify=verify))
 
-    def map(self, desc: WeightDescriptor) -> np.ndarray:
+    def map(self, desc: WeightDescriptor, *, populate: bool = False) -> np.ndarray:
         """A READ-ONLY uint8 view of the tensor's bytes through a private file mapping
         (zero copy; the mapping lives as long as the returned array). Counted in
         ``bytes_mapped``. NOTE: pages are faulted in on first touch, so a map costs no
-        read until then; page-aligned offsets (the fixtures use 4 KiB) map exactly."""
+        read until then; page-aligned offsets (the fixtures use 4 KiB) map exactly.
+        ``populate=True`` (MAP_POPULATE) reads and maps every page now, on the calling
+        thread: an I/O worker takes the disk wait, not the CPU task that consumes it."""
         where = self._admit(desc)
         if self.hooks.before_read is not None:
             self.hooks.before_read(desc)
@@ -328,8 +330,12 @@ class ExternalDataReader:
                 arr = np.empty(0, dtype=np.uint8)
             else:
                 start = desc.offset - desc.offset % mmap.ALLOCATIONGRANULARITY
-                mm = mmap.mmap(fd, desc.offset + desc.length - start, offset=start,
-                               access=mmap.ACCESS_READ)
+                if populate and hasattr(mmap, "MAP_POPULATE"):
+                    mm = mmap.mmap(fd, desc.offset + desc.length - start, offset=start,
+                                   flags=mmap.MAP_PRIVATE | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+                else:
+                    mm = mmap.mmap(fd, desc.offset + desc.length - start, offset=start,
+                                   access=mmap.ACCESS_READ)
                 arr = np.frombuffer(mm, dtype=np.uint8, count=desc.length,
                                     offset=desc.offset - start)
         finally:

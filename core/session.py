@@ -67,6 +67,10 @@ from onnx_prep.core.task import Priority, TaskDescriptor, TaskId, TaskKind
 
 _DEAD = (TaskState.FAILED, TaskState.CANCELLED)
 
+# How prepack sources are read: "map" (zero-copy file mapping, prefaulted by the I/O
+# worker; the default) or "read" (pread into a fresh buffer, e.g. for network filesystems).
+SOURCE_IO = ("map", "read")
+
 
 class Workspace:
     """A scheduler and a memory budget shared by several sessions in one process.
@@ -174,7 +178,11 @@ class Session:
                  sequential: bool = False, budget: MemoryBudget | None = None,
                  io_workers: int = 2, cpu_workers: int | None = None,
                  residency_limit: int | None = None, lookahead: LookaheadWindow | None = None,
-                 reader: ExternalDataReader | None = None, trust_symlinks: bool = False) -> None:
+                 reader: ExternalDataReader | None = None, trust_symlinks: bool = False,
+                 source_io: str = "map") -> None:
+        if source_io not in SOURCE_IO:
+            raise UsageError(f"unknown source_io {source_io!r}", hint=f"choose one of {', '.join(SOURCE_IO)}")
+        self.source_io = source_io
         self.resolved = require_frozen(resolved)
         self.plan: PreparedExecutionPlan = build_prepared_execution_plan(resolved, lookahead=lookahead)
         self.program = ActionProgram.compile(resolved)
@@ -536,8 +544,14 @@ class Session:
 
             self._materialize(key, tctx, wd.length, materialize, typed_as=wd)
             return None
-        buf = np.empty(wd.length, dtype=np.uint8)
-        self.reader.read_into(wd, buf)
+        if self.source_io == "map":
+            # NOTE: zero copy: the source is the page cache itself, mapped and prefaulted
+            # here on the I/O worker; freeing it unmaps. A pread into a fresh buffer costs
+            # a zeroing and a copy of every source byte (memory-bound on small machines).
+            buf = self.reader.map(wd, populate=True)
+        else:
+            buf = np.empty(wd.length, dtype=np.uint8)
+            self.reader.read_into(wd, buf)
         reservation = tctx.detach(Arena.PREPARATION) if tctx.reservation is not None else None
         return _Source(as_array(wd, buf), reservation)
 

@@ -71,6 +71,9 @@ def _feeds(resolved, prompt_len: int):
     return step_feeds(io, ids, io.empty_past(1), 0)
 
 
+SOURCE_IO = "map"
+
+
 def one_load(resolved, feeds, *, sequential: bool, warm: bool) -> dict:
     from onnx_prep.core.arenas import Arena
     from onnx_prep.core.session import RuntimeContext, Session
@@ -78,7 +81,7 @@ def one_load(resolved, feeds, *, sequential: bool, warm: bool) -> dict:
     if not warm:
         _drop_cache(resolved)
     t_plan = time.perf_counter()
-    s = Session(resolved, sequential=sequential)
+    s = Session(resolved, sequential=sequential, source_io=SOURCE_IO)
     session_ms = (time.perf_counter() - t_plan) * 1e3
     try:
         ctx = RuntimeContext(feeds)
@@ -94,6 +97,7 @@ def one_load(resolved, feeds, *, sequential: bool, warm: bool) -> dict:
             "plan_ms": s.plan.build_ms,
             "session_ms": session_ms,
             "bytes_read": s.reader.counters.snapshot()["bytes_read"],
+            "bytes_mapped": s.reader.counters.snapshot()["bytes_mapped"],
             "session_tasks": len(events),
             "first_step_ms": (ctx.first_step_ns - t0) / 1e6,
             "first_output_ms": (ctx.done_ns - t0) / 1e6,
@@ -119,7 +123,10 @@ def stages_alone(resolved, feeds, *, warm: bool) -> dict:
         _drop_cache(resolved)
     reader = ExternalDataReader.for_model(resolved)
     t = time.perf_counter()
-    sources = {d.name: as_array(d, reader.read(d)) for d in resolved.manifest}
+    if SOURCE_IO == "map":  # the same I/O the sessions do
+        sources = {d.name: as_array(d, reader.map(d, populate=True)) for d in resolved.manifest}
+    else:
+        sources = {d.name: as_array(d, reader.read(d)) for d in resolved.manifest}
     reads_ms = (time.perf_counter() - t) * 1e3
     nodes = {}
     for n in resolved.nodes:
@@ -174,6 +181,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=8)
     ap.add_argument("--warm-cache", action="store_true", help="keep the data file in the page cache")
     ap.add_argument("--json", type=Path, help="write raw samples and summary here")
+    ap.add_argument("--source-io", choices=("map", "read"), default="map",
+                    help="how sessions read prepack sources (Session(source_io=...))")
     args = ap.parse_args(argv)
 
     from onnx_prep import __version__
@@ -181,13 +190,15 @@ def main(argv=None) -> int:
     from onnx_prep.fixtures import FixtureConfig, ensure_cached
     from onnx_prep.native import active_isa
 
+    global SOURCE_IO
+    SOURCE_IO = args.source_io
     path = args.model or ensure_cached(FixtureConfig.preset(args.preset))
     resolved = resolve_model(path)
     feeds = _feeds(resolved, args.prompt_len)
     warm = args.warm_cache
     print(f"onnx-prep {__version__}  model {path}  payload {resolved.manifest.total_bytes / 2**20:.1f} MiB  "
           f"isa {active_isa()}  cpus {os.cpu_count()}  {platform.machine()}  "
-          f"page cache {'warm' if warm else 'dropped per repeat'}", file=sys.stderr)
+          f"page cache {'warm' if warm else 'dropped per repeat'}  source io {SOURCE_IO}", file=sys.stderr)
 
     # NOTE: one discarded warm-up load. On a VM the first touch of memory the host has not
     # backed yet costs ~2 ms/MB; every later load in this process, and the stages measured
@@ -203,11 +214,11 @@ def main(argv=None) -> int:
 
     keys_ms = ["plan_ms", "first_step_ms", "first_output_ms", "all_ready_ms"]
     summary = {m: {k: _stats([x[k] for x in xs]) for k in keys_ms} for m, xs in samples.items()}
-    counters = {m: {k: xs[0][k] for k in ("bytes_read", "session_tasks", "peak_preparation", "peak_prepared",
+    counters = {m: {k: xs[0][k] for k in ("bytes_read", "bytes_mapped", "session_tasks", "peak_preparation", "peak_prepared",
                                           "peak_execution", "peak_io", "max_in_flight")}
                 for m, xs in samples.items()}
     for m, xs in samples.items():  # counters must not vary across repeats
-        for k in ("bytes_read", "session_tasks"):
+        for k in ("bytes_read", "bytes_mapped", "session_tasks"):
             assert len({x[k] for x in xs}) == 1, f"{m} {k} varies across repeats"
 
     print("\ncounters              sequential      parallel")

@@ -354,3 +354,22 @@ def test_cancelled_run_keeps_shared_tasks_another_run_needs(small_llm_path):
         ref = s.run(feeds)
         assert np.array_equal(b.outputs[io.logits], ref[io.logits])
         assert s.store.total_pins == 0
+
+
+def test_source_io_map_and_read_give_identical_outputs(small_llm_path):
+    """Prepack sources through zero-copy mappings (default) or pread: same packed bytes,
+    same outputs; the reader counts mapped and read bytes apart."""
+    io = _io(small_llm_path)
+    feeds = _feeds(io, np.array([[7, 8, 9]]))
+    outs, counters = {}, {}
+    for mode in ("map", "read"):
+        with Session.open(small_llm_path, source_io=mode) as s:
+            outs[mode] = s.run(feeds)[io.logits]
+            counters[mode] = s.reader.counters.snapshot()
+    assert np.array_equal(outs["map"], outs["read"])
+    total = resolve_model(small_llm_path).manifest.total_bytes
+    for mode in ("map", "read"):
+        assert counters[mode]["bytes_read"] + counters[mode]["bytes_mapped"] == total
+    assert counters["map"]["bytes_mapped"] > 0 and counters["read"]["bytes_mapped"] == 0
+    with pytest.raises(OnnxPrepError, match="source_io"):
+        Session.open(small_llm_path, source_io="bogus")
