@@ -4,24 +4,37 @@ and docs/kernels.md.
 
 Every kernel releases the GIL and works on a caller-given column range, so the
 runtime's executor (not a thread pool inside C) splits the work. Importing this
-package checks that the compiled module matches the package version.
+package checks that the compiled module matches the package version. When the module
+is missing or stale, importing still succeeds (``onnx_prep.native.layouts`` is pure
+Python, so model resolution works) and the NativeError is raised at the first use of a
+kernel name instead.
 """
-from onnx_prep.native._module import NATIVE_VERSION, ffi, lib  # noqa: F401
-from onnx_prep.native.gather_block_quantized import (
-    gather_block_quantized,
-    gather_packed_size,
-    prepack_gather_block_quantized,
-)
-from onnx_prep.native.gemm import gemm, gemm_b_packed_size, prepack_gemm_b
-from onnx_prep.native.isa import ENV_VAR, active_isa, available_isas, cpu_features, kernel_variants
-from onnx_prep.native.matmul_nbits import (
-    PANEL_N,
-    matmul_nbits,
-    matmul_nbits_packed_size,
-    prepack_matmul_nbits,
-)
-from onnx_prep.native.packed import PackedHeader, packed_header
-from onnx_prep.native.stable_slot import GRANULE, StableSlot
+from onnx_prep.core.errors import NativeError
+
+try:
+    from onnx_prep.native._module import NATIVE_VERSION, ffi, lib  # noqa: F401
+    from onnx_prep.native.gather_block_quantized import (
+        gather_block_quantized,
+        gather_packed_size,
+        prepack_gather_block_quantized,
+    )
+    from onnx_prep.native.gemm import gemm, gemm_b_packed_size, prepack_gemm_b
+    from onnx_prep.native.isa import ENV_VAR, active_isa, available_isas, cpu_features, kernel_variants
+    from onnx_prep.native.matmul_nbits import (
+        PANEL_N,
+        matmul_nbits,
+        matmul_nbits_packed_size,
+        prepack_matmul_nbits,
+    )
+    from onnx_prep.native.packed import PackedHeader, packed_header
+    from onnx_prep.native.stable_slot import GRANULE, StableSlot
+except NativeError as _error:  # not built, or built for another version
+    _NATIVE_ERROR = _error
+
+    def __getattr__(name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise _NATIVE_ERROR
 
 __all__ = [
     "ENV_VAR",
