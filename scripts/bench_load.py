@@ -72,6 +72,7 @@ def _feeds(resolved, prompt_len: int):
 
 
 SOURCE_IO = "map"
+IO_WORKERS = 2
 
 
 def one_load(resolved, feeds, *, sequential: bool, warm: bool) -> dict:
@@ -81,7 +82,7 @@ def one_load(resolved, feeds, *, sequential: bool, warm: bool) -> dict:
     if not warm:
         _drop_cache(resolved)
     t_plan = time.perf_counter()
-    s = Session(resolved, sequential=sequential, source_io=SOURCE_IO)
+    s = Session(resolved, sequential=sequential, source_io=SOURCE_IO, io_workers=IO_WORKERS)
     session_ms = (time.perf_counter() - t_plan) * 1e3
     try:
         ctx = RuntimeContext(feeds)
@@ -181,6 +182,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=8)
     ap.add_argument("--warm-cache", action="store_true", help="keep the data file in the page cache")
     ap.add_argument("--json", type=Path, help="write raw samples and summary here")
+    ap.add_argument("--io-workers", type=int, default=2, help="I/O workers of the parallel sessions")
     ap.add_argument("--source-io", choices=("map", "read"), default="map",
                     help="how sessions read prepack sources (Session(source_io=...))")
     args = ap.parse_args(argv)
@@ -190,8 +192,9 @@ def main(argv=None) -> int:
     from onnx_prep.fixtures import FixtureConfig, ensure_cached
     from onnx_prep.native import active_isa
 
-    global SOURCE_IO
+    global SOURCE_IO, IO_WORKERS
     SOURCE_IO = args.source_io
+    IO_WORKERS = args.io_workers
     path = args.model or ensure_cached(FixtureConfig.preset(args.preset))
     resolved = resolve_model(path)
     feeds = _feeds(resolved, args.prompt_len)
