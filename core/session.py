@@ -295,7 +295,7 @@ class Session:
             return self._run_hot(ctx, pins, run_id)
         run = _Run(ctx=ctx, name=f"run-{run_id}")
         ctx.mode = "cold"
-        self.counters.cold_runs += 1
+        self._count("cold_runs")
         try:
             self._reserve_run_memory(run)
         except BudgetError as e:
@@ -311,8 +311,10 @@ class Session:
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Exactly ``run_async(RuntimeContext(feeds)).wait()``; returns the outputs."""
         ctx = RuntimeContext(feeds)
-        self.run_async(ctx).wait()
-        ctx.release()
+        try:
+            self.run_async(ctx).wait()
+        finally:
+            ctx.release()  # the caller owns the arrays; the IO arena gets its bytes back
         return ctx.outputs  # type: ignore[return-value]
 
     # ------------------------------------------------------------ residency helpers
@@ -324,8 +326,10 @@ class Session:
         """Evict one unpinned object (its slot keeps its address). False if pinned."""
         return self.store.evict(key)
 
-    def evict_all(self) -> int:
-        return sum(1 for k in self._all_keys if self.store.is_resident(k) and self.store.evict(k))
+    def _count(self, name: str, n: int = 1) -> None:
+        """Counters are bumped from worker threads: under the session lock, never lost."""
+        with self._lock:
+            setattr(self.counters, name, getattr(self.counters, name) + n)
 
     def is_prepared(self) -> bool:
         return self._readiness.is_ready()
@@ -333,7 +337,7 @@ class Session:
     # ------------------------------------------------------------------- hot path
     def _run_hot(self, ctx: RuntimeContext, pins, run_id: int) -> ExecutionHandle:
         ctx.mode = "hot"
-        self.counters.hot_runs += 1
+        self._count("hot_runs")
         try:
             if self._hot_binding is None:
                 res = self._residency
@@ -387,7 +391,7 @@ class Session:
                         if h is not None:
                             waiting.append(h)
                 if waiting:
-                    self.counters.yields += 1
+                    self._count("yields")
                     with self._lock:
                         for k in keys:
                             if not store.is_resident(k):
@@ -535,7 +539,7 @@ class Session:
         name = desc.id.split(":", 1)[1]
         wd = self.resolved.weights[name]
         tctx.raise_if_cancelled()
-        self.counters.source_reads += 1
+        self._count("source_reads")
         if desc.publishes is not None:
             key = desc.publishes
 
@@ -623,9 +627,9 @@ class Session:
                 reservation = tctx.detach(Arena.PREPARED)
             first = store.generation(key) <= 1
             store.publish(key, gen, _SlotBuffer(r.slot, nbytes, reservation))
-            self.counters.materializations += 1
+            self._count("materializations")
             if not first:
-                self.counters.rematerializations += 1
+                self._count("rematerializations")
             with self._lock:
                 self._critical_wait.pop(key, None)
                 pending = bool(self._critical_wait)
@@ -677,7 +681,7 @@ class Session:
                 if self.store.evict(k):
                     free += nbytes
                     evicted += 1
-            self.counters.evictions += evicted
+            self._count("evictions", evicted)
             return evicted
 
     def _shed_speculative_if_blocked(self, waits: Mapping[PreparedKey, int]) -> int:
@@ -707,7 +711,7 @@ class Session:
         for tid in list(self._handles):
             if self.plan.by_id[tid].kind is TaskKind.READ_SOURCE and self.plan.by_id[tid].publishes is None:
                 self._maybe_release_read(tid)
-        self.counters.shed += shed
+        self._count("shed", shed)
         return shed
 
     def _on_read_done(self, read_tid: TaskId) -> None:
