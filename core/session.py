@@ -653,6 +653,10 @@ class Session:
         budget = self.budget
         limit = budget.limit(Arena.PREPARED)
         with self._lock:
+            for k in list(self._critical_wait):  # a failed or cancelled producer: nobody waits
+                h = self._handles.get(self._publisher[k].id)
+                if h is None or h.state in _DEAD:
+                    del self._critical_wait[k]
             waits = dict(self._critical_wait)
             if limit is None:
                 if waits:
