@@ -1,0 +1,50 @@
+"""The benchmark scripts still run and their counters are consistent (smoke runs on the
+small models; the timings themselves are not asserted: benchmarks are not timed tests)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(args: list[str], env_cache: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, ONNX_PREP_CACHE=str(env_cache))
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_bench_load_smoke(tmp_path):
+    from onnx_prep.core.resolution import resolve_model
+
+    out = tmp_path / "load.json"
+    p = _run(["scripts/bench_load.py", "--preset", "tiny-llm", "--repeats", "1", "--hot-repeats", "2",
+              "--warm-cache", "--json", str(out)], tmp_path / "cache")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(out.read_text())
+    manifest = resolve_model(doc["model"]).manifest.total_bytes
+    for mode in ("sequential", "parallel"):
+        c = doc["counters"][mode]
+        assert c["bytes_read"] + c["bytes_mapped"] == manifest  # every source byte once
+        assert c["peak_prepared"] > 0 and c["max_in_flight"] >= c["peak_prepared"]
+    assert doc["counters"]["sequential"]["session_tasks"] == doc["counters"]["parallel"]["session_tasks"]
+    assert "hot_overhead_median" in doc["ratios"]
+
+
+def test_bench_resolve_smoke(tmp_path):
+    p = _run(["scripts/bench_resolve.py", "--models", "tiny-llm", "--repeats", "3", "--json"], tmp_path / "cache")
+    assert p.returncode == 0, p.stderr
+    assert "tiny-llm" in p.stdout
+
+
+@pytest.mark.slow
+def test_bench_kernels_smoke(tmp_path):
+    p = _run(["scripts/bench_kernels.py", "--quick", "--no-numpy", "--shapes", "256x512", "--ms", "1",
+              "--reps", "2"], tmp_path / "cache")
+    assert p.returncode == 0, p.stderr
+    assert "256x512" in p.stdout
