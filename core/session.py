@@ -184,6 +184,9 @@ class Session:
             raise UsageError(f"unknown source_io {source_io!r}", hint=f"choose one of {', '.join(SOURCE_IO)}")
         self.source_io = source_io
         self.resolved = require_frozen(resolved)
+        from onnx_prep.native import active_isa
+
+        self.isa = active_isa()  # a bad ONNX_PREP_ISA or a stale build fails here, before any work
         self.plan: PreparedExecutionPlan = build_prepared_execution_plan(resolved, lookahead=lookahead)
         self.program = ActionProgram.compile(resolved)
         self.reader = reader or ExternalDataReader.for_model(resolved, trust_symlinks=trust_symlinks)
