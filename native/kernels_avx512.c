@@ -158,6 +158,65 @@ AI void f32_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP,
                 store_out(a, m + r, p * OP_PANEL_TILES + (size_t)(i0 + i), out[i][r]); \
     }
 
+/* Four rows over a whole panel in ONE pass: per block, the tiles go in pairs
+ * (2 tiles x 4 rows = 8 integer chains at a time) while the 16 fp32 outputs of
+ * the panel stay live across blocks. NOTE: the two-tile-pair passes this replaces
+ * (PANEL(..., 2, 4) twice per panel) read every panel twice, the first pass from
+ * DRAM with half the compute per byte, the second from cache; one pass overlaps
+ * the whole panel's compute with its one stream. Per lane the fold is the same
+ * as in the panel function above (integer sums are exact, blocks ascending). */
+#define DEFINE_I8_PANEL4(NAME, DOT)                                                    \
+    AI void NAME(const op_mm_args *a, size_t p, int tb, int te, size_t m) {           \
+        const op_packed_header *h = a->h;                                              \
+        const uint32_t bs = h->block_size, nb = h->n_blocks;                           \
+        const __m512i m0f = _mm512_set1_epi8(0x0F);                                    \
+        const int8_t *arow[4];                                                         \
+        for (int r = 0; r < 4; r++) arow[r] = a->a8 + (m + r) * a->Kp;               \
+        __m512 out[4][4];                                                              \
+        for (int i = 0; i < 4; i++)                                                    \
+            for (int r = 0; r < 4; r++) out[i][r] = _mm512_setzero_ps();              \
+        for (uint32_t b = 0; b < nb; b++) {                                            \
+            const uint8_t *blk = op_mm_block(h, a->panels, p, b);                      \
+            for (int i0 = tb; i0 < te; i0 += 2) {                                      \
+                const int TP = i0 + 2 <= te ? 2 : 1;                                   \
+                __m512i is[2][4];                                                      \
+                for (int i = 0; i < 2; i++)                                            \
+                    for (int r = 0; r < 4; r++) is[i][r] = _mm512_setzero_si512();     \
+                for (uint32_t g = 0; g < bs / OP_GROUP_K; g++) {                       \
+                    const size_t kb = (size_t)b * bs + (size_t)g * OP_GROUP_K;         \
+                    __m512i alo[4], ahi[4];                                            \
+                    for (int r = 0; r < 4; r++) {                                      \
+                        alo[r] = bcast32(arow[r] + kb);                                \
+                        ahi[r] = bcast32(arow[r] + kb + 4);                            \
+                    }                                                                  \
+                    for (int i = 0; i < 2; i++) {                                      \
+                        if (i >= TP) break;                                            \
+                        __m512i x = _mm512_loadu_si512((const void *)op_mm_group(blk, g, i0 + i)); \
+                        __m512i lo = _mm512_and_si512(x, m0f);                         \
+                        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), m0f);   \
+                        for (int r = 0; r < 4; r++)                                    \
+                            is[i][r] = DOT(DOT(is[i][r], lo, alo[r]), hi, ahi[r]);     \
+                    }                                                                  \
+                }                                                                      \
+                for (int i = 0; i < 2; i++) {                                          \
+                    if (i >= TP) break;                                                \
+                    const __m512 s = _mm512_loadu_ps(op_mm_scales(h, blk, i0 + i));    \
+                    const __m512 z = block_zeros(h, blk, i0 + i);                      \
+                    for (int r = 0; r < 4; r++) {                                      \
+                        const size_t ab = (m + r) * nb + b;                            \
+                        __m512 d = _mm512_fnmadd_ps(z, _mm512_set1_ps(a->asum[ab]),   \
+                                                    _mm512_cvtepi32_ps(is[i][r]));     \
+                        __m512 sc = _mm512_mul_ps(_mm512_set1_ps(a->ascale[ab]), s);   \
+                        out[i0 + i][r] = _mm512_fmadd_ps(sc, d, out[i0 + i][r]);       \
+                    }                                                                  \
+                }                                                                      \
+            }                                                                          \
+        }                                                                              \
+        for (int i = tb; i < te; i++)                                                  \
+            for (int r = 0; r < 4; r++)                                                \
+                store_out(a, m + r, p * OP_PANEL_TILES + (size_t)i, out[i][r]);        \
+    }
+
 /* u8 x s8 four-way dot product without VNNI: maddubs gives s16 pair sums (at most
  * 2 * 15 * 128, no saturation), madd with ones widens them to s32 quads. */
 AI __m512i dot_bw(__m512i acc, __m512i u, __m512i s) {
@@ -279,7 +338,29 @@ DEFINE_BFP_PANEL(bfp_panel_bw, dot_bw)
     }
 
 DEFINE_DRIVER(mm_f32_avx512, f32_panel, 8)
-DEFINE_DRIVER(mm_i8_avx512_bw, i8_panel_bw, 4)
+
+/* int8: rows in chunks of four, each chunk one pass over the panel (PANEL4), then
+ * the last 1-3 rows as in DEFINE_DRIVER. */
+#define DEFINE_I8_DRIVER(NAME, PANEL, PANEL4)                                         \
+    static void NAME(const op_mm_args *a) {                                           \
+        const size_t t0 = a->col_begin / OP_TILE_N;                                   \
+        const size_t t1 = (a->col_end + OP_TILE_N - 1) / OP_TILE_N;                   \
+        for (size_t p = t0 / OP_PANEL_TILES; p * OP_PANEL_TILES < t1; p++) {          \
+            const size_t pt = p * OP_PANEL_TILES;                                     \
+            const int tb = (int)(t0 > pt ? t0 - pt : 0);                              \
+            const int te = (int)(t1 - pt < OP_PANEL_TILES ? t1 - pt : OP_PANEL_TILES); \
+            size_t m = 0;                                                             \
+            for (; m + 4 <= a->M; m += 4) PANEL4(a, p, tb, te, m);                    \
+            switch (a->M - m) {                                                       \
+            case 3: SMALL_ROWS(PANEL, a, p, tb, te - tb, m, 3); break;                \
+            case 2: SMALL_ROWS(PANEL, a, p, tb, te - tb, m, 2); break;                \
+            case 1: SMALL_ROWS(PANEL, a, p, tb, te - tb, m, 1); break;                \
+            default: break;                                                           \
+            }                                                                         \
+        }                                                                             \
+    }
+DEFINE_I8_PANEL4(i8_panel4_bw, dot_bw)
+DEFINE_I8_DRIVER(mm_i8_avx512_bw, i8_panel_bw, i8_panel4_bw)
 
 /* bfp: three accumulators per (tile, row), so prefill goes one tile by four rows
  * (12 chains), and every remaining row takes the whole panel in one pass. */
@@ -364,7 +445,8 @@ const op_kernel_table op_kernels_avx512 = {mm_f32_avx512, mm_bfp_avx512_bw, mm_i
 #pragma GCC target("avx512vnni")
 AI __m512i dot_vnni(__m512i acc, __m512i u, __m512i s) { return _mm512_dpbusd_epi32(acc, u, s); }
 DEFINE_I8_PANEL(i8_panel_vnni, dot_vnni)
-DEFINE_DRIVER(mm_i8_avx512_vnni, i8_panel_vnni, 4)
+DEFINE_I8_PANEL4(i8_panel4_vnni, dot_vnni)
+DEFINE_I8_DRIVER(mm_i8_avx512_vnni, i8_panel_vnni, i8_panel4_vnni)
 DEFINE_BFP_PANEL(bfp_panel_vnni, dot_vnni)
 DEFINE_BFP_DRIVER(mm_bfp_avx512_vnni, bfp_panel_vnni)
 #pragma GCC pop_options
