@@ -337,11 +337,12 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--shapes", default=None, help="K x N list, e.g. 2048x2048,2048x5632")
     ap.add_argument("--ms", default=None, help="M list, e.g. 1,4")
+    ap.add_argument("--levels", default=None, help="accuracy level list, e.g. 1,4")
     args = ap.parse_args()
     args.shapes = ([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes
                    else (SHAPES[:2] if args.quick else SHAPES))
     args.ms = [int(v) for v in args.ms.split(",")] if args.ms else ([1, 16] if args.quick else MS)
-    args.levels = LEVELS
+    args.levels = [int(v) for v in args.levels.split(",")] if args.levels else LEVELS
     args.reps = args.reps or (7 if args.quick else 21)
     if args.worker:
         json.dump(worker(args), sys.stdout)
@@ -351,7 +352,8 @@ def main() -> int:
     for t in THREADS:
         env = dict(os.environ, OPENBLAS_NUM_THREADS=str(t), OMP_NUM_THREADS=str(t), MKL_NUM_THREADS=str(t))
         cmd = [sys.executable, __file__, "--worker", "--threads", str(t), "--reps", str(args.reps),
-               "--shapes", ",".join(f"{k}x{n}" for k, n in args.shapes), "--ms", ",".join(map(str, args.ms))]
+               "--shapes", ",".join(f"{k}x{n}" for k, n in args.shapes), "--ms", ",".join(map(str, args.ms)),
+               "--levels", ",".join(map(str, args.levels))]
         cmd += ["--hot"] if args.hot else []
         cmd += ["--no-numpy"] if args.no_numpy else []
         out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
