@@ -53,15 +53,44 @@ AI void store_out(const op_mm_args *a, size_t m, size_t t, __m512 v) {
 /* ---- fp32 compute ------------------------------------------------------------
  * Per k: one shift brings the code's nibble to the bottom of each lane, one
  * vpermps (which reads only the low 4 bits of each index) turns it into the float
- * code, one FMA. Measured alternatives that were not faster here: unaligned loads
- * at group + j instead of the byte shifts (split-line loads), and cvtdq2ps for
- * every other k (more uops). The shift/shuffle ports bound this loop; at M = 1
- * it runs at ~18 GB/s of packed data from cache on the development machine. */
+ * code, one FMA. With one row (decode) the conversion is most of the work, so
+ * there code_f32 converts two codes per shifted copy (3 shifts per 8 codes, not 7).
+ * NOTE: this loop is bound by the vector pipes, not memory: on the development
+ * machine (Zen 4: two zmm ops per cycle, at most one FMA, and vpermps/vpermw
+ * contend with the FMAs) 8 FMAs + 8 permutes + 3 shifts per 16 x 8 codes run at
+ * ~20 GB/s of packed data from cache (was ~18.6 with 7 shifts), i.e. ~60-65% of
+ * one core's read bandwidth: the one-thread level-1 GEMV cannot stream at the
+ * read bandwidth with one fp32 FMA per code. Measured and slower: unaligned loads
+ * at group + j instead of the shifts (split-line loads), and + cvtdq2ps for some
+ * codes (cvt shares the shift pipe), OR-ing the nibble into a float's mantissa
+ * and subtracting the implicit one (vpternlogd + vsubps: more ops), software
+ * prefetch 1-8 KiB ahead. */
+
+/* Upper halves of float(q) for q = i & 15 (float(q) has zero low 16 bits for q < 16):
+ * the vpermw table, duplicated because vpermw reads 5 index bits. */
+static const uint16_t code_bf16[32] __attribute__((aligned(64))) = {
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+
+/* Code j of each lane as a float, from xv[v] = group dwords >> 4v. Code j's nibble
+ * sits at bit 8j (j < 4) or 8(j - 4) + 4 (j >= 4). vpermps converts the nibble at
+ * bits 0-3 of a dword; vpermw, zero-masked to the upper word, converts the one at
+ * bits 16-19 (bit 20 is ignored by the duplicated table) into float(q)'s upper
+ * half. So each shifted copy serves two codes: 3 shifts per 8 codes instead of 7. */
+AI __m512 code_f32(const __m512i xv[4], int j, __m512 tbl, __m512i tblw) {
+    static const int vsel[8] = {0, 2, 0, 2, 1, 3, 1, 3};
+    const __m512i x = xv[vsel[j]];
+    if ((j & 2) == 0) return _mm512_permutexvar_ps(x, tbl); /* j = 0, 1, 4, 5 */
+    return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16((__mmask32)0xAAAAAAAAu, x, tblw));
+}
 
 AI void f32_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP, const int R) {
     const op_packed_header *h = a->h;
     const uint32_t bs = h->block_size, nb = h->n_blocks;
     const __m512 tbl = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i tblw = _mm512_loadu_si512((const void *)code_bf16);
     const float *arow[8];
     for (int r = 0; r < R; r++) arow[r] = a->A + (m + r) * a->lda;
     __m512 out[4][8], acc[4][8];
@@ -75,6 +104,20 @@ AI void f32_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP,
             const size_t kb = (size_t)b * bs + (size_t)g * OP_GROUP_K;
             const uint8_t *src[4];
             for (int i = 0; i < TP; i++) src[i] = op_mm_group(blk, g, i0 + i);
+            if (R == 1) {
+                /* one row: the conversion is most of the work, so share the shifts */
+                __m512i xv[4][4];
+                for (int i = 0; i < TP; i++) {
+                    xv[i][0] = _mm512_loadu_si512((const void *)src[i]);
+                    for (int v = 1; v < 4; v++) xv[i][v] = _mm512_srli_epi32(xv[i][0], 4 * v);
+                }
+                for (int j = 0; j < 8; j++) {
+                    const __m512 av = _mm512_set1_ps(arow[0][kb + j]);
+                    for (int i = 0; i < TP; i++)
+                        acc[i][0] = _mm512_fmadd_ps(av, code_f32(xv[i], j, tbl, tblw), acc[i][0]);
+                }
+                continue;
+            }
             for (int j = 0; j < 8; j++) {
                 __m512 av[8];
                 for (int r = 0; r < R; r++) av[r] = _mm512_set1_ps(arow[r][kb + j]);
