@@ -67,7 +67,10 @@ def test_scalar_matches_numpy_dequantize_then_matmul(M, K, N, bs, zp):
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("zp", ZPS)
 def test_isa_paths_equal_scalar_bit_for_bit(isa, level, zp):
-    for i, (M, K, N, bs) in enumerate(SHAPES + [(16, 256, 64, 32), (7, 96, 200, 32)]):
+    # the last two: four-row chunks over panels of several ~16 KiB block chunks
+    # (the chunked and single-pass multi-row drivers), plus leftover rows
+    extra = [(16, 256, 64, 32), (7, 96, 200, 32), (6, 1100, 100, 16), (9, 800, 70, 32)]
+    for i, (M, K, N, bs) in enumerate(SHAPES + extra):
         A, packed, _, b = _case(10 + i, M, K, N, bs, zp, level=level, bias=i % 2 == 0)
         ref = native.matmul_nbits(A, packed, bias=b, isa="scalar")
         got = native.matmul_nbits(A, packed, bias=b, isa=isa)
