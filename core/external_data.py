@@ -289,12 +289,8 @@ class ExternalDataReader:
         buf = out.reshape(-1).view(np.uint8)
         if buf.nbytes != desc.length or not out.flags.c_contiguous or not out.flags.writeable:
             raise ValueError(f"out must be a writable C-contiguous buffer of {desc.length} bytes")
-        if self.hooks.before_read is not None:
-            self.hooks.before_read(desc)
-        fd = open_external_file(self.model_dir, desc.file, trust_symlinks=self.trust_symlinks,
-                                where=where)
+        fd = self._open_checked(desc, where)
         try:
-            check_bounds(desc.offset, desc.length, os.fstat(fd).st_size, where)
             _pread_exact(fd, memoryview(buf), desc.offset, where)
         finally:
             os.close(fd)
@@ -320,12 +316,8 @@ class ExternalDataReader:
         ``populate=True`` (MAP_POPULATE) reads and maps every page now, on the calling
         thread: an I/O worker takes the disk wait, not the CPU task that consumes it."""
         where = self._admit(desc)
-        if self.hooks.before_read is not None:
-            self.hooks.before_read(desc)
-        fd = open_external_file(self.model_dir, desc.file, trust_symlinks=self.trust_symlinks,
-                                where=where)
+        fd = self._open_checked(desc, where)
         try:
-            check_bounds(desc.offset, desc.length, os.fstat(fd).st_size, where)
             if desc.length == 0:
                 arr = np.empty(0, dtype=np.uint8)
             else:
@@ -345,6 +337,20 @@ class ExternalDataReader:
         return arr
 
     # -- internals
+    def _open_checked(self, desc: WeightDescriptor, where: Where) -> int:
+        """Run the before-read hook, open the tensor's file with the containment checks,
+        and check its bounds against the file as it is now. The caller closes the fd."""
+        if self.hooks.before_read is not None:
+            self.hooks.before_read(desc)
+        fd = open_external_file(self.model_dir, desc.file, trust_symlinks=self.trust_symlinks,
+                                where=where)
+        try:
+            check_bounds(desc.offset, desc.length, os.fstat(fd).st_size, where)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
     def _admit(self, desc: WeightDescriptor) -> Where:
         where = Where(model=self.model, tensor=desc.name, file=desc.file, offset=desc.offset)
         if desc.file is None:

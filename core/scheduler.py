@@ -592,6 +592,11 @@ class Scheduler:
     def _make_ready(self, t: TaskHandle, inline: list[TaskHandle]) -> None:  # locked
         t._state = TaskState.READY
         t.ready_ns = time.perf_counter_ns()
+        self._route(t, inline)
+
+    def _route(self, t: TaskHandle, inline: list[TaskHandle]) -> None:  # locked
+        """A READY task: an INLINE one starts now if its memory is admitted (else it parks
+        until memory is released); any other goes to its resource queue."""
         if t.resource is ResourceClass.INLINE and not self.sequential:
             if self._admit(t):
                 self._start(t, None)
@@ -764,15 +769,7 @@ class Scheduler:
                 if t._state is not TaskState.READY or not t._blocked:
                     continue
                 t._blocked = False
-                if t.resource is ResourceClass.INLINE and not self.sequential:
-                    if self._admit(t):
-                        self._start(t, None)
-                        inline.append(t)
-                    else:
-                        t._blocked = True
-                        self._mem_blocked.append(t)
-                else:
-                    self._push(t)
+                self._route(t, inline)
         if inline:
             self._run_inline(inline)
 
