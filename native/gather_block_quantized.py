@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from onnx_prep.native._module import check, ffi, lib
-from onnx_prep.native.matmul_nbits import zero_point_kind
+from onnx_prep.native.matmul_nbits import zero_point_arrays, zero_point_kind
 from onnx_prep.native.packed import ZP_KINDS, k_n, new_buffer, ptr
 
 
@@ -57,13 +57,7 @@ def prepack_gather_block_quantized(data: np.ndarray, scales: np.ndarray, zero_po
         raise ValueError(f"scales must be fp16/fp32 with V * n_blocks = {V * nb} values, got {scales.dtype} {scales.shape}")
     kind = zero_point_kind(zero_points)
     size = gather_packed_size(V=V, n_blocks=nb, block_size=bs, zero_points=kind)
-    zu = zf = None
-    if kind == "u4":
-        zu = gather_zero_point_codes(zero_points, V, nb)
-    elif kind == "float":
-        zf = np.ascontiguousarray(zero_points, dtype=np.float32).reshape(-1)
-        if zf.size != V * nb:
-            raise ValueError(f"float zero points hold {zf.size} values, expected {V * nb}")
+    zu, zf = zero_point_arrays(zero_points, kind, V, nb, gather_zero_point_codes)
     d = np.ascontiguousarray(data)
     sc = np.ascontiguousarray(scales, dtype=np.float32).reshape(-1)
     buf = new_buffer(size, out, "prepack_gather_block_quantized")

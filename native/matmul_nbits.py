@@ -34,6 +34,20 @@ def zero_point_kind(zero_points) -> str:
     raise ValueError(f"zero points of dtype {dt}: expected uint8 (packed uint4) or the scales' float type")
 
 
+
+def zero_point_arrays(zero_points, kind: str, rows: int, nb: int, unpack_u4):
+    """(u4 codes or None, float zero points or None) for the C prepack: packed uint4 zero
+    points are unpacked by ``unpack_u4(zero_points, rows, nb)`` (each op packs them its own
+    way); float ones are flattened to fp32 and must hold ``rows * nb`` values."""
+    if kind == "u4":
+        return unpack_u4(zero_points, rows, nb), None
+    if kind == "float":
+        zf = np.ascontiguousarray(zero_points, dtype=np.float32).reshape(-1)
+        if zf.size != rows * nb:
+            raise ValueError(f"float zero points hold {zf.size} values, expected {rows * nb}")
+        return None, zf
+    return None, None
+
 def _check_level(accuracy_level: int) -> int:
     level = int(accuracy_level)
     if level not in ACCURACY_LEVELS:
@@ -91,13 +105,7 @@ def prepack_matmul_nbits(B: np.ndarray, scales: np.ndarray, zero_points: np.ndar
         raise ValueError(f"scales must be fp16/fp32 with N * n_blocks = {N * nb} values, got {scales.dtype} {scales.shape}")
     B = np.ascontiguousarray(B)
     sc = np.ascontiguousarray(scales, dtype=np.float32).reshape(-1)
-    zu = zf = None
-    if kind == "u4":
-        zu = unpack_u4_zero_points(zero_points, N, nb)
-    elif kind == "float":
-        zf = np.ascontiguousarray(zero_points, dtype=np.float32).reshape(-1)
-        if zf.size != N * nb:
-            raise ValueError(f"float zero points hold {zf.size} values, expected {N * nb}")
+    zu, zf = zero_point_arrays(zero_points, kind, N, nb, unpack_u4_zero_points)
     buf = new_buffer(size, out, "prepack_matmul_nbits")
     check(lib.op_prepack_matmul_nbits(ptr(B, "uint8_t *"), ptr(sc, "float *"), ptr(zu, "uint8_t *"),
                                       ptr(zf, "float *"), K, N, bs, ZP_KINDS[kind], level,

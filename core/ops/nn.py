@@ -26,12 +26,18 @@ def softmax(inputs, attrs, prepared):
     return [_softmax_axis(x, axis_index(attrs.get("axis", -1), x.ndim))]
 
 
-def softmax_legacy(inputs, attrs, prepared):
-    """Softmax for opset < 13: coerce to 2-D [prod(shape[:axis]), prod(shape[axis:])]."""
+def _coerced_2d(fn, inputs, attrs):
+    """Opset < 13 semantics: apply ``fn`` over axis 1 of x coerced to 2-D
+    [prod(shape[:axis]), prod(shape[axis:])]."""
     x = inputs[0]
     axis = axis_index(attrs.get("axis", 1), x.ndim)
     lead = int(np.prod(x.shape[:axis], dtype=np.int64))
-    return [_softmax_axis(x.reshape(lead, -1), 1).reshape(x.shape)]
+    return [fn(x.reshape(lead, -1), 1).reshape(x.shape)]
+
+
+def softmax_legacy(inputs, attrs, prepared):
+    """Softmax for opset < 13 (see _coerced_2d)."""
+    return _coerced_2d(_softmax_axis, inputs, attrs)
 
 
 def _log_softmax_axis(x, axis):
@@ -46,10 +52,8 @@ def log_softmax(inputs, attrs, prepared):
 
 
 def log_softmax_legacy(inputs, attrs, prepared):
-    x = inputs[0]
-    axis = axis_index(attrs.get("axis", 1), x.ndim)
-    lead = int(np.prod(x.shape[:axis], dtype=np.int64))
-    return [_log_softmax_axis(x.reshape(lead, -1), 1).reshape(x.shape)]
+    """LogSoftmax for opset < 13 (see _coerced_2d)."""
+    return _coerced_2d(_log_softmax_axis, inputs, attrs)
 
 
 def matmul(inputs, attrs, prepared):
