@@ -197,13 +197,14 @@ class TaskEvent:
     end_ns: int
     state: TaskState
     cause: str | None
+    cpu_ns: int | None = None  # CPU time of the running thread (wall minus waiting); None if it never ran
 
     def to_json(self) -> dict:
         return {
             "task_id": self.task_id, "name": self.name, "resource": self.resource.value,
             "priority": self.priority.name.lower(), "worker": self.worker,
             "submit_ns": self.submit_ns, "ready_ns": self.ready_ns, "start_ns": self.start_ns,
-            "end_ns": self.end_ns, "state": self.state.value, "cause": self.cause,
+            "end_ns": self.end_ns, "cpu_ns": self.cpu_ns, "state": self.state.value, "cause": self.cause,
         }
 
 
@@ -240,6 +241,7 @@ class TaskHandle:
         self.submit_ns = time.perf_counter_ns()
         self.ready_ns: int | None = None
         self.start_ns: int | None = None
+        self.cpu_ns: int | None = None
         self.end_ns: int | None = None
         self.worker: str | None = None
 
@@ -659,6 +661,7 @@ class Scheduler:
     def _run(self, t: TaskHandle, worker: str) -> None:
         t.worker = worker
         t.start_ns = time.perf_counter_ns()
+        cpu0 = time.thread_time_ns()
         state, result, exc = TaskState.DONE, None, None
         fn = t._fn
         if t.token.cancelled or fn is None:
@@ -672,6 +675,7 @@ class Scheduler:
             except BaseException as e:  # noqa: BLE001 - every task must reach a terminal state
                 state, exc = TaskState.FAILED, e
         t.end_ns = time.perf_counter_ns()
+        t.cpu_ns = time.thread_time_ns() - cpu0
         if t._reservation is not None:
             t._reservation.release()  # outside the lock: the release listener takes it
             t._reservation = None
@@ -712,7 +716,7 @@ class Scheduler:
         self._settling += 1
         self._events.append(TaskEvent(
             t.id, t.name, t.resource, t._priority, t.worker, t.submit_ns, t.ready_ns, t.start_ns,
-            t.end_ns, state, t.cause.name if t.cause is not None else None))
+            t.end_ns, state, t.cause.name if t.cause is not None else None, t.cpu_ns))
         finished.append(t)
 
     def _cascade_cancel(self, t: TaskHandle, root: TaskHandle, finished: list[TaskHandle]) -> None:  # locked

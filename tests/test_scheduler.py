@@ -79,6 +79,40 @@ def test_dependencies_inputs_and_results(make_sched):
     assert ev["a"].worker.endswith("-io-0") and ev["a"].resource is IO
 
 
+def test_events_record_cpu_time_apart_from_waiting(make_sched):
+    """cpu_ns is the running thread's CPU time: a task blocked on an event gets almost
+    none of its wall time, a task computing gets most of it (the load profile's
+    wall-vs-CPU counter rests on this)."""
+    import numpy as np
+
+    s = make_sched(io_workers=1, cpu_workers=2)
+    started, go = threading.Event(), threading.Event()
+
+    def blocked(ctx):
+        started.set()
+        assert go.wait(T)
+
+    def compute(ctx):
+        x = np.ones((256, 256), dtype=np.float64)
+        for _ in range(40):
+            x = x @ x / 256.0
+        return float(x[0, 0])
+
+    b = s.submit(blocked, name="blocked")
+    assert started.wait(T)
+    c = s.submit(compute, name="compute")
+    assert c.result(T) == 1.0
+    go.set()
+    assert b.wait(T) and s.wait_idle(T)
+    ev = {e.name: e for e in s.events()}
+    wall_b = ev["blocked"].end_ns - ev["blocked"].start_ns
+    wall_c = ev["compute"].end_ns - ev["compute"].start_ns
+    assert wall_b >= wall_c  # it was blocked while the other task computed
+    assert ev["blocked"].cpu_ns < wall_b / 4
+    assert 0 < ev["compute"].cpu_ns <= wall_c + 1_000_000  # thread clocks tick coarser than perf_counter
+    assert ev["compute"].to_json()["cpu_ns"] == ev["compute"].cpu_ns
+
+
 def test_priority_order_then_fifo(make_sched):
     s = make_sched(io_workers=1, cpu_workers=1)
     gate, release = _gate()
