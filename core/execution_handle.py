@@ -23,6 +23,8 @@ Contract (stable)
     :class:`TaskFailedError` chained (``__cause__``) to the first error (earliest failing
     task), :class:`CancelledError` when the submission was cancelled (or lost a task to
     cancellation) without a failure, :class:`TimeoutError` if ``timeout`` expires first.
+    Priority inheritance: the tasks it still waits for (and their producers) are raised
+    to DEMANDED, so they may use every worker, not only the ones left to speculative work.
 ``is_ready() -> bool`` — every task terminal (non-blocking).
 ``cancel() -> None`` — a no-op once the submission is finished; else cooperative: cancels
     the owned tasks (queued ones never run, running ones see their token), then releases
@@ -208,6 +210,8 @@ class ExecutionHandle:
             return tracker.cond.wait_for(lambda: tracker.finished, timeout)
 
     def wait(self, timeout: float | None = None) -> None:
+        if not self._tracker.finished:
+            self._inherit_priority()
         if not self._wait_terminal(timeout):
             raise TimeoutError(f"submission {self.name!r} not finished after {timeout}s")
         st = self.status()
@@ -217,6 +221,15 @@ class ExecutionHandle:
             first = st.cancelled[0] if st.cancelled else None
             raise CancelledError(f"submission {self.name!r} was cancelled"
                                  + (f" (first cancelled task: {first!r})" if first else ""))
+
+    def _inherit_priority(self) -> None:
+        """Priority inheritance for a blocked caller: what this handle still waits for
+        (and its producers) runs at least at DEMANDED, so it may use every worker."""
+        from onnx_prep.core.task import Priority
+
+        for t in self._tracker.tasks():
+            if not t.state.terminal and t.priority > Priority.DEMANDED:
+                t.promote(Priority.DEMANDED)
 
     def status(self) -> ExecutionStatus:
         if self._preset is not None:

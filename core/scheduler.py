@@ -28,9 +28,10 @@ meta=None, promote_deps=False) -> TaskHandle``
     ``submit`` never blocks on other tasks. It raises :class:`UsageError` after ``close()``
     or for DEVICE work without device queues.
 
-``promote(handle) -> int``
+``promote(handle, priority=CRITICAL) -> int``
     Priority inheritance: raises ``handle`` and all its not-yet-terminal transitive
-    producers to CRITICAL (re-queued in place); returns how many changed.
+    producers to ``priority`` (re-queued in place; never lowers one); returns how many
+    changed. ``ExecutionHandle.wait()`` raises what it waits for to DEMANDED.
 
 ``submissions`` — number of ``submit`` calls so far (the hot path must add zero).
 ``events()`` — list of :class:`TaskEvent`, one per terminal task, in completion order
@@ -49,9 +50,13 @@ Execution rules
   submission sequence). INLINE tasks run on the thread that made them ready (the
   submitting thread, or the thread completing the last dependency), through a per-thread
   trampoline so long inline chains do not recurse.
-- Reserved critical capacity: with ``n >= 2`` workers on a queue, non-critical tasks may
-  occupy at most ``n - 1`` of them, so one CPU worker and one I/O slot are always free for
-  CRITICAL work. (NOTE: with a single worker on a queue there is nothing to reserve; a
+- Reserved critical capacity: with ``n >= 2`` workers on a queue, speculative tasks
+  (PREFETCH, BACKGROUND) may occupy at most ``n - 1`` of them, so one CPU worker and one
+  I/O slot are always free for CRITICAL work. DEMANDED tasks (a caller is blocked on them, or
+  an in-flight run consumes them soon) may use every worker: a worker held idle while
+  someone waits is pure loss. They still
+  queue after CRITICAL work, so a run that arrives meanwhile waits at most for the running
+  tasks to finish, never for the queued ones. (NOTE: with a single worker on a queue there is nothing to reserve; a
   critical task then waits for the running one.)
 - Memory admission happens before dispatch, under the picking worker: if the task's
   ``mem`` is not available it is parked (not holding a worker) and retried whenever the
@@ -313,8 +318,8 @@ class TaskHandle:
         """Cancel (see module docstring). ``True`` if the task will not run or was asked to stop."""
         return self._sched._cancel(self)
 
-    def promote(self) -> int:
-        return self._sched.promote(self)
+    def promote(self, priority: Priority = Priority.CRITICAL) -> int:
+        return self._sched.promote(self, priority)
 
     def retain(self) -> None:
         """Register one more consumer of this (shared) task."""
@@ -542,9 +547,9 @@ class Scheduler:
         self._after(finished, inline)
         return t
 
-    def promote(self, handle: TaskHandle) -> int:
+    def promote(self, handle: TaskHandle, priority: Priority = Priority.CRITICAL) -> int:
         with self._lock:
-            return self._promote_locked(handle)
+            return self._promote_locked(handle, Priority(priority))
 
     def close(self, *, cancel_pending: bool = True, timeout: float | None = None) -> None:
         """Stop: cancel (or drain) outstanding work, wait for running tasks and their
@@ -620,7 +625,7 @@ class Scheduler:
 
     def _start(self, t: TaskHandle, q: Any) -> None:  # locked
         t._state = TaskState.RUNNING
-        t._ran_critical = t._priority is Priority.CRITICAL
+        t._ran_critical = t._priority <= Priority.DEMANDED  # not counted against the cap
         if q is not None:
             self._running[q] += 1
             if not t._ran_critical:
@@ -633,8 +638,8 @@ class Scheduler:
             if tok != t._token_seq or t._state is not TaskState.READY:
                 heapq.heappop(heap)
                 continue
-            if prio != Priority.CRITICAL and self._running_noncrit[q] >= self._noncrit_cap[q]:
-                return None  # the remaining entries are non-critical too: keep the reserved slot
+            if prio > Priority.DEMANDED and self._running_noncrit[q] >= self._noncrit_cap[q]:
+                return None  # the remaining entries are speculative too: keep the reserved slot
             heapq.heappop(heap)
             if not self._admit(t):
                 t._blocked = True
@@ -777,7 +782,7 @@ class Scheduler:
         if inline:
             self._run_inline(inline)
 
-    def _promote_locked(self, handle: TaskHandle) -> int:
+    def _promote_locked(self, handle: TaskHandle, to: Priority = Priority.CRITICAL) -> int:
         changed = 0
         stack = [handle]
         seen: set[int] = set()
@@ -786,8 +791,8 @@ class Scheduler:
             if t.id in seen or t._state.terminal:
                 continue
             seen.add(t.id)
-            if t._priority is not Priority.CRITICAL:
-                t._priority = Priority.CRITICAL
+            if t._priority > to:
+                t._priority = to
                 changed += 1
                 queued = t.resource is not ResourceClass.INLINE or self.sequential
                 if t._state is TaskState.READY and queued:

@@ -65,8 +65,12 @@ class Priority(enum.IntEnum):
     """Priority classes; lower value runs first. Within a class, submission order (FIFO)."""
 
     CRITICAL = 0  # inference and the producer chain an inference is waiting on
-    PREFETCH = 1  # preparation inside the look-ahead window
-    BACKGROUND = 2  # preparation outside the window, cache writes, optional variants
+    DEMANDED = 1  # work that is wanted, not speculative: what a caller blocks on through
+    #             a handle's wait() (e.g. prepare()), and what an in-flight run will
+    #             consume within its look-ahead window. Queued after CRITICAL, but may
+    #             use every worker (see scheduler.py).
+    PREFETCH = 2  # preparation inside the look-ahead window
+    BACKGROUND = 3  # preparation outside the window, cache writes, optional variants
 
 
 @dataclass(frozen=True, slots=True)

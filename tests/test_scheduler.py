@@ -189,6 +189,56 @@ def test_reserved_critical_slot(make_sched, resource):
     assert all(t.state is TaskState.DONE for t in bg)
 
 
+def test_demanded_work_may_use_the_reserved_worker_but_queues_after_critical(make_sched):
+    """A caller blocked in ExecutionHandle.wait() raises what it waits for to DEMANDED:
+    it may take the worker speculative work leaves free, yet CRITICAL work queued at
+    the same time still goes first."""
+    from collections import defaultdict
+
+    from onnx_prep.core.execution_handle import ExecutionHandle
+
+    s = make_sched(io_workers=1, cpu_workers=2)
+    started = threading.Semaphore(0)
+    release: defaultdict[str, threading.Event] = defaultdict(threading.Event)
+    order: list[str] = []
+    lock = threading.Lock()
+
+    def held(ctx):
+        name = ctx.handle.name
+        with lock:
+            order.append(name)
+            ev = release[name]
+        started.release()
+        assert ev.wait(T)
+
+    def let_go(name):
+        with lock:
+            release[name].set()
+
+    bg = [s.submit(held, priority=BG, name=f"bg{i}") for i in range(3)]
+    assert started.acquire(timeout=T)  # bg0 runs; the second worker is held back
+    waiter = threading.Thread(target=lambda: ExecutionHandle(shared=[bg[2]], name="w").wait(T))
+    waiter.start()
+    assert started.acquire(timeout=T)  # the waited-for task took the reserved worker
+    assert order == ["bg0", "bg2"]
+    assert bg[2].priority is Priority.DEMANDED and bg[1].priority is BG
+    # Both workers busy: queue an DEMANDED task, then a CRITICAL one; free one worker.
+    aw = s.submit(held, priority=Priority.DEMANDED, name="aw")
+    cr = s.submit(held, priority=CRIT, name="cr")
+    let_go("bg0")
+    assert started.acquire(timeout=T)
+    assert order[-1] == "cr"  # critical first, though queued after the awaited task
+    let_go("bg2")
+    waiter.join(T)
+    assert not waiter.is_alive() and bg[2].state is TaskState.DONE
+    assert started.acquire(timeout=T)
+    assert order[-1] == "aw"  # then awaited work, before the speculative bg1
+    for name in ("cr", "aw", "bg1"):
+        let_go(name)
+    assert all(t.wait(T) for t in (*bg, aw, cr))
+    assert order == ["bg0", "bg2", "cr", "aw", "bg1"]
+
+
 def test_memory_admission_waits_without_holding_a_worker(make_sched):
     budget = MemoryBudget(None, {Arena.PREPARATION: 100})
     s = make_sched(io_workers=1, cpu_workers=2, budget=budget)
