@@ -4,18 +4,22 @@ parallel, in one run.
     .venv/bin/python scripts/bench_load.py [--model PATH | --preset medium] [--repeats 5]
                                            [--prompt-len 8] [--json FILE] [--warm-cache]
 
-Per repeat and mode, a fresh Session (fresh scheduler, store and arenas) over the same
-model: the data file is dropped from the page cache first (posix_fadvise DONTNEED; pass
---warm-cache to keep it), then one run (a prefill of --prompt-len tokens) is submitted
-and, right behind it, prepare_async() submits every remaining session task at lower
-priority. Figures (counters first, then times as min/median/max):
+Per repeat, three loads, each in a fresh Session (fresh scheduler, store and arenas) over
+the same model, interleaved so drift hits them alike; the data file is dropped from the
+page cache before each (posix_fadvise DONTNEED; pass --warm-cache to keep it):
 
-  plan_ms            plan construction (build_prepared_execution_plan)
-  bytes_read         source bytes read through the one reader (counter)
-  first_step_ms      submission -> first runnable inference step starts
-  first_output_ms    submission -> the run's outputs exist (TTFO)
-  all_ready_ms       submission -> every session task finished (all prepared)
-  peak_<arena>       peak bytes per arena; max_in_flight = peak of all arenas together
+  sequential  one worker: prepare() runs every session task, then run() the first prefill
+              (--prompt-len tokens). init_ms and first_run_ms are timed apart;
+              init_plus_run_ms is the time from the start to the run's outputs.
+  init        the parallel workers (2 I/O + 2 CPU), prepare() alone: the same task set.
+  ttfo        the parallel workers, run_async() first and prepare_async() right behind
+              it: first_step_ms (first inference step starts), first_output_ms (TTFO),
+              all_ready_ms (every session task finished).
+
+Per load, counters first: bytes_read / bytes_mapped (the one reader), session_tasks,
+peak_<arena> and max_in_flight (all arenas together); cpu_ms (process user + sys CPU over
+the load; cpu_user_ms + cpu_sys_ms) and task_wall_ms / task_cpu_ms (summed over the scheduler's tasks: the gap is
+time a running task was descheduled or blocked). Times as min/median/max.
 
 Stages measured alone in the same process, same model (the pipelining limit):
   reads_alone_ms     every manifest read, one reader, nothing else running
@@ -26,9 +30,9 @@ Stages measured alone in the same process, same model (the pipelining limit):
 And the hot path against a direct replay of the same kernels without the scheduler
 (same binding, interleaved, --hot-repeats each).
 
-Targets (issue #4): parallel all_ready <= 0.65 x sequential; first_output <= 0.6 x
-(sequential all_ready + first run) and <= 1.2 x the longest single stage; hot-path
-overhead <= 3%.
+Targets (issue #4), medians: init.init_ms <= 0.65 x sequential.init_ms; ttfo
+first_output_ms <= 0.6 x sequential.init_plus_run_ms and <= 1.2 x the longest stage
+alone; hot-path overhead <= 3%.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -76,41 +81,74 @@ SOURCE_IO = "map"
 IO_WORKERS = 2
 
 
-def one_load(resolved, feeds, *, sequential: bool, warm: bool) -> dict:
+def _cpu_ms() -> tuple[float, float]:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime * 1e3, ru.ru_stime * 1e3
+
+
+def _task_profile(s) -> dict:
+    """Wall vs thread-CPU time summed over the session's tasks (scheduler events)."""
+    ev = [e for e in s.scheduler.events() if e.start_ns is not None]
+    wall = sum(e.end_ns - e.start_ns for e in ev) / 1e6
+    cpu = sum(e.cpu_ns or 0 for e in ev) / 1e6
+    return {"task_wall_ms": wall, "task_cpu_ms": cpu}
+
+
+def one_load(resolved, feeds, *, mode: str, warm: bool) -> dict:
+    """One load in a fresh Session. Modes:
+
+    sequential  one worker: prepare() (every session task), then run(): init and first
+                run timed apart, so init + run is their plain sum
+    init        parallel workers, prepare() alone: the same task set as sequential init
+    ttfo        parallel workers, run_async() first and prepare_async() right behind it:
+                time to first output with loading and compute overlapped
+    """
     from onnx_prep.core.arenas import Arena
     from onnx_prep.core.session import RuntimeContext, Session
 
     if not warm:
         _drop_cache(resolved)
-    t_plan = time.perf_counter()
-    s = Session(resolved, sequential=sequential, source_io=SOURCE_IO, io_workers=IO_WORKERS)
-    session_ms = (time.perf_counter() - t_plan) * 1e3
+    s = Session(resolved, sequential=mode == "sequential", source_io=SOURCE_IO, io_workers=IO_WORKERS)
     try:
-        ctx = RuntimeContext(feeds)
+        out = {"plan_ms": s.plan.build_ms}
+        cpu0 = _cpu_ms()
         t0 = time.perf_counter_ns()
-        run = s.run_async(ctx)
-        prep = s.prepare_async()
-        run.wait()
-        prep.wait()
-        events = [e for e in s.scheduler.events() if e.name.startswith("S.")]
-        all_ready_ns = max(e.end_ns for e in events)
+        if mode == "ttfo":
+            ctx = RuntimeContext(feeds)
+            run = s.run_async(ctx)
+            prep = s.prepare_async()
+            run.wait()
+            prep.wait()
+            ev = [e for e in s.scheduler.events() if e.name.startswith("S.")]
+            out["first_step_ms"] = (ctx.first_step_ns - t0) / 1e6
+            out["first_output_ms"] = (ctx.done_ns - t0) / 1e6
+            out["all_ready_ms"] = (max(max(e.end_ns for e in ev), ctx.done_ns) - t0) / 1e6
+        else:
+            s.prepare()
+            out["init_ms"] = (time.perf_counter_ns() - t0) / 1e6
+            if mode == "sequential":
+                ctx = RuntimeContext(feeds)
+                t1 = time.perf_counter_ns()
+                s.run_async(ctx).wait()  # run() is exactly this
+                out["first_run_ms"] = (ctx.done_ns - t1) / 1e6
+                out["init_plus_run_ms"] = (ctx.done_ns - t0) / 1e6
+        cpu1 = _cpu_ms()  # process CPU over the load: user, sys (page faults, mapping, zeroing)
+        out["cpu_user_ms"], out["cpu_sys_ms"] = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
+        out["cpu_ms"] = out["cpu_user_ms"] + out["cpu_sys_ms"]
+        out.update(_task_profile(s))
+        snap = s.reader.counters.snapshot()
         budget = s.budget
-        return {
-            "plan_ms": s.plan.build_ms,
-            "session_ms": session_ms,
-            "bytes_read": s.reader.counters.snapshot()["bytes_read"],
-            "bytes_mapped": s.reader.counters.snapshot()["bytes_mapped"],
-            "session_tasks": len(events),
-            "first_step_ms": (ctx.first_step_ns - t0) / 1e6,
-            "first_output_ms": (ctx.done_ns - t0) / 1e6,
-            "all_ready_ms": (max(all_ready_ns, ctx.done_ns) - t0) / 1e6,
+        out.update({
+            "bytes_read": snap["bytes_read"],
+            "bytes_mapped": snap["bytes_mapped"],
+            "session_tasks": sum(1 for e in s.scheduler.events() if e.name.startswith("S.")),
             "peak_preparation": budget.peak(Arena.PREPARATION),
             "peak_prepared": budget.peak(Arena.PREPARED),
             "peak_execution": budget.peak(Arena.EXECUTION),
             "peak_io": budget.peak(Arena.IO),
             "max_in_flight": budget.max_in_flight_bytes,
-            "yields": s.counters.yields,
-        }
+        })
+        return out
     finally:
         s.close()
 
@@ -218,41 +256,47 @@ def main(argv=None) -> int:
     # NOTE: one discarded warm-up load. On a VM the first touch of memory the host has not
     # backed yet costs ~2 ms/MB; every later load in this process, and the stages measured
     # alone, reuse memory already backed, so without this the first sample is not like the rest.
-    one_load(resolved, feeds, sequential=False, warm=warm)
-    samples = {"sequential": [], "parallel": []}
+    one_load(resolved, feeds, mode="ttfo", warm=warm)
+    modes = ("sequential", "init", "ttfo")
+    samples = {m: [] for m in modes}
     for i in range(args.repeats):
-        for mode in ("sequential", "parallel"):  # interleaved: drift hits both alike
-            samples[mode].append(one_load(resolved, feeds, sequential=mode == "sequential", warm=warm))
+        for mode in modes:  # interleaved: drift hits every mode alike
+            samples[mode].append(one_load(resolved, feeds, mode=mode, warm=warm))
         print(f"  repeat {i + 1}/{args.repeats} done", file=sys.stderr)
     stages = stages_alone(resolved, feeds, warm=warm)
     hot = hot_vs_direct(resolved, feeds, args.hot_repeats)
 
-    keys_ms = ["plan_ms", "first_step_ms", "first_output_ms", "all_ready_ms"]
-    summary = {m: {k: _stats([x[k] for x in xs]) for k in keys_ms} for m, xs in samples.items()}
-    counters = {m: {k: xs[0][k] for k in ("bytes_read", "bytes_mapped", "session_tasks", "peak_preparation", "peak_prepared",
-                                          "peak_execution", "peak_io", "max_in_flight")}
-                for m, xs in samples.items()}
+    counter_keys = ("bytes_read", "bytes_mapped", "session_tasks", "peak_preparation", "peak_prepared",
+                    "peak_execution", "peak_io", "max_in_flight")
+    counters = {m: {k: xs[0][k] for k in counter_keys} for m, xs in samples.items()}
     for m, xs in samples.items():  # counters must not vary across repeats
         for k in ("bytes_read", "bytes_mapped", "session_tasks"):
             assert len({x[k] for x in xs}) == 1, f"{m} {k} varies across repeats"
+    summary = {m: {k: _stats([x[k] for x in xs]) for k in xs[0] if k not in counter_keys}
+               for m, xs in samples.items()}
 
-    print("\ncounters              sequential      parallel")
-    for k in counters["parallel"]:
-        print(f"  {k:18s} {counters['sequential'][k]:>12,} {counters['parallel'][k]:>12,}")
-    print("\ntimes (ms)                   sequential: min    median       max |   parallel: min    median       max")
-    for k in keys_ms:
-        print(f"  {k:18s} {_fmt(summary['sequential'][k])}   | {_fmt(summary['parallel'][k])}")
+    print("\ncounters (per load)    sequential          init          ttfo")
+    for k in counter_keys:
+        print(f"  {k:18s} " + " ".join(f"{counters[m][k]:>13,}" for m in modes))
+    print("\ntimes (ms)                     min    median       max")
+    for m in modes:
+        for k, st in summary[m].items():
+            print(f"  {m + '.' + k:28s} {_fmt(st)}")
     print("\nstages alone (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in stages.items()))
-    seq_init = summary["sequential"]["all_ready_ms"]["median"]
-    par = summary["parallel"]
+    seq, init, ttfo = summary["sequential"], summary["init"], summary["ttfo"]
     longest = max(stages.values())
     ratios = {
-        "parallel_init_over_sequential": par["all_ready_ms"]["median"] / seq_init,
-        "ttfo_over_sequential_init_plus_run": par["first_output_ms"]["median"]
-        / (seq_init + stages["first_run_alone_ms"]),
-        "ttfo_over_longest_stage": par["first_output_ms"]["median"] / longest,
+        "parallel_init_over_sequential": init["init_ms"]["median"] / seq["init_ms"]["median"],
+        "ttfo_over_sequential_init_plus_run": ttfo["first_output_ms"]["median"]
+        / seq["init_plus_run_ms"]["median"],
+        "ttfo_over_longest_stage": ttfo["first_output_ms"]["median"] / longest,
         "hot_overhead_median": hot["overhead_median"],
     }
+    # How well two workers use two cores: process CPU over the wall time of the same load.
+    cores = {m: summary[m]["cpu_ms"]["median"] / summary[m]["init_plus_run_ms" if m == "sequential" else
+                                                           ("init_ms" if m == "init" else "first_output_ms")]["median"]
+             for m in modes}
+    print("cores busy (process CPU / wall, medians): " + ", ".join(f"{m} {v:.2f}" for m, v in cores.items()))
     print(f"hot path {hot['hot_ms']['median']:.2f} ms vs direct replay {hot['direct_ms']['median']:.2f} ms "
           f"(median; min {hot['hot_ms']['min']:.2f} vs {hot['direct_ms']['min']:.2f})")
     print("\nratios (medians)                          measured   target")
@@ -261,7 +305,8 @@ def main(argv=None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"model": str(path), "isa": active_isa(), "warm_cache": warm,
                                          "samples": samples, "summary": summary, "counters": counters,
-                                         "stages_alone": stages, "hot_vs_direct": hot, "ratios": ratios},
+                                         "stages_alone": stages, "hot_vs_direct": hot, "ratios": ratios,
+                                         "cores_busy": cores},
                                         indent=2))
     return 0
 

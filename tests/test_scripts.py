@@ -28,12 +28,16 @@ def test_bench_load_smoke(tmp_path):
     assert p.returncode == 0, p.stderr
     doc = json.loads(out.read_text())
     manifest = resolve_model(doc["model"]).manifest.total_bytes
-    for mode in ("sequential", "parallel"):
+    for mode in ("sequential", "init", "ttfo"):
         c = doc["counters"][mode]
         assert c["bytes_read"] + c["bytes_mapped"] == manifest  # every source byte once
         assert c["peak_prepared"] > 0 and c["max_in_flight"] >= c["peak_prepared"]
-    assert doc["counters"]["sequential"]["session_tasks"] == doc["counters"]["parallel"]["session_tasks"]
-    assert "hot_overhead_median" in doc["ratios"]
+        assert c["session_tasks"] == doc["counters"]["sequential"]["session_tasks"]  # the same task set
+    seq, ttfo = doc["samples"]["sequential"][0], doc["samples"]["ttfo"][0]
+    assert seq["init_plus_run_ms"] >= seq["init_ms"] + seq["first_run_ms"] * 0.99  # run timed after init
+    assert ttfo["first_output_ms"] >= ttfo["first_step_ms"]
+    assert set(doc["ratios"]) == {"parallel_init_over_sequential", "ttfo_over_sequential_init_plus_run",
+                                  "ttfo_over_longest_stage", "hot_overhead_median"}
 
 
 def test_bench_resolve_smoke(tmp_path):
