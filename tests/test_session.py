@@ -14,6 +14,7 @@ from onnx_prep.core.execution_handle import SubmissionState
 from onnx_prep.core.generation import compare_generations, greedy_decode, step_feeds
 from onnx_prep.core.resolution import resolve_model
 from onnx_prep.core.session import RuntimeContext, Session, Workspace
+from onnx_prep.core.task import Priority
 from tests.conftest import ort_or_skip
 
 # Logits tolerance against ONNX Runtime, relative to the logit range (fp32 compute).
@@ -164,6 +165,30 @@ def test_first_layer_runs_before_a_delayed_later_weight_is_read(tiny_llm_path):
     step_at = events.index(("step", layer0_last))
     assert step_at < read_at
     assert ctx.outputs is not None
+
+
+def test_tied_source_consumers_are_prepacked_together(tiny_llm_path):
+    """The tied embedding / LM head source is read once; when the run asks for the
+    embedding's prepack (step 0), the LM head's prepack is submitted with it (DEMANDED),
+    long before the run's look-ahead window would reach the last step, so the source
+    buffer is freed early and the LM head is not the load's serial tail."""
+    io = _io(tiny_llm_path)
+    with Session.open(tiny_llm_path) as s:
+        plan = s.plan
+        consumers: dict[str, list] = {}
+        for r in plan.requirements:
+            for d in plan.by_id[r.publisher].dependencies:
+                consumers.setdefault(d, []).append(r)
+        tied = [sorted(rs, key=lambda r: r.first_step) for rs in consumers.values() if len(rs) > 1]
+        assert len(tied) == 1, "the fixture ties one source (embedding and LM head)"
+        first, last = tied[0]
+        assert last.first_step >= plan.lookahead.steps + first.first_step  # out of the window
+        ctx = RuntimeContext(_feeds(io, np.array([[1, 2, 3]])))
+        s.run_async(ctx).wait()  # a run alone: no prepare_async() submitting everything
+        ev = {e.name: e for e in s.scheduler.events()}
+        emb, head = ev[plan.by_id[first.publisher].id], ev[plan.by_id[last.publisher].id]
+        assert head.submit_ns < emb.end_ns
+        assert head.priority is not Priority.BACKGROUND
 
 
 def test_read_failure_fails_only_its_dependents(small_llm_path):
