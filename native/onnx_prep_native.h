@@ -134,8 +134,14 @@ int op_gemm(int isa, const float *A, size_t M, size_t lda, const uint8_t *packed
 /* ---- host stable virtual-address slots -------------------------------------- */
 /* Reserve `size` bytes of address space (no memory, no commit charge); return 0 or -errno. */
 int op_slot_reserve(size_t size, void **out);
-/* Make [p, p+n) readable and writable; pages appear zero-filled on first touch. */
+/* Make [p, p+n) readable and writable and populate it with zero-filled pages:
+ * op_slot_open then op_slot_populate. */
 int op_slot_commit(void *p, size_t n);
+/* Make [p, p+n) readable and writable without populating it (mprotect only). */
+int op_slot_open(void *p, size_t n);
+/* Populate the pages of an already open [p, p+n) (no protection change, so no
+ * exclusive hold of the process's memory-map lock). */
+int op_slot_populate(void *p, size_t n);
 /* Drop the physical pages of [p, p+n) and make the range inaccessible again;
  * the address range stays reserved. */
 int op_slot_decommit(void *p, size_t n);

@@ -55,6 +55,7 @@ class StableSlot:
         self._base = ffi.gc(ffi.cast("uint8_t *", out[0]), self._releaser(self.capacity))
         self.address = int(ffi.cast("uintptr_t", self._base))
         self.committed_bytes = 0
+        self.open_bytes = 0  # accessible prefix (>= committed_bytes); see open()
 
     @staticmethod
     def _releaser(size: int):
@@ -71,19 +72,48 @@ class StableSlot:
             raise ValueError(f"commit of {nbytes} bytes exceeds the slot's capacity {self.capacity}")
         have = self.committed_bytes
         if want > have:
-            rc = lib.op_slot_commit(self._base + have, want - have)
+            if want > self.open_bytes:
+                self.open(want)
+            rc = lib.op_slot_populate(self._base + have, want - have)
             if rc:
                 raise _os_error(rc, f"committing {want - have} bytes at {self.address + have:#x}")
         elif want < have:
-            rc = lib.op_slot_decommit(self._base + want, have - want)
+            top = max(have, self.open_bytes)  # an open tail past the commit closes too
+            rc = lib.op_slot_decommit(self._base + want, top - want)
             if rc:
-                raise _os_error(rc, f"decommitting {have - want} bytes")
+                raise _os_error(rc, f"decommitting {top - want} bytes")
+            self.open_bytes = want
         self.committed_bytes = want
+
+    def open(self, nbytes: int | None = None) -> None:
+        """Make the first ``nbytes`` (default: the whole capacity, rounded up to the
+        granule) accessible without committing memory: a later :meth:`commit` inside
+        it only populates pages. Reads of an open, uncommitted page see zeros.
+
+        NOTE: why: changing protections (like mapping and unmapping) takes the
+        process's memory-map lock exclusively, so it waits for and blocks every other
+        thread's page population. A loader that opens its slots up front, before its
+        workers start committing, lets those commits run in parallel (see
+        stable_slot.c). Decommit closes the range again (use-after-evict still
+        faults)."""
+        want = self.capacity if nbytes is None else _round_up(int(nbytes), GRANULE)
+        if want < 0 or want > self.capacity:
+            raise ValueError(f"open of {nbytes} bytes exceeds the slot's capacity {self.capacity}")
+        if want > self.open_bytes:
+            rc = lib.op_slot_open(self._base + self.open_bytes, want - self.open_bytes)
+            if rc:
+                raise _os_error(rc, f"opening {want - self.open_bytes} bytes at {self.address + self.open_bytes:#x}")
+            self.open_bytes = want
 
     def decommit(self) -> None:
         """Return every physical page (RSS falls at once); the range stays reserved
         and inaccessible until the next :meth:`commit`, which reads zeros."""
         self.commit(0)
+        if self.open_bytes:  # opened but never committed: close it too
+            rc = lib.op_slot_decommit(self._base, self.open_bytes)
+            if rc:
+                raise _os_error(rc, f"decommitting {self.open_bytes} bytes")
+            self.open_bytes = 0
 
     def view(self, nbytes: int | None = None) -> np.ndarray:
         """A writable uint8 array over the first ``nbytes`` (default: all committed)

@@ -93,3 +93,36 @@ def test_bad_sizes_are_rejected():
         slot.commit(4 * MIB)
     with pytest.raises(ValueError):
         slot.view(1)  # nothing committed
+
+
+def test_open_then_commit_populates_in_place():
+    """open() makes the range accessible without memory; commit then only populates
+    (the loader opens slots up front so parallel commits do not serialise)."""
+    slot = native.StableSlot(8 * MIB)
+    addr = slot.address
+    slot.open()
+    assert slot.open_bytes == 8 * MIB and slot.committed_bytes == 0
+    assert slot.resident_bytes() == 0  # opening commits nothing
+    slot.commit(4 * MIB)
+    assert slot.resident_bytes() == 4 * MIB  # populated by commit, before any touch
+    v = slot.view()
+    assert v.ctypes.data == addr and v.nbytes == 4 * MIB and not v.any()
+    v[:] = 7
+    del v
+    slot.decommit()
+    assert slot.open_bytes == 0 and slot.committed_bytes == 0 and slot.resident_bytes() == 0
+
+
+@pytest.mark.parametrize("committed", [0, 2])
+def test_decommit_closes_an_opened_range(committed):
+    """Use-after-evict still faults when the slot was opened beyond its commit."""
+    import signal
+    import subprocess
+
+    code = ("import ctypes; from onnx_prep import native\n"
+            "s = native.StableSlot(4 << 20); s.open()\n"
+            f"s.commit({committed} << 20); s.decommit()\n"
+            "print('read', ctypes.string_at(s.address + (3 << 20), 1), flush=True)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == -signal.SIGSEGV, (p.returncode, p.stdout, p.stderr)
+    assert "read" not in p.stdout
