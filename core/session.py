@@ -237,6 +237,19 @@ class Session:
         self._hot_weights: dict[str, np.ndarray] | None = None
         self._out_estimator = _OutputBytes(resolved)
         self._nodes_by_name = {n.name: n for n in resolved.nodes}
+        # NOTE: every requirement's stable slot is reserved and opened here, before any
+        # worker runs, so materializing only populates pages. Reserving and opening
+        # change the process's memory map, which waits for and blocks every other
+        # thread's page population: done per key by the workers, two CPU workers
+        # committing slots spent ~40% of that time asleep (docs/runtime.md).
+        from onnx_prep.native import StableSlot
+
+        self._spare_slots: dict[PreparedKey, Any] = {}
+        for r in plan.requirements:
+            if r.packed_bytes > 0:
+                slot = StableSlot(r.packed_bytes)
+                slot.open()
+                self._spare_slots[r.key] = slot
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -264,6 +277,9 @@ class Session:
         if self._own_workspace:
             self.workspace.close()
         self.store.clear()
+        with self._lock:
+            self._spare_slots.clear()  # never used: their address ranges go back now
+        self.reader.close_shared()
 
     def __enter__(self) -> Session:
         return self
@@ -565,16 +581,19 @@ class Session:
 
             self._materialize(key, tctx, wd.length, materialize, typed_as=wd)
             return None
+        on_release = None
         if self.source_io == "map":
-            # NOTE: zero copy: the source is the page cache itself, mapped and prefaulted
-            # here on the I/O worker; freeing it unmaps. A pread into a fresh buffer costs
-            # a zeroing and a copy of every source byte (memory-bound on small machines).
-            buf = self.reader.map(wd, populate=True)
+            # NOTE: zero copy: the source is the page cache itself, prefaulted here on the
+            # I/O worker through the reader's one mapping of the data file; releasing it
+            # drops its pages from the mapping. A pread into a fresh buffer costs a
+            # zeroing and a copy of every source byte (memory-bound on small machines).
+            buf = self.reader.map_shared(wd, populate=True)
+            on_release = lambda: self.reader.release_shared(wd)  # noqa: E731
         else:
             buf = np.empty(wd.length, dtype=np.uint8)
             self.reader.read_into(wd, buf)
         reservation = tctx.detach(Arena.PREPARATION) if tctx.reservation is not None else None
-        return _Source(as_array(wd, buf), reservation)
+        return _Source(as_array(wd, buf), reservation, on_release)
 
     def _prepack(self, desc: TaskDescriptor, tctx: TaskContext):
         """Prepack straight into the key's stable slot: the packed bytes are written once,
@@ -629,8 +648,9 @@ class Session:
             # a 33 MB commit held every other task's bookkeeping up for ~15 ms.
             with self._lock:
                 r = self._residency.get(key)
+                spare = self._spare_slots.pop(key, None) if r is None else None
             if r is None:
-                slot = StableSlot(max(nbytes, 1))
+                slot = spare if spare is not None and spare.capacity >= nbytes else StableSlot(max(nbytes, 1))
                 slot.commit(nbytes)
                 raw = slot.view(nbytes)
                 view = as_array(typed_as, raw) if typed_as is not None else raw
@@ -772,14 +792,18 @@ class Session:
 class _Source:
     """A source buffer read for prepacking, with its PREPARATION reservation."""
 
-    __slots__ = ("array", "reservation")
+    __slots__ = ("array", "reservation", "on_release")
 
-    def __init__(self, array: np.ndarray, reservation) -> None:
+    def __init__(self, array: np.ndarray, reservation, on_release=None) -> None:
         self.array = array
         self.reservation = reservation
+        self.on_release = on_release
 
     def release(self) -> None:
         self.array = None
+        if self.on_release is not None:
+            self.on_release()
+            self.on_release = None
         _release(self.reservation)
         self.reservation = None
 

@@ -149,6 +149,54 @@ def test_map_is_zero_copy_read_only_and_counted_apart(tied):
     assert c["bytes_read"] == r.manifest.total_bytes  # only the comparison reads
 
 
+def test_map_shared_is_one_zero_copy_mapping_counted_and_hooked(tied):
+    r, reader = tied
+    seen = []
+    reader.hooks.before_read = seen.append
+    views = {d.name: reader.map_shared(d, populate=True) for d in r.manifest}
+    reader.hooks.before_read = None
+    assert [d.name for d in seen] == [d.name for d in r.manifest]  # the hook runs per tensor
+    # One mapping of the one data file: every view sits at its file offset from one base.
+    assert len({views[d.name].ctypes.data - d.offset for d in r.manifest if d.length}) == 1
+    for d in r.manifest:
+        assert not views[d.name].flags.writeable
+        np.testing.assert_array_equal(views[d.name], reader.read(d))
+    c = reader.counters.snapshot()
+    assert c["maps"] == len(r.manifest) and c["bytes_mapped"] == r.manifest.total_bytes
+    assert c["bytes_read"] == r.manifest.total_bytes  # only the comparison reads
+
+
+def _rss_file_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssFile:"):
+                return int(line.split()[1]) * 1024
+    pytest.skip("no RssFile in /proc/self/status")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="RSS checked through Linux /proc")
+def test_release_shared_drops_the_pages_and_the_bytes_stay_readable(tiny_llm_path):
+    r = resolve_model(tiny_llm_path)
+    reader = ExternalDataReader.for_model(r)
+    d = max(r.manifest, key=lambda d: d.length)
+    assert d.length >= 2 << 20
+    before = _rss_file_bytes()
+    v = reader.map_shared(d, populate=True)
+    populated = _rss_file_bytes()
+    assert populated - before >= d.length // 2  # mapped in by the call, before any touch
+    reader.release_shared(d)
+    assert populated - _rss_file_bytes() >= d.length // 2  # gone from this process
+    np.testing.assert_array_equal(v, reader.read(d))  # a later touch refaults the same bytes
+
+
+def test_map_shared_checks_bounds_per_tensor(tmp_path):
+    r, reader, d = _resolved_single(tmp_path / "m")
+    os.truncate(tmp_path / "m" / DATA, d.offset + d.length - 1)
+    with pytest.raises(ExternalDataError, match="run past the end of the file") as e:
+        reader.map_shared(d)
+    assert e.value.where.offset == d.offset
+
+
 def test_read_into_fills_a_given_buffer(tied):
     r, reader = tied
     d = r.manifest.get("W")
