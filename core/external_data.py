@@ -406,6 +406,12 @@ class ExternalDataReader:
                         return mmap.mmap(-1, 1)  # nothing to map: an empty file holds only empty tensors
                     mm = self._shared[desc.file] = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,
                                                              prot=mmap.PROT_READ)
+                    # NOTE: MADV_SEQUENTIAL: populating faults use the file's streaming
+                    # readahead instead of read-around. Two I/O threads populating the
+                    # medium fixture's tensors from a cold page cache: 275-292 ms with it,
+                    # 284-407 ms without (one thread: ~272 either way).
+                    if hasattr(mm, "madvise"):
+                        mm.madvise(mmap.MADV_SEQUENTIAL)
                 finally:
                     os.close(fd)
             return mm
