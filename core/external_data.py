@@ -361,13 +361,7 @@ class ExternalDataReader:
         else:
             arr = np.frombuffer(mm, dtype=np.uint8, count=desc.length, offset=desc.offset)
             if populate:
-                start = desc.offset - desc.offset % mmap.PAGESIZE
-                try:
-                    mm.madvise(_MADV_POPULATE_READ, start, desc.offset + desc.length - start)
-                except (AttributeError, OSError) as exc:  # no madvise, or a kernel < 5.14
-                    if isinstance(exc, OSError) and exc.errno != errno.EINVAL:
-                        raise ExternalDataError(f"cannot read external data: {exc.strerror}", where) from None
-                    int(arr[::mmap.PAGESIZE].sum())  # fault the pages in by touching them
+                _populate(arr, desc.offset, where)
         self.counters._add_map(desc.length)
         GLOBAL_COUNTERS._add_map(desc.length)
         return arr
@@ -440,7 +434,24 @@ class ExternalDataReader:
         return where
 
 
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14; the value is ABI
+def _populate(arr: np.ndarray, offset: int, where: Where) -> None:
+    """Fault in the pages under ``arr`` (a view at file ``offset`` of a shared mapping).
+
+    NOTE: through the native module, not ``mmap.madvise``: CPython holds the GIL across
+    madvise, and MADV_POPULATE_READ of a cold tensor waits for the disk, so every other
+    Python thread (the prepack workers) stalled behind each read."""
+    lead = offset % mmap.PAGESIZE
+    try:
+        from onnx_prep.native._module import ffi, lib
+    except ImportError:  # no native module: touching faults the pages in (GIL held)
+        lib = None
+    if lib is not None:
+        rc = lib.op_populate_read(ffi.cast("void *", arr.ctypes.data - lead), arr.nbytes + lead)
+        if rc == 0:
+            return
+        if rc != -errno.EINVAL:  # EINVAL: kernel < 5.14
+            raise ExternalDataError(f"cannot read external data: {os.strerror(-rc)}", where)
+    int(arr[::mmap.PAGESIZE].sum())
 
 
 def _pread_exact(fd: int, mv: memoryview, offset: int, where: Where) -> None:

@@ -147,6 +147,10 @@ int op_slot_populate(void *p, size_t n);
 int op_slot_decommit(void *p, size_t n);
 /* Give the address range back. */
 int op_slot_release(void *p, size_t n);
+/* Fault in the pages of a readable mapping [p, p+n) for reading (MADV_POPULATE_READ,
+ * in 2 MiB steps), with the GIL released (cffi): a file mapping's pages are read now.
+ * p page-aligned. 0, or -errno (-EINVAL: kernel < 5.14, nothing done). */
+int op_populate_read(const void *p, size_t n);
 /* Bytes of [p, p+n) resident in RAM (mincore), or -errno. p page-aligned. */
 int64_t op_resident_bytes(const void *p, size_t n);
 size_t op_page_size(void);

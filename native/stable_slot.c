@@ -94,6 +94,22 @@ int op_slot_populate(void *p, size_t n) {
     return 0;
 }
 
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#endif
+
+int op_populate_read(const void *p, size_t n) {
+    if (!p || ((uintptr_t)p & (uintptr_t)(sysconf(_SC_PAGESIZE) - 1))) return -EINVAL;
+    for (size_t off = 0; off < n; off += OP_COMMIT_STEP) {
+        size_t len = n - off < OP_COMMIT_STEP ? n - off : OP_COMMIT_STEP;
+        while (madvise((char *)p + off, len, MADV_POPULATE_READ)) {
+            if (errno == EINTR) continue;
+            return -errno;
+        }
+    }
+    return 0;
+}
+
 int op_slot_decommit(void *p, size_t n) {
     if (!p || !aligned(p, n)) return -EINVAL;
     if (n == 0) return 0;
