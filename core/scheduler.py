@@ -88,7 +88,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -397,6 +397,28 @@ class TaskGroup:
 _SEQ_QUEUE = "all"  # queue key of sequential mode
 
 
+class _SideJob:
+    """One fork_join part offered to idle CPU workers. State moves QUEUED -> TAKEN under
+    the scheduler lock (by a worker or, reclaiming it, the caller); ``done`` is set when
+    a worker finished it."""
+
+    QUEUED, TAKEN = 0, 1
+    __slots__ = ("fn", "state", "exc", "done")
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+        self.state = _SideJob.QUEUED
+        self.exc: BaseException | None = None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        try:
+            self.fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller of fork_join
+            self.exc = e
+        self.done.set()
+
+
 class Scheduler:
     """See the module docstring for the contract."""
 
@@ -437,6 +459,9 @@ class Scheduler:
         self._noncrit_cap = {q: (n - 1 if n >= 2 and not sequential else n) for q, n in counts.items()}
         self._running = {q: 0 for q in counts}
         self._running_noncrit = {q: 0 for q in counts}
+        self._waiting = {q: 0 for q in counts}  # workers asleep in cv.wait (idle)
+        self._side: deque[_SideJob] = deque()  # fork_join parts offered to idle CPU workers
+        self.side_jobs_run = 0  # fork_join parts run by a worker (not the caller)
         self._threads: list[threading.Thread] = []
         self._worker_idents: set[int] = set()
         for q, n in counts.items():
@@ -464,6 +489,56 @@ class Scheduler:
         if self.sequential:
             return 1
         return self._workers_per_queue.get(resource, 0)
+
+    def fork_join(self, fns: Sequence[Callable[[], Any]]) -> int:
+        """Intra-op parallelism: run every ``fns[i]()``, ``fns[0]`` on the calling thread,
+        the others offered to CPU workers that are idle right now — no task, no
+        submission, no queueing behind other work. A part no worker has taken by the
+        time the caller finishes its own, the caller runs itself, so this never waits for
+        a busy worker and never deadlocks (it may be called from a task). Returns when
+        every part has returned; re-raises the first exception (by part index). Returns
+        how many parts other threads ran.
+
+        NOTE: parts must be self-contained kernel calls (no locks, no waiting on tasks):
+        a worker runs them between tasks. Idle workers take them before queued tasks
+        (a part belongs to work someone is waiting for)."""
+        jobs = [_SideJob(f) for f in fns[1:]]
+        q = ResourceClass.CPU
+        if jobs and not self.sequential and q in self._cv:
+            with self._lock:
+                offer = min(len(jobs), self._waiting[q])
+                if offer and not self._stop:
+                    self._side.extend(jobs[:offer])
+                    self._cv[q].notify(offer)
+        errors: list[tuple[int, BaseException]] = []
+        try:
+            fns[0]()
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after every part ran
+            errors.append((0, e))
+        remote = []
+        for i, j in enumerate(jobs, 1):
+            with self._lock:
+                mine = j.state == _SideJob.QUEUED
+                if mine:
+                    j.state = _SideJob.TAKEN
+                    try:
+                        self._side.remove(j)
+                    except ValueError:
+                        pass  # never offered
+            if mine:
+                try:
+                    j.fn()
+                except BaseException as e:  # noqa: BLE001
+                    errors.append((i, e))
+            else:
+                remote.append((i, j))
+        for i, j in remote:
+            j.done.wait()
+            if j.exc is not None:
+                errors.append((i, j.exc))
+        if errors:
+            raise min(errors, key=lambda ie: ie[0])[1]
+        return len(remote)
 
     def is_worker_thread(self) -> bool:
         """True on one of this scheduler's workers, while running an inline task here, or
@@ -651,16 +726,30 @@ class Scheduler:
     def _worker(self, q: Any) -> None:
         cv = self._cv[q]
         me = threading.current_thread().name
+        side = self._side if q is ResourceClass.CPU else None
         while True:
+            job = None
             with self._lock:
                 while True:
+                    if side:
+                        job = side.popleft()
+                        job.state = _SideJob.TAKEN
+                        self.side_jobs_run += 1
+                        if self._heaps[q]:
+                            cv.notify()  # a task's wake-up may have landed here: pass it on
+                        break
                     t = self._pick(q)
                     if t is not None:
                         self._start(t, q)
                         break
                     if self._stop:
                         return
+                    self._waiting[q] += 1
                     cv.wait()
+                    self._waiting[q] -= 1
+            if job is not None:
+                job.run()
+                continue
             self._run(t, me)
 
     def _run(self, t: TaskHandle, worker: str) -> None:

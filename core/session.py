@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ from onnx_prep.core.arenas import Arena, MemoryBudget
 from onnx_prep.core.errors import BudgetError, OnnxPrepError, UsageError, Where
 from onnx_prep.core.execution_handle import ExecutionHandle
 from onnx_prep.core.external_data import ExternalDataReader, as_array
+from onnx_prep.core.ops import intra_op
 from onnx_prep.core.plan import (
     RAW_LAYOUT,
     LookaheadWindow,
@@ -67,7 +69,7 @@ from onnx_prep.core.prepared_key import PreparedKey
 from onnx_prep.core.prepared_store import PreparedObjectStore
 from onnx_prep.core.resolved_model import ResolvedModel, require_frozen
 from onnx_prep.core.scheduler import Scheduler, TaskContext, TaskHandle, TaskState
-from onnx_prep.core.task import Priority, TaskDescriptor, TaskId, TaskKind
+from onnx_prep.core.task import Priority, ResourceClass, TaskDescriptor, TaskId, TaskKind
 
 _DEAD = (TaskState.FAILED, TaskState.CANCELLED)
 
@@ -183,7 +185,7 @@ class Session:
                  io_workers: int = 2, cpu_workers: int | None = None,
                  residency_limit: int | None = None, lookahead: LookaheadWindow | None = None,
                  reader: ExternalDataReader | None = None, trust_symlinks: bool = False,
-                 source_io: str = "map") -> None:
+                 source_io: str = "map", intra_op: bool = True) -> None:
         if source_io not in SOURCE_IO:
             raise UsageError(f"unknown source_io {source_io!r}", hint=f"choose one of {', '.join(SOURCE_IO)}")
         self.source_io = source_io
@@ -198,6 +200,12 @@ class Session:
         self.workspace = workspace or Workspace(budget=budget, io_workers=io_workers,
                                                 cpu_workers=cpu_workers, sequential=sequential)
         self.scheduler: Scheduler = self.workspace.scheduler
+        # Intra-op parts (core/ops/intra_op.py): the hot path runs on the caller's thread,
+        # so its parts are the caller plus the CPU workers; a cold step runs on a worker.
+        cores = os.cpu_count() or 1
+        cpu = 0 if (self.scheduler.sequential or not intra_op) else self.scheduler.workers(ResourceClass.CPU)
+        self._parts_hot = min(cores, cpu + 1) if cpu else 1
+        self._parts_cold = min(cores, cpu) if cpu else 1
         self.budget: MemoryBudget = self.workspace.budget
         self.store = PreparedObjectStore(residency_limit=residency_limit)
         self.counters = SessionCounters()
@@ -374,7 +382,8 @@ class Session:
             try:
                 values = self.program.new_values(ctx.feeds, self._hot_weights)
                 ctx.first_step_ns = time.perf_counter_ns()
-                self.program.execute(values, self._hot_binding)
+                with intra_op.using(self.scheduler.fork_join, self._parts_hot):
+                    self.program.execute(values, self._hot_binding)
                 ctx.outputs = self.program.fetch(values)
                 ctx.done_ns = time.perf_counter_ns()
                 self._settle_outputs(ctx)
@@ -436,7 +445,8 @@ class Session:
                 t0 = time.perf_counter_ns()
                 if ctx.first_step_ns is None:
                     ctx.first_step_ns = t0
-                program.execute(values, prepared, begin, end)
+                with intra_op.using(self.scheduler.fork_join, self._parts_cold):
+                    program.execute(values, prepared, begin, end)
                 ctx.step_log.append((si, t0, time.perf_counter_ns(), tctx.worker))
             finally:
                 if pins is not None:

@@ -210,6 +210,7 @@ def stages_alone(resolved, feeds, *, warm: bool) -> dict:
 
 
 def hot_vs_direct(resolved, feeds, repeats: int) -> dict:
+    from onnx_prep.core.ops import intra_op
     from onnx_prep.core.session import Session
 
     with Session(resolved) as s:
@@ -224,7 +225,8 @@ def hot_vs_direct(resolved, feeds, repeats: int) -> dict:
             s.run(feeds)
             hot.append((time.perf_counter() - t) * 1e3)
             t = time.perf_counter()
-            prog.run(feeds, binding, weights=weights)
+            with intra_op.using(s.scheduler.fork_join, s._parts_hot):  # the same kernel splits
+                prog.run(feeds, binding, weights=weights)
             direct.append((time.perf_counter() - t) * 1e3)
         assert s.scheduler.submissions == subs, "hot path submitted scheduler tasks"
     return {"hot_ms": _stats(hot), "direct_ms": _stats(direct),

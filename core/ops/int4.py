@@ -29,6 +29,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from onnx_prep.core.ops import intra_op
+
 from onnx_prep.core.ops.attributes import ROW_SHAPE, axis_index
 
 _I4_TYPES = ("int4", "uint4")
@@ -94,8 +96,19 @@ def matmul_nbits(inputs, attrs, prepared):
     if packed is not None and packed.dtype == np.uint8:
         from onnx_prep import native
 
-        y = native.matmul_nbits(np.ascontiguousarray(a2), packed,
-                                bias=None if bias is None else np.asarray(bias, np.float32))
+        a2 = np.ascontiguousarray(a2)
+        b32 = None if bias is None else np.asarray(bias, np.float32)
+        split = intra_op.current()
+        if split is not None and intra_op.worth_splitting(packed.nbytes, a2.shape[0]):
+            fork_join, parts = split
+            y = np.empty((a2.shape[0], N), dtype=np.float32)
+            ranges = intra_op.column_ranges(N, parts, native.PANEL_N)
+            intra_op.count_split(len(ranges))
+            fork_join([lambda cb=cb, ce=ce: native.matmul_nbits(a2, packed, bias=b32, out=y,
+                                                                 col_begin=cb, col_end=ce)
+                       for cb, ce in ranges])
+        else:
+            y = native.matmul_nbits(a2, packed, bias=b32)
     else:
         w = packed if packed is not None else _raw_weight(inputs, attrs, K, N, block_size)
         y = a2 @ w
