@@ -189,14 +189,6 @@ def test_release_shared_drops_the_pages_and_the_bytes_stay_readable(tiny_llm_pat
     np.testing.assert_array_equal(v, reader.read(d))  # a later touch refaults the same bytes
 
 
-def test_map_shared_checks_bounds_per_tensor(tmp_path):
-    r, reader, d = _resolved_single(tmp_path / "m")
-    os.truncate(tmp_path / "m" / DATA, d.offset + d.length - 1)
-    with pytest.raises(ExternalDataError, match="run past the end of the file") as e:
-        reader.map_shared(d)
-    assert e.value.where.offset == d.offset
-
-
 def test_read_into_fills_a_given_buffer(tied):
     r, reader = tied
     d = r.manifest.get("W")
@@ -283,11 +275,12 @@ def test_fifo_is_refused_without_blocking(tmp_path):
         resolve_model(r.model_path)
 
 
-def test_file_truncated_after_resolution_fails_the_read_with_bounds(tmp_path):
+@pytest.mark.parametrize("how", ["read", "map_shared"])
+def test_file_truncated_after_resolution_fails_the_read_with_bounds(tmp_path, how):
     r, reader, d = _resolved_single(tmp_path / "m")
     os.truncate(tmp_path / "m" / DATA, d.offset + d.length - 1)
     with pytest.raises(ExternalDataError, match="run past the end of the file") as e:
-        reader.read(d)
+        getattr(reader, how)(d)  # map_shared checks bounds per tensor against its mapping
     assert e.value.where.offset == d.offset
 
 
