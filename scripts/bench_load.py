@@ -35,7 +35,8 @@ And the hot path against a direct replay of the same kernels without the schedul
 
 Targets (issue #4), medians: init.init_ms <= 0.65 x sequential.init_ms; ttfo
 first_output_ms <= 0.6 x sequential.init_plus_run_ms and <= 1.2 x the longest stage
-alone; hot-path overhead <= 3%.
+alone; hot-path overhead <= 3%. The same ratios from the minimums are printed beside
+them (a shared VM sometimes slows one load down with the same counters).
 """
 from __future__ import annotations
 
@@ -296,13 +297,20 @@ def main(argv=None) -> int:
     print("\nstages alone (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in stages.items()))
     seq, init, ttfo = summary["sequential"], summary["init"], summary["ttfo"]
     longest = max(stages.values())
-    ratios = {
-        "parallel_init_over_sequential": init["init_ms"]["median"] / seq["init_ms"]["median"],
-        "ttfo_over_sequential_init_plus_run": ttfo["first_output_ms"]["median"]
-        / seq["init_plus_run_ms"]["median"],
-        "ttfo_over_longest_stage": ttfo["first_output_ms"]["median"] / longest,
-        "hot_overhead_median": hot["overhead_median"],
-    }
+
+    def load_ratios(stat: str) -> dict:
+        return {
+            "parallel_init_over_sequential": init["init_ms"][stat] / seq["init_ms"][stat],
+            "ttfo_over_sequential_init_plus_run": ttfo["first_output_ms"][stat]
+            / seq["init_plus_run_ms"][stat],
+            "ttfo_over_longest_stage": ttfo["first_output_ms"][stat] / longest,
+        }
+
+    ratios = {**load_ratios("median"), "hot_overhead_median": hot["overhead_median"]}
+    # NOTE: also from the minimums: on a shared VM a load is sometimes much slower with
+    # the same counters, and such loads inflate the sequential side more often (it is
+    # longer); the minimums are the like-for-like best of each mode.
+    ratios_min = {**load_ratios("min"), "hot_overhead_min": hot["overhead_min"]}
     # How well two workers use two cores: process CPU over the wall time of the same load.
     cores = {m: summary[m]["cpu_ms"]["median"] / summary[m]["init_plus_run_ms" if m == "sequential" else
                                                            ("init_ms" if m == "init" else "first_output_ms")]["median"]
@@ -310,14 +318,14 @@ def main(argv=None) -> int:
     print("cores busy (process CPU / wall, medians): " + ", ".join(f"{m} {v:.2f}" for m, v in cores.items()))
     print(f"hot path {hot['hot_ms']['median']:.2f} ms vs direct replay {hot['direct_ms']['median']:.2f} ms "
           f"(median; min {hot['hot_ms']['min']:.2f} vs {hot['direct_ms']['min']:.2f})")
-    print("\nratios (medians)                          measured   target")
-    for (k, v), target in zip(ratios.items(), ("<= 0.65", "<= 0.60", "<= 1.20", "<= 0.03")):
-        print(f"  {k:38s} {v:8.3f}   {target}")
+    print("\nratios                                   medians     mins   target")
+    for (k, v), vm, target in zip(ratios.items(), ratios_min.values(), ("<= 0.65", "<= 0.60", "<= 1.20", "<= 0.03")):
+        print(f"  {k:38s} {v:8.3f} {vm:8.3f}   {target}")
     if args.json:
         args.json.write_text(json.dumps({"model": str(path), "isa": active_isa(), "warm_cache": warm,
                                          "samples": samples, "summary": summary, "counters": counters,
                                          "stages_alone": stages, "hot_vs_direct": hot, "ratios": ratios,
-                                         "cores_busy": cores},
+                                         "cores_busy": cores, "ratios_min": ratios_min},
                                         indent=2))
     return 0
 
