@@ -397,6 +397,44 @@ class TaskGroup:
 _SEQ_QUEUE = "all"  # queue key of sequential mode
 
 
+class _ForkJoin:
+    """The chunks of one fork_join, pulled in index order by every participant."""
+
+    __slots__ = ("fns", "_next", "errors", "remote", "_lock")
+
+    def __init__(self, fns: Sequence[Callable[[], Any]]) -> None:
+        self.fns = fns
+        self._next = itertools.count()  # next() is atomic under the GIL
+        self.errors: list[tuple[int, BaseException]] = []
+        self.remote = 0
+        self._lock = threading.Lock()
+
+    def _run(self, remote: bool) -> None:
+        fns, n = self.fns, len(self.fns)
+        while True:
+            i = next(self._next)
+            if i >= n:
+                return
+            try:
+                fns[i]()
+            except BaseException as e:  # noqa: BLE001 - re-raised by the caller
+                self.errors.append((i, e))
+            if remote:
+                with self._lock:
+                    self.remote += 1
+
+    def run_local(self) -> None:
+        self._run(False)
+
+    def run_remote(self) -> None:
+        self._run(True)
+
+    def result(self) -> int:
+        if self.errors:
+            raise min(self.errors, key=lambda ie: ie[0])[1]
+        return self.remote
+
+
 class _SideJob:
     """One fork_join part offered to idle CPU workers. State moves QUEUED -> TAKEN under
     the scheduler lock (by a worker or, reclaiming it, the caller); ``done`` is set when
@@ -490,55 +528,44 @@ class Scheduler:
             return 1
         return self._workers_per_queue.get(resource, 0)
 
-    def fork_join(self, fns: Sequence[Callable[[], Any]]) -> int:
-        """Intra-op parallelism: run every ``fns[i]()``, ``fns[0]`` on the calling thread,
-        the others offered to CPU workers that are idle right now — no task, no
-        submission, no queueing behind other work. A part no worker has taken by the
-        time the caller finishes its own, the caller runs itself, so this never waits for
-        a busy worker and never deadlocks (it may be called from a task). Returns when
-        every part has returned; re-raises the first exception (by part index). Returns
-        how many parts other threads ran.
+    def fork_join(self, fns: Sequence[Callable[[], Any]], *, helpers: int | None = None) -> int:
+        """Intra-op parallelism: run every ``fns[i]()`` (chunks of one op) on the calling
+        thread together with up to ``helpers`` (default: as many as useful) CPU workers
+        that are idle right now — no task, no submission, no queueing behind other work.
+        Every participant pulls the next chunk in index order until none is left, so a
+        worker that wakes late takes fewer chunks instead of making the caller wait; the
+        caller never waits for a busy worker, only for chunks already running elsewhere,
+        and it cannot deadlock (it may be called from a task). Re-raises the error of the
+        lowest-numbered failing chunk after every chunk ran. Returns how many chunks
+        other threads ran.
 
-        NOTE: parts must be self-contained kernel calls (no locks, no waiting on tasks):
-        a worker runs them between tasks. Idle workers take them before queued tasks
-        (a part belongs to work someone is waiting for)."""
-        jobs = [_SideJob(f) for f in fns[1:]]
+        NOTE: chunks must be self-contained kernel calls (no locks, no waiting on tasks):
+        a worker runs them between tasks. Idle workers take them before queued tasks (a
+        chunk belongs to work someone is waiting for)."""
+        work = _ForkJoin(fns)
+        want = len(fns) - 1 if helpers is None else min(int(helpers), len(fns) - 1)
+        offered: list[_SideJob] = []
         q = ResourceClass.CPU
-        if jobs and not self.sequential and q in self._cv:
+        if want > 0 and not self.sequential and q in self._cv:
             with self._lock:
-                offer = min(len(jobs), self._waiting[q])
-                if offer and not self._stop:
-                    self._side.extend(jobs[:offer])
-                    self._cv[q].notify(offer)
-        errors: list[tuple[int, BaseException]] = []
-        try:
-            fns[0]()
-        except BaseException as e:  # noqa: BLE001 - re-raised below, after every part ran
-            errors.append((0, e))
-        remote = []
-        for i, j in enumerate(jobs, 1):
+                n = min(want, self._waiting[q])
+                if n and not self._stop:
+                    offered = [_SideJob(work.run_remote) for _ in range(n)]
+                    self._side.extend(offered)
+                    self._cv[q].notify(n)
+        work.run_local()
+        taken = []
+        if offered:
             with self._lock:
-                mine = j.state == _SideJob.QUEUED
-                if mine:
-                    j.state = _SideJob.TAKEN
-                    try:
+                for j in offered:
+                    if j.state == _SideJob.QUEUED:  # nobody came: withdraw the offer
+                        j.state = _SideJob.TAKEN
                         self._side.remove(j)
-                    except ValueError:
-                        pass  # never offered
-            if mine:
-                try:
-                    j.fn()
-                except BaseException as e:  # noqa: BLE001
-                    errors.append((i, e))
-            else:
-                remote.append((i, j))
-        for i, j in remote:
+                    else:
+                        taken.append(j)
+        for j in taken:
             j.done.wait()
-            if j.exc is not None:
-                errors.append((i, j.exc))
-        if errors:
-            raise min(errors, key=lambda ie: ie[0])[1]
-        return len(remote)
+        return work.result()
 
     def is_worker_thread(self) -> bool:
         """True on one of this scheduler's workers, while running an inline task here, or

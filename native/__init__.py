@@ -24,6 +24,7 @@ try:
         PANEL_N,
         matmul_nbits,
         matmul_nbits_packed_size,
+        matmul_nbits_parts,
         prepack_matmul_nbits,
     )
     from onnx_prep.native.packed import PackedHeader, packed_header
@@ -53,6 +54,7 @@ __all__ = [
     "kernel_variants",
     "matmul_nbits",
     "matmul_nbits_packed_size",
+    "matmul_nbits_parts",
     "packed_header",
     "prepack_gather_block_quantized",
     "prepack_gemm_b",

@@ -101,12 +101,11 @@ def matmul_nbits(inputs, attrs, prepared):
         split = intra_op.current()
         if split is not None and intra_op.worth_splitting(packed.nbytes, a2.shape[0]):
             fork_join, parts = split
-            y = np.empty((a2.shape[0], N), dtype=np.float32)
-            ranges = intra_op.column_ranges(N, parts, native.PANEL_N)
+            chunks = intra_op.chunk_count(packed.nbytes, a2.shape[0], parts)
+            ranges = intra_op.column_ranges(N, chunks, native.PANEL_N)
             intra_op.count_split(len(ranges))
-            fork_join([lambda cb=cb, ce=ce: native.matmul_nbits(a2, packed, bias=b32, out=y,
-                                                                 col_begin=cb, col_end=ce)
-                       for cb, ce in ranges])
+            y, calls = native.matmul_nbits_parts(a2, packed, ranges, bias=b32)
+            fork_join(calls, helpers=parts - 1)
         else:
             y = native.matmul_nbits(a2, packed, bias=b32)
     else:

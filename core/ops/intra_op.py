@@ -17,17 +17,16 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
-ForkJoin = Callable[[Sequence[Callable[[], Any]]], int]
+ForkJoin = Callable[..., int]  # Scheduler.fork_join(fns, *, helpers=None)
 
 # An INT4 matmul splits when packed weight bytes x rows (rows counted up to 8) reach
-# this: handing a part to an idle worker costs a wake-up (tens of microseconds on a
-# small VM), and a decode GEMV (one row) is memory-bound, so it gains little below a few
-# MiB, while prefill rows add compute. Medium fixture, 2 vCPUs: an 8-token prefill
-# 185 -> 110 ms, one decode token 31.5 -> 29.6 ms. See docs/runtime.md.
-MIN_SPLIT_WORK = 4 << 20
+# this: handing a chunk to an idle worker costs a wake-up (tens of microseconds on a
+# small VM). A 2048x2048 decode GEMV (2.6 MB packed) still gains: 179 us whole, 126 us
+# in two chunks (2 vCPUs, level 4, medians of 60). See docs/runtime.md.
+MIN_SPLIT_WORK = 2 << 20
 
 
 class _Counters:
@@ -51,8 +50,34 @@ def count_split(parts: int) -> None:
     COUNTERS.add(parts)
 
 
+# A decode GEMV is cut into chunks of about CHUNK_WORK packed bytes, at least one and
+# at most MAX_CHUNKS_PER_PART per part, that the caller and the helpers pull in order: a
+# helper that wakes late takes fewer of them instead of leaving the caller waiting at the
+# end, and a chunk stays big enough that its call overhead does not show. Decode GEMVs
+# (level 4, 2 vCPUs, medians of 60): 2048x2048 whole 179 us, 2 chunks 126, 8 chunks 173;
+# 2048x11264 whole 524 us, 2 chunks 370, 8 chunks 286; 2048x32000 whole 1461 us,
+# 2 chunks 1325, 16 chunks 1051.
+CHUNK_WORK = 2 << 20
+MAX_CHUNKS_PER_PART = 8
+
+
+def _work(packed_bytes: int, rows: int) -> int:
+    return packed_bytes * min(max(rows, 1), 8)
+
+
 def worth_splitting(packed_bytes: int, rows: int) -> bool:
-    return packed_bytes * min(max(rows, 1), 8) >= MIN_SPLIT_WORK
+    return _work(packed_bytes, rows) >= MIN_SPLIT_WORK
+
+
+def chunk_count(packed_bytes: int, rows: int, parts: int) -> int:
+    """How many column chunks to cut a split INT4 matmul into, for ``parts`` threads.
+
+    NOTE: with more than one row, one chunk per part: every kernel call prepares A
+    (quantizes or splits it per block, ~2.5 ns an element), so chunks repeat that work;
+    an 8-row prefill in 16 chunks was slower than in 2."""
+    if rows > 1:
+        return parts
+    return max(parts, min(parts * MAX_CHUNKS_PER_PART, packed_bytes // CHUNK_WORK))
 
 _CURRENT: contextvars.ContextVar[tuple[ForkJoin, int] | None] = contextvars.ContextVar(
     "onnx_prep_intra_op", default=None)
