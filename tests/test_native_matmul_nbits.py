@@ -92,6 +92,32 @@ def test_packing_is_deterministic_and_layout_independent_of_source_padding():
     assert p1.ctypes.data % 64 == 0
 
 
+PINNED_PACKS = [  # (K, N, block_size, zero points, sha256 of the packed bytes, level 4)
+    (100, 70, 16, "u4", "973b11701f1fa78b30be2923a18f810571f89c2cd274a1c4a5c071b12d3d800a"),
+    (256, 130, 32, None, "c79a57b2a895f727e8ab588c0fc50cedf5eb81cbc1b5a929fe911d0f16b0b399"),
+    (200, 64, 64, "f", "e98303b9357f851018401298cb15742fcbfdf28d05ae023e08268c2d3b0f2577"),
+    (512, 65, 128, None, "17711e9a5b5a6c6054acf5cf6921ef8d048ebab5580a11159e67c5d0742a0d36"),
+]
+
+
+def test_packed_bytes_are_pinned():
+    """The packed format is what the prepared cache stores: a faster packer (the SSE2
+    group interleave, two groups per 64-bit step) must write exactly the bytes the
+    one-group-at-a-time packer wrote. Digests taken from that packer; odd N, K past the
+    last block, every block size class and zero-point kind."""
+    import hashlib
+
+    rng = np.random.default_rng(20261129)
+    for K, N, bs, zp, digest in PINNED_PACKS:
+        nb = -(-K // bs)
+        B = rng.integers(0, 256, (N, nb, bs // 2), dtype=np.uint8)
+        s = (rng.random(N * nb) * 0.02).astype(np.float32)
+        z = (rng.integers(0, 256, (N, -(-nb // 2)), dtype=np.uint8) if zp == "u4"
+             else (rng.random(N * nb) * 15).astype(np.float32) if zp == "f" else None)
+        p = native.prepack_matmul_nbits(B, s, z, K=K, N=N, block_size=bs, accuracy_level=4)
+        assert hashlib.sha256(p.tobytes()).hexdigest() == digest, (K, N, bs, zp)
+
+
 def test_header_describes_the_buffer():
     A, packed, _, _ = _case(4, 1, 100, 37, 32, "float", scale_dtype=np.float16, level=4)
     h = native.packed_header(packed)
