@@ -52,12 +52,13 @@ Execution rules
   trampoline so long inline chains do not recurse.
 - Reserved critical capacity: with ``n >= 2`` workers on a queue, speculative tasks
   (PREFETCH, BACKGROUND) may occupy at most ``n - 1`` of them, so one CPU worker and one
-  I/O slot are always free for CRITICAL work. DEMANDED tasks (a caller is blocked on them, or
-  an in-flight run consumes them soon) may use every worker: a worker held idle while
-  someone waits is pure loss. They still
-  queue after CRITICAL work, so a run that arrives meanwhile waits at most for the running
-  tasks to finish, never for the queued ones. (NOTE: with a single worker on a queue there is nothing to reserve; a
-  critical task then waits for the running one.)
+  I/O slot are always free for CRITICAL work. DEMANDED tasks (a caller is blocked on
+  them, or an in-flight run consumes them soon) may use every CPU worker: a worker held
+  idle while someone waits is pure loss. They still queue after CRITICAL work, so a run
+  that arrives meanwhile waits at most for the running tasks to finish, never for the
+  queued ones. On the I/O queue only CRITICAL passes the cap (one storage device reads
+  no faster from two threads: see the note at ``_exempt``). (NOTE: with a single worker
+  on a queue there is nothing to reserve; a critical task then waits for the running one.)
 - Memory admission happens before dispatch, under the picking worker: if the task's
   ``mem`` is not available it is parked (not holding a worker) and retried whenever the
   budget releases bytes. CRITICAL tasks may use the budget's critical headroom; others
@@ -495,6 +496,14 @@ class Scheduler:
         self._workers_per_queue = dict(counts)
         # NOTE: reserve one worker per queue for CRITICAL work when there are >= 2.
         self._noncrit_cap = {q: (n - 1 if n >= 2 and not sequential else n) for q, n in counts.items()}
+        # The lowest priority a queue lets past the cap: DEMANDED on CPU (and DEVICE), only
+        # CRITICAL on I/O. NOTE: two threads populating one data file from a cold page
+        # cache break its streaming readahead and spend ~50% more system time, while one
+        # storage device reads no faster for them; the reserved I/O slot stays free for
+        # CRITICAL reads. Medium fixture, cold, medians of 6, TTFO / init / sys ms: I/O
+        # capped 400 / 469 / 240, uncapped 520 / 507 / 375 (docs/runtime.md).
+        self._exempt = {q: (Priority.CRITICAL if q is ResourceClass.IO else Priority.DEMANDED)
+                        for q in counts}
         self._running = {q: 0 for q in counts}
         self._running_noncrit = {q: 0 for q in counts}
         self._waiting = {q: 0 for q in counts}  # workers asleep in cv.wait (idle)
@@ -727,7 +736,7 @@ class Scheduler:
 
     def _start(self, t: TaskHandle, q: Any) -> None:  # locked
         t._state = TaskState.RUNNING
-        t._ran_critical = t._priority <= Priority.DEMANDED  # not counted against the cap
+        t._ran_critical = q is None or t._priority <= self._exempt[q]  # not counted against the cap
         if q is not None:
             self._running[q] += 1
             if not t._ran_critical:
@@ -740,7 +749,7 @@ class Scheduler:
             if tok != t._token_seq or t._state is not TaskState.READY:
                 heapq.heappop(heap)
                 continue
-            if prio > Priority.DEMANDED and self._running_noncrit[q] >= self._noncrit_cap[q]:
+            if prio > self._exempt[q] and self._running_noncrit[q] >= self._noncrit_cap[q]:
                 return None  # the remaining entries are speculative too: keep the reserved slot
             heapq.heappop(heap)
             if not self._admit(t):

@@ -239,6 +239,33 @@ def test_demanded_work_may_use_the_reserved_worker_but_queues_after_critical(mak
     assert order == ["bg0", "bg2", "cr", "aw", "bg1"]
 
 
+def test_demanded_reads_leave_the_reserved_io_slot_to_critical_ones(make_sched):
+    """On the I/O queue DEMANDED work is capped like speculative work (one storage
+    device does not read faster from more threads): the second I/O worker stays free,
+    and a CRITICAL read takes it at once."""
+    s = make_sched(io_workers=2, cpu_workers=1)
+    started = threading.Semaphore(0)
+    release = threading.Event()
+    count = {"n": 0}
+    lock = threading.Lock()
+
+    def read(ctx):
+        with lock:
+            count["n"] += 1
+        started.release()
+        assert release.wait(T)
+
+    reads = [s.submit(read, resource=IO, priority=Priority.DEMANDED, name=f"r{i}") for i in range(3)]
+    assert started.acquire(timeout=T)
+    ran = threading.Event()
+    crit = s.submit(lambda ctx: ran.set(), resource=IO, priority=CRIT, name="crit")
+    assert crit.wait(T) and ran.is_set()
+    with lock:
+        assert count["n"] == 1  # one DEMANDED read at a time; the other slot served crit
+    release.set()
+    assert all(t.wait(T) for t in reads)
+
+
 def test_memory_admission_waits_without_holding_a_worker(make_sched):
     budget = MemoryBudget(None, {Arena.PREPARATION: 100})
     s = make_sched(io_workers=1, cpu_workers=2, budget=budget)
