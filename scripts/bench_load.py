@@ -23,7 +23,8 @@ peak_<arena> and max_in_flight (all arenas together); cpu_ms (process user + sys
 the load; cpu_user_ms + cpu_sys_ms) and task_wall_ms / task_cpu_ms (summed over the scheduler's tasks: the gap is
 time a running task was descheduled or blocked). Times as min/median/max.
 
-Stages measured alone in the same process, same model (the pipelining limit):
+Stages measured alone in the same process, same model, --stage-repeats times (3; the
+medians are the pipelining limit):
   reads_alone_ms     every manifest read, one reader, nothing else running
   prepacks_alone_ms  every prepack from in-memory sources, into freshly committed stable
                      slots as the runtime does (slots opened untimed first, as Session
@@ -241,6 +242,7 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="medium", help="fixture preset when --model is absent")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--hot-repeats", type=int, default=20)
+    ap.add_argument("--stage-repeats", type=int, default=3, help="each stage alone, this many times (median used)")
     ap.add_argument("--prompt-len", type=int, default=8)
     ap.add_argument("--warm-cache", action="store_true", help="keep the data file in the page cache")
     ap.add_argument("--json", type=Path, help="write raw samples and summary here")
@@ -275,7 +277,9 @@ def main(argv=None) -> int:
         for mode in modes:  # interleaved: drift hits every mode alike
             samples[mode].append(one_load(resolved, feeds, mode=mode, warm=warm))
         print(f"  repeat {i + 1}/{args.repeats} done", file=sys.stderr)
-    stages = stages_alone(resolved, feeds, warm=warm)
+    stage_runs = [stages_alone(resolved, feeds, warm=warm) for _ in range(args.stage_repeats)]
+    stage_stats = {k: _stats([run[k] for run in stage_runs]) for k in stage_runs[0]}
+    stages = {k: st["median"] for k, st in stage_stats.items()}  # the pipelining limit: medians
     hot = hot_vs_direct(resolved, feeds, args.hot_repeats)
 
     counter_keys = ("bytes_read", "bytes_mapped", "session_tasks", "peak_preparation", "peak_prepared",
@@ -294,7 +298,8 @@ def main(argv=None) -> int:
     for m in modes:
         for k, st in summary[m].items():
             print(f"  {m + '.' + k:28s} {_fmt(st)}")
-    print("\nstages alone (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in stages.items()))
+    print(f"\nstages alone (ms, min/median/max of {args.stage_repeats}): "
+          + ", ".join(f"{k} {_fmt(st)}" for k, st in stage_stats.items()))
     seq, init, ttfo = summary["sequential"], summary["init"], summary["ttfo"]
     longest = max(stages.values())
 
@@ -324,7 +329,8 @@ def main(argv=None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"model": str(path), "isa": active_isa(), "warm_cache": warm,
                                          "samples": samples, "summary": summary, "counters": counters,
-                                         "stages_alone": stages, "hot_vs_direct": hot, "ratios": ratios,
+                                         "stages_alone": stages, "stages_alone_stats": stage_stats,
+                                         "hot_vs_direct": hot, "ratios": ratios,
                                          "cores_busy": cores, "ratios_min": ratios_min},
                                         indent=2))
     return 0

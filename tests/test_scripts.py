@@ -24,7 +24,7 @@ def test_bench_load_smoke(tmp_path):
 
     out = tmp_path / "load.json"
     p = _run(["scripts/bench_load.py", "--preset", "tiny-llm", "--repeats", "1", "--hot-repeats", "2",
-              "--warm-cache", "--json", str(out)], tmp_path / "cache")
+              "--stage-repeats", "1", "--warm-cache", "--json", str(out)], tmp_path / "cache")
     assert p.returncode == 0, p.stderr
     doc = json.loads(out.read_text())
     manifest = resolve_model(doc["model"]).manifest.total_bytes
