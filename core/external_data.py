@@ -357,6 +357,12 @@ class ExternalDataReader:
             self.hooks.before_read(desc)
         mm = self._shared_mapping(desc, where)
         check_bounds(desc.offset, desc.length, len(mm), where)
+        if populate:  # the file as it is now: one truncated after mapping fails here, clearly
+            try:
+                now = os.stat(self.model_dir / desc.file).st_size
+            except OSError as exc:
+                raise ExternalDataError(f"cannot read external data: {exc.strerror}", where) from None
+            check_bounds(desc.offset, desc.length, now, where)
         if desc.length == 0:
             arr = np.empty(0, dtype=np.uint8)
         else:

@@ -284,6 +284,21 @@ def test_file_truncated_after_resolution_fails_the_read_with_bounds(tmp_path, ho
     assert e.value.where.offset == d.offset
 
 
+def test_file_truncated_after_it_was_mapped_fails_with_bounds_not_a_crash(tiny_llm_path, tmp_path):
+    """The shared mapping outlives single reads: a data file cut short afterwards gives
+    the bounds error (and no SIGBUS) on the next populating read."""
+    shutil.copytree(tiny_llm_path.parent, tmp_path / "m")
+    r = resolve_model(tmp_path / "m" / tiny_llm_path.name)
+    reader = ExternalDataReader.for_model(r)
+    descs = sorted(r.manifest, key=lambda d: d.offset)
+    reader.map_shared(descs[0], populate=True)  # the file's mapping exists from here on
+    last = descs[-1]
+    os.truncate(tmp_path / "m" / last.file, descs[len(descs) // 2].offset)
+    with pytest.raises(ExternalDataError, match="run past the end of the file") as e:
+        reader.map_shared(last, populate=True)
+    assert e.value.where.offset == last.offset
+
+
 def test_reader_accepts_only_a_payload_manifest(tmp_path):
     with pytest.raises(TypeError, match="PayloadManifest"):
         ExternalDataReader(tmp_path, [])  # type: ignore[arg-type]
