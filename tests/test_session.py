@@ -191,6 +191,24 @@ def test_tied_source_consumers_are_prepacked_together(tiny_llm_path):
         assert head.priority is not Priority.BACKGROUND
 
 
+def test_waiting_on_prepare_makes_its_tasks_demanded(small_llm_path):
+    """prepare_async() submits speculative work (PREFETCH/BACKGROUND: one CPU worker is
+    held back for critical work); a caller that waits on the handle is blocked on all of
+    it, so wait() raises every unfinished task to DEMANDED, which may use every worker.
+    prepare() is exactly this wait."""
+    gate = threading.Event()
+    with Session.open(small_llm_path) as s:
+        s.reader.hooks.before_read = lambda desc: gate.wait(HOOK_TIMEOUT_S)  # nothing finishes yet
+        h = s.prepare_async()
+        assert {t.priority for t in h.tasks} >= {Priority.PREFETCH, Priority.BACKGROUND}
+        with pytest.raises(TimeoutError):
+            h.wait(timeout=0)  # a waiter, if only for an instant
+        assert {t.priority for t in h.tasks} <= {Priority.DEMANDED, Priority.CRITICAL}
+        gate.set()
+        h.wait()
+        assert s.is_prepared()
+
+
 def test_read_failure_fails_only_its_dependents(small_llm_path):
     bad = "layers.1.mlp.down.weight_q4"
     with Session.open(small_llm_path) as s:
