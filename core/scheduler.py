@@ -508,7 +508,7 @@ class Scheduler:
         self._running_noncrit = {q: 0 for q in counts}
         self._waiting = {q: 0 for q in counts}  # workers asleep in cv.wait (idle)
         self._side: deque[_SideJob] = deque()  # fork_join parts offered to idle CPU workers
-        self.side_jobs_run = 0  # fork_join parts run by a worker (not the caller)
+        self.side_jobs_run = 0  # fork_join offers a worker took (it then pulls chunks until none is left)
         self._threads: list[threading.Thread] = []
         self._worker_idents: set[int] = set()
         for q, n in counts.items():
