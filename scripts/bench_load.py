@@ -1,8 +1,9 @@
 """Load benchmark of the prepared execution runtime: the same task set, sequential vs
 parallel, in one run.
 
-    .venv/bin/python scripts/bench_load.py [--model PATH | --preset medium] [--repeats 5]
-                                           [--prompt-len 8] [--json FILE] [--warm-cache]
+    .venv/bin/python scripts/bench_load.py [--model PATH | --preset medium] [--repeats 7]
+                                           [--hot-repeats 40] [--stage-repeats 3] [--prompt-len 8]
+                                           [--json FILE] [--warm-cache]
 
 Per repeat, three loads, each in a fresh Session (fresh scheduler, store and arenas) over
 the same model, interleaved so drift hits them alike; the data file is dropped from the
@@ -240,8 +241,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, help="an ONNX decoder model (default: the --preset fixture)")
     ap.add_argument("--preset", default="medium", help="fixture preset when --model is absent")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--hot-repeats", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--hot-repeats", type=int, default=40)
     ap.add_argument("--stage-repeats", type=int, default=3, help="each stage alone, this many times (median used)")
     ap.add_argument("--prompt-len", type=int, default=8)
     ap.add_argument("--warm-cache", action="store_true", help="keep the data file in the page cache")
