@@ -2,6 +2,7 @@
 real external data, the real scheduler and native kernels, ONNX Runtime as the oracle."""
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -207,6 +208,23 @@ def test_waiting_on_prepare_makes_its_tasks_demanded(small_llm_path):
         gate.set()
         h.wait()
         assert s.is_prepared()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="RSS read from Linux /proc")
+def test_prepack_sources_leave_the_process_once_packed(tiny_llm_path):
+    """Sources are views into one shared mapping of the data file; each is dropped from it
+    (release_shared) once its prepacks published, so a prepared session keeps the packed
+    bytes (anonymous memory), not the file's pages as well."""
+    def rss_file() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssFile:"))
+
+    with Session.open(tiny_llm_path) as s:
+        before = rss_file()
+        s.prepare()
+        mapped = s.reader.counters.snapshot()["bytes_mapped"]
+        assert mapped > 8 << 20
+        assert rss_file() - before < mapped // 4
 
 
 def test_read_failure_fails_only_its_dependents(small_llm_path):
