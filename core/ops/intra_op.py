@@ -18,7 +18,6 @@ import contextlib
 import contextvars
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
 
 ForkJoin = Callable[..., int]  # Scheduler.fork_join(fns, *, helpers=None)
 
