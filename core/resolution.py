@@ -153,7 +153,7 @@ def resolve_model(path: str | os.PathLike, *, trust_symlinks: bool = False,
             inputs=tuple(node.inputs), outputs=tuple(node.outputs),
             attributes=frozen_mapping(node.attributes), kernel=choice.kernel,
             requirements=choice.requirements, prepared_inputs=choice.prepared_inputs,
-            fused_from=node.fused_from,
+            fused_from=node.fused_from, implicit_inputs=tuple(node.implicit_inputs),
         ))
 
     # -- active weights: validate external entries, collect inline values
@@ -359,7 +359,8 @@ def _plain_attr(a: AttributeProto, node_name: str, ctx: _Context) -> Any:
 
 def _outer_names(graph: onnx.GraphProto) -> set[str]:
     """Names a subgraph reads from enclosing scopes."""
-    defined = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    defined = {v.name for v in graph.input} | {t.name for t in graph.initializer} | \
+        {t.values.name for t in graph.sparse_initializer}
     used: set[str] = set()
     for node in graph.node:
         for name in node.input:

@@ -63,6 +63,7 @@ class NodeKernel:
     requirements: tuple[PrepackRequest, ...] = ()
     prepared_inputs: Mapping[PreparedKey, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
     fused_from: tuple[str, ...] = ()  # names of source nodes a transform fused into this one
+    implicit_inputs: tuple[str, ...] = ()  # outer-scope values the node's subgraphs read (If, Loop, Scan)
 
     def to_json(self) -> dict:
         return {

@@ -7,8 +7,9 @@ here; the numpy ops also use it for the corners they do not cover themselves (Ca
 bfloat16 / float8 / strings).
 
 Control flow (If, Loop, Scan): a subgraph may read values of the enclosing graph.
-``outer_names`` lists them; the action program appends their slots after the node's
-own inputs and ``ReferenceOp`` hands them to the implementation as its context.
+Resolution lists them (``NodeKernel.implicit_inputs``); the action program appends their
+slots after the node's own inputs and ``ReferenceOp`` hands them to the implementation as
+its context.
 """
 from __future__ import annotations
 
@@ -137,37 +138,6 @@ class ReferenceOp:
         else:
             out = impl.run(*args)
         return [np.asarray(o) if not isinstance(o, np.ndarray) else o for o in out]
-
-
-def outer_names(attrs: Mapping[str, Any]) -> tuple[str, ...]:
-    """Names the node's subgraph attributes read from enclosing scopes (sorted)."""
-    import onnx
-
-    used: set[str] = set()
-    for v in attrs.values():
-        graphs = [v] if isinstance(v, onnx.GraphProto) else \
-            [g for g in v if isinstance(g, onnx.GraphProto)] if isinstance(v, (list, tuple)) else []
-        for g in graphs:
-            used |= _graph_outer_names(g)
-    return tuple(sorted(used))
-
-
-def _graph_outer_names(graph) -> set[str]:
-    import onnx
-
-    defined = {v.name for v in graph.input} | {t.name for t in graph.initializer} | \
-        {t.values.name for t in graph.sparse_initializer}
-    used: set[str] = set()
-    for node in graph.node:
-        for name in node.input:
-            if name and name not in defined:
-                used.add(name)
-        for a in node.attribute:
-            for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
-                used |= {n for n in _graph_outer_names(g) if n not in defined}
-        defined.update(node.output)
-    used |= {v.name for v in graph.output if v.name not in defined}
-    return used
 
 
 def _context_error():

@@ -26,7 +26,7 @@ from onnx_prep.core.ops import elementwise as ew
 from onnx_prep.core.ops import gemm as gm
 from onnx_prep.core.ops import int4, nn, reduce, shape
 from onnx_prep.core.ops.attributes import N_OUTPUTS, ROW_SHAPE, normalize_attributes
-from onnx_prep.core.ops.reference import ReferenceOp, outer_names, run_reference
+from onnx_prep.core.ops.reference import ReferenceOp, run_reference
 
 OpImpl = Callable[[list, Mapping[str, Any], Mapping[int, np.ndarray]], list]
 
@@ -143,7 +143,7 @@ def bind_node(node, opsets: Mapping[str, int], weights: Mapping[str, Any] | None
     if node.kernel == "int4_gather" and weights is not None and node.inputs[0] in weights:
         attrs[ROW_SHAPE] = _gather_row_shape(weights[node.inputs[0]], attrs)
     if node.kernel == "reference" or (node.kernel == "numpy" and _numpy_impl(node.op_type, domain, opset) is None):
-        implicit = outer_names(attrs)
+        implicit = tuple(node.implicit_inputs)
         fn = ReferenceOp(node.op_type, domain, attrs, opset, node_name=node.name, opsets=opsets,
                          present_inputs=[bool(n) for n in node.inputs], implicit_inputs=implicit)
         return BoundOp(fn, attrs, implicit)
