@@ -170,17 +170,18 @@ def _fmt_rate(value: float | None) -> str:
 
 
 def _render(doc: dict) -> None:
-    out = output.stdout
+    def say(text: str) -> None:  # plain text: token ids and figures are not markup
+        output.stdout.print(text, markup=False, highlight=False)
+
     t = doc["timings"]
-    out.print(f"model {doc['model']}  runtime {doc['runtime']}  batch {doc['batch']}  "
-              f"prompt {len(doc['prompt_ids'][0])} tokens  kv {doc['io']['kv_layout']} "
-              f"x{len(doc['io']['kv'])} layers ({doc['io']['source']})", markup=False, highlight=False)
+    say(f"model {doc['model']}  runtime {doc['runtime']}  batch {doc['batch']}  "
+        f"prompt {len(doc['prompt_ids'][0])} tokens  kv {doc['io']['kv_layout']} "
+        f"x{len(doc['io']['kv'])} layers ({doc['io']['source']})")
     for i, row in enumerate(doc["tokens"]):
-        out.print(f"row {i}: {' '.join(map(str, row))}", markup=False, highlight=False)
-    out.print(f"open {t['open_ms']:.1f} ms · time to first output {t['first_output_ms']:.1f} ms · "
-              f"decode {_fmt_rate(t['decode_tokens_per_s'])} tokens/s "
-              f"({_fmt_rate(t['decode_steps_per_s'])} steps/s x {doc['batch']} rows)",
-              markup=False, highlight=False)
+        say(f"row {i}: {' '.join(map(str, row))}")
+    say(f"open {t['open_ms']:.1f} ms · time to first output {t['first_output_ms']:.1f} ms · "
+        f"decode {_fmt_rate(t['decode_tokens_per_s'])} tokens/s "
+        f"({_fmt_rate(t['decode_steps_per_s'])} steps/s x {doc['batch']} rows)")
     cmp = doc["compare"]
     if cmp is None:
         return
@@ -191,8 +192,7 @@ def _render(doc: dict) -> None:
         verdict = (f"{kind} at step {cmp['first_divergence_step']} row {cmp['first_divergence_row']} "
                    f"({cmp['runtime']} top-2 margin {cmp['reference_margin']:.3g})")
         for i, row in enumerate(cmp["tokens"]):
-            out.print(f"{cmp['runtime']} row {i}: {' '.join(map(str, row))}", markup=False, highlight=False)
-    out.print(f"{cmp['runtime']}: tokens {verdict}; first-step max |logit diff| "
-              f"{cmp['first_step_max_abs_logit_diff']:.3g} (logit range {cmp['first_step_logit_range']:.3g}); "
-              f"{cmp['runtime']} time to first output {cmp['timings']['first_output_ms']:.1f} ms",
-              markup=False, highlight=False)
+            say(f"{cmp['runtime']} row {i}: {' '.join(map(str, row))}")
+    say(f"{cmp['runtime']}: tokens {verdict}; first-step max |logit diff| "
+        f"{cmp['first_step_max_abs_logit_diff']:.3g} (logit range {cmp['first_step_logit_range']:.3g}); "
+        f"{cmp['runtime']} time to first output {cmp['timings']['first_output_ms']:.1f} ms")
