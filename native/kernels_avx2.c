@@ -258,19 +258,9 @@ AI void bfp_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP,
  * at a time (16 YMM registers are the limit). */
 #define DEFINE_DRIVER(NAME, PANEL)                                                     \
     static void NAME(const op_mm_args *a) {                                            \
-        const size_t t0 = a->col_begin / OP_TILE_N;                                    \
-        const size_t t1 = (a->col_end + OP_TILE_N - 1) / OP_TILE_N;                    \
-        for (size_t p = t0 / OP_PANEL_TILES; p * OP_PANEL_TILES < t1; p++) {           \
-            const size_t pt = p * OP_PANEL_TILES;                                      \
-            const int tb = (int)(t0 > pt ? t0 - pt : 0);                               \
-            const int te = (int)(t1 - pt < OP_PANEL_TILES ? t1 - pt : OP_PANEL_TILES);  \
+        OP_FOR_PANELS(a, p, tb, te) {                                                  \
             if (a->M < 2) {                                                            \
-                switch (te - tb) {                                                     \
-                case 4: PANEL(a, p, tb, 0, 4, 1); break;                               \
-                case 3: PANEL(a, p, tb, 0, 3, 1); break;                               \
-                case 2: PANEL(a, p, tb, 0, 2, 1); break;                               \
-                default: PANEL(a, p, tb, 0, 1, 1); break;                              \
-                }                                                                      \
+                OP_PANEL_WITH_TILES(PANEL, a, p, tb, te - tb, 0, 1)                    \
                 continue;                                                              \
             }                                                                          \
             for (int i = tb; i < te; i++) {                                            \
@@ -288,18 +278,8 @@ DEFINE_DRIVER(mm_i8_avx2, i8_panel)
  * spill to L1 at four tiles, which measured faster than a second pass over the
  * panel: the stream stays sequential). */
 static void mm_bfp_avx2(const op_mm_args *a) {
-    const size_t t0 = a->col_begin / OP_TILE_N, t1 = (a->col_end + OP_TILE_N - 1) / OP_TILE_N;
-    for (size_t p = t0 / OP_PANEL_TILES; p * OP_PANEL_TILES < t1; p++) {
-        const size_t pt = p * OP_PANEL_TILES;
-        const int tb = (int)(t0 > pt ? t0 - pt : 0);
-        const int te = (int)(t1 - pt < OP_PANEL_TILES ? t1 - pt : OP_PANEL_TILES);
-        for (size_t m = 0; m < a->M; m++) switch (te - tb) {
-            case 4: bfp_panel(a, p, tb, m, 4, 1); break;
-            case 3: bfp_panel(a, p, tb, m, 3, 1); break;
-            case 2: bfp_panel(a, p, tb, m, 2, 1); break;
-            default: bfp_panel(a, p, tb, m, 1, 1); break;
-            }
-    }
+    OP_FOR_PANELS(a, p, tb, te)
+        for (size_t m = 0; m < a->M; m++) OP_PANEL_WITH_TILES(bfp_panel, a, p, tb, te - tb, m, 1)
 }
 
 /* ---- fp32 gemm -------------------------------------------------------------------- */

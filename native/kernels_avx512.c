@@ -353,22 +353,18 @@ DEFINE_BFP_PANEL(bfp_panel_bw, dot_bw)
  * int8 rows in chunks of 4, each one pass over the panel (PANEL4 above); then the
  * last 1-3 rows take all of the panel's tiles in one pass, so a decode GEMV (M = 1)
  * reads the buffer as one sequential stream with four independent chains. */
-#define SMALL_ROWS(PANEL, a, p, tb, n, m, R)                                          \
-    switch (n) {                                                                      \
-    case 4: PANEL(a, p, tb, m, 4, R); break;                                          \
-    case 3: PANEL(a, p, tb, m, 3, R); break;                                          \
-    case 2: PANEL(a, p, tb, m, 2, R); break;                                          \
-    default: PANEL(a, p, tb, m, 1, R); break;                                         \
+/* The last 1-3 rows of a panel, all of its tiles in one pass. */
+#define REST_ROWS(PANEL, a, p, tb, te, m)                                             \
+    switch (a->M - m) {                                                               \
+    case 3: OP_PANEL_WITH_TILES(PANEL, a, p, tb, te - tb, m, 3); break;               \
+    case 2: OP_PANEL_WITH_TILES(PANEL, a, p, tb, te - tb, m, 2); break;               \
+    case 1: OP_PANEL_WITH_TILES(PANEL, a, p, tb, te - tb, m, 1); break;               \
+    default: break;                                                                   \
     }
 
 #define DEFINE_DRIVER(NAME, PANEL, BIG)                                               \
     static void NAME(const op_mm_args *a) {                                           \
-        const size_t t0 = a->col_begin / OP_TILE_N;                                   \
-        const size_t t1 = (a->col_end + OP_TILE_N - 1) / OP_TILE_N;                   \
-        for (size_t p = t0 / OP_PANEL_TILES; p * OP_PANEL_TILES < t1; p++) {          \
-            const size_t pt = p * OP_PANEL_TILES;                                     \
-            const int tb = (int)(t0 > pt ? t0 - pt : 0);                              \
-            const int te = (int)(t1 - pt < OP_PANEL_TILES ? t1 - pt : OP_PANEL_TILES); \
+        OP_FOR_PANELS(a, p, tb, te) {                                                 \
             size_t m = 0;                                                             \
             if (BIG == 8)                                                             \
                 for (; m + 8 <= a->M; m += 8)                                         \
@@ -377,12 +373,7 @@ DEFINE_BFP_PANEL(bfp_panel_bw, dot_bw)
                 for (int i = tb; i < te; i += 2) {                                    \
                     if (i + 2 <= te) PANEL(a, p, i, m, 2, 4); else PANEL(a, p, i, m, 1, 4); \
                 }                                                                     \
-            switch (a->M - m) {                                                       \
-            case 3: SMALL_ROWS(PANEL, a, p, tb, te - tb, m, 3); break;                \
-            case 2: SMALL_ROWS(PANEL, a, p, tb, te - tb, m, 2); break;                \
-            case 1: SMALL_ROWS(PANEL, a, p, tb, te - tb, m, 1); break;                \
-            default: break;                                                           \
-            }                                                                         \
+            REST_ROWS(PANEL, a, p, tb, te, m)                                         \
         }                                                                             \
     }
 
@@ -392,20 +383,10 @@ DEFINE_DRIVER(mm_f32_avx512, f32_panel, 8)
  * the last 1-3 rows as in DEFINE_DRIVER. */
 #define DEFINE_I8_DRIVER(NAME, PANEL, PANEL4)                                         \
     static void NAME(const op_mm_args *a) {                                           \
-        const size_t t0 = a->col_begin / OP_TILE_N;                                   \
-        const size_t t1 = (a->col_end + OP_TILE_N - 1) / OP_TILE_N;                   \
-        for (size_t p = t0 / OP_PANEL_TILES; p * OP_PANEL_TILES < t1; p++) {          \
-            const size_t pt = p * OP_PANEL_TILES;                                     \
-            const int tb = (int)(t0 > pt ? t0 - pt : 0);                              \
-            const int te = (int)(t1 - pt < OP_PANEL_TILES ? t1 - pt : OP_PANEL_TILES); \
+        OP_FOR_PANELS(a, p, tb, te) {                                                 \
             size_t m = 0;                                                             \
             for (; m + 4 <= a->M; m += 4) PANEL4(a, p, tb, te, m);                    \
-            switch (a->M - m) {                                                       \
-            case 3: SMALL_ROWS(PANEL, a, p, tb, te - tb, m, 3); break;                \
-            case 2: SMALL_ROWS(PANEL, a, p, tb, te - tb, m, 2); break;                \
-            case 1: SMALL_ROWS(PANEL, a, p, tb, te - tb, m, 1); break;                \
-            default: break;                                                           \
-            }                                                                         \
+            REST_ROWS(PANEL, a, p, tb, te, m)                                         \
         }                                                                             \
     }
 DEFINE_I8_PANEL4(i8_panel4_bw, dot_bw)
@@ -430,18 +411,13 @@ AI uint32_t chunk_blocks(const op_packed_header *h) {
 #define DEFINE_BFP_DRIVER(NAME, PANEL)                                                \
     static void NAME(const op_mm_args *a) {                                           \
         __m512 st[OP_PANEL_TILES * 4];                                                \
-        const size_t t0 = a->col_begin / OP_TILE_N;                                   \
-        const size_t t1 = (a->col_end + OP_TILE_N - 1) / OP_TILE_N;                   \
-        for (size_t p = t0 / OP_PANEL_TILES; p * OP_PANEL_TILES < t1; p++) {          \
-            const size_t pt = p * OP_PANEL_TILES;                                     \
-            const int tb = (int)(t0 > pt ? t0 - pt : 0);                              \
-            const int te = (int)(t1 - pt < OP_PANEL_TILES ? t1 - pt : OP_PANEL_TILES); \
+        OP_FOR_PANELS(a, p, tb, te) {                                                 \
             size_t m = 0;                                                             \
             for (; m + 4 <= a->M; m += 4)                                             \
                 FOR_BLOCK_CHUNKS(a, b0, b1)                                           \
                     for (int i = tb; i < te; i++)                                     \
                         PANEL##_rng(a, p, i, m, 1, 4, b0, b1, st + i * 4);            \
-            for (; m < a->M; m++) SMALL_ROWS(PANEL, a, p, tb, te - tb, m, 1);         \
+            for (; m < a->M; m++) OP_PANEL_WITH_TILES(PANEL, a, p, tb, te - tb, m, 1); \
         }                                                                             \
     }
 DEFINE_BFP_DRIVER(mm_bfp_avx512_bw, bfp_panel_bw)

@@ -27,7 +27,7 @@ static void store_tile(const op_mm_args *a, size_t m, size_t t, const float out[
 static void mm_f32_scalar(const op_mm_args *a) {
     const op_packed_header *h = a->h;
     const uint32_t bs = h->block_size, nb = h->n_blocks;
-    const size_t t0 = a->col_begin / OP_TILE_N, t1 = (a->col_end + OP_TILE_N - 1) / OP_TILE_N;
+    const size_t t0 = op_tile_begin(a), t1 = op_tile_end(a);
     for (size_t t = t0; t < t1; t++) {
         const size_t p = t / OP_PANEL_TILES;
         const int i = (int)(t % OP_PANEL_TILES);
@@ -60,7 +60,7 @@ static void mm_f32_scalar(const op_mm_args *a) {
 static void mm_i8_scalar(const op_mm_args *a) {
     const op_packed_header *h = a->h;
     const uint32_t bs = h->block_size, nb = h->n_blocks;
-    const size_t t0 = a->col_begin / OP_TILE_N, t1 = (a->col_end + OP_TILE_N - 1) / OP_TILE_N;
+    const size_t t0 = op_tile_begin(a), t1 = op_tile_end(a);
     for (size_t t = t0; t < t1; t++) {
         const size_t p = t / OP_PANEL_TILES;
         const int i = (int)(t % OP_PANEL_TILES);
@@ -94,7 +94,7 @@ static void mm_i8_scalar(const op_mm_args *a) {
 static void mm_bfp_scalar(const op_mm_args *a) {
     const op_packed_header *h = a->h;
     const uint32_t bs = h->block_size, nb = h->n_blocks;
-    const size_t t0 = a->col_begin / OP_TILE_N, t1 = (a->col_end + OP_TILE_N - 1) / OP_TILE_N;
+    const size_t t0 = op_tile_begin(a), t1 = op_tile_end(a);
     for (size_t t = t0; t < t1; t++) {
         const size_t p = t / OP_PANEL_TILES;
         const int i = (int)(t % OP_PANEL_TILES);

@@ -163,6 +163,33 @@ static inline const void *op_mm_zeros(const op_packed_header *h, const uint8_t *
                                      : (const void *)((const float *)z + i * OP_TILE_N);
 }
 
+/* Tiles of a column range: [op_tile_begin, op_tile_end) covers [col_begin, col_end). */
+static inline size_t op_tile_begin(const op_mm_args *a) { return a->col_begin / OP_TILE_N; }
+static inline size_t op_tile_end(const op_mm_args *a) { return (a->col_end + OP_TILE_N - 1) / OP_TILE_N; }
+
+/* The panel-walk of every SIMD driver: for each panel p the column range overlaps, front
+ * to back, the tiles [tb, te) of it inside the range (0 <= tb < te <= 4). The body is
+ * one statement or block; `continue` goes on with the next panel. */
+#define OP_FOR_PANELS(a, p, tb, te)                                                    \
+    for (size_t op_t0_ = op_tile_begin(a), op_t1_ = op_tile_end(a),                    \
+                p = op_t0_ / OP_PANEL_TILES;                                           \
+         p * OP_PANEL_TILES < op_t1_; p++)                                             \
+        for (int tb = (int)(op_t0_ > p * OP_PANEL_TILES ? op_t0_ - p * OP_PANEL_TILES : 0), \
+                 te = (int)(op_t1_ - p * OP_PANEL_TILES < OP_PANEL_TILES                \
+                                ? op_t1_ - p * OP_PANEL_TILES : OP_PANEL_TILES),        \
+                 op_once_ = 1;                                                         \
+             op_once_; op_once_ = 0)
+
+/* PANEL(a, p, tb, m, n, R) with the tile count n (1-4) a compile-time constant, so the
+ * panel function's loops over tiles unroll. */
+#define OP_PANEL_WITH_TILES(PANEL, a, p, tb, n, m, R)                                 \
+    switch (n) {                                                                      \
+    case 4: PANEL(a, p, tb, m, 4, R); break;                                          \
+    case 3: PANEL(a, p, tb, m, 3, R); break;                                          \
+    case 2: PANEL(a, p, tb, m, 2, R); break;                                          \
+    default: PANEL(a, p, tb, m, 1, R); break;                                         \
+    }
+
 /* Zero points of one tile's block as 16 floats (scalar helper). */
 static inline void op_mm_block_zeros(const op_packed_header *h, const uint8_t *blk, int i,
                                      float z[OP_TILE_N]) {
