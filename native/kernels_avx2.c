@@ -70,6 +70,29 @@ AI void store_out(const op_mm_args *a, size_t m, size_t t, const __m256 v[2]) {
  * brings it to the bottom of the lane, saving a shift (loads past the group's end
  * stay inside the buffer: a scale record always follows the data). */
 
+/* Per-panel accumulator blocks: [tile][half][row], 16 columns as two YMM halves. */
+AI void zero_tiles(__m256 out[4][2][2], const int TP, const int R) {
+    for (int i = 0; i < TP; i++)
+        for (int hf = 0; hf < 2; hf++)
+            for (int r = 0; r < R; r++) out[i][hf][r] = _mm256_setzero_ps();
+}
+
+AI void store_tiles(const op_mm_args *a, size_t p, int i0, size_t m, const int TP, const int R,
+                    __m256 out[4][2][2]) {
+    for (int i = 0; i < TP; i++)
+        for (int r = 0; r < R; r++) {
+            __m256 v[2] = {out[i][0][r], out[i][1][r]};
+            store_out(a, m + r, p * OP_PANEL_TILES + (size_t)(i0 + i), v);
+        }
+}
+
+/* One block's integer dot product d folded into a row's output (int8 and bfp modes):
+ * out + (ascale * scale) * (d - zero * asum). */
+AI __m256 fold_int_block(__m256 out, __m256 d, __m256 s, __m256 z, float asum, float ascale) {
+    d = _mm256_fnmadd_ps(z, _mm256_set1_ps(asum), d);
+    return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(ascale), s), d, out);
+}
+
 AI void f32_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP, const int R) {
     const op_packed_header *h = a->h;
     const uint32_t bs = h->block_size, nb = h->n_blocks;
@@ -77,14 +100,10 @@ AI void f32_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP,
     const float *arow[2];
     for (int r = 0; r < R; r++) arow[r] = a->A + (m + r) * a->lda;
     __m256 out[4][2][2], acc[4][2][2];
-    for (int i = 0; i < TP; i++)
-        for (int hf = 0; hf < 2; hf++)
-            for (int r = 0; r < R; r++) out[i][hf][r] = _mm256_setzero_ps();
+    zero_tiles(out, TP, R);
     for (uint32_t b = 0; b < nb; b++) {
         const uint8_t *blk = op_mm_block(h, a->panels, p, b);
-        for (int i = 0; i < TP; i++)
-            for (int hf = 0; hf < 2; hf++)
-                for (int r = 0; r < R; r++) acc[i][hf][r] = _mm256_setzero_ps();
+        zero_tiles(acc, TP, R);
         for (uint32_t g = 0; g < bs / OP_GROUP_K; g++) {
             const size_t kb = (size_t)b * bs + (size_t)g * OP_GROUP_K;
             for (int j = 0; j < 8; j++) {
@@ -113,11 +132,7 @@ AI void f32_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP,
             }
         }
     }
-    for (int i = 0; i < TP; i++)
-        for (int r = 0; r < R; r++) {
-            __m256 v[2] = {out[i][0][r], out[i][1][r]};
-            store_out(a, m + r, p * OP_PANEL_TILES + (size_t)(i0 + i), v);
-        }
+    store_tiles(a, p, i0, m, TP, R, out);
 }
 
 /* ---- int8 compute ------------------------------------------------------------------ */
@@ -130,9 +145,7 @@ AI void i8_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP, 
     for (int r = 0; r < R; r++) arow[r] = a->a8 + (m + r) * a->Kp;
     __m256 out[4][2][2];
     __m256i isum[4][2][2];
-    for (int i = 0; i < TP; i++)
-        for (int hf = 0; hf < 2; hf++)
-            for (int r = 0; r < R; r++) out[i][hf][r] = _mm256_setzero_ps();
+    zero_tiles(out, TP, R);
     for (uint32_t b = 0; b < nb; b++) {
         const uint8_t *blk = op_mm_block(h, a->panels, p, b);
         for (int i = 0; i < TP; i++)
@@ -169,19 +182,13 @@ AI void i8_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP, 
                 const __m256 s = _mm256_loadu_ps(sc + 8 * hf);
                 for (int r = 0; r < R; r++) {
                     const size_t ab = (m + r) * nb + b;
-                    __m256 d = _mm256_fnmadd_ps(z[hf], _mm256_set1_ps(a->asum[ab]),
-                                                _mm256_cvtepi32_ps(isum[i][hf][r]));
-                    __m256 scl = _mm256_mul_ps(_mm256_set1_ps(a->ascale[ab]), s);
-                    out[i][hf][r] = _mm256_fmadd_ps(scl, d, out[i][hf][r]);
+                    out[i][hf][r] = fold_int_block(out[i][hf][r], _mm256_cvtepi32_ps(isum[i][hf][r]), s,
+                                                   z[hf], a->asum[ab], a->ascale[ab]);
                 }
             }
         }
     }
-    for (int i = 0; i < TP; i++)
-        for (int r = 0; r < R; r++) {
-            __m256 v[2] = {out[i][0][r], out[i][1][r]};
-            store_out(a, m + r, p * OP_PANEL_TILES + (size_t)(i0 + i), v);
-        }
+    store_tiles(a, p, i0, m, TP, R, out);
 }
 
 /* ---- bfp compute (accuracy level 0) ----------------------------------------------
@@ -205,9 +212,7 @@ AI void bfp_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP,
     for (int r = 0; r < R; r++) drow[r] = a->a8 + (m + r) * a->Kp * 3;
     __m256 out[4][2][2];
     __m256i il[4][2][2], im[4][2][2], ih[4][2][2];
-    for (int i = 0; i < TP; i++)
-        for (int hf = 0; hf < 2; hf++)
-            for (int r = 0; r < R; r++) out[i][hf][r] = _mm256_setzero_ps();
+    zero_tiles(out, TP, R);
     for (uint32_t b = 0; b < nb; b++) {
         const uint8_t *blk = op_mm_block(h, a->panels, p, b);
         for (int i = 0; i < TP; i++)
@@ -238,18 +243,12 @@ AI void bfp_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP,
                     __m256i t = _mm256_add_epi32(il[i][hf][r], _mm256_slli_epi32(im[i][hf][r], 8));
                     __m256 d = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ih[i][hf][r]), _mm256_set1_ps(65536.0f),
                                                _mm256_cvtepi32_ps(t));
-                    d = _mm256_fnmadd_ps(z[hf], _mm256_set1_ps(a->asum[ab]), d);
-                    __m256 scl = _mm256_mul_ps(s, _mm256_set1_ps(a->ascale[ab]));
-                    out[i][hf][r] = _mm256_fmadd_ps(scl, d, out[i][hf][r]);
+                    out[i][hf][r] = fold_int_block(out[i][hf][r], d, s, z[hf], a->asum[ab], a->ascale[ab]);
                 }
             }
         }
     }
-    for (int i = 0; i < TP; i++)
-        for (int r = 0; r < R; r++) {
-            __m256 v[2] = {out[i][0][r], out[i][1][r]};
-            store_out(a, m + r, p * OP_PANEL_TILES + (size_t)(i0 + i), v);
-        }
+    store_tiles(a, p, i0, m, TP, R, out);
 }
 
 /* Panels front to back. Decode (M = 1): all of a panel's tiles in one pass (one
