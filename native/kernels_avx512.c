@@ -43,6 +43,13 @@ AI __m512 block_zeros(const op_packed_header *h, const uint8_t *blk, int i) {
     }
 }
 
+/* One block's integer dot product d folded into a row's output (int8 and bfp modes):
+ * out + (ascale * scale) * (d - zero * asum). */
+AI __m512 fold_int_block(__m512 out, __m512 d, __m512 s, __m512 z, float asum, float ascale) {
+    d = _mm512_fnmadd_ps(z, _mm512_set1_ps(asum), d);
+    return _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(ascale), s), d, out);
+}
+
 AI void store_out(const op_mm_args *a, size_t m, size_t t, __m512 v) {
     __mmask16 mk = col_mask(a->col_begin, a->col_end, t);
     size_t c0 = t * OP_TILE_N;
@@ -189,10 +196,8 @@ AI void f32_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP,
                 for (int r = 0; r < R; r++) {                                          \
                     const size_t ab = (m + r) * nb + b;                                \
                     __m512i isum = R == 1 ? _mm512_add_epi32(is0[i][r], is1[i][r]) : is0[i][r]; \
-                    __m512 d = _mm512_fnmadd_ps(z, _mm512_set1_ps(a->asum[ab]),       \
-                                                _mm512_cvtepi32_ps(isum));             \
-                    __m512 sc = _mm512_mul_ps(_mm512_set1_ps(a->ascale[ab]), s);       \
-                    out[i][r] = _mm512_fmadd_ps(sc, d, out[i][r]);                     \
+                    out[i][r] = fold_int_block(out[i][r], _mm512_cvtepi32_ps(isum), s, z, \
+                                               a->asum[ab], a->ascale[ab]);            \
                 }                                                                      \
             }                                                                          \
         }                                                                              \
@@ -247,10 +252,8 @@ AI void f32_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP,
                     const __m512 z = block_zeros(h, blk, i0 + i);                      \
                     for (int r = 0; r < 4; r++) {                                      \
                         const size_t ab = (m + r) * nb + b;                            \
-                        __m512 d = _mm512_fnmadd_ps(z, _mm512_set1_ps(a->asum[ab]),   \
-                                                    _mm512_cvtepi32_ps(is[i][r]));     \
-                        __m512 sc = _mm512_mul_ps(_mm512_set1_ps(a->ascale[ab]), s);   \
-                        out[i0 + i][r] = _mm512_fmadd_ps(sc, d, out[i0 + i][r]);       \
+                        out[i0 + i][r] = fold_int_block(out[i0 + i][r], _mm512_cvtepi32_ps(is[i][r]), \
+                                                        s, z, a->asum[ab], a->ascale[ab]); \
                     }                                                                  \
                 }                                                                      \
             }                                                                          \
@@ -329,9 +332,7 @@ AI __m512i bcast32(const int8_t *p) {
                     __m512i t = _mm512_add_epi32(il[i][r], _mm512_slli_epi32(im[i][r], 8)); \
                     __m512 d = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih[i][r]), _mm512_set1_ps(65536.0f), \
                                                _mm512_cvtepi32_ps(t));                 \
-                    d = _mm512_fnmadd_ps(z, _mm512_set1_ps(a->asum[ab]), d);           \
-                    __m512 sc = _mm512_mul_ps(s, _mm512_set1_ps(a->ascale[ab]));       \
-                    out[i][r] = _mm512_fmadd_ps(sc, d, out[i][r]);                     \
+                    out[i][r] = fold_int_block(out[i][r], d, s, z, a->asum[ab], a->ascale[ab]); \
                 }                                                                      \
             }                                                                          \
         }                                                                              \
