@@ -24,113 +24,102 @@ static void store_tile(const op_mm_args *a, size_t m, size_t t, const float out[
     }
 }
 
-static void mm_f32_scalar(const op_mm_args *a) {
+/* The walk every mode shares: per tile of the column range, per row of A, the blocks
+ * in ascending order; BLOCK adds one block's contribution to the row's 16 outputs. */
+typedef void (*block_fn)(const op_mm_args *a, size_t m, int i, uint32_t b, const uint8_t *blk,
+                         float out[OP_TILE_N]);
+
+static void mm_walk(const op_mm_args *a, block_fn block) {
     const op_packed_header *h = a->h;
-    const uint32_t bs = h->block_size, nb = h->n_blocks;
-    const size_t t0 = op_tile_begin(a), t1 = op_tile_end(a);
-    for (size_t t = t0; t < t1; t++) {
+    for (size_t t = op_tile_begin(a), t1 = op_tile_end(a); t < t1; t++) {
         const size_t p = t / OP_PANEL_TILES;
         const int i = (int)(t % OP_PANEL_TILES);
         for (size_t m = 0; m < a->M; m++) {
-            const float *arow = a->A + m * a->lda;
             float out[OP_TILE_N] = {0};
-            for (uint32_t b = 0; b < nb; b++) {
-                const uint8_t *blk = op_mm_block(h, a->panels, p, b);
-                float acc[OP_TILE_N] = {0}, z[OP_TILE_N];
-                for (uint32_t g = 0; g < bs / OP_GROUP_K; g++) {
-                    const uint8_t *grp = op_mm_group(blk, g, i);
-                    const float *ak = arow + (size_t)b * bs + (size_t)g * OP_GROUP_K;
-                    for (int j = 0; j < OP_GROUP_K; j++)
-                        for (int c = 0; c < OP_TILE_N; c++)
-                            acc[c] = fmaf(ak[j], (float)code_at(grp, c, j), acc[c]);
-                }
-                op_mm_block_zeros(h, blk, i, z);
-                const float *sc = op_mm_scales(h, blk, i);
-                const float s_a = a->asum[m * nb + b];
-                for (int c = 0; c < OP_TILE_N; c++) {
-                    float d = fmaf(-z[c], s_a, acc[c]);
-                    out[c] = fmaf(sc[c], d, out[c]);
-                }
-            }
+            for (uint32_t b = 0; b < h->n_blocks; b++) block(a, m, i, b, op_mm_block(h, a->panels, p, b), out);
             store_tile(a, m, t, out);
         }
     }
 }
 
-static void mm_i8_scalar(const op_mm_args *a) {
+/* fp32: one fmaf chain per column over the block's k, then
+ * out = fmaf(scale, fmaf(-zero, sum(a), acc), out). */
+static void f32_block(const op_mm_args *a, size_t m, int i, uint32_t b, const uint8_t *blk,
+                      float out[OP_TILE_N]) {
     const op_packed_header *h = a->h;
-    const uint32_t bs = h->block_size, nb = h->n_blocks;
-    const size_t t0 = op_tile_begin(a), t1 = op_tile_end(a);
-    for (size_t t = t0; t < t1; t++) {
-        const size_t p = t / OP_PANEL_TILES;
-        const int i = (int)(t % OP_PANEL_TILES);
-        for (size_t m = 0; m < a->M; m++) {
-            const int8_t *arow = a->a8 + m * a->Kp;
-            float out[OP_TILE_N] = {0};
-            for (uint32_t b = 0; b < nb; b++) {
-                const uint8_t *blk = op_mm_block(h, a->panels, p, b);
-                int32_t isum[OP_TILE_N] = {0};
-                float z[OP_TILE_N];
-                for (uint32_t g = 0; g < bs / OP_GROUP_K; g++) {
-                    const uint8_t *grp = op_mm_group(blk, g, i);
-                    const int8_t *ak = arow + (size_t)b * bs + (size_t)g * OP_GROUP_K;
-                    for (int j = 0; j < OP_GROUP_K; j++)
-                        for (int c = 0; c < OP_TILE_N; c++)
-                            isum[c] += (int32_t)ak[j] * (int32_t)code_at(grp, c, j);
-                }
-                op_mm_block_zeros(h, blk, i, z);
-                const float *sc = op_mm_scales(h, blk, i);
-                const float s_a = a->asum[m * nb + b], as = a->ascale[m * nb + b];
-                for (int c = 0; c < OP_TILE_N; c++) {
-                    float d = fmaf(-z[c], s_a, (float)isum[c]);
-                    out[c] = fmaf(as * sc[c], d, out[c]);
-                }
-            }
-            store_tile(a, m, t, out);
-        }
+    const uint32_t bs = h->block_size;
+    float acc[OP_TILE_N] = {0}, z[OP_TILE_N];
+    for (uint32_t g = 0; g < bs / OP_GROUP_K; g++) {
+        const uint8_t *grp = op_mm_group(blk, g, i);
+        const float *ak = a->A + m * a->lda + (size_t)b * bs + (size_t)g * OP_GROUP_K;
+        for (int j = 0; j < OP_GROUP_K; j++)
+            for (int c = 0; c < OP_TILE_N; c++)
+                acc[c] = fmaf(ak[j], (float)code_at(grp, c, j), acc[c]);
+    }
+    op_mm_block_zeros(h, blk, i, z);
+    const float *sc = op_mm_scales(h, blk, i);
+    const float s_a = a->asum[m * h->n_blocks + b];
+    for (int c = 0; c < OP_TILE_N; c++) {
+        float d = fmaf(-z[c], s_a, acc[c]);
+        out[c] = fmaf(sc[c], d, out[c]);
     }
 }
 
-static void mm_bfp_scalar(const op_mm_args *a) {
+/* The int8 and bfp fold: out = fmaf(ascale * scale, fmaf(-zero, sum(a), d), out). */
+static void fold_int_block(const op_mm_args *a, size_t m, int i, uint32_t b, const uint8_t *blk,
+                           const float d[OP_TILE_N], float out[OP_TILE_N]) {
     const op_packed_header *h = a->h;
-    const uint32_t bs = h->block_size, nb = h->n_blocks;
-    const size_t t0 = op_tile_begin(a), t1 = op_tile_end(a);
-    for (size_t t = t0; t < t1; t++) {
-        const size_t p = t / OP_PANEL_TILES;
-        const int i = (int)(t % OP_PANEL_TILES);
-        for (size_t m = 0; m < a->M; m++) {
-            const int8_t *drow = a->a8 + m * a->Kp * 3;
-            float out[OP_TILE_N] = {0};
-            for (uint32_t b = 0; b < nb; b++) {
-                const uint8_t *blk = op_mm_block(h, a->panels, p, b);
-                int32_t il[OP_TILE_N] = {0}, im[OP_TILE_N] = {0}, ih[OP_TILE_N] = {0};
-                float z[OP_TILE_N];
-                for (uint32_t g = 0; g < bs / OP_GROUP_K; g++) {
-                    const uint8_t *grp = op_mm_group(blk, g, i);
-                    const int8_t *d = drow + ((size_t)b * bs / OP_GROUP_K + g) * 24;
-                    for (int j = 0; j < OP_GROUP_K; j++) {
-                        const int o = (j >= 4 ? 4 : 0) + (j & 3);
-                        for (int c = 0; c < OP_TILE_N; c++) {
-                            const int32_t q = (int32_t)code_at(grp, c, j);
-                            il[c] += d[o] * q;
-                            im[c] += d[8 + o] * q;
-                            ih[c] += d[16 + o] * q;
-                        }
-                    }
-                }
-                op_mm_block_zeros(h, blk, i, z);
-                const float *sc = op_mm_scales(h, blk, i);
-                const float msum = a->asum[m * nb + b], p2 = a->ascale[m * nb + b];
-                for (int c = 0; c < OP_TILE_N; c++) {
-                    float d = fmaf((float)ih[c], 65536.0f, (float)(il[c] + im[c] * 256));
-                    d = fmaf(-z[c], msum, d);
-                    out[c] = fmaf(sc[c] * p2, d, out[c]);
-                }
+    float z[OP_TILE_N];
+    op_mm_block_zeros(h, blk, i, z);
+    const float *sc = op_mm_scales(h, blk, i);
+    const float s_a = a->asum[m * h->n_blocks + b], as = a->ascale[m * h->n_blocks + b];
+    for (int c = 0; c < OP_TILE_N; c++) out[c] = fmaf(as * sc[c], fmaf(-z[c], s_a, d[c]), out[c]);
+}
+
+/* int8: exact integer sums of a8[k] * code. */
+static void i8_block(const op_mm_args *a, size_t m, int i, uint32_t b, const uint8_t *blk,
+                     float out[OP_TILE_N]) {
+    const uint32_t bs = a->h->block_size;
+    int32_t isum[OP_TILE_N] = {0};
+    for (uint32_t g = 0; g < bs / OP_GROUP_K; g++) {
+        const uint8_t *grp = op_mm_group(blk, g, i);
+        const int8_t *ak = a->a8 + m * a->Kp + (size_t)b * bs + (size_t)g * OP_GROUP_K;
+        for (int j = 0; j < OP_GROUP_K; j++)
+            for (int c = 0; c < OP_TILE_N; c++)
+                isum[c] += (int32_t)ak[j] * (int32_t)code_at(grp, c, j);
+    }
+    float d[OP_TILE_N];
+    for (int c = 0; c < OP_TILE_N; c++) d[c] = (float)isum[c];
+    fold_int_block(a, m, i, b, blk, d, out);
+}
+
+/* bfp: exact sums per byte plane of the 24-bit mantissas, recombined as
+ * fmaf(hi, 65536, lo + 256 * mid). */
+static void bfp_block(const op_mm_args *a, size_t m, int i, uint32_t b, const uint8_t *blk,
+                      float out[OP_TILE_N]) {
+    const uint32_t bs = a->h->block_size;
+    int32_t il[OP_TILE_N] = {0}, im[OP_TILE_N] = {0}, ih[OP_TILE_N] = {0};
+    for (uint32_t g = 0; g < bs / OP_GROUP_K; g++) {
+        const uint8_t *grp = op_mm_group(blk, g, i);
+        const int8_t *w = a->a8 + m * a->Kp * 3 + ((size_t)b * bs / OP_GROUP_K + g) * 24;
+        for (int j = 0; j < OP_GROUP_K; j++) {
+            const int o = (j >= 4 ? 4 : 0) + (j & 3);
+            for (int c = 0; c < OP_TILE_N; c++) {
+                const int32_t q = (int32_t)code_at(grp, c, j);
+                il[c] += w[o] * q;
+                im[c] += w[8 + o] * q;
+                ih[c] += w[16 + o] * q;
             }
-            store_tile(a, m, t, out);
         }
     }
+    float d[OP_TILE_N];
+    for (int c = 0; c < OP_TILE_N; c++) d[c] = fmaf((float)ih[c], 65536.0f, (float)(il[c] + im[c] * 256));
+    fold_int_block(a, m, i, b, blk, d, out);
 }
+
+static void mm_f32_scalar(const op_mm_args *a) { mm_walk(a, f32_block); }
+static void mm_i8_scalar(const op_mm_args *a) { mm_walk(a, i8_block); }
+static void mm_bfp_scalar(const op_mm_args *a) { mm_walk(a, bfp_block); }
 
 static void gemm_scalar(const op_gemm_args *g) {
     const op_packed_header *h = g->h;
