@@ -145,6 +145,16 @@ def col_range(col_begin: int, col_end: int | None, N: int, what: str) -> tuple[i
     return cb, ce
 
 
+def bias_f32(bias: np.ndarray | None, N: int, what: str) -> np.ndarray | None:
+    """``bias`` as N contiguous float32 values (None stays None)."""
+    if bias is None:
+        return None
+    bias = np.ascontiguousarray(bias, dtype=np.float32).reshape(-1)
+    if bias.size != N:
+        raise ValueError(f"{what}: bias must have N={N} values, got {bias.size}")
+    return bias
+
+
 def matmul_nbits_parts(A: np.ndarray, packed: np.ndarray, ranges, *, bias: np.ndarray | None = None,
                        out: np.ndarray | None = None) -> tuple[np.ndarray, list]:
     """``matmul_nbits`` cut into column ranges for a caller that runs them on several
@@ -157,10 +167,7 @@ def matmul_nbits_parts(A: np.ndarray, packed: np.ndarray, ranges, *, bias: np.nd
     long as the callables."""
     K, N = k_n(packed, lib.OP_KIND_INT4_MATMUL)
     A2, M, lda = rows_f32(A, K, "matmul_nbits")
-    if bias is not None:
-        bias = np.ascontiguousarray(bias, dtype=np.float32).reshape(-1)
-        if bias.size != N:
-            raise ValueError(f"matmul_nbits: bias must have N={N} values, got {bias.size}")
+    bias = bias_f32(bias, N, "matmul_nbits")
     ranges = [col_range(cb, ce, N, "matmul_nbits") for cb, ce in ranges]
     covered = sum(ce - cb for cb, ce in ranges)
     res, o2, ldy = out_rows(out, A.shape[:-1], M, N, covered == N, "matmul_nbits")
@@ -192,10 +199,7 @@ def matmul_nbits(A: np.ndarray, packed: np.ndarray, *, bias: np.ndarray | None =
     A2, M, lda = rows_f32(A, K, "matmul_nbits")
     cb, ce = col_range(col_begin, col_end, N, "matmul_nbits")
     level = -1 if accuracy_level is None else _check_level(accuracy_level)
-    if bias is not None:
-        bias = np.ascontiguousarray(bias, dtype=np.float32).reshape(-1)
-        if bias.size != N:
-            raise ValueError(f"matmul_nbits: bias must have N={N} values, got {bias.size}")
+    bias = bias_f32(bias, N, "matmul_nbits")
     res, o2, ldy = out_rows(out, A.shape[:-1], M, N, cb == 0 and ce == N, "matmul_nbits")
     check(lib.op_matmul_nbits(isa_id(isa), ptr(A2, "float *"), M, lda, ptr(packed, "uint8_t *"), packed.nbytes,
                               ptr(bias, "float *"), ptr(o2, "float *"), ldy, cb, ce, level),
