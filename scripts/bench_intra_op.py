@@ -1,0 +1,73 @@
+"""Hot-path runs with and without intra-op splitting, interleaved in one process.
+
+    .venv/bin/python scripts/bench_intra_op.py [--preset medium] [--repeats 10] [--json FILE]
+
+Two prepared Sessions over the same model, ``intra_op=False`` and the default (large INT4
+matmuls split over the CPU workers, core/ops/intra_op.py). Per repeat each runs an
+8-token prefill and one decode token (past = the prefill's presents), alternating.
+Prints min/median/max per case and the speed-up of the medians; outputs are checked
+equal bit for bit between the two sessions (splitting must not change a value).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="medium")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+
+    from onnx_prep.core.decoder_io import DecoderIO
+    from onnx_prep.core.generation import step_feeds
+    from onnx_prep.core.resolution import resolve_model
+    from onnx_prep.core.session import Session
+    from onnx_prep.fixtures import FixtureConfig, ensure_cached
+
+    r = resolve_model(ensure_cached(FixtureConfig.preset(args.preset)))
+    io = DecoderIO.discover(r.inputs, r.outputs)
+    prefill = step_feeds(io, np.arange(1, 9, dtype=np.int64)[None, :], io.empty_past(1), 0)
+    sessions = {"whole": Session(r, intra_op=False), "split": Session(r)}
+    try:
+        for s in sessions.values():
+            s.prepare()
+        out = sessions["whole"].run(prefill)
+        past = {p.name: out[pres] for kv in io.kv
+                for pres, p in ((kv.present_key, kv.past_key), (kv.present_value, kv.past_value))}
+        decode = step_feeds(io, np.array([[5]], dtype=np.int64), past, 8)
+        cases = {"prefill8": prefill, "decode1": decode}
+        for name, feeds in cases.items():  # the two sessions must agree exactly
+            a, b = sessions["whole"].run(feeds), sessions["split"].run(feeds)
+            assert all(np.array_equal(a[k], b[k]) for k in a), f"{name}: split and whole outputs differ"
+        times: dict[str, list[float]] = {}
+        for _ in range(args.repeats):
+            for mode, s in sessions.items():
+                for name, feeds in cases.items():
+                    t = time.perf_counter()
+                    s.run(feeds)
+                    times.setdefault(f"{name}.{mode}", []).append((time.perf_counter() - t) * 1e3)
+    finally:
+        for s in sessions.values():
+            s.close()
+    print(f"{args.preset}: hot path, {args.repeats} interleaved repeats (ms, min / median / max)")
+    for k, v in times.items():
+        print(f"  {k:16s} {min(v):8.2f} {statistics.median(v):8.2f} {max(v):8.2f}")
+    for name in cases:
+        w, sp = statistics.median(times[f"{name}.whole"]), statistics.median(times[f"{name}.split"])
+        print(f"  {name}: split {w / sp:.2f}x faster (medians)")
+    if args.json:
+        args.json.write_text(json.dumps(times, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
