@@ -12,7 +12,7 @@ same thread count, and the speedup against (a) numpy dequantize + matmul and
 It also prints memcpy and read bandwidth (1 and 2 threads) and prepack GB/s.
 
 Method:
-- Weights rotate through enough copies to exceed twice the last-level cache, so
+- Weights rotate through enough copies to exceed 4x the last-level cache, so
   every call streams its weights from DRAM as in real decoding (ORT gets the same:
   one session per copy). `--hot` keeps one copy (cache-resident) instead.
 - Our two-thread runs split the column range in two tile-aligned halves over two
@@ -23,9 +23,13 @@ Method:
   pays a per-call allocation; both pay one Python call. All ORT sessions share one
   global intra-op pool of T threads; ours and ORT's runs are separate phases (ORT's
   pool threads spin after a run and would otherwise steal our second core).
+- Our calls, at every thread count, go the way the runtime's intra-op split calls
+  them: arguments checked and pointers taken once (native.matmul_nbits_parts), then
+  one C call per part (~1 us of Python each, included; a whole
+  native.matmul_nbits call re-checks its arguments, ~5 us). ORT's time likewise
+  excludes session setup and includes one run_with_iobinding call.
 - Our two-thread dispatch: a persistent helper thread spins in C (GIL released)
-  until the caller publishes work (~3 us per hand-off, included); each thread still
-  runs its own Python call wrapper under the GIL (~5 us each, serialised).
+  until the caller publishes work (~3 us per hand-off, included).
 - Speedup = other time / our time (median); > 1 means the native kernel is faster.
 
 Usage: python scripts/bench_kernels.py [--quick] [--hot] [--json out.json]
@@ -209,12 +213,12 @@ def worker(args) -> dict:
             for M in args.ms:
                 A = inputs[M]
                 out = np.empty((M, N), dtype=np.float32)
-                calls = []
-                for p in packs:
-                    if T == 1:
-                        calls.append([lambda p=p: native.matmul_nbits(A, p, out=out)])
-                    else:  # as the runtime splits: arguments checked once, one C call a part
-                        calls.append(native.matmul_nbits_parts(A, p, [(0, half), (half, N)], out=out)[1])
+                # Every thread count calls the kernels the same way, the way the runtime's
+                # intra-op split does: arguments checked and pointers taken once
+                # (native.matmul_nbits_parts), then one C call a part (~1 us; a whole
+                # native.matmul_nbits call checks its arguments each time, ~5 us).
+                parts = [(0, N)] if T == 1 else [(0, half), (half, N)]
+                calls = [native.matmul_nbits_parts(A, p, parts, out=out)[1] for p in packs]
                 for c in calls[-2:]:
                     pool.run(c)  # warm up on the copies used last, so timed calls start cold
                 ts = []
