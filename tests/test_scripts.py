@@ -23,8 +23,8 @@ def test_bench_load_smoke(tmp_path):
     from onnx_prep.core.resolution import resolve_model
 
     out = tmp_path / "load.json"
-    p = _run(["scripts/bench_load.py", "--preset", "tiny-llm", "--repeats", "1", "--hot-repeats", "2",
-              "--stage-repeats", "1", "--warm-cache", "--json", str(out)], tmp_path / "cache")
+    p = _run(["scripts/bench_load.py", "--preset", "tiny-llm", "--repeats", "2", "--hot-repeats", "2",
+              "--warm-cache", "--json", str(out)], tmp_path / "cache")
     assert p.returncode == 0, p.stderr
     doc = json.loads(out.read_text())
     manifest = resolve_model(doc["model"]).manifest.total_bytes
@@ -38,6 +38,13 @@ def test_bench_load_smoke(tmp_path):
     assert ttfo["first_output_ms"] >= ttfo["first_step_ms"]
     assert set(doc["ratios"]) == {"parallel_init_over_sequential", "ttfo_over_sequential_init_plus_run",
                                   "ttfo_over_longest_stage", "hot_overhead_median"}
+    # Stages are measured in every repeat, and each paired ratio is that repeat's own.
+    assert len(doc["stage_runs"]) == 2 and len(doc["ratios_paired_runs"]) == 2
+    for i, (run, pr) in enumerate(zip(doc["stage_runs"], doc["ratios_paired_runs"])):
+        ttfo_i = doc["samples"]["ttfo"][i]["first_output_ms"]
+        assert pr["ttfo_over_longest_stage"] == pytest.approx(ttfo_i / max(run.values()))
+    st = doc["ratios_paired"]["parallel_init_over_sequential"]
+    assert st["min"] <= st["median"] <= st["max"]
 
 
 def test_bench_resolve_smoke(tmp_path):
