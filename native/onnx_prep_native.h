@@ -134,6 +134,9 @@ int op_gemm(int isa, const float *A, size_t M, size_t lda, const uint8_t *packed
 /* ---- host stable virtual-address slots -------------------------------------- */
 /* Reserve `size` bytes of address space (no memory, no commit charge); return 0 or -errno. */
 int op_slot_reserve(size_t size, void **out);
+/* Ask for transparent huge pages on the reserved [p, p+n) (MADV_HUGEPAGE); 0 or -errno
+ * (-EINVAL where the kernel has no THP). */
+int op_slot_advise_huge(void *p, size_t n);
 /* Make [p, p+n) readable and writable and populate it with zero-filled pages:
  * op_slot_open then op_slot_populate. */
 int op_slot_commit(void *p, size_t n);

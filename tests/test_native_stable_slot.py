@@ -126,3 +126,51 @@ def test_decommit_closes_an_opened_range(committed):
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == -signal.SIGSEGV, (p.returncode, p.stdout, p.stderr)
     assert "read" not in p.stdout
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+_THP = __import__("os").path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.skipif(not _THP, reason="this kernel has no transparent huge pages")
+@pytest.mark.parametrize("huge", [False, True])
+def test_huge_pages_is_the_kernel_advice_and_data_survives(huge):
+    slot = native.StableSlot(4 * MIB, huge_pages=huge)
+    assert slot.huge_pages is huge
+    assert ("hg" in _vm_flags(slot.address)) is huge  # MADV_HUGEPAGE sets VM_HUGEPAGE
+    slot.commit(4 * MIB)
+    assert ("hg" in _vm_flags(slot.address)) is huge  # survives the protection change
+    v = slot.view()
+    v[:] = 7
+    del v
+    slot.decommit()
+    assert slot.resident_bytes() == 0
+    slot.commit(2 * MIB)
+    assert not slot.view().any() and slot.address == slot.view().ctypes.data
+
+
+def test_huge_pages_default_comes_from_the_environment(monkeypatch):
+    from onnx_prep.native.stable_slot import huge_pages_default
+
+    monkeypatch.delenv("ONNX_PREP_HUGE_PAGES", raising=False)
+    assert huge_pages_default() is False
+    monkeypatch.setenv("ONNX_PREP_HUGE_PAGES", "1")
+    assert huge_pages_default() is True
+    if _THP:
+        assert native.StableSlot(2 * MIB).huge_pages is True
+    monkeypatch.setenv("ONNX_PREP_HUGE_PAGES", "yes please")
+    with pytest.raises(ValueError, match="ONNX_PREP_HUGE_PAGES='yes please'"):
+        native.StableSlot(2 * MIB)
