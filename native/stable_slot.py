@@ -37,7 +37,10 @@ def huge_pages_default() -> bool:
         return False
     if raw == "1":
         return True
-    raise ValueError(f"{HUGE_PAGES_ENV}={raw!r}: expected 1 (ask for huge pages) or 0")
+    from onnx_prep.core.errors import UsageError
+
+    raise UsageError(f"{HUGE_PAGES_ENV}={raw!r} is not a valid setting",
+                     hint=f"set {HUGE_PAGES_ENV}=1 to back prepared weights with huge pages, or 0 (default)")
 
 
 def _round_up(n: int, to: int) -> int:

@@ -145,6 +145,13 @@ def test_missing_prepared_runtime_is_a_clear_error(toy, monkeypatch):
     assert "prepared runtime" in line and "--runtime ort" in line
 
 
+@needs_session
+def test_bad_huge_pages_setting_is_one_line(toy, monkeypatch):
+    monkeypatch.setenv("ONNX_PREP_HUGE_PAGES", "on")
+    line = _error([str(toy), "--prompt-ids", "1,2", "--tokens", "2"])
+    assert "ONNX_PREP_HUGE_PAGES='on' is not a valid setting" in line and "=1" in line
+
+
 def test_progress_bar_draws_on_stderr_for_long_runs(toy, monkeypatch):
     term = Console(file=_io.StringIO(), force_terminal=True, width=100)
     monkeypatch.setattr(output, "stderr", term)

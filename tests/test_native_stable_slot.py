@@ -172,5 +172,7 @@ def test_huge_pages_default_comes_from_the_environment(monkeypatch):
     if _THP:
         assert native.StableSlot(2 * MIB).huge_pages is True
     monkeypatch.setenv("ONNX_PREP_HUGE_PAGES", "yes please")
-    with pytest.raises(ValueError, match="ONNX_PREP_HUGE_PAGES='yes please'"):
+    from onnx_prep.core.errors import UsageError
+
+    with pytest.raises(UsageError, match="ONNX_PREP_HUGE_PAGES='yes please' is not a valid setting"):
         native.StableSlot(2 * MIB)
