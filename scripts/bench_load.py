@@ -43,9 +43,10 @@ overhead <= 3%. Each load ratio is printed three ways:
            hot run over the direct replay run next to it (pairs in alternating order)
   medians  ratio of the medians over all repeats
   mins     ratio of the minimums (each mode's best)
-A shared VM sometimes runs a whole load 1.5-2x slower with the same counters; such a
-phase usually spans several seconds, so the paired ratios cancel most of it, while a
-ratio of medians or minimums compares samples taken up to a minute apart.
+Pairing cancels drift slower than a repeat (a ratio of medians or minimums compares
+samples taken up to a minute apart). It cannot cancel swings within a repeat: on a VM
+whose host takes back free memory, the same load or stage can take 2x as long from one
+run to the next with the same counters (docs/runtime.md, "Huge pages for stable slots").
 """
 from __future__ import annotations
 
