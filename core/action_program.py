@@ -35,6 +35,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from onnx_prep.core.errors import ModelIOError, OnnxPrepError, TaskFailedError, Where
+from onnx_prep.core.ops.attributes import APPEND_IN_PLACE
 from onnx_prep.core.ops.registry import PREPARED_POSITION, bind_node
 from onnx_prep.core.prepared_key import PreparedKey
 from onnx_prep.core.resolved_model import ResolvedModel, require_frozen
@@ -113,8 +114,14 @@ class ActionProgram:
 
     # ------------------------------------------------------------------ compile
     @classmethod
-    def compile(cls, resolved: ResolvedModel, *, use_prepared: bool = True) -> ActionProgram:
+    def compile(cls, resolved: ResolvedModel, *, use_prepared: bool = True,
+                append_in_place: bool = True) -> ActionProgram:
         """Compile ``resolved`` (frozen) into an action list.
+
+        ``append_in_place`` marks each ``Concat`` from a graph input to a graph output
+        (the KV cache, ``present = Concat(past, new)``) so that it appends into room
+        after the past instead of copying it (core/ops/append_buffer.py); False keeps
+        plain copies (benchmarks compare both).
 
         ``use_prepared=False`` ignores the prepared requirements: every INT4 / packed
         node reads its raw initializers (supplied as ``weights``) and dequantizes per
@@ -137,8 +144,13 @@ class ActionProgram:
 
         compiled: list[tuple] = []
         raw_weights: dict[str, None] = {}
+        outputs_set = frozenset(output_names)
         for node in resolved.nodes:
             fn, attrs, implicit = bind_node(node, resolved.opsets, resolved.weights)
+            if (append_in_place and node.op_type == "Concat" and node.domain in ("", "ai.onnx")
+                    and node.inputs and node.inputs[0] in input_names
+                    and node.outputs and node.outputs[0] in outputs_set):
+                attrs[APPEND_IN_PLACE] = True
             replaced: dict[int, PreparedKey] = {}
             if use_prepared:
                 for key, names in node.prepared_inputs.items():

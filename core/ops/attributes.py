@@ -20,7 +20,11 @@ N_OUTPUTS = "_n_outputs"
 # Reserved key for prepacked gathers: the element shape of one gathered row of the
 # (unloaded) data tensor, from its WeightDescriptor, so the output keeps ONNX's shape.
 ROW_SHAPE = "_row_shape"
-RESERVED = frozenset({N_OUTPUTS, ROW_SHAPE})
+# Reserved key for a Concat whose first input is a graph input and whose output is a graph
+# output (the KV cache: present = Concat(past, new)): it appends in place when it can
+# (core/ops/append_buffer.py).
+APPEND_IN_PLACE = "_append_in_place"
+RESERVED = frozenset({N_OUTPUTS, ROW_SHAPE, APPEND_IN_PLACE})
 
 
 def plain_value(value: Any) -> Any:

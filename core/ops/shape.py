@@ -12,7 +12,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from onnx_prep.core.ops.attributes import N_OUTPUTS, axes_from, axis_index
+from onnx_prep.core.ops import append_buffer
+from onnx_prep.core.ops.attributes import APPEND_IN_PLACE, N_OUTPUTS, axes_from, axis_index
 
 
 def _ints(a) -> list[int]:
@@ -37,6 +38,8 @@ def transpose(inputs, attrs, prepared):
 def concat(inputs, attrs, prepared):
     it = [x for x in inputs if x is not None]
     axis = axis_index(attrs["axis"], it[0].ndim)
+    if attrs.get(APPEND_IN_PLACE) and inputs[0] is not None:
+        return [append_buffer.concat(it, axis)]
     return [np.concatenate(it, axis=axis)]
 
 

@@ -1,0 +1,112 @@
+"""Decode step time as the KV cache grows, with and without append buffers.
+
+    .venv/bin/python scripts/bench_decode.py [--preset medium] [--tokens 512] [--prompt-len 8] [--json FILE]
+
+Greedy decode of --tokens tokens on one thread through the same action program and
+the same prepared weights, compiled twice: with append buffers (the default: a KV
+Concat writes only the new rows, core/ops/append_buffer.py) and without (every step
+copies the whole past). The two modes alternate A B B A; the generated tokens must be
+identical, and the logits bit-identical, in every run. Per mode, the step times in
+windows of past length (min / median / max over the steps in the window and both runs),
+and the counters of in-place appends and copies.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="medium")
+    ap.add_argument("--model", type=Path, help="an ONNX decoder model (default: the --preset fixture)")
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--prompt-len", type=int, default=8)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+
+    from onnx_prep.core.action_program import ActionProgram
+    from onnx_prep.core.decoder_io import DecoderIO
+    from onnx_prep.core.external_data import ExternalDataReader
+    from onnx_prep.core.generation import greedy_decode
+    from onnx_prep.core.ops import append_buffer
+    from onnx_prep.core.ops.prepack import prepack_all, source_loader
+    from onnx_prep.core.resolution import resolve_model
+    from onnx_prep.fixtures import FixtureConfig, ensure_cached
+    from onnx_prep.native import active_isa
+
+    path = args.model or ensure_cached(FixtureConfig.preset(args.preset))
+    resolved = resolve_model(path)
+    io = DecoderIO.from_model(path)
+    load = source_loader(resolved, ExternalDataReader.for_model(resolved))
+    prepared = prepack_all(resolved, load)
+    weights = {}
+    programs = {}
+    for mode, flag in (("append", True), ("copy", False)):
+        p = ActionProgram.compile(resolved, append_in_place=flag)
+        weights = {n: load(n) for n in p.weight_names}
+        programs[mode] = (p, p.bind_prepared(prepared))
+
+    class Runner:
+        def __init__(self, mode):
+            self.program, self.binding = programs[mode]
+
+        def run(self, feeds):
+            return self.program.run(feeds, self.binding, weights=weights)
+
+    prompt = (np.arange(args.prompt_len, dtype=np.int64)[None, :] * 7 + 3) % 1000
+    print(f"model {path}  isa {active_isa()}  prompt {args.prompt_len}  tokens {args.tokens}  one thread",
+          file=sys.stderr)
+    steps = {"append": [], "copy": []}
+    counts = {}
+    results = {}
+    for mode in ("append", "copy", "copy", "append"):
+        c0 = append_buffer.counters()
+        t0 = time.perf_counter()
+        res = greedy_decode(Runner(mode), io, prompt, args.tokens, keep_logits=True)
+        wall = time.perf_counter() - t0
+        c1 = append_buffer.counters()
+        counts[mode] = {k: c1[k] - c0[k] for k in c1}
+        steps[mode].append(res.step_ms)
+        if mode in results:
+            assert res.tokens.tolist() == results[mode].tokens.tolist()
+        results[mode] = res
+        print(f"  {mode}: {wall:.1f} s, {args.tokens / wall:.1f} tokens/s", file=sys.stderr)
+    a, c = results["append"], results["copy"]
+    assert a.tokens.tolist() == c.tokens.tolist(), "tokens differ between modes"
+    assert all(np.array_equal(x, y) for x, y in zip(a.logits, c.logits)), "logits differ between modes"
+
+    edges = [1, 64, 128, 256, 512, 1024, 2048]
+    windows = [(lo, hi) for lo, hi in zip(edges, edges[1:]) if lo < args.tokens]
+    print(f"\ndecode step ms by past length (min / median / max, both runs); tokens and logits identical")
+    print(f"  {'past':>12}  {'append':>24}  {'copy':>24}  copy/append")
+    summary = []
+    for lo, hi in windows:
+        row = {"past_from": args.prompt_len + lo - 1, "past_to": args.prompt_len + min(hi, args.tokens) - 2}
+        for mode in ("append", "copy"):
+            xs = [x for run in steps[mode] for x in run[lo:hi]]
+            row[mode] = {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
+        summary.append(row)
+        fmt = lambda st: f"{st['min']:7.1f} {st['median']:7.1f} {st['max']:7.1f}"
+        print(f"  {row['past_from']:5d}-{row['past_to']:<6d}  {fmt(row['append'])}  {fmt(row['copy'])}"
+              f"  {row['copy']['median'] / row['append']['median']:10.2f}x")
+    total = {m: sum(sum(r[1:]) for r in steps[m]) / len(steps[m]) / 1e3 for m in steps}
+    print(f"\ndecode only (steps 2..{args.tokens}, mean of runs): append {total['append']:.2f} s, "
+          f"copy {total['copy']:.2f} s ({(args.tokens - 1) / total['append']:.1f} vs "
+          f"{(args.tokens - 1) / total['copy']:.1f} tokens/s)")
+    print(f"counters per run: append {counts['append']}, copy {counts['copy']}")
+    if args.json:
+        args.json.write_text(json.dumps({"model": str(path), "tokens": args.tokens, "windows": summary,
+                                         "decode_s": total, "counters": counts,
+                                         "step_ms": steps}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""Append buffers (core/ops/append_buffer.py): a KV-cache Concat writes only the new rows,
+never a row it handed out before, and its values are np.concatenate's."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from onnx_prep.core.ops import append_buffer
+from onnx_prep.core.ops.append_buffer import MIN_ROOM, concat
+
+rng = np.random.default_rng(7)
+
+
+def _kv(seq: int, batch: int = 1) -> np.ndarray:
+    return rng.standard_normal((batch, 2, seq, 8)).astype(np.float32)
+
+
+def test_second_step_appends_into_the_first_steps_buffer():
+    past0, new1, new2 = _kv(0), _kv(3), _kv(1)
+    p1 = concat([past0, new1], 2)
+    np.testing.assert_array_equal(p1, np.concatenate([past0, new1], 2))
+    assert p1.base.shape[2] == 3 + MIN_ROOM  # room after the rows
+    keep = p1.copy()
+    before = append_buffer.counters()
+    p2 = concat([p1, new2], 2)
+    after = append_buffer.counters()
+    assert after["appended_in_place"] == before["appended_in_place"] + 1 and after["copied"] == before["copied"]
+    assert p2.base is p1.base and np.shares_memory(p1, p2)  # the same buffer, extended
+    np.testing.assert_array_equal(p2, np.concatenate([keep, new2], 2))
+    np.testing.assert_array_equal(p1, keep)  # the rows handed out before did not change
+
+
+def test_two_continuations_of_one_past_never_share_rows():
+    p1 = concat([_kv(0), _kv(4)], 2)
+    a, b = _kv(1), _kv(1)
+    pa = concat([p1, a], 2)  # claims the room
+    pb = concat([p1, b], 2)  # same past again: must not write over pa's row
+    np.testing.assert_array_equal(pa, np.concatenate([p1, a], 2))
+    np.testing.assert_array_equal(pb, np.concatenate([p1, b], 2))
+    assert np.shares_memory(pa, p1) and not np.shares_memory(pb, pa)
+    # re-running an older step (a shorter prefix of the same buffer) copies too
+    p_short = p1[:, :, :2]
+    ps = concat([p_short, a], 2)
+    assert not np.shares_memory(ps, pa)
+    np.testing.assert_array_equal(pa, np.concatenate([p1, a], 2))
+
+
+def test_many_steps_equal_plain_concat_and_copy_rarely():
+    past, want = _kv(0, batch=3), _kv(0, batch=3)
+    buffers = set()
+    for step in range(300):
+        new = _kv(5 if step == 0 else 1, batch=3)
+        past = concat([past, new], 2)
+        want = np.concatenate([want, new], 2)
+        buffers.add(id(past.base))
+        np.testing.assert_array_equal(past, want)
+    # room grows by 1.5x (at least MIN_ROOM): 5 -> 69 -> ... -> past 304 rows in a few buffers
+    assert len(buffers) <= 5, len(buffers)
+
+
+def test_other_axes_and_layouts():
+    # [batch, seq, heads, dim] with the sequence on axis 1, batch 2 (prefix is strided)
+    x = rng.standard_normal((2, 0, 3, 4)).astype(np.float32)
+    want = x
+    for n in (2, 1, 1):
+        new = rng.standard_normal((2, n, 3, 4)).astype(np.float32)
+        x = concat([x, new], 1)
+        want = np.concatenate([want, new], 1)
+        np.testing.assert_array_equal(x, want)
+    assert x.base is not None and x.base.shape[1] > 4
+
+
+def test_bad_shapes_raise_numpys_error_and_claim_nothing():
+    p1 = concat([_kv(0), _kv(2)], 2)
+    with pytest.raises(ValueError):
+        concat([p1, np.zeros((1, 3, 1, 8), np.float32)], 2)  # heads differ
+    new = _kv(1)
+    p2 = concat([p1, new], 2)
+    assert np.shares_memory(p1, p2)  # the failed call took no rows
+    np.testing.assert_array_equal(p2, np.concatenate([p1, new], 2))
+
+
+def test_mixed_dtypes_take_the_plain_path():
+    p1 = concat([_kv(0), _kv(2)], 2)
+    new = _kv(1).astype(np.float64)
+    out = concat([p1, new], 2)
+    assert out.dtype == np.float64 and not np.shares_memory(out, p1)
+    np.testing.assert_array_equal(out, np.concatenate([p1, new], 2))
+
+
+def test_concurrent_appends_to_one_past_get_one_winner():
+    p1 = concat([_kv(0), _kv(4)], 2)
+    news = [_kv(1) for _ in range(8)]
+    outs: list = [None] * 8
+    start = threading.Barrier(8)
+
+    def go(i):
+        start.wait()
+        outs[i] = concat([p1, news[i]], 2)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(8):
+        np.testing.assert_array_equal(outs[i], np.concatenate([p1, news[i]], 2))
+    assert sum(np.shares_memory(o, p1) for o in outs) == 1
+
+
+def test_only_past_to_present_concats_are_marked(tiny_llm_path):
+    from onnx_prep.core.action_program import ActionProgram
+    from onnx_prep.core.ops.attributes import APPEND_IN_PLACE
+    from onnx_prep.core.resolution import resolve_model
+
+    resolved = resolve_model(tiny_llm_path)
+    program = ActionProgram.compile(resolved)
+    marked = {a.name for a in program.actions if a.attrs.get(APPEND_IN_PLACE)}
+    concats = [a for a in program.actions if a.op_type == "Concat"]
+    kv = {a.name for a in concats if program.resolved.nodes[a.node_index].outputs[0].startswith("present.")}
+    assert marked == kv and len(kv) == 2 * 4  # K and V of 4 blocks; rotary concats not marked
+    plain = ActionProgram.compile(resolved, append_in_place=False)
+    assert not any(a.attrs.get(APPEND_IN_PLACE) for a in plain.actions)
+
+
+def test_session_decode_appends_in_place_with_identical_logits(tiny_llm_path):
+    """A real greedy decode through the prepared runtime: every decode step after the
+    prefill extends its KV buffers in place, and the logits are bit-identical to the
+    same program compiled without append buffers."""
+    from onnx_prep.core.action_program import ActionProgram
+    from onnx_prep.core.decoder_io import DecoderIO
+    from onnx_prep.core.external_data import ExternalDataReader
+    from onnx_prep.core.generation import greedy_decode
+    from onnx_prep.core.ops.prepack import prepack_all, source_loader
+    from onnx_prep.core.resolution import resolve_model
+    from onnx_prep.core.session import Session
+
+    resolved = resolve_model(tiny_llm_path)
+    io = DecoderIO.from_model(tiny_llm_path)
+    prompt = np.array([[3, 1, 4, 1, 5], [9, 2, 6, 5, 3]])
+    before = append_buffer.counters()
+    with Session(resolved) as s:
+        got = greedy_decode(s, io, prompt, 12, keep_logits=True)
+    after = append_buffer.counters()
+    kv_concats = 2 * 4
+    # prefill: one fresh buffer per KV concat; then 11 decode steps, each appending in place
+    assert after["appended_in_place"] - before["appended_in_place"] == 11 * kv_concats
+    assert after["copied"] - before["copied"] == kv_concats
+
+    load = source_loader(resolved, ExternalDataReader.for_model(resolved))
+    plain = ActionProgram.compile(resolved, append_in_place=False)
+    binding = plain.bind_prepared(prepack_all(resolved, load))
+    weights = {n: load(n) for n in plain.weight_names}
+
+    class Plain:
+        def run(self, feeds):
+            return plain.run(feeds, binding, weights=weights)
+
+    want = greedy_decode(Plain(), io, prompt, 12, keep_logits=True)
+    assert got.tokens.tolist() == want.tokens.tolist()
+    for a, b in zip(got.logits, want.logits):
+        np.testing.assert_array_equal(a, b)
