@@ -69,3 +69,18 @@ def test_bench_intra_op_smoke(tmp_path):
     times = json.loads(out.read_text())
     assert set(times) == {f"{c}.{m}" for c in ("prefill8", "decode1") for m in ("whole", "split")}
     assert all(len(v) == 1 and v[0] > 0 for v in times.values())
+
+
+def test_bench_decode_smoke(tmp_path):
+    out = tmp_path / "decode.json"
+    p = _run(["scripts/bench_decode.py", "--preset", "tiny-llm", "--tokens", "60", "--json", str(out)],
+             tmp_path / "cache")
+    assert p.returncode == 0, p.stderr
+    assert "tokens and logits identical" in p.stdout
+    doc = json.loads(out.read_text())
+    kv = 2 * 4  # K and V Concats of the 4 blocks
+    # the 8-token prefill makes one buffer per KV Concat with room for 64 more rows: the
+    # 59 decode steps (past 8 -> 67) all append in place
+    assert doc["counters"]["append"] == {"appended_in_place": 59 * kv, "copied": kv}
+    assert doc["counters"]["copy"] == {"appended_in_place": 0, "copied": 0}
+    assert [len(run) for run in doc["step_ms"]["append"]] == [60, 60]
