@@ -20,6 +20,7 @@ import numpy as np
 
 from onnx_prep.core.decoder_io import DecoderIO
 from onnx_prep.core.errors import ModelIOError, UsageError, Where
+from onnx_prep.core.ops import append_buffer
 
 
 @runtime_checkable
@@ -187,29 +188,31 @@ def greedy_decode(runner: Runner, io: DecoderIO, prompt_ids: np.ndarray, tokens:
 
     past = io.empty_past(batch)
     new_ids, past_len = prompt, 0
-    for step in range(tokens):
-        t0 = time.perf_counter()
-        out = runner.run(step_feeds(io, new_ids, past, past_len))
-        logits = _last_logits(io, out, batch, model)
-        chosen = np.argmax(logits, axis=-1).astype(np.int64)
-        if io.kv:
-            past_len += new_ids.shape[1]
-            past = _next_past(io, out, past_len, model)
-        step_ms.append((time.perf_counter() - t0) * 1e3)
+    # KV buffers sized once for the whole decode (append buffers; no growth copies)
+    with append_buffer.room_for(prompt.shape[1] + tokens - 1):
+        for step in range(tokens):
+            t0 = time.perf_counter()
+            out = runner.run(step_feeds(io, new_ids, past, past_len))
+            logits = _last_logits(io, out, batch, model)
+            chosen = np.argmax(logits, axis=-1).astype(np.int64)
+            if io.kv:
+                past_len += new_ids.shape[1]
+                past = _next_past(io, out, past_len, model)
+            step_ms.append((time.perf_counter() - t0) * 1e3)
 
-        out_tokens[:, step] = chosen
-        top2 = np.partition(logits, -2, axis=-1)[:, -2:] if logits.shape[-1] > 1 else None
-        if top2 is not None:
-            margins[:, step] = top2[:, 1].astype(np.float64) - top2[:, 0]
-        ranges[:, step] = logits.max(axis=-1).astype(np.float64) - logits.min(axis=-1)
-        if step == 0:
-            first_logits = np.array(logits, dtype=np.float32, copy=True)
-        if keep_logits:
-            kept.append(np.array(logits, dtype=np.float32, copy=True))
-        if on_step is not None:
-            on_step(StepEvent(step, chosen, logits, step_ms[-1]))
-        # Without KV inputs every step re-feeds the whole sequence (prefix recompute).
-        new_ids = chosen[:, None] if io.kv else np.concatenate([new_ids, chosen[:, None]], axis=1)
+            out_tokens[:, step] = chosen
+            top2 = np.partition(logits, -2, axis=-1)[:, -2:] if logits.shape[-1] > 1 else None
+            if top2 is not None:
+                margins[:, step] = top2[:, 1].astype(np.float64) - top2[:, 0]
+            ranges[:, step] = logits.max(axis=-1).astype(np.float64) - logits.min(axis=-1)
+            if step == 0:
+                first_logits = np.array(logits, dtype=np.float32, copy=True)
+            if keep_logits:
+                kept.append(np.array(logits, dtype=np.float32, copy=True))
+            if on_step is not None:
+                on_step(StepEvent(step, chosen, logits, step_ms[-1]))
+            # Without KV inputs every step re-feeds the whole sequence (prefix recompute).
+            new_ids = chosen[:, None] if io.kv else np.concatenate([new_ids, chosen[:, None]], axis=1)
 
     return GenerationResult(prompt_ids=prompt, tokens=out_tokens, step_ms=tuple(step_ms),
                             top2_margin=margins, logit_range=ranges, first_logits=first_logits,

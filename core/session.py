@@ -58,7 +58,7 @@ from onnx_prep.core.arenas import Arena, MemoryBudget
 from onnx_prep.core.errors import BudgetError, OnnxPrepError, UsageError, Where
 from onnx_prep.core.execution_handle import ExecutionHandle
 from onnx_prep.core.external_data import ExternalDataReader, as_array
-from onnx_prep.core.ops import intra_op
+from onnx_prep.core.ops import append_buffer, intra_op
 from onnx_prep.core.plan import (
     RAW_LAYOUT,
     LookaheadWindow,
@@ -117,6 +117,9 @@ class RuntimeContext:
         self.step_log: list[tuple[int, int, int, str]] = []
         self.mode: str | None = None
         self.submit_ns = time.perf_counter_ns()
+        # KV room the caller announced on its thread (append_buffer.room_for); the run
+        # may execute on a worker thread, which does not see the caller's context.
+        self.append_room = append_buffer.room_hint()
         self.first_step_ns: int | None = None
         self.done_ns: int | None = None
         self._io_reservation = None
@@ -382,7 +385,8 @@ class Session:
             try:
                 values = self.program.new_values(ctx.feeds, self._hot_weights)
                 ctx.first_step_ns = time.perf_counter_ns()
-                with intra_op.using(self.scheduler.fork_join, self._parts_hot):
+                with intra_op.using(self.scheduler.fork_join, self._parts_hot), \
+                        append_buffer.room_for(ctx.append_room):
                     self.program.execute(values, self._hot_binding)
                 ctx.outputs = self.program.fetch(values)
                 ctx.done_ns = time.perf_counter_ns()
@@ -445,7 +449,8 @@ class Session:
                 t0 = time.perf_counter_ns()
                 if ctx.first_step_ns is None:
                     ctx.first_step_ns = t0
-                with intra_op.using(self.scheduler.fork_join, self._parts_cold):
+                with intra_op.using(self.scheduler.fork_join, self._parts_cold), \
+                        append_buffer.room_for(ctx.append_room):
                     program.execute(values, prepared, begin, end)
                 ctx.step_log.append((si, t0, time.perf_counter_ns(), tctx.worker))
             finally:

@@ -162,3 +162,53 @@ def test_session_decode_appends_in_place_with_identical_logits(tiny_llm_path):
     assert got.tokens.tolist() == want.tokens.tolist()
     for a, b in zip(got.logits, want.logits):
         np.testing.assert_array_equal(a, b)
+
+
+def test_room_hint_sizes_fresh_buffers_and_resets():
+    assert append_buffer.room_hint() == 0
+    with append_buffer.room_for(500):
+        assert append_buffer.room_hint() == 500
+        p = concat([_kv(0), _kv(3)], 2)
+        assert p.base.shape[2] == 500
+        with append_buffer.room_for(0):
+            assert concat([_kv(0), _kv(3)], 2).base.shape[2] == 3 + MIN_ROOM
+    assert append_buffer.room_hint() == 0
+    q = concat([_kv(0), _kv(300)], 2)
+    assert q.base.shape[2] == 450  # no hint: 1.5x
+
+
+def test_session_carries_the_room_hint_to_its_worker_threads(tiny_llm_path):
+    """The first run is cold (steps on worker threads), the second hot: both see the
+    room announced on the caller's thread, through the RuntimeContext."""
+    from onnx_prep.core.decoder_io import DecoderIO
+    from onnx_prep.core.generation import step_feeds
+    from onnx_prep.core.resolution import resolve_model
+    from onnx_prep.core.session import RuntimeContext, Session
+
+    io = DecoderIO.from_model(tiny_llm_path)
+    feeds = step_feeds(io, np.array([[1, 2, 3]]), io.empty_past(1), 0)
+    with Session(resolve_model(tiny_llm_path)) as s:
+        for mode in ("cold", "hot"):
+            with append_buffer.room_for(333):
+                ctx = RuntimeContext(feeds)
+            s.run_async(ctx).wait()
+            assert ctx.mode == mode
+            present = [v for k, v in ctx.outputs.items() if k.startswith("present.")]
+            assert present and all(p.base.shape[2] == 333 for p in present)
+            ctx.release()
+
+
+def test_greedy_decode_sizes_the_cache_once(tiny_llm_path):
+    from onnx_prep.core.decoder_io import DecoderIO
+    from onnx_prep.core.generation import greedy_decode
+    from onnx_prep.core.resolution import resolve_model
+    from onnx_prep.core.session import Session
+
+    io = DecoderIO.from_model(tiny_llm_path)
+    kv_concats = 2 * 4
+    with Session(resolve_model(tiny_llm_path)) as s:
+        before = append_buffer.counters()
+        greedy_decode(s, io, np.array([[5, 6, 7, 8, 9]]), 90)  # past reaches 93 > 5 + MIN_ROOM
+        after = append_buffer.counters()
+    assert after["copied"] - before["copied"] == kv_concats  # the prefill's buffers only
+    assert after["appended_in_place"] - before["appended_in_place"] == 89 * kv_concats

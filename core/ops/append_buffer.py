@@ -6,7 +6,8 @@ past tokens that was 33 ms of an 89 ms step (docs/runtime.md, "Append buffers").
 
 How: the action program marks such a Concat (:data:`~onnx_prep.core.ops.attributes.APPEND_IN_PLACE`).
 Its output is then allocated with room along the axis (1.5x the length, at least
-:data:`MIN_ROOM` more) and handed out as a prefix view of that buffer. When the view
+:data:`MIN_ROOM` more, or the length the caller announced with :func:`room_for`) and
+handed out as a prefix view of that buffer. When the view
 comes back as the next step's past, the Concat writes the new rows into the room and
 hands out a longer prefix view of the same buffer: per step, the cost is the new rows;
 the past is copied only when the room runs out (amortised O(1) per row).
@@ -24,14 +25,41 @@ Safety rules (tested):
 """
 from __future__ import annotations
 
+import contextvars
 import threading
 import weakref
+from contextlib import contextmanager
+from typing import Iterator
 
 import numpy as np
 
 # NOTE: the least room a fresh buffer gets, in rows along the axis: a prompt of a few
 # tokens then decodes 64 steps before the first copy, instead of copying at step 2, 3, 5.
 MIN_ROOM = 64
+
+
+# The length along the axis a caller expects its buffers to reach (0: unknown). A fresh
+# buffer gets at least that much room, so a decode of known length never grows one.
+_ROOM = contextvars.ContextVar("onnx_prep_append_room", default=0)
+
+
+@contextmanager
+def room_for(rows: int) -> Iterator[None]:
+    """Within the block, fresh append buffers get room for ``rows`` along their axis
+    (``greedy_decode`` passes prompt + tokens; ``Session`` carries it from the thread
+    that built the ``RuntimeContext`` to the thread that runs it). A hint, not a limit:
+    buffers still grow past it, and one that cannot be allocated falls back to the
+    default room."""
+    token = _ROOM.set(max(0, int(rows)))
+    try:
+        yield
+    finally:
+        _ROOM.reset(token)
+
+
+def room_hint() -> int:
+    """The ``room_for`` value in effect on this thread (0: none)."""
+    return _ROOM.get()
 
 
 class _Claim:
@@ -115,8 +143,13 @@ def concat(parts: list[np.ndarray], axis: int) -> np.ndarray:
             _count("appended_in_place")
             return _prefix(base, axis, total)
     shape = list(past.shape)
-    shape[axis] = total + max(total // 2, MIN_ROOM)
-    base = np.empty(shape, dtype=past.dtype)
+    default = total + max(total // 2, MIN_ROOM)
+    shape[axis] = max(default, _ROOM.get())
+    try:
+        base = np.empty(shape, dtype=past.dtype)
+    except MemoryError:  # a hint too large for this machine: the default room
+        shape[axis] = default
+        base = np.empty(shape, dtype=past.dtype)
     out = _prefix(base, axis, total)
     np.concatenate(parts, axis=axis, out=out)
     key = id(base)
