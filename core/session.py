@@ -509,8 +509,9 @@ class Session:
 
     def _settle_outputs(self, ctx: RuntimeContext) -> None:
         """True the IO-arena reservation up to the real output bytes: shrink it, or
-        reserve the difference (a BudgetError if it cannot fit: the outputs are dropped)."""
-        actual = sum(int(v.nbytes) for v in (ctx.outputs or {}).values())
+        reserve the difference (a BudgetError if it cannot fit: the outputs are dropped).
+        A KV output that is a view of an append buffer holds the whole buffer."""
+        actual = append_buffer.held_bytes((ctx.outputs or {}).values())
         res = ctx._io_reservation
         held = res.amounts.get(Arena.IO, 0) if res is not None else 0
         if actual <= held:

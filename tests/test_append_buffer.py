@@ -212,3 +212,27 @@ def test_greedy_decode_sizes_the_cache_once(tiny_llm_path):
         after = append_buffer.counters()
     assert after["copied"] - before["copied"] == kv_concats  # the prefill's buffers only
     assert after["appended_in_place"] - before["appended_in_place"] == 89 * kv_concats
+
+
+def test_the_io_arena_counts_the_whole_kv_buffers(tiny_llm_path):
+    from onnx_prep.core.arenas import Arena
+    from onnx_prep.core.decoder_io import DecoderIO
+    from onnx_prep.core.generation import step_feeds
+    from onnx_prep.core.resolution import resolve_model
+    from onnx_prep.core.session import RuntimeContext, Session
+
+    io = DecoderIO.from_model(tiny_llm_path)
+    feeds = step_feeds(io, np.array([[1, 2, 3]]), io.empty_past(1), 0)
+    with Session(resolve_model(tiny_llm_path)) as s:
+        s.prepare()
+        with append_buffer.room_for(400):
+            ctx = RuntimeContext(feeds)
+        s.run_async(ctx).wait()
+        kv = [v for k, v in ctx.outputs.items() if k.startswith("present.")]
+        rest = [v for k, v in ctx.outputs.items() if not k.startswith("present.")]
+        want = sum(v.base.nbytes for v in kv) + sum(v.nbytes for v in rest)
+        assert want > sum(v.nbytes for v in ctx.outputs.values())  # the room is counted
+        assert append_buffer.held_bytes(ctx.outputs.values()) == want
+        assert s.budget.live(Arena.IO) == want
+        ctx.release()
+        assert s.budget.live(Arena.IO) == 0

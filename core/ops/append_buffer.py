@@ -89,6 +89,24 @@ def _count(key: str) -> None:
         _counters[key] += 1
 
 
+def held_bytes(arrays) -> int:
+    """The memory ``arrays`` keep alive, for budgets: an append buffer's prefix view
+    holds its whole buffer (room included), counted once however many views share it;
+    any other array counts its own bytes."""
+    seen: set[int] = set()
+    total = 0
+    for a in arrays:
+        base = a.base
+        claim = _claims.get(id(base)) if type(base) is np.ndarray else None
+        if claim is not None and claim.ref() is base:
+            if id(base) not in seen:
+                seen.add(id(base))
+                total += int(base.nbytes)
+        else:
+            total += int(a.nbytes)
+    return total
+
+
 def _prefix(base: np.ndarray, axis: int, length: int) -> np.ndarray:
     index = [slice(None)] * base.ndim
     index[axis] = slice(0, length)
