@@ -13,6 +13,7 @@ from onnx_prep.core.decoder_io import DecoderIO
 from onnx_prep.core.errors import BudgetError, CancelledError, OnnxPrepError, TaskFailedError
 from onnx_prep.core.execution_handle import SubmissionState
 from onnx_prep.core.generation import compare_generations, greedy_decode, step_feeds
+from onnx_prep.core.ops import append_buffer
 from onnx_prep.core.resolution import resolve_model
 from onnx_prep.core.session import RuntimeContext, Session, Workspace
 from onnx_prep.core.task import Priority
@@ -350,7 +351,8 @@ def test_workspace_shared_by_sessions_fails_clearly_then_recovers(small_llm_path
     io = _io(small_llm_path)
     feeds = _feeds(io, np.array([[1, 2, 3]]))
     with Session.open(small_llm_path) as probe:
-        out_bytes = sum(v.nbytes for v in probe.run(feeds).values())
+        # what one run's outputs hold: KV outputs view append buffers, room included
+        out_bytes = append_buffer.held_bytes(probe.run(feeds).values())
     # room for one run's outputs in the IO arena, not two
     budget = MemoryBudget(limits={Arena.IO: out_bytes + out_bytes // 2})
     with Workspace(budget=budget) as ws:
