@@ -18,7 +18,7 @@ from onnx_prep.core.errors import EXIT_FINDINGS, EXIT_OK, UsageError
 DEFAULT_PROMPT = "1,2,3,4"
 PROGRESS_MIN_TOKENS = 8  # shorter runs finish before a bar is worth drawing
 RUNTIMES = ("prepared", "ort")
-SCHEMA = "onnx-prep.run/1"
+SCHEMA = "onnx-prep.run/2"
 
 
 def _open_runtime_runner(path: Path, *, threads: int | None):
@@ -148,7 +148,8 @@ def run(
         doc = {"schema": SCHEMA, "model": str(path), "runtime": runtime,
                "prompt_ids": prompt.tolist(), "batch": int(prompt.shape[0]), "tokens_requested": tokens,
                "io": io.to_json(), "tokens": result.tokens.tolist(),
-               "timings": {"open_ms": open_ms, **result.timings_json()}, "compare": None}
+               "timings": {"open_ms": open_ms, **result.timings_json()},
+               "counters": result.counters_json(), "compare": None}
         code = EXIT_OK
         if compare is not None:
             ref_open_ms, ref = _decode(compare, path, io, prompt, tokens, threads, show)

@@ -61,6 +61,10 @@ class GenerationResult:
     logit_range: np.ndarray  # float64 [batch, tokens]: max - min of the step's logits
     first_logits: np.ndarray | None = None  # float32 [batch, vocab]: the prefill's last position
     logits: tuple[np.ndarray, ...] | None = None  # per step [batch, vocab] when kept
+    # KV Concats during the decode (this process): appended in place / copied into a
+    # fresh buffer (core/ops/append_buffer.py; both 0 for a runner that does not use it)
+    kv_appended_in_place: int = 0
+    kv_copied: int = 0
 
     @property
     def batch(self) -> int:
@@ -85,6 +89,9 @@ class GenerationResult:
         """Tokens emitted per second by the decode steps, all rows together."""
         s = self.decode_steps_per_s
         return None if s is None else s * self.batch
+
+    def counters_json(self) -> dict:
+        return {"kv_appended_in_place": self.kv_appended_in_place, "kv_copied": self.kv_copied}
 
     def timings_json(self) -> dict:
         return {"first_output_ms": self.first_output_ms, "total_ms": self.total_ms,
@@ -188,6 +195,7 @@ def greedy_decode(runner: Runner, io: DecoderIO, prompt_ids: np.ndarray, tokens:
 
     past = io.empty_past(batch)
     new_ids, past_len = prompt, 0
+    kv0 = append_buffer.counters()
     # KV buffers sized once for the whole decode (append buffers; no growth copies)
     with append_buffer.room_for(prompt.shape[1] + tokens - 1):
         for step in range(tokens):
@@ -214,9 +222,12 @@ def greedy_decode(runner: Runner, io: DecoderIO, prompt_ids: np.ndarray, tokens:
             # Without KV inputs every step re-feeds the whole sequence (prefix recompute).
             new_ids = chosen[:, None] if io.kv else np.concatenate([new_ids, chosen[:, None]], axis=1)
 
+    kv1 = append_buffer.counters()
     return GenerationResult(prompt_ids=prompt, tokens=out_tokens, step_ms=tuple(step_ms),
                             top2_margin=margins, logit_range=ranges, first_logits=first_logits,
-                            logits=tuple(kept) if keep_logits else None)
+                            logits=tuple(kept) if keep_logits else None,
+                            kv_appended_in_place=kv1["appended_in_place"] - kv0["appended_in_place"],
+                            kv_copied=kv1["copied"] - kv0["copied"])
 
 
 # A divergence where the reference's top-2 margin is within this fraction of its logit

@@ -69,6 +69,7 @@ def test_ort_json_matches_the_library_and_validates(small_llm_path):
     assert doc["tokens"] == want.tokens.tolist()
     assert doc["runtime"] == "ort" and doc["batch"] == 1 and doc["prompt_ids"] == [[5, 6, 7]]
     assert doc["io"]["kv_layout"] == "bhsd" and len(doc["io"]["kv"]) == 2 and doc["compare"] is None
+    assert doc["counters"] == {"kv_appended_in_place": 0, "kv_copied": 0}  # ORT: not ours
     assert len(doc["timings"]["step_ms"]) == 6 and doc["timings"]["decode_tokens_per_s"] > 0
 
 
@@ -202,6 +203,9 @@ def test_prepared_runtime_matches_ort_on_the_fixture(small_llm_path):
     assert doc["runtime"] == "prepared" and doc["compare"]["agrees"]
     assert doc["compare"]["first_step_max_abs_logit_diff"] <= 1e-3 * doc["compare"]["first_step_logit_range"]
     assert all(row == doc["tokens"][0] for row in doc["tokens"])
+    # KV cache: the prefill makes one buffer per K/V Concat (2 blocks), sized for the
+    # whole decode, and each of the 31 decode steps appends in place
+    assert doc["counters"] == {"kv_appended_in_place": 31 * 2 * 2, "kv_copied": 2 * 2}
 
 
 @needs_session
