@@ -236,3 +236,32 @@ def test_the_io_arena_counts_the_whole_kv_buffers(tiny_llm_path):
         assert s.budget.live(Arena.IO) == want
         ctx.release()
         assert s.budget.live(Arena.IO) == 0
+
+
+def test_concurrent_session_runs_from_one_past_match_sequential_runs(tiny_llm_path):
+    """Four runs in flight at once, each continuing the same past with a different
+    token: each shared buffer is extended by exactly one of them, the others copy, and every output
+    equals a run made alone afterwards (whose past is then an older prefix: a copy)."""
+    from onnx_prep.core.decoder_io import DecoderIO
+    from onnx_prep.core.generation import step_feeds
+    from onnx_prep.core.resolution import resolve_model
+    from onnx_prep.core.session import RuntimeContext, Session
+
+    io = DecoderIO.from_model(tiny_llm_path)
+    with Session(resolve_model(tiny_llm_path)) as s:
+        first = s.run(step_feeds(io, np.array([[1, 2, 3]]), io.empty_past(1), 0))
+        past = {p.past_key.name: first[p.present_key] for p in io.kv}
+        past.update({p.past_value.name: first[p.present_value] for p in io.kv})
+        before = append_buffer.counters()
+        ctxs = [RuntimeContext(step_feeds(io, np.array([[10 + i]]), past, 3)) for i in range(4)]
+        handles = [s.run_async(c) for c in ctxs]
+        for h in handles:
+            h.wait()
+        after = append_buffer.counters()
+        kv = 2 * len(io.kv)
+        assert after["appended_in_place"] - before["appended_in_place"] == kv  # one run's worth
+        assert after["copied"] - before["copied"] == 3 * kv
+        for i, c in enumerate(ctxs):
+            alone = s.run(step_feeds(io, np.array([[10 + i]]), past, 3))
+            for name, value in alone.items():
+                np.testing.assert_array_equal(c.outputs[name], value)
