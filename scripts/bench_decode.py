@@ -5,10 +5,11 @@
 Greedy decode of --tokens tokens on one thread through the same action program and
 the same prepared weights, compiled twice: with append buffers (the default: a KV
 Concat writes only the new rows, core/ops/append_buffer.py; greedy_decode sizes them for
-prompt + tokens) and without (every step copies the whole past). The two modes alternate A B B A; the generated tokens must be
-identical, and the logits bit-identical, in every run. Per mode, the step times in
-windows of past length (min / median / max over the steps in the window and both runs),
-and the counters of in-place appends and copies.
+prompt + tokens) and without (every step copies the whole past). The two modes
+alternate A B B A; the generated tokens must be identical, and the logits
+bit-identical, in every run. Per mode, the step times in windows of past length
+(min / median / max over the steps in the window and both runs), and the counters of
+in-place appends and copies.
 """
 from __future__ import annotations
 

@@ -26,7 +26,8 @@ def test_second_step_appends_into_the_first_steps_buffer():
     before = append_buffer.counters()
     p2 = concat([p1, new2], 2)
     after = append_buffer.counters()
-    assert after["appended_in_place"] == before["appended_in_place"] + 1 and after["copied"] == before["copied"]
+    assert after["appended_in_place"] == before["appended_in_place"] + 1
+    assert after["copied"] == before["copied"]
     assert p2.base is p1.base and np.shares_memory(p1, p2)  # the same buffer, extended
     np.testing.assert_array_equal(p2, np.concatenate([keep, new2], 2))
     np.testing.assert_array_equal(p1, keep)  # the rows handed out before did not change
@@ -240,8 +241,9 @@ def test_the_io_arena_counts_the_whole_kv_buffers(tiny_llm_path):
 
 def test_concurrent_session_runs_from_one_past_match_sequential_runs(tiny_llm_path):
     """Four runs in flight at once, each continuing the same past with a different
-    token: each shared buffer is extended by exactly one of them, the others copy, and every output
-    equals a run made alone afterwards (whose past is then an older prefix: a copy)."""
+    token: each shared buffer is extended by exactly one of them, the others copy, and
+    every output equals a run made alone afterwards (whose past is then an older
+    prefix: a copy)."""
     from onnx_prep.core.decoder_io import DecoderIO
     from onnx_prep.core.generation import step_feeds
     from onnx_prep.core.resolution import resolve_model

@@ -137,7 +137,8 @@ def _claim_of(past: np.ndarray, axis: int) -> tuple[np.ndarray, _Claim] | None:
 def _same_rows(parts: list[np.ndarray], axis: int) -> bool:
     """Every part has the first one's shape off the axis (np.concatenate's rule)."""
     first = parts[0]
-    return all(p.ndim == first.ndim and all(p.shape[d] == first.shape[d] for d in range(first.ndim) if d != axis)
+    off_axis = [d for d in range(first.ndim) if d != axis]
+    return all(p.ndim == first.ndim and all(p.shape[d] == first.shape[d] for d in off_axis)
                for p in parts[1:])
 
 
