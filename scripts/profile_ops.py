@@ -1,6 +1,10 @@
 """Where one decode step of a fixture model spends its time, per op type (ActionProgram,
 native prepared objects, hot-path binding). Prints a table; --json for machine output.
 
+The steps continue one another as a real decode does (each step's presents are the next
+step's past, so KV Concats append in place): the past starts at --past random tokens and
+grows by one per step. ONNX Runtime, with --ort, runs the first step's feeds each time.
+
     .venv/bin/python scripts/profile_ops.py [--preset tiny-llm] [--batch 1] [--past 16] [--repeats 20]
 """
 from __future__ import annotations
@@ -49,11 +53,25 @@ def main() -> int:
     for v in kv:
         feeds[v.name] = rng.standard_normal((args.batch, heads, args.past, dim)).astype(np.float32)
 
+    from onnx_prep.core.decoder_io import DecoderIO
+
+    io = DecoderIO.discover(resolved.inputs, resolved.outputs)
+
+    def advance(feeds, out):
+        """The next decode step's feeds: the presents as past (so KV Concats append in
+        place, as in a real decode), one position further."""
+        nxt = dict(feeds)
+        for p in io.kv:
+            nxt[p.past_key.name], nxt[p.past_value.name] = out[p.present_key], out[p.present_value]
+        nxt["position_ids"] = feeds["position_ids"] + 1
+        return nxt
+
+    ort_feeds = dict(feeds)
     for _ in range(3):  # warm up
-        program.run(feeds, binding, weights=weights)
+        feeds = advance(feeds, program.run(feeds, binding, weights=weights))
     t0 = time.perf_counter()
     for _ in range(args.repeats):
-        program.run(feeds, binding, weights=weights)
+        feeds = advance(feeds, program.run(feeds, binding, weights=weights))
     step_ms = (time.perf_counter() - t0) / args.repeats * 1e3
 
     ort_ms = None
@@ -64,10 +82,10 @@ def main() -> int:
         so.intra_op_num_threads = 1
         sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
         for _ in range(3):
-            sess.run(None, feeds)
+            sess.run(None, ort_feeds)
         t0 = time.perf_counter()
         for _ in range(args.repeats):
-            sess.run(None, feeds)
+            sess.run(None, ort_feeds)
         ort_ms = (time.perf_counter() - t0) / args.repeats * 1e3
     tmp.cleanup()
 
@@ -80,6 +98,7 @@ def main() -> int:
             per_op[kind][0] += ns / 1e6 / args.repeats
             per_op[kind][1] += 1
             total_profiled += ns / 1e6 / args.repeats
+        feeds = advance(feeds, program.fetch(values))
     rows = sorted(((k, v[0], v[1] // args.repeats) for k, v in per_op.items()), key=lambda r: -r[1])
     from onnx_prep import native
 
