@@ -84,3 +84,15 @@ def test_bench_decode_smoke(tmp_path):
     assert doc["counters"]["append"] == {"appended_in_place": 59 * kv, "copied": kv}
     assert doc["counters"]["copy"] == {"appended_in_place": 0, "copied": 0}
     assert [len(run) for run in doc["step_ms"]["append"]] == [60, 60]
+
+
+def test_profile_ops_smoke(tmp_path):
+    p = _run(["scripts/profile_ops.py", "--preset", "tiny-llm", "--past", "4", "--repeats", "2", "--json"],
+             tmp_path / "cache")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    ops = {row["op"]: row for row in doc["per_op"]}
+    assert ops["MatMulNBits [int4_matmul]"]["count"] == 17  # 4 per block + the LM head
+    assert ops["Concat [numpy]"]["count"] == 17  # K and V caches of 4 blocks + rotary concats
+    assert doc["actions"] == sum(row["count"] for row in doc["per_op"])
+    assert abs(sum(row["share"] for row in doc["per_op"]) - 1.0) < 1e-3
