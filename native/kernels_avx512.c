@@ -50,6 +50,21 @@ AI __m512 fold_int_block(__m512 out, __m512 d, __m512 s, __m512 z, float asum, f
     return _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(ascale), s), d, out);
 }
 
+/* One block's dot products d[i][r] (tiles from i0, rows from m) folded into out with
+ * the block's scales and zero points: the epilogue of the int8 and bfp panels. */
+AI void fold_block_tiles(const op_mm_args *a, const uint8_t *blk, int i0, size_t m, uint32_t b,
+                         const int TP, const int R, __m512 d[4][4], __m512 out[4][4]) {
+    const op_packed_header *h = a->h;
+    for (int i = 0; i < TP; i++) {
+        const __m512 s = _mm512_loadu_ps(op_mm_scales(h, blk, i0 + i));
+        const __m512 z = block_zeros(h, blk, i0 + i);
+        for (int r = 0; r < R; r++) {
+            const size_t ab = (m + r) * h->n_blocks + b;
+            out[i][r] = fold_int_block(out[i][r], d[i][r], s, z, a->asum[ab], a->ascale[ab]);
+        }
+    }
+}
+
 AI void store_out(const op_mm_args *a, size_t m, size_t t, __m512 v) {
     __mmask16 mk = col_mask(a->col_begin, a->col_end, t);
     size_t c0 = t * OP_TILE_N;
@@ -190,16 +205,12 @@ AI void f32_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP,
                     }                                                                  \
                 }                                                                      \
             }                                                                          \
-            for (int i = 0; i < TP; i++) {                                             \
-                const __m512 s = _mm512_loadu_ps(op_mm_scales(h, blk, i0 + i));        \
-                const __m512 z = block_zeros(h, blk, i0 + i);                          \
-                for (int r = 0; r < R; r++) {                                          \
-                    const size_t ab = (m + r) * nb + b;                                \
-                    __m512i isum = R == 1 ? _mm512_add_epi32(is0[i][r], is1[i][r]) : is0[i][r]; \
-                    out[i][r] = fold_int_block(out[i][r], _mm512_cvtepi32_ps(isum), s, z, \
-                                               a->asum[ab], a->ascale[ab]);            \
-                }                                                                      \
-            }                                                                          \
+            __m512 d[4][4];                                                            \
+            for (int i = 0; i < TP; i++)                                               \
+                for (int r = 0; r < R; r++)                                            \
+                    d[i][r] = _mm512_cvtepi32_ps(R == 1 ? _mm512_add_epi32(is0[i][r], is1[i][r]) \
+                                                        : is0[i][r]);                  \
+            fold_block_tiles(a, blk, i0, m, b, TP, R, d, out);                         \
         }                                                                              \
         for (int i = 0; i < TP; i++)                                                   \
             for (int r = 0; r < R; r++)                                                \
@@ -324,17 +335,14 @@ AI __m512i bcast32(const int8_t *p) {
                     }                                                                  \
                 }                                                                      \
             }                                                                          \
-            for (int i = 0; i < TP; i++) {                                             \
-                const __m512 s = _mm512_loadu_ps(op_mm_scales(h, blk, i0 + i));        \
-                const __m512 z = block_zeros(h, blk, i0 + i);                          \
+            __m512 d[4][4];                                                            \
+            for (int i = 0; i < TP; i++)                                               \
                 for (int r = 0; r < R; r++) {                                          \
-                    const size_t ab = (m + r) * nb + b;                                \
                     __m512i t = _mm512_add_epi32(il[i][r], _mm512_slli_epi32(im[i][r], 8)); \
-                    __m512 d = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih[i][r]), _mm512_set1_ps(65536.0f), \
-                                               _mm512_cvtepi32_ps(t));                 \
-                    out[i][r] = fold_int_block(out[i][r], d, s, z, a->asum[ab], a->ascale[ab]); \
+                    d[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih[i][r]), _mm512_set1_ps(65536.0f), \
+                                              _mm512_cvtepi32_ps(t));                  \
                 }                                                                      \
-            }                                                                          \
+            fold_block_tiles(a, blk, i0, m, b, TP, R, d, out);                         \
         }                                                                              \
         for (int i = 0; i < TP; i++)                                                   \
             for (int r = 0; r < R; r++) {                                              \
