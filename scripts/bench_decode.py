@@ -47,12 +47,11 @@ def main(argv=None) -> int:
     io = DecoderIO.from_model(path)
     load = source_loader(resolved, ExternalDataReader.for_model(resolved))
     prepared = prepack_all(resolved, load)
-    weights = {}
     programs = {}
     for mode, flag in (("append", True), ("copy", False)):
         p = ActionProgram.compile(resolved, append_in_place=flag)
-        weights = {n: load(n) for n in p.weight_names}
         programs[mode] = (p, p.bind_prepared(prepared))
+    weights = {n: load(n) for n in programs["append"][0].weight_names}  # the same for both
 
     class Runner:
         def __init__(self, mode):

@@ -316,26 +316,21 @@ def main(argv=None) -> int:
             print(f"  {m + '.' + k:28s} {_fmt(st)}")
     print(f"\nstages alone (ms, min/median/max of {args.repeats}): "
           + ", ".join(f"{k} {_fmt(st)}" for k, st in stage_stats.items()))
-    seq, init, ttfo = summary["sequential"], summary["init"], summary["ttfo"]
     longest = max(stages.values())
 
-    def load_ratios(stat: str) -> dict:
-        return {
-            "parallel_init_over_sequential": init["init_ms"][stat] / seq["init_ms"][stat],
-            "ttfo_over_sequential_init_plus_run": ttfo["first_output_ms"][stat]
-            / seq["init_plus_run_ms"][stat],
-            "ttfo_over_longest_stage": ttfo["first_output_ms"][stat] / longest,
-        }
-
-    def paired(i: int) -> dict:  # repeat i's loads against each other and its own stages
-        sq, it, tt = (samples[m][i] for m in modes)
+    def ratios_of(sq: dict, it: dict, tt: dict, longest_stage: float) -> dict:
         return {
             "parallel_init_over_sequential": it["init_ms"] / sq["init_ms"],
             "ttfo_over_sequential_init_plus_run": tt["first_output_ms"] / sq["init_plus_run_ms"],
-            "ttfo_over_longest_stage": tt["first_output_ms"] / max(stage_runs[i].values()),
+            "ttfo_over_longest_stage": tt["first_output_ms"] / longest_stage,
         }
 
-    paired_runs = [paired(i) for i in range(args.repeats)]
+    def load_ratios(stat: str) -> dict:  # of the medians or of the minimums
+        return ratios_of(*({k: v[stat] for k, v in summary[m].items()} for m in modes), longest)
+
+    # each repeat's loads against each other and against that repeat's own stages
+    paired_runs = [ratios_of(*(samples[m][i] for m in modes), max(stage_runs[i].values()))
+                   for i in range(args.repeats)]
     ratios_paired = {k: _stats([p[k] for p in paired_runs]) for k in paired_runs[0]}
     ratios = {**load_ratios("median"), "hot_overhead_median": hot["overhead_median"]}
     # NOTE: also from the minimums: on a shared VM a load is sometimes much slower with

@@ -90,6 +90,14 @@ def _count(key: str) -> None:
         _counters[key] += 1
 
 
+def _live_claim(base) -> _Claim | None:
+    """The claim of ``base`` when it is a live append buffer."""
+    if type(base) is not np.ndarray:
+        return None
+    claim = _claims.get(id(base))
+    return claim if claim is not None and claim.ref() is base else None
+
+
 def held_bytes(arrays) -> int:
     """The memory ``arrays`` keep alive, for budgets: an append buffer's prefix view
     holds its whole buffer (room included), counted once however many views share it;
@@ -98,8 +106,7 @@ def held_bytes(arrays) -> int:
     total = 0
     for a in arrays:
         base = a.base
-        claim = _claims.get(id(base)) if type(base) is np.ndarray else None
-        if claim is not None and claim.ref() is base:
+        if _live_claim(base) is not None:
             if id(base) not in seen:
                 seen.add(id(base))
                 total += int(base.nbytes)
@@ -123,10 +130,8 @@ def _rows(base: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
 def _claim_of(past: np.ndarray, axis: int) -> tuple[np.ndarray, _Claim] | None:
     """(buffer, claim) when ``past`` is a prefix view of a live append buffer."""
     base = past.base
-    if type(base) is not np.ndarray:
-        return None
-    claim = _claims.get(id(base))
-    if claim is None or claim.ref() is not base:
+    claim = _live_claim(base)
+    if claim is None:
         return None
     if (past.strides != base.strides or past.ndim != base.ndim
             or past.__array_interface__["data"][0] != base.__array_interface__["data"][0]
