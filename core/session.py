@@ -47,9 +47,10 @@ import math
 import os
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
@@ -369,6 +370,13 @@ class Session:
         return self._readiness.is_ready()
 
     # ------------------------------------------------------------------- hot path
+    @contextmanager
+    def _executing(self, ctx: RuntimeContext, parts: int) -> Iterator[None]:
+        """What a run's actions execute under, on whichever thread runs them: the
+        intra-op split (``parts`` ways) and the KV room the caller announced."""
+        with intra_op.using(self.scheduler.fork_join, parts), append_buffer.room_for(ctx.append_room):
+            yield
+
     def _run_hot(self, ctx: RuntimeContext, pins, run_id: int) -> ExecutionHandle:
         ctx.mode = "hot"
         self._count("hot_runs")
@@ -385,8 +393,7 @@ class Session:
             try:
                 values = self.program.new_values(ctx.feeds, self._hot_weights)
                 ctx.first_step_ns = time.perf_counter_ns()
-                with intra_op.using(self.scheduler.fork_join, self._parts_hot), \
-                        append_buffer.room_for(ctx.append_room):
+                with self._executing(ctx, self._parts_hot):
                     self.program.execute(values, self._hot_binding)
                 ctx.outputs = self.program.fetch(values)
                 ctx.done_ns = time.perf_counter_ns()
@@ -449,8 +456,7 @@ class Session:
                 t0 = time.perf_counter_ns()
                 if ctx.first_step_ns is None:
                     ctx.first_step_ns = t0
-                with intra_op.using(self.scheduler.fork_join, self._parts_cold), \
-                        append_buffer.room_for(ctx.append_room):
+                with self._executing(ctx, self._parts_cold):
                     program.execute(values, prepared, begin, end)
                 ctx.step_log.append((si, t0, time.perf_counter_ns(), tctx.worker))
             finally:
