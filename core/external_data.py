@@ -312,13 +312,12 @@ class ExternalDataReader:
         ``dims[:-1] + (packed bytes per row,)`` when rows are byte-aligned, else flat."""
         return as_array(desc, self.read(desc, verify=verify))
 
-    def map(self, desc: WeightDescriptor, *, populate: bool = False) -> np.ndarray:
+    def map(self, desc: WeightDescriptor) -> np.ndarray:
         """A READ-ONLY uint8 view of the tensor's bytes through a private file mapping
         (zero copy; the mapping lives as long as the returned array). Counted in
         ``bytes_mapped``. NOTE: pages are faulted in on first touch, so a map costs no
         read until then; page-aligned offsets (the fixtures use 4 KiB) map exactly.
-        ``populate=True`` (MAP_POPULATE) reads and maps every page now, on the calling
-        thread: an I/O worker takes the disk wait, not the CPU task that consumes it."""
+        The runtime's loads use :meth:`map_shared` instead (one mapping per file)."""
         where = self._admit(desc)
         fd = self._open_checked(desc, where)
         try:
@@ -326,12 +325,8 @@ class ExternalDataReader:
                 arr = np.empty(0, dtype=np.uint8)
             else:
                 start = desc.offset - desc.offset % mmap.ALLOCATIONGRANULARITY
-                if populate and hasattr(mmap, "MAP_POPULATE"):
-                    mm = mmap.mmap(fd, desc.offset + desc.length - start, offset=start,
-                                   flags=mmap.MAP_PRIVATE | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
-                else:
-                    mm = mmap.mmap(fd, desc.offset + desc.length - start, offset=start,
-                                   access=mmap.ACCESS_READ)
+                mm = mmap.mmap(fd, desc.offset + desc.length - start, offset=start,
+                               access=mmap.ACCESS_READ)
                 arr = np.frombuffer(mm, dtype=np.uint8, count=desc.length,
                                     offset=desc.offset - start)
         finally:
