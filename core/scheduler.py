@@ -442,20 +442,18 @@ class _SideJob:
     a worker finished it."""
 
     QUEUED, TAKEN = 0, 1
-    __slots__ = ("fn", "state", "exc", "done")
+    __slots__ = ("fn", "state", "done")
 
     def __init__(self, fn: Callable[[], Any]) -> None:
-        self.fn = fn
+        self.fn = fn  # _ForkJoin.run_remote: it keeps chunk errors for the caller itself
         self.state = _SideJob.QUEUED
-        self.exc: BaseException | None = None
         self.done = threading.Event()
 
     def run(self) -> None:
         try:
             self.fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the caller of fork_join
-            self.exc = e
-        self.done.set()
+        finally:
+            self.done.set()
 
 
 class Scheduler:
