@@ -145,12 +145,17 @@ class ActionProgram:
         compiled: list[tuple] = []
         raw_weights: dict[str, None] = {}
         outputs_set = frozenset(output_names)
-        for node in resolved.nodes:
+        appends = [i for i, node in enumerate(resolved.nodes)
+                   if append_in_place and node.op_type == "Concat" and node.domain in ("", "ai.onnx")
+                   and node.inputs and node.inputs[0] in input_names
+                   and node.outputs and node.outputs[0] in outputs_set]
+        append_position = {i: pos for pos, i in enumerate(appends)}
+        for i, node in enumerate(resolved.nodes):
             fn, attrs, implicit = bind_node(node, resolved.opsets, resolved.weights)
-            if (append_in_place and node.op_type == "Concat" and node.domain in ("", "ai.onnx")
-                    and node.inputs and node.inputs[0] in input_names
-                    and node.outputs and node.outputs[0] in outputs_set):
-                attrs[APPEND_IN_PLACE] = True
+            if i in append_position:
+                # (position, count): each KV buffer gets its own share of room, so that
+                # they run out of room on different steps (append_buffer.concat's spread)
+                attrs[APPEND_IN_PLACE] = (append_position[i], len(appends))
             replaced: dict[int, PreparedKey] = {}
             if use_prepared:
                 for key, names in node.prepared_inputs.items():

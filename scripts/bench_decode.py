@@ -1,12 +1,17 @@
-"""Decode step time as the KV cache grows, with and without append buffers.
+"""Decode step time as the KV cache grows: append buffers sized once, append buffers
+growing on their own, and plain copies.
 
     .venv/bin/python scripts/bench_decode.py [--preset medium] [--tokens 512] [--prompt-len 8] [--json FILE]
 
 Greedy decode of --tokens tokens on one thread through the same action program and
-the same prepared weights, compiled twice: with append buffers (the default: a KV
-Concat writes only the new rows, core/ops/append_buffer.py; greedy_decode sizes them for
-prompt + tokens) and without (every step copies the whole past). The two modes
-alternate A B B A; the generated tokens must be identical, and the logits
+the same prepared weights, compiled twice, in three modes:
+  append  append buffers (the default: a KV Concat writes only the new rows,
+          core/ops/append_buffer.py), sized once: greedy_decode announces prompt + tokens
+  grow    the same program with no length announced (a caller running its own step
+          loop): each buffer grows by about 1.5x when its room runs out, each on its own
+          step (append_buffer.room_after)
+  copy    compiled without append buffers: every step copies the whole past
+The modes run A B C C B A; the generated tokens must be identical, and the logits
 bit-identical, in every run. Per mode, the step times in windows of past length
 (min / median / max over the steps in the window and both runs), and the counters of
 in-place appends and copies.
@@ -55,18 +60,22 @@ def main(argv=None) -> int:
 
     class Runner:
         def __init__(self, mode):
-            self.program, self.binding = programs[mode]
+            self.program, self.binding = programs["copy" if mode == "copy" else "append"]
+            self.room = 0 if mode == "grow" else None  # grow: no length announced
 
         def run(self, feeds):
-            return self.program.run(feeds, self.binding, weights=weights)
+            if self.room is None:
+                return self.program.run(feeds, self.binding, weights=weights)
+            with append_buffer.room_for(self.room):  # overrides greedy_decode's hint
+                return self.program.run(feeds, self.binding, weights=weights)
 
     prompt = (np.arange(args.prompt_len, dtype=np.int64)[None, :] * 7 + 3) % 1000
     print(f"model {path}  isa {active_isa()}  prompt {args.prompt_len}  tokens {args.tokens}  one thread",
           file=sys.stderr)
-    steps = {"append": [], "copy": []}
+    steps = {"append": [], "grow": [], "copy": []}
     counts = {}
     results = {}
-    for mode in ("append", "copy", "copy", "append"):
+    for mode in ("append", "grow", "copy", "copy", "grow", "append"):
         c0 = append_buffer.counters()
         t0 = time.perf_counter()
         res = greedy_decode(Runner(mode), io, prompt, args.tokens, keep_logits=True)
@@ -78,29 +87,33 @@ def main(argv=None) -> int:
             assert res.tokens.tolist() == results[mode].tokens.tolist()
         results[mode] = res
         print(f"  {mode}: {wall:.1f} s, {args.tokens / wall:.1f} tokens/s", file=sys.stderr)
-    a, c = results["append"], results["copy"]
-    assert a.tokens.tolist() == c.tokens.tolist(), "tokens differ between modes"
-    assert all(np.array_equal(x, y) for x, y in zip(a.logits, c.logits)), "logits differ between modes"
+    a = results["append"]
+    for other in ("grow", "copy"):
+        o = results[other]
+        assert a.tokens.tolist() == o.tokens.tolist(), f"tokens differ between append and {other}"
+        assert all(np.array_equal(x, y) for x, y in zip(a.logits, o.logits)), \
+            f"logits differ between append and {other}"
 
     edges = [1, 64, 128, 256, 512, 1024, 2048]
     windows = [(lo, hi) for lo, hi in zip(edges, edges[1:]) if lo < args.tokens]
     print(f"\ndecode step ms by past length (min / median / max, both runs); tokens and logits identical")
-    print(f"  {'past':>12}  {'append':>24}  {'copy':>24}  copy/append")
+    print(f"  {'past':>12}  {'append':>24}  {'grow':>24}  {'copy':>24}  copy/append")
     summary = []
+    fmt = lambda st: f"{st['min']:7.1f} {st['median']:7.1f} {st['max']:7.1f}"
     for lo, hi in windows:
         row = {"past_from": args.prompt_len + lo - 1, "past_to": args.prompt_len + min(hi, args.tokens) - 2}
-        for mode in ("append", "copy"):
+        for mode in steps:
             xs = [x for run in steps[mode] for x in run[lo:hi]]
             row[mode] = {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
         summary.append(row)
-        fmt = lambda st: f"{st['min']:7.1f} {st['median']:7.1f} {st['max']:7.1f}"
-        print(f"  {row['past_from']:5d}-{row['past_to']:<6d}  {fmt(row['append'])}  {fmt(row['copy'])}"
-              f"  {row['copy']['median'] / row['append']['median']:10.2f}x")
+        print(f"  {row['past_from']:5d}-{row['past_to']:<6d}  {fmt(row['append'])}  {fmt(row['grow'])}"
+              f"  {fmt(row['copy'])}  {row['copy']['median'] / row['append']['median']:10.2f}x")
     total = {m: sum(sum(r[1:]) for r in steps[m]) / len(steps[m]) / 1e3 for m in steps}
-    print(f"\ndecode only (steps 2..{args.tokens}, mean of runs): append {total['append']:.2f} s, "
-          f"copy {total['copy']:.2f} s ({(args.tokens - 1) / total['append']:.1f} vs "
-          f"{(args.tokens - 1) / total['copy']:.1f} tokens/s)")
-    print(f"counters per run: append {counts['append']}, copy {counts['copy']}")
+    print(f"\ndecode only (steps 2..{args.tokens}, mean of runs): "
+          + ", ".join(f"{m} {total[m]:.2f} s ({(args.tokens - 1) / total[m]:.1f} tokens/s)" for m in steps))
+    print("slowest decode step (both runs): "
+          + ", ".join(f"{m} {max(max(r[1:], default=0.0) for r in steps[m]):.1f} ms" for m in steps))
+    print(f"counters per run: " + ", ".join(f"{m} {counts[m]}" for m in steps))
     if args.json:
         args.json.write_text(json.dumps({"model": str(path), "tokens": args.tokens, "windows": summary,
                                          "decode_s": total, "counters": counts,

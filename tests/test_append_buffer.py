@@ -122,6 +122,9 @@ def test_only_past_to_present_concats_are_marked(tiny_llm_path):
     concats = [a for a in program.actions if a.op_type == "Concat"]
     kv = {a.name for a in concats if program.resolved.nodes[a.node_index].outputs[0].startswith("present.")}
     assert marked == kv and len(kv) == 2 * 4  # K and V of 4 blocks; rotary concats not marked
+    # each marked Concat has its own position among them: its share of the room
+    marks = sorted(a.attrs[APPEND_IN_PLACE] for a in program.actions if a.attrs.get(APPEND_IN_PLACE))
+    assert marks == [(i, 8) for i in range(8)]
     plain = ActionProgram.compile(resolved, append_in_place=False)
     assert not any(a.attrs.get(APPEND_IN_PLACE) for a in plain.actions)
 
@@ -267,3 +270,52 @@ def test_concurrent_session_runs_from_one_past_match_sequential_runs(tiny_llm_pa
             alone = s.run(step_feeds(io, np.array([[10 + i]]), past, 3))
             for name, value in alone.items():
                 np.testing.assert_array_equal(c.outputs[name], value)
+
+
+def test_room_after_spreads_the_room_around_the_default():
+    assert append_buffer.room_after(5) == MIN_ROOM  # spread 0.5: the plain default
+    assert append_buffer.room_after(300) == 150  # 1.5x
+    rooms = [append_buffer.room_after(5, (i + 0.5) / 8) for i in range(8)]
+    assert rooms == sorted(set(rooms))  # eight different rooms, growing with the spread
+    assert rooms[0] >= 0.75 * MIN_ROOM and rooms[-1] <= 1.25 * MIN_ROOM
+    assert abs(sum(rooms) / 8 - MIN_ROOM) <= 1  # the same mean room as without a spread
+    assert concat([_kv(0), _kv(3)], 2, spread=0.0).base.shape[2] == 3 + 48
+    assert concat([_kv(0), _kv(3)], 2, spread=1.0).base.shape[2] == 3 + 80
+
+
+def test_without_a_hint_the_kv_buffers_grow_on_different_steps(tiny_llm_path):
+    """A caller that announces no length (a step loop of its own): each KV buffer runs
+    out of room on its own step, so no step copies more than one, and the values are
+    those of the run that sized its buffers once."""
+    from onnx_prep.core.decoder_io import DecoderIO
+    from onnx_prep.core.generation import greedy_decode
+    from onnx_prep.core.resolution import resolve_model
+    from onnx_prep.core.session import Session
+
+    io = DecoderIO.from_model(tiny_llm_path)
+    prompt = np.array([[5, 6, 7, 8, 9]])
+    copies_per_step: list[int] = []
+
+    class NoHint:
+        def __init__(self, session):
+            self.session = session
+
+        def run(self, feeds):
+            with append_buffer.room_for(0):  # overrides greedy_decode's hint
+                before = append_buffer.counters()["copied"]
+                out = self.session.run(feeds)
+                copies_per_step.append(append_buffer.counters()["copied"] - before)
+            return out
+
+    with Session(resolve_model(tiny_llm_path)) as s:
+        got = greedy_decode(NoHint(s), io, prompt, 150, keep_logits=True)
+        want = greedy_decode(s, io, prompt, 150, keep_logits=True)
+    kv_concats = 2 * 4
+    assert copies_per_step[0] == kv_concats  # the prefill makes every buffer
+    growth = copies_per_step[1:]
+    assert sum(growth) >= kv_concats  # past 154 rows > 5 + 1.25 * MIN_ROOM: each grew
+    assert max(growth) == 1  # but never two on one step
+    assert want.kv_copied == kv_concats  # with the hint: sized once
+    assert got.tokens.tolist() == want.tokens.tolist()
+    for a, b in zip(got.logits, want.logits):
+        np.testing.assert_array_equal(a, b)

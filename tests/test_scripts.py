@@ -83,7 +83,12 @@ def test_bench_decode_smoke(tmp_path):
     # 59 decode steps (past 8 -> 67) all append in place
     assert doc["counters"]["append"] == {"appended_in_place": 59 * kv, "copied": kv}
     assert doc["counters"]["copy"] == {"appended_in_place": 0, "copied": 0}
+    # grow (no length announced): the 8 buffers get 50, 54, ..., 78 rows of room after the
+    # prefill's 8 (append_buffer.room_after); the three with room for 58, 62 and 66 rows
+    # run out before the past reaches 67, each once
+    assert doc["counters"]["grow"] == {"appended_in_place": 59 * kv - 3, "copied": kv + 3}
     assert [len(run) for run in doc["step_ms"]["append"]] == [60, 60]
+    assert [len(run) for run in doc["step_ms"]["grow"]] == [60, 60]
 
 
 def test_profile_ops_smoke(tmp_path):

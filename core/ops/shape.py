@@ -38,8 +38,10 @@ def transpose(inputs, attrs, prepared):
 def concat(inputs, attrs, prepared):
     it = [x for x in inputs if x is not None]
     axis = axis_index(attrs["axis"], it[0].ndim)
-    if attrs.get(APPEND_IN_PLACE) and inputs[0] is not None:
-        return [append_buffer.concat(it, axis)]
+    mark = attrs.get(APPEND_IN_PLACE)
+    if mark and inputs[0] is not None:
+        position, count = mark
+        return [append_buffer.concat(it, axis, spread=(position + 0.5) / count)]
     return [np.concatenate(it, axis=axis)]
 
 
