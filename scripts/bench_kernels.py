@@ -23,6 +23,11 @@ Method:
   pays a per-call allocation; both pay one Python call. All ORT sessions share one
   global intra-op pool of T threads; ours and ORT's runs are separate phases (ORT's
   pool threads spin after a run and would otherwise steal our second core).
+- A row's --reps samples come from --blocks blocks spread over the whole run, not
+  from a few milliseconds of it. Within a block a row runs one untimed pass over
+  its copies, then its consecutive timed calls; a block times ours, then ORT, and
+  starts by measuring the read and memcpy bandwidth again. The share of read
+  bandwidth uses the median over blocks (min-max printed).
 - Our calls, at every thread count, go the way the runtime's intra-op split calls
   them: arguments checked and pointers taken once (native.matmul_nbits_parts), then
   one C call per part (~1 us of Python each, included; a whole
@@ -32,7 +37,7 @@ Method:
   until the caller publishes work (~3 us per hand-off, included).
 - Speedup = other time / our time (median); > 1 means the native kernel is faster.
 
-Usage: python scripts/bench_kernels.py [--quick] [--hot] [--json out.json]
+Usage: python scripts/bench_kernels.py [--quick] [--hot] [--reps 21] [--blocks 3] [--json out.json]
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -132,29 +138,26 @@ def worker(args) -> dict:
                 self.wake[i].set()
 
     pool = Pool(T)
+    pool.park()  # no spinning helper during the set-up
 
-    # -- bandwidth: read and memcpy, T threads on disjoint halves of a big buffer
+    # -- bandwidth: read and memcpy, T threads on disjoint halves of a big buffer,
+    # measured again at the start of every block (below), so it drifts with the kernels
     size = max(4 * llc, 256 * 1024 ** 2)
     src = np.ones(size, dtype=np.uint8)
     dst = np.ones(size, dtype=np.uint8)
     part = size // T
+    sp = ffi.from_buffer("uint8_t[]", src)
+    dp = ffi.from_buffer("uint8_t[]", dst)
+    read_fns = [lambda i=i: lib.op_bench_read(sp + i * part, part) for i in range(T)]
+    copy_fns = [lambda i=i: lib.op_bench_copy(dp + i * part, sp + i * part, part) for i in range(T)]
 
-    def timed(fns, n=5):
+    def best_of(fns, n=5):
         ts = []
         for _ in range(n):
             t0 = time.perf_counter()
             pool.run(fns)
             ts.append(time.perf_counter() - t0)
         return min(ts)
-
-    sp = ffi.from_buffer("uint8_t[]", src)
-    dp = ffi.from_buffer("uint8_t[]", dst)
-    t_read = timed([lambda i=i: lib.op_bench_read(sp + i * part, part) for i in range(T)])
-    t_copy = timed([lambda i=i: lib.op_bench_copy(dp + i * part, sp + i * part, part) for i in range(T)])
-    pool.park()
-    result["bandwidth"] = {"read_GBps": size / t_read / 1e9, "memcpy_GBps": size / t_copy / 1e9,
-                           "buffer_bytes": size}
-    del src, dst, sp, dp
 
     try:
         import onnxruntime as ort
@@ -179,6 +182,10 @@ def worker(args) -> dict:
         so.use_per_session_threads = False  # the global pool set up below: T threads in all
         return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
+    # -- set-up: every row's packed copies (and ORT sessions) exist before any timing,
+    # so the timed calls can go round-robin over all rows (below)
+    rows = []  # one per (shape, level, M), in print order
+    numpy_inputs = {}
     for K, N in args.shapes:
         kb = -(-K // BLOCK_SIZE)
         B0 = rng.integers(0, 256, (N, kb, BLOCK_SIZE // 2), dtype=np.uint8)
@@ -189,6 +196,7 @@ def worker(args) -> dict:
         # 128-167% of the measured DRAM bandwidth: the weights partly stayed in cache).
         copies = 1 if args.hot else max(2, -(-4 * llc // packed_bytes))
         Bs = [B0.copy() for _ in range(copies)]
+        numpy_inputs[(K, N)] = (Bs, s0, kb)
 
         # prepack throughput (one thread; source bytes = B + scales)
         if T == 1:
@@ -202,14 +210,12 @@ def worker(args) -> dict:
                                       "GBps_source": src_bytes / min(ts) / 1e9})
 
         half = -(-N // (2 * native.PANEL_N)) * native.PANEL_N  # panel-aligned split
+        parts = [(0, N)] if T == 1 else [(0, half), (half, N)]
+        inputs = {M: rng.standard_normal((M, K)).astype(np.float32) for M in args.ms}
         for level in args.levels:
             packs = [native.prepack_matmul_nbits(B, s0, None, K=K, N=N, block_size=BLOCK_SIZE,
                                                  accuracy_level=level) for B in Bs]
-            inputs = {M: rng.standard_normal((M, K)).astype(np.float32) for M in args.ms}
-            rows = {}
-            # Phase 1: ours, every M, with no ORT session alive (ORT's pool threads
-            # spin after each run and would steal the second core from our threads).
-            pool.unpark()
+            sessions = [ort_session(B, s0, K, N, level) for B in Bs] if ort else []
             for M in args.ms:
                 A = inputs[M]
                 out = np.empty((M, N), dtype=np.float32)
@@ -217,45 +223,93 @@ def worker(args) -> dict:
                 # intra-op split does: arguments checked and pointers taken once
                 # (native.matmul_nbits_parts), then one C call a part (~1 us; a whole
                 # native.matmul_nbits call checks its arguments each time, ~5 us).
-                parts = [(0, N)] if T == 1 else [(0, half), (half, N)]
                 calls = [native.matmul_nbits_parts(A, p, parts, out=out)[1] for p in packs]
-                for c in calls[-2:]:
-                    pool.run(c)  # warm up on the copies used last, so timed calls start cold
+                bindings = []
+                for sess in sessions:
+                    bnd = sess.io_binding()
+                    bnd.bind_cpu_input("A", A)
+                    y = np.empty((M, N), dtype=np.float32)
+                    bnd.bind_output("Y", "cpu", 0, np.float32, y.shape, y.ctypes.data)
+                    bindings.append((sess, bnd, y))  # y must outlive the binding
+                rows.append({"row": {"K": K, "N": N, "M": M, "level": level, "threads": T,
+                                     "packed_bytes": packed_bytes, "copies": copies},
+                             "calls": calls, "bindings": bindings, "keep": (packs, out),
+                             "ours": [], "ort": []})
+
+    # -- timing, in blocks. NOTE: a row's samples come from every block, so a noisy
+    # phase of the machine (this VM has them, from milliseconds to seconds) moves
+    # a few of them instead of all of them. Within a block each row is timed in one
+    # run of consecutive calls rotating over its copies, as a decode streams weights
+    # that it read one token ago. Not one call per row round-robin: a copy was then
+    # touched again only ~10 s later, and such memory read up to 4x slower here than
+    # memory read milliseconds before (M = 1 medians 2-4x their minimums), on both
+    # sides. So each row's run starts with one untimed pass over all its copies.
+    # Ours and ORT are separate phases within a block (ORT's pool threads spin after
+    # each run and would steal the second core from our threads; our helper parks
+    # while ORT runs), and every block measures the read bandwidth again.
+    blocks = max(1, min(args.blocks, reps))
+    per_block = [reps // blocks + (b < reps % blocks) for b in range(blocks)]
+    bw_runs = []
+
+    def bandwidth():
+        return {"read_GBps": size / best_of(read_fns) / 1e9, "memcpy_GBps": size / best_of(copy_fns) / 1e9}
+
+    for b in range(blocks):
+        pool.unpark()
+        start = bandwidth()
+        for r in rows:
+            calls = r["calls"]
+            for c in calls[1:] + calls[:1]:  # untimed: every copy once, the first copy last
+                pool.run(c)
+            ts = []
+            for i in range(per_block[b]):
+                c = calls[(i + 1) % len(calls)]  # the copy read longest ago first
+                t0 = time.perf_counter()
+                pool.run(c)
+                ts.append(time.perf_counter() - t0)
+            r["ours"].append(ts)
+        end = bandwidth()
+        # NOTE: the block's read bandwidth is the mean of a probe before and after its
+        # kernels: this VM's two-thread read bandwidth moved between ~33 and ~57 GB/s
+        # from block to block in one run (the host places the two vCPUs), so a kernel
+        # is compared with the bandwidth of its own block (paired, below).
+        bw_runs.append({k: (start[k] + end[k]) / 2 for k in start} | {"start": start, "end": end})
+        pool.park()  # our helper must not spin while ORT runs
+        if ort:
+            for r in rows:
+                bindings = r["bindings"]
+                for sess, bnd, _ in bindings[1:] + bindings[:1]:
+                    sess.run_with_iobinding(bnd)
                 ts = []
-                for r in range(reps):
+                for i in range(per_block[b]):
+                    sess, bnd, _ = bindings[(i + 1) % len(bindings)]
                     t0 = time.perf_counter()
-                    pool.run(calls[r % copies])
+                    sess.run_with_iobinding(bnd)
                     ts.append(time.perf_counter() - t0)
-                rows[M] = {"K": K, "N": N, "M": M, "level": level, "threads": T, "packed_bytes": packed_bytes,
-                           "copies": copies, "ours": _stats(ts)}
-            del packs
-            pool.park()  # our helper must not spin while ORT runs
-            # Phase 2: ONNX Runtime, one session per weight copy, all on one global pool of T threads.
-            if ort:
-                sessions = [ort_session(B, s0, K, N, level) for B in Bs]
-                for M in args.ms:
-                    A = inputs[M]
-                    bindings = []
-                    for sess in sessions:
-                        bnd = sess.io_binding()
-                        bnd.bind_cpu_input("A", A)
-                        y = np.empty((M, N), dtype=np.float32)
-                        bnd.bind_output("Y", "cpu", 0, np.float32, y.shape, y.ctypes.data)
-                        bindings.append((sess, bnd, y))  # y must outlive the binding
-                    for sess, bnd, _ in bindings[-2:]:
-                        sess.run_with_iobinding(bnd)  # warm up on the copies used last
-                    ts = []
-                    for r in range(reps):
-                        sess, bnd, _ = bindings[r % copies]
-                        t0 = time.perf_counter()
-                        sess.run_with_iobinding(bnd)
-                        ts.append(time.perf_counter() - t0)
-                    rows[M]["ort"] = _stats(ts)
-                del sessions, bindings
-                time.sleep(0.2)  # let ORT's spinning pool threads go idle before our next phase
-            result["rows"].extend(rows[M] for M in args.ms)
-        # numpy dequantize + matmul: independent of the accuracy level, measured once
-        if not args.no_numpy:
+                r["ort"].append(ts)
+            time.sleep(0.2)  # let ORT's spinning pool threads go idle before our next block
+    reads = [x["read_GBps"] for x in bw_runs]
+    result["bandwidth"] = {"read_GBps": statistics.median(reads), "read_GBps_min": min(reads),
+                           "read_GBps_max": max(reads),
+                           "memcpy_GBps": statistics.median(x["memcpy_GBps"] for x in bw_runs),
+                           "buffer_bytes": size, "blocks": bw_runs}
+    for r in rows:
+        row = dict(r["row"], ours=_stats([t for ts in r["ours"] for t in ts]),
+                   ours_blocks=[statistics.median(ts) for ts in r["ours"]])
+        # paired: this block's median kernel time against this block's read bandwidth
+        row["read_share_blocks"] = [row["packed_bytes"] / med / 1e9 / bw["read_GBps"]
+                                    for med, bw in zip(row["ours_blocks"], bw_runs)]
+        if r["ort"]:
+            row["ort"] = _stats([t for ts in r["ort"] for t in ts])
+            row["ort_blocks"] = [statistics.median(ts) for ts in r["ort"]]
+        result["rows"].append(row)
+    del rows, src, dst, sp, dp
+
+    # numpy dequantize + matmul: independent of the accuracy level, measured once
+    if not args.no_numpy:
+        for K, N in args.shapes:
+            Bs, s0, kb = numpy_inputs[(K, N)]
+            copies = len(Bs)
             for M in args.ms:
                 A = rng.standard_normal((M, K)).astype(np.float32)
                 ts = []
@@ -279,10 +333,12 @@ def worker(args) -> dict:
 def render(results: list[dict], args) -> str:
     lines = []
     bw = {r["threads"]: r["bandwidth"] for r in results}
-    lines.append("| threads | read GB/s | memcpy GB/s |")
+    lines.append("| threads | read GB/s, median (min-max over blocks) | memcpy GB/s (median) |")
     lines.append("|---:|---:|---:|")
     for t in sorted(bw):
-        lines.append(f"| {t} | {bw[t]['read_GBps']:.1f} | {bw[t]['memcpy_GBps']:.1f} |")
+        b = bw[t]
+        lines.append(f"| {t} | {b['read_GBps']:.1f} ({b['read_GBps_min']:.1f}-{b['read_GBps_max']:.1f}) "
+                     f"| {b['memcpy_GBps']:.1f} |")
     lines.append("")
     pre = [p for r in results for p in r["prepack"]]
     if pre:
@@ -292,15 +348,16 @@ def render(results: list[dict], args) -> str:
             lines.append(f"| {p['K']}x{p['N']} | {p['source_bytes'] / 1e6:.1f} | {p['packed_bytes'] / 1e6:.1f} "
                          f"| {p['GBps_source']:.2f} |")
         lines.append("")
-    lines.append("| K x N | M | level | thr | ours ms min / med / max | GB/s (med) | % read BW | ORT ms min / med "
-                 "| vs ORT (med / min) | numpy ms med | vs numpy |")
+    lines.append("| K x N | M | level | thr | ours ms min / med / max | GB/s (med) | % read BW, paired (blocks) "
+                 "| ORT ms min / med | vs ORT (med / min) | numpy ms med | vs numpy |")
     lines.append("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
     rows = sorted((row for r in results for row in r["rows"]),
                   key=lambda x: (x["K"], x["N"], x["level"], x["M"], x["threads"]))
     for row in rows:
         o = row["ours"]
         gbps = row["packed_bytes"] / o["median"] / 1e9
-        pct = 100 * gbps / bw[row["threads"]]["read_GBps"]
+        shares = [100 * x for x in row["read_share_blocks"]]
+        pct = f"{statistics.median(shares):.0f}% ({min(shares):.0f}-{max(shares):.0f})"
         ort_med = row.get("ort", {}).get("median")
         ort_min = row.get("ort", {}).get("min")
         np_med = row.get("numpy", {}).get("median")
@@ -310,17 +367,21 @@ def render(results: list[dict], args) -> str:
         np_x = "-" if np_med is None else f"{np_med / o['median']:.1f}x"
         lines.append(
             f"| {row['K']}x{row['N']} | {row['M']} | {row['level']} | {row['threads']} "
-            f"| {o['min'] * 1e3:.3f} / {o['median'] * 1e3:.3f} / {o['max'] * 1e3:.3f} | {gbps:.1f} | {pct:.0f}% "
+            f"| {o['min'] * 1e3:.3f} / {o['median'] * 1e3:.3f} / {o['max'] * 1e3:.3f} | {gbps:.1f} | {pct} "
             f"| {ort_ms} | {ort_x} | {np_ms} | {np_x} |")
     # targets
     lines.append("")
     m1 = [r for r in rows if r["M"] == 1 and "ort" in r]
     if m1:
+        beat = sum(statistics.median(o / u for o, u in zip(r["ort_blocks"], r["ours_blocks"])) >= 1 for r in m1)
+        bwok = sum(statistics.median(r["read_share_blocks"]) >= 0.6 for r in m1)
+        lines.append(f"M = 1 (paired: each block's medians, then the median over blocks): at least as fast as "
+                     f"ORT in {beat}/{len(m1)} rows; >= 60% of the block's read bandwidth in {bwok}/{len(m1)} rows.")
         for stat in ("median", "min"):
             beat = sum(r["ort"][stat] >= r["ours"][stat] for r in m1)
             bwok = sum(r["packed_bytes"] / r["ours"][stat] / 1e9 >= 0.6 * bw[r["threads"]]["read_GBps"] for r in m1)
-            lines.append(f"M = 1 ({stat}s): at least as fast as ORT in {beat}/{len(m1)} rows; >= 60% of read "
-                         f"bandwidth in {bwok}/{len(m1)} rows.")
+            lines.append(f"M = 1 ({stat}s of all samples, against the median read bandwidth): at least as fast as "
+                         f"ORT in {beat}/{len(m1)} rows; >= 60% of read bandwidth in {bwok}/{len(m1)} rows.")
     withort = [r for r in rows if "ort" in r]
     if withort:
         for stat in ("median", "min"):
@@ -338,6 +399,8 @@ def main() -> int:
     ap.add_argument("--hot", action="store_true", help="one weight copy (cache-resident) instead of streaming")
     ap.add_argument("--json", help="also write the raw results (with samples) to this file")
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--blocks", type=int, default=3,
+                    help="timing blocks: ours then ORT per block, the read bandwidth measured in each (default 3)")
     ap.add_argument("--no-numpy", action="store_true", help="skip the (slow) numpy baseline")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
@@ -357,7 +420,7 @@ def main() -> int:
     results = []
     for t in THREADS:
         env = dict(os.environ, OPENBLAS_NUM_THREADS=str(t), OMP_NUM_THREADS=str(t), MKL_NUM_THREADS=str(t))
-        cmd = [sys.executable, __file__, "--worker", "--threads", str(t), "--reps", str(args.reps),
+        cmd = [sys.executable, __file__, "--worker", "--threads", str(t), "--reps", str(args.reps), "--blocks", str(args.blocks),
                "--shapes", ",".join(f"{k}x{n}" for k, n in args.shapes), "--ms", ",".join(map(str, args.ms)),
                "--levels", ",".join(map(str, args.levels))]
         cmd += ["--hot"] if args.hot else []
