@@ -240,10 +240,12 @@ def worker(args) -> dict:
     # phase of the machine (this VM has them, from milliseconds to seconds) moves
     # a few of them instead of all of them. Within a block each row is timed in one
     # run of consecutive calls rotating over its copies, as a decode streams weights
-    # that it read one token ago. Not one call per row round-robin: a copy was then
-    # touched again only ~10 s later, and such memory read up to 4x slower here than
-    # memory read milliseconds before (M = 1 medians 2-4x their minimums), on both
-    # sides. So each row's run starts with one untimed pass over all its copies.
+    # it read one token ago, and the run starts with one untimed pass over all of
+    # them. Tried first: one call per row, round-robin over all rows. Each copy was
+    # then read again only ~10 s after its last read, and the M = 1 medians came out
+    # 2-4x their minimums, ours and ORT's alike (on this VM, a plain read of 7 MiB
+    # last read ~11 s earlier took 1.4x as long by median, 2.3x at the 90th
+    # percentile, as one read milliseconds earlier).
     # Ours and ORT are separate phases within a block (ORT's pool threads spin after
     # each run and would steal the second core from our threads; our helper parks
     # while ORT runs), and every block measures the read bandwidth again.
