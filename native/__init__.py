@@ -1,5 +1,5 @@
 """onnx_prep.native: the cffi C core (INT4 prepack + matmul, INT4 gather, packed fp32
-Gemm, host stable-VA slots) behind a numpy API. See docs/architecture.md "Native"
+Gemm, host stable-VA slots, element-wise erf) behind a numpy API. See docs/architecture.md "Native"
 and docs/kernels.md.
 
 Every kernel releases the GIL and works on a caller-given column range, so the
@@ -13,6 +13,7 @@ from onnx_prep.core.errors import NativeError
 
 try:
     from onnx_prep.native._module import NATIVE_VERSION, ffi, lib  # noqa: F401
+    from onnx_prep.native.elementwise import erf
     from onnx_prep.native.gather_block_quantized import (
         gather_block_quantized,
         gather_packed_size,
@@ -47,6 +48,7 @@ __all__ = [
     "active_isa",
     "available_isas",
     "cpu_features",
+    "erf",
     "gather_block_quantized",
     "gather_packed_size",
     "gemm",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pathlib
 import re
+import sys
 
 from cffi import FFI
 
@@ -43,6 +44,7 @@ ffibuilder.set_source(
     # -O3 for the kernels; ISA-specific code is enabled per file with
     # `#pragma GCC target`, never globally, so the module still loads on any x86-64.
     extra_compile_args=["-O3", "-std=c11", "-fno-strict-aliasing"],
+    libraries=[] if sys.platform == "win32" else ["m"],  # erf() (elementwise.c)
 )
 
 if __name__ == "__main__":

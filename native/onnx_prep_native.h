@@ -158,6 +158,10 @@ int op_populate_read(const void *p, size_t n);
 int64_t op_resident_bytes(const void *p, size_t n);
 size_t op_page_size(void);
 
+/* ---- element-wise math (elementwise.c) ----------------------------------------- */
+/* y[i] = erf(x[i]) (libm, double precision; in place allowed). */
+void op_erf_f64(const double *x, double *y, size_t n);
+
 /* ---- benchmark probes (scripts/bench_kernels.py) ------------------------------- */
 uint64_t op_bench_read(const uint8_t *p, size_t n);   /* reads n bytes (p 8-aligned) */
 void op_bench_copy(uint8_t *dst, const uint8_t *src, size_t n);   /* memcpy */

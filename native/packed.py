@@ -111,4 +111,4 @@ def ptr(arr: np.ndarray | None, ctype: str):
     return ffi.from_buffer(_ARRAY_TYPES[ctype], arr)
 
 
-_ARRAY_TYPES = {"float *": "float[]", "uint8_t *": "uint8_t[]", "int64_t *": "int64_t[]"}
+_ARRAY_TYPES = {"float *": "float[]", "double *": "double[]", "uint8_t *": "uint8_t[]", "int64_t *": "int64_t[]"}

@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 
+from onnx_prep.core.errors import NativeError
 from onnx_prep.core.ops.attributes import axis_index
 
 
@@ -98,9 +99,20 @@ def layer_normalization(inputs, attrs, prepared):
 _erf_vec = np.vectorize(math.erf, otypes=[np.float64])
 
 
+def _erf64(x: np.ndarray) -> np.ndarray:
+    """erf of every element, in float64: the native module's loop over libm's erf
+    (bit-identical to math.erf, ~20x faster), or math.erf per element without it."""
+    try:
+        from onnx_prep import native
+
+        return native.erf(x)
+    except NativeError:
+        return _erf_vec(x)
+
+
 def erf(inputs, attrs, prepared):
     x = inputs[0]
-    return [_erf_vec(x).astype(x.dtype)]
+    return [_erf64(x).astype(x.dtype)]
 
 
 def gelu(inputs, attrs, prepared):
@@ -108,4 +120,4 @@ def gelu(inputs, attrs, prepared):
     if attrs.get("approximate", "none") == "tanh":
         c = math.sqrt(2.0 / math.pi)
         return [(0.5 * x * (1.0 + np.tanh(c * (x + 0.044715 * x ** 3)))).astype(x.dtype)]
-    return [(0.5 * x * (1.0 + _erf_vec(x / math.sqrt(2.0)))).astype(x.dtype)]
+    return [(0.5 * x * (1.0 + _erf64(x / math.sqrt(2.0)))).astype(x.dtype)]
