@@ -155,7 +155,7 @@ def room_after(total: int, spread: float = 0.5) -> int:
     NOTE: why the spread: a model's KV buffers all start at the prompt's length and grow
     by one row a step, so with equal room every one of them runs out on the same step,
     and that step copies the whole cache (medium fixture, 1024 tokens without a hint:
-    up to 476 ms against ~45 ms for its neighbours). The action program gives each
+    steps of 347-476 ms against ~40-45 ms for their neighbours; with the spread, ~80 ms). The action program gives each
     marked Concat its own spread (its position among them), so the copies fall on
     different steps; the mean room, hence the memory and the copies per row, stays the
     same as with 0.5 everywhere."""
