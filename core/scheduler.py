@@ -574,6 +574,38 @@ class Scheduler:
             j.done.wait()
         return work.result()
 
+    def lend(self, fn: Callable[[], Any], workers: int = 1) -> list[_SideJob]:
+        """Run ``fn()`` on up to ``workers`` CPU workers that are idle right now, as
+        fork_join parts are run (no task, no submission; none if none is idle). For a
+        run's helpers serving its native mailbox (``native.Mailbox.serve``); ``fn`` must
+        return when the caller tells it to. Pass the result to :meth:`reclaim`."""
+        q = ResourceClass.CPU
+        if workers < 1 or self.sequential or q not in self._cv:
+            return []
+        with self._lock:
+            n = min(int(workers), self._waiting[q])
+            if not n or self._stop:
+                return []
+            lent = [_SideJob(fn) for _ in range(n)]
+            self._side.extend(lent)
+            self._cv[q].notify(n)
+        return lent
+
+    def reclaim(self, lent: list[_SideJob]) -> int:
+        """Take back what :meth:`lend` gave: an offer no worker took is withdrawn, one
+        taken is waited for (its ``fn`` must be returning). Returns how many ran."""
+        taken = []
+        with self._lock:
+            for j in lent:
+                if j.state == _SideJob.QUEUED:
+                    j.state = _SideJob.TAKEN
+                    self._side.remove(j)
+                else:
+                    taken.append(j)
+        for j in taken:
+            j.done.wait()
+        return len(taken)
+
     def is_worker_thread(self) -> bool:
         """True on one of this scheduler's workers, while running an inline task here, or
         while this thread holds the scheduler's lock (a GC finalizer): places where blocking

@@ -189,7 +189,7 @@ class Session:
                  io_workers: int = 2, cpu_workers: int | None = None,
                  residency_limit: int | None = None, lookahead: LookaheadWindow | None = None,
                  reader: ExternalDataReader | None = None, trust_symlinks: bool = False,
-                 source_io: str = "map", intra_op: bool = True) -> None:
+                 source_io: str = "map", intra_op: bool = True, spin_helpers: bool = True) -> None:
         if source_io not in SOURCE_IO:
             raise UsageError(f"unknown source_io {source_io!r}", hint=f"choose one of {', '.join(SOURCE_IO)}")
         self.source_io = source_io
@@ -210,6 +210,10 @@ class Session:
         cpu = 0 if (self.scheduler.sequential or not intra_op) else self.scheduler.workers(ResourceClass.CPU)
         self._parts_hot = min(cores, cpu + 1) if cpu else 1
         self._parts_cold = min(cores, cpu) if cpu else 1
+        # Hot runs borrow idle CPU workers as helpers that wait in C, spinning, for the
+        # chunks of each split matmul (Session._executing); False: chunks go through
+        # Scheduler.fork_join, to workers that sleep between them (no core spent waiting).
+        self._spin_helpers = bool(spin_helpers)
         self.budget: MemoryBudget = self.workspace.budget
         self.store = PreparedObjectStore(residency_limit=residency_limit)
         self.counters = SessionCounters()
@@ -371,11 +375,30 @@ class Session:
 
     # ------------------------------------------------------------------- hot path
     @contextmanager
-    def _executing(self, ctx: RuntimeContext, parts: int) -> Iterator[None]:
+    def _executing(self, ctx: RuntimeContext, parts: int, *, lend_helpers: bool = False) -> Iterator[None]:
         """What a run's actions execute under, on whichever thread runs them: the
-        intra-op split (``parts`` ways) and the KV room the caller announced."""
-        with intra_op.using(self.scheduler.fork_join, parts), append_buffer.room_for(ctx.append_room):
-            yield
+        intra-op split (``parts`` ways) and the KV room the caller announced.
+
+        ``lend_helpers`` (the hot path): CPU workers idle at the start are lent to the
+        run for its duration, waiting in C on the run's mailbox for the chunks of each
+        split matmul (native/handoff.py); they spin, so each costs a core until the run
+        ends. Without an idle worker, or on the cold path (where the other workers pack
+        weights), splits go through ``fork_join``."""
+        box, lent = None, []
+        if lend_helpers and self._spin_helpers and parts >= 2:
+            from onnx_prep import native
+
+            box = native.Mailbox()
+            lent = self.scheduler.lend(box.serve, parts - 1)
+        try:
+            with intra_op.using(self.scheduler.fork_join, parts, mailbox=box if lent else None), \
+                    append_buffer.room_for(ctx.append_room):
+                yield
+        finally:
+            if lent:
+                box.stop()
+                self.scheduler.reclaim(lent)
+                intra_op.COUNTERS.add_handed_off(box.chunks_by_helpers)
 
     def _run_hot(self, ctx: RuntimeContext, pins, run_id: int) -> ExecutionHandle:
         ctx.mode = "hot"
@@ -393,7 +416,7 @@ class Session:
             try:
                 values = self.program.new_values(ctx.feeds, self._hot_weights)
                 ctx.first_step_ns = time.perf_counter_ns()
-                with self._executing(ctx, self._parts_hot):
+                with self._executing(ctx, self._parts_hot, lend_helpers=True):
                     self.program.execute(values, self._hot_binding)
                 ctx.outputs = self.program.fetch(values)
                 ctx.done_ns = time.perf_counter_ns()

@@ -14,6 +14,7 @@ from onnx_prep.core.errors import NativeError
 try:
     from onnx_prep.native._module import NATIVE_VERSION, ffi, lib  # noqa: F401
     from onnx_prep.native.elementwise import erf
+    from onnx_prep.native.handoff import Mailbox, MatmulBatch, matmul_nbits_batch
     from onnx_prep.native.gather_block_quantized import (
         gather_block_quantized,
         gather_packed_size,
@@ -41,6 +42,8 @@ except NativeError as _error:  # not built, or built for another version
 __all__ = [
     "ENV_VAR",
     "GRANULE",
+    "Mailbox",
+    "MatmulBatch",
     "NATIVE_VERSION",
     "PackedHeader",
     "StableSlot",
@@ -55,6 +58,7 @@ __all__ = [
     "gemm_b_packed_size",
     "kernel_variants",
     "matmul_nbits",
+    "matmul_nbits_batch",
     "matmul_nbits_packed_size",
     "matmul_nbits_parts",
     "packed_header",

@@ -158,6 +158,32 @@ int op_populate_read(const void *p, size_t n);
 int64_t op_resident_bytes(const void *p, size_t n);
 size_t op_page_size(void);
 
+/* ---- GIL-free hand-off of matmul chunks (handoff.c) ------------------------------ */
+/* One INT4 matmul cut into column chunks: op_matmul_nbits's arguments, the chunks'
+ * [col_begin, col_end) pairs and a result code per chunk. next / done: internal. */
+typedef struct {
+    const float *A; int64_t M; int64_t lda;
+    const uint8_t *packed; size_t nbytes;
+    const float *bias; float *Y; int64_t ldy;
+    int isa; int level;
+    const int64_t *ranges; int64_t n; int *rcs;
+    int64_t next; int64_t done;
+} op_mm_batch;
+/* Where one run publishes its batches to the helpers lent to it. Zero it, then set
+ * seq = 1 (closed). chunks_by_helpers counts the chunks helpers ran. */
+typedef struct {
+    uint64_t seq; op_mm_batch *batch; int64_t active; uint32_t stop; int64_t chunks_by_helpers;
+} op_mailbox;
+/* Run chunks of b until none is left; returns how many this thread ran. */
+int64_t op_batch_run(op_mm_batch *b);
+/* Publish b, run chunks of it, wait for all of them and for every helper to leave it.
+ * 0, or the first failing chunk's error code. */
+int op_mailbox_fork_join(op_mailbox *m, op_mm_batch *b);
+/* A helper: spin on m, running chunks of each batch published, until op_mailbox_stop.
+ * Returns the chunks it ran. */
+int64_t op_mailbox_serve(op_mailbox *m);
+void op_mailbox_stop(op_mailbox *m);
+
 /* ---- element-wise math (elementwise.c) ----------------------------------------- */
 /* y[i] = erf(x[i]) (libm, double precision; in place allowed). */
 void op_erf_f64(const double *x, double *y, size_t n);

@@ -101,11 +101,16 @@ def matmul_nbits(inputs, attrs, prepared):
         split = intra_op.current()
         if split is not None and intra_op.worth_splitting(packed.nbytes, a2.shape[0]):
             fork_join, parts = split
-            chunks = intra_op.chunk_count(packed.nbytes, a2.shape[0], parts)
+            box = intra_op.mailbox()
+            chunks = intra_op.chunk_count(packed.nbytes, a2.shape[0], parts, helpers_waiting=box is not None)
             ranges = intra_op.column_ranges(N, chunks, native.PANEL_N)
             intra_op.count_split(len(ranges))
-            y, calls = native.matmul_nbits_parts(a2, packed, ranges, bias=b32)
-            fork_join(calls, helpers=parts - 1)
+            if box is not None:  # helpers wait in C: hand the chunks over there
+                y, batch = native.matmul_nbits_batch(a2, packed, ranges, bias=b32)
+                box.fork_join(batch)
+            else:
+                y, calls = native.matmul_nbits_parts(a2, packed, ranges, bias=b32)
+                fork_join(calls, helpers=parts - 1)
         else:
             y = native.matmul_nbits(a2, packed, bias=b32)
     else:

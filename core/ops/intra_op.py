@@ -18,6 +18,7 @@ import contextlib
 import contextvars
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 ForkJoin = Callable[..., int]  # Scheduler.fork_join(fns, *, helpers=None)
 
@@ -29,17 +30,23 @@ MIN_SPLIT_WORK = 2 << 20
 
 
 class _Counters:
-    """Process-wide: ops split (``splits``) and parts made (``parts``)."""
+    """Process-wide: ops split (``splits``), parts made (``parts``), and chunks run by
+    helpers through a run's mailbox (``handed_off``)."""
 
     def __init__(self) -> None:
         self.splits = 0
         self.parts = 0
+        self.handed_off = 0
         self._lock = threading.Lock()
 
     def add(self, parts: int) -> None:
         with self._lock:
             self.splits += 1
             self.parts += parts
+
+    def add_handed_off(self, chunks: int) -> None:
+        with self._lock:
+            self.handed_off += chunks
 
 
 COUNTERS = _Counters()
@@ -68,18 +75,22 @@ def worth_splitting(packed_bytes: int, rows: int) -> bool:
     return _work(packed_bytes, rows) >= MIN_SPLIT_WORK
 
 
-def chunk_count(packed_bytes: int, rows: int, parts: int) -> int:
+def chunk_count(packed_bytes: int, rows: int, parts: int, *, helpers_waiting: bool = False) -> int:
     """How many column chunks to cut a split INT4 matmul into, for ``parts`` threads.
 
-    NOTE: with more than one row, one chunk per part: every kernel call prepares A
-    (quantizes or splits it per block, ~2.5 ns an element), so chunks repeat that work;
-    an 8-row prefill in 16 chunks was slower than in 2."""
-    if rows > 1:
+    NOTE: with more than one row, or with helpers already waiting in C (a run's
+    mailbox), one chunk per part: every kernel call prepares A (quantizes or splits it
+    per block, ~2.5 ns an element), so chunks repeat that work; an 8-row prefill in 16
+    chunks was slower than in 2, and a medium decode token with waiting helpers took
+    26.6 ms in 2 chunks a GEMV against 28.9 ms in up to 16 (medians of 30, interleaved).
+    More chunks only pay when a helper may wake late (``fork_join``)."""
+    if rows > 1 or helpers_waiting:
         return parts
     return max(parts, min(parts * MAX_CHUNKS_PER_PART, packed_bytes // CHUNK_WORK))
 
 _CURRENT: contextvars.ContextVar[tuple[ForkJoin, int] | None] = contextvars.ContextVar(
     "onnx_prep_intra_op", default=None)
+_MAILBOX: contextvars.ContextVar[Any] = contextvars.ContextVar("onnx_prep_intra_op_mailbox", default=None)
 
 
 def current() -> tuple[ForkJoin, int] | None:
@@ -87,13 +98,23 @@ def current() -> tuple[ForkJoin, int] | None:
     return _CURRENT.get()
 
 
+def mailbox() -> Any:
+    """The ``native.Mailbox`` that helpers lent to this run serve, or None. An INT4
+    matmul that splits hands its chunks over through it, in C, instead of through
+    ``fork_join`` (native/handoff.py says why)."""
+    return _MAILBOX.get() if _CURRENT.get() is not None else None
+
+
 @contextlib.contextmanager
-def using(fork_join: ForkJoin | None, parts: int) -> Iterator[None]:
-    """Install ``fork_join`` with ``parts`` (>= 2 to split at all) for the block."""
+def using(fork_join: ForkJoin | None, parts: int, mailbox: Any = None) -> Iterator[None]:
+    """Install ``fork_join`` with ``parts`` (>= 2 to split at all) for the block, and
+    the run's ``mailbox`` if it has helpers serving one."""
     token = _CURRENT.set((fork_join, int(parts)) if fork_join is not None and parts >= 2 else None)
+    box = _MAILBOX.set(mailbox)
     try:
         yield
     finally:
+        _MAILBOX.reset(box)
         _CURRENT.reset(token)
 
 

@@ -1,0 +1,89 @@
+"""GIL-free hand-off of INT4 matmul chunks to the runtime's helper threads (``handoff.c``).
+
+``matmul_nbits_batch`` cuts one ``matmul_nbits`` into column chunks, like
+``matmul_nbits_parts``, but as one C batch instead of one Python callable per chunk.
+A ``Mailbox`` belongs to one run: helper threads lent to the run call
+:meth:`Mailbox.serve` (it returns when the run calls :meth:`Mailbox.stop`), and the run
+calls :meth:`Mailbox.fork_join` for each batch. The caller runs chunks itself and never
+waits for a helper that has not arrived; the result is the same bit for bit whoever runs
+which chunk (each column is computed as in a whole call).
+
+NOTE: why in C: handing chunks to helpers as Python callables costs each helper the GIL
+before its chunk can start, ~5-20 us on a 2-vCPU VM, about a whole decode GEMV of a few
+MB. A helper in ``serve`` waits in C with the GIL released, spinning, so it costs a core
+for as long as the run lasts (docs/runtime.md, "Intra-op parallelism")."""
+from __future__ import annotations
+
+import numpy as np
+
+from onnx_prep.native._module import check, ffi, lib
+from onnx_prep.native.isa import isa_id
+from onnx_prep.native.matmul_nbits import bias_f32, col_range, out_rows, rows_f32
+from onnx_prep.native.packed import k_n, ptr
+
+
+class MatmulBatch:
+    """One ``matmul_nbits`` cut into column chunks, ready for :meth:`Mailbox.fork_join`
+    (or :meth:`run_here`). Keeps its arrays alive."""
+
+    __slots__ = ("c", "_keep", "chunks")
+
+    def __init__(self, c, keep, chunks: int) -> None:
+        self.c, self._keep, self.chunks = c, keep, chunks
+
+    def run_here(self) -> None:
+        """Every chunk on the calling thread (no mailbox)."""
+        self.c.next = 0
+        self.c.done = 0
+        lib.op_batch_run(self.c)
+        for i in range(self.chunks):
+            check(self.c.rcs[i], "matmul_nbits")
+
+
+def matmul_nbits_batch(A: np.ndarray, packed: np.ndarray, ranges, *, bias: np.ndarray | None = None,
+                       out: np.ndarray | None = None) -> tuple[np.ndarray, MatmulBatch]:
+    """``(Y, batch)``: ``matmul_nbits`` over the column ``ranges`` (together: all of Y),
+    as one batch. Arguments are checked here, as by ``matmul_nbits_parts``."""
+    K, N = k_n(packed, lib.OP_KIND_INT4_MATMUL)
+    A2, M, lda = rows_f32(A, K, "matmul_nbits")
+    bias = bias_f32(bias, N, "matmul_nbits")
+    ranges = [col_range(cb, ce, N, "matmul_nbits") for cb, ce in ranges]
+    covered = sum(ce - cb for cb, ce in ranges)
+    res, o2, ldy = out_rows(out, A.shape[:-1], M, N, covered == N, "matmul_nbits")
+    c = ffi.new("op_mm_batch *")
+    flat = ffi.new("int64_t[]", [v for cb, ce in ranges for v in (cb, ce)])
+    rcs = ffi.new("int[]", max(1, len(ranges)))
+    c.A, c.M, c.lda = ptr(A2, "float *"), M, lda
+    c.packed, c.nbytes = ptr(packed, "uint8_t *"), packed.nbytes
+    c.bias, c.Y, c.ldy = ptr(bias, "float *"), ptr(o2, "float *"), ldy
+    c.isa, c.level = isa_id(None), -1
+    c.ranges, c.n, c.rcs = flat, len(ranges), rcs
+    return res, MatmulBatch(c, (A2, packed, bias, o2, flat, rcs), len(ranges))
+
+
+class Mailbox:
+    """Where one run publishes its batches to the helpers lent to it."""
+
+    __slots__ = ("c",)
+
+    def __init__(self) -> None:
+        self.c = ffi.new("op_mailbox *")
+        self.c.seq = 1  # closed
+
+    def serve(self) -> int:
+        """Helper side: run chunks of every batch published until :meth:`stop` (GIL
+        released all along). Returns the chunks this helper ran."""
+        return int(lib.op_mailbox_serve(self.c))
+
+    def stop(self) -> None:
+        """Make every ``serve`` return (at once, or when its current chunk ends)."""
+        lib.op_mailbox_stop(self.c)
+
+    def fork_join(self, batch: MatmulBatch) -> None:
+        """Run ``batch`` with whichever helpers are serving; returns when every chunk is
+        done and no helper is inside the batch. Raises NativeError for a failing chunk."""
+        check(lib.op_mailbox_fork_join(self.c, batch.c), "matmul_nbits")
+
+    @property
+    def chunks_by_helpers(self) -> int:
+        return int(self.c.chunks_by_helpers)

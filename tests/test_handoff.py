@@ -1,0 +1,119 @@
+"""The GIL-free chunk hand-off (native/handoff.c): a run's mailbox, served by helper
+threads waiting in C, gives the same bits as a whole matmul whoever runs which chunk;
+a mailbox nobody serves costs the caller nothing but its own chunks; and the runtime
+lends its idle CPU workers to hot runs for it."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from onnx_prep import native
+from onnx_prep.core.errors import NativeError
+from onnx_prep.core.ops import intra_op
+
+rng = np.random.default_rng(11)
+
+
+def _packed(K: int, N: int, level: int = 4):
+    kb = -(-K // 32)
+    B = rng.integers(0, 256, (N, kb, 16), dtype=np.uint8)
+    s = (rng.random(N * kb) * 0.02 + 0.001).astype(np.float32)
+    return native.prepack_matmul_nbits(B, s, None, K=K, N=N, block_size=32, accuracy_level=level)
+
+
+def _ranges(N: int, parts: int):
+    return intra_op.column_ranges(N, parts, native.PANEL_N)
+
+
+@pytest.mark.parametrize("level", [0, 1, 4])
+def test_a_served_mailbox_equals_a_whole_call_and_the_helper_takes_chunks(level):
+    K, N = 300, 1000  # K not a multiple of the block, N not of the panel
+    p = _packed(K, N, level)
+    box = native.Mailbox()
+    helper = threading.Thread(target=box.serve)
+    helper.start()
+    try:
+        for i in range(2000):  # until the helper has run chunks (it spins in C, so soon)
+            A = rng.standard_normal((1 + i % 3, K)).astype(np.float32)
+            bias = rng.standard_normal(N).astype(np.float32) if i % 2 else None
+            y, batch = native.matmul_nbits_batch(A, p, _ranges(N, 4), bias=bias)
+            box.fork_join(batch)
+            np.testing.assert_array_equal(y, native.matmul_nbits(A, p, bias=bias))
+            if box.chunks_by_helpers and i >= 20:
+                break
+    finally:
+        box.stop()
+        helper.join()
+    assert box.chunks_by_helpers > 0
+
+
+def test_a_mailbox_nobody_serves_runs_every_chunk_on_the_caller():
+    K, N = 256, 640
+    p = _packed(K, N)
+    A = rng.standard_normal((2, K)).astype(np.float32)
+    box = native.Mailbox()
+    y, batch = native.matmul_nbits_batch(A, p, _ranges(N, 5))
+    box.fork_join(batch)
+    np.testing.assert_array_equal(y, native.matmul_nbits(A, p))
+    assert box.chunks_by_helpers == 0
+    y2, batch2 = native.matmul_nbits_batch(A, p, _ranges(N, 3))
+    batch2.run_here()
+    np.testing.assert_array_equal(y2, y)
+
+
+def test_serve_returns_once_stopped_even_if_stopped_first():
+    box = native.Mailbox()
+    box.stop()
+    assert box.serve() == 0  # returns at once: no batch, no spinning
+    box2 = native.Mailbox()
+    t = threading.Thread(target=box2.serve)
+    t.start()
+    box2.stop()
+    t.join(timeout=30)
+    assert not t.is_alive()
+
+
+def test_batch_arguments_are_checked_before_any_c_call():
+    p = _packed(128, 128)
+    A = np.zeros((1, 128), np.float32)
+    with pytest.raises(ValueError, match="col"):
+        native.matmul_nbits_batch(A, p, [(0, 64), (64, 129)])
+    with pytest.raises(ValueError):
+        native.matmul_nbits_batch(np.zeros((1, 127), np.float32), p, [(0, 128)])
+    with pytest.raises(NativeError):  # not a packed buffer
+        native.matmul_nbits_batch(A, np.zeros(64, np.uint8), [(0, 128)])
+
+
+def test_hot_runs_lend_idle_workers_and_keep_every_bit(tiny_llm_path, monkeypatch):
+    """Three sessions: no split, fork_join hand-off (spin_helpers=False), and the default
+    (helpers lent to each hot run, waiting in C). Equal outputs; only the default hands
+    chunks over through a mailbox, and its lent workers come back after every run."""
+    from onnx_prep.core.decoder_io import DecoderIO
+    from onnx_prep.core.generation import step_feeds
+    from onnx_prep.core.resolution import resolve_model
+    from onnx_prep.core.session import Session
+
+    r = resolve_model(tiny_llm_path)
+    io = DecoderIO.discover(r.inputs, r.outputs)
+    feeds = step_feeds(io, np.arange(3, 11, dtype=np.int64).reshape(1, 8), io.empty_past(1), 0)
+    with Session(r, intra_op=False) as whole, Session(r, spin_helpers=False) as wake, Session(r) as spin:
+        for s in (whole, wake, spin):
+            s.prepare()
+        ref = whole.run(feeds)
+        monkeypatch.setattr(intra_op, "MIN_SPLIT_WORK", 1)  # every tiny matmul splits
+        before = intra_op.COUNTERS.handed_off
+        for _ in range(5):
+            out = wake.run(feeds)
+            assert all(np.array_equal(out[k], ref[k]) for k in ref)
+        assert intra_op.COUNTERS.handed_off == before  # fork_join only
+        for i in range(200):  # until a lent helper has run a chunk (it waits in C, so soon)
+            out = spin.run(feeds)
+            assert all(np.array_equal(out[k], ref[k]) for k in ref)
+            if intra_op.COUNTERS.handed_off > before and i >= 5:
+                break
+        assert intra_op.COUNTERS.handed_off > before
+        sched = spin.scheduler
+        assert not sched._side  # every offer taken back or finished
+        assert spin.counters.hot_runs >= 6
