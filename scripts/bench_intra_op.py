@@ -2,11 +2,14 @@
 
     .venv/bin/python scripts/bench_intra_op.py [--preset medium] [--repeats 10] [--json FILE]
 
-Two prepared Sessions over the same model, ``intra_op=False`` and the default (large INT4
-matmuls split over the CPU workers, core/ops/intra_op.py). Per repeat each runs an
-8-token prefill and one decode token (past = the prefill's presents), alternating.
-Prints min/median/max per case and the speed-up of the medians; outputs are checked
-equal bit for bit between the two sessions (splitting must not change a value).
+Three prepared Sessions over the same model: ``whole`` (``intra_op=False``), ``wake``
+(large INT4 matmuls split over the CPU workers, chunks handed over through
+Scheduler.fork_join to workers that sleep between them: ``spin_helpers=False``) and
+``spin`` (the default: idle CPU workers lent to each hot run wait in C for the chunks,
+native/handoff.py). Per repeat each runs an 8-token prefill and one decode token (past =
+the prefill's presents), alternating. Prints min/median/max per case and the speed-ups
+of the medians; outputs are checked equal bit for bit between the sessions (splitting
+must not change a value).
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ def main(argv=None) -> int:
     r = resolve_model(ensure_cached(FixtureConfig.preset(args.preset)))
     io = DecoderIO.discover(r.inputs, r.outputs)
     prefill = step_feeds(io, np.arange(1, 9, dtype=np.int64)[None, :], io.empty_past(1), 0)
-    sessions = {"whole": Session(r, intra_op=False), "split": Session(r)}
+    sessions = {"whole": Session(r, intra_op=False), "wake": Session(r, spin_helpers=False), "spin": Session(r)}
     try:
         for s in sessions.values():
             s.prepare()
@@ -45,9 +48,11 @@ def main(argv=None) -> int:
                 for pres, p in ((kv.present_key, kv.past_key), (kv.present_value, kv.past_value))}
         decode = step_feeds(io, np.array([[5]], dtype=np.int64), past, 8)
         cases = {"prefill8": prefill, "decode1": decode}
-        for name, feeds in cases.items():  # the two sessions must agree exactly
-            a, b = sessions["whole"].run(feeds), sessions["split"].run(feeds)
-            assert all(np.array_equal(a[k], b[k]) for k in a), f"{name}: split and whole outputs differ"
+        for name, feeds in cases.items():  # the sessions must agree exactly
+            a = sessions["whole"].run(feeds)
+            for mode in ("wake", "spin"):
+                b = sessions[mode].run(feeds)
+                assert all(np.array_equal(a[k], b[k]) for k in a), f"{name}: {mode} and whole outputs differ"
         times: dict[str, list[float]] = {}
         for _ in range(args.repeats):
             for mode, s in sessions.items():
@@ -62,8 +67,9 @@ def main(argv=None) -> int:
     for k, v in times.items():
         print(f"  {k:16s} {min(v):8.2f} {statistics.median(v):8.2f} {max(v):8.2f}")
     for name in cases:
-        w, sp = statistics.median(times[f"{name}.whole"]), statistics.median(times[f"{name}.split"])
-        print(f"  {name}: split {w / sp:.2f}x faster (medians)")
+        w, wk, sp = (statistics.median(times[f"{name}.{m}"]) for m in ("whole", "wake", "spin"))
+        print(f"  {name}: wake {w / wk:.2f}x, spin {w / sp:.2f}x faster than whole; spin {wk / sp:.2f}x "
+              f"faster than wake (medians)")
     if args.json:
         args.json.write_text(json.dumps(times, indent=2))
     return 0

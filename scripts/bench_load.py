@@ -33,7 +33,8 @@ longest of the three is that repeat's pipelining limit):
   first_run_alone_ms the same prefill on an already-prepared session (hot path)
 
 And the hot path against a direct replay of the same kernels without the scheduler
-(same binding, interleaved in alternating order, --hot-repeats each).
+(same binding, same intra-op splits with the same helpers lent for the run, interleaved
+in alternating order, --hot-repeats each).
 
 Targets (issue #4): init.init_ms <= 0.65 x sequential.init_ms; ttfo first_output_ms
 <= 0.6 x sequential.init_plus_run_ms and <= 1.2 x the longest stage alone; hot-path
@@ -221,8 +222,7 @@ def stages_alone(resolved, feeds, *, warm: bool) -> dict:
 
 
 def hot_vs_direct(resolved, feeds, repeats: int) -> dict:
-    from onnx_prep.core.ops import intra_op
-    from onnx_prep.core.session import Session
+    from onnx_prep.core.session import RuntimeContext, Session
 
     with Session(resolved) as s:
         s.prepare()
@@ -237,7 +237,8 @@ def hot_vs_direct(resolved, feeds, repeats: int) -> dict:
 
         def run_direct():
             t = time.perf_counter()
-            with intra_op.using(s.scheduler.fork_join, s._parts_hot):  # the same kernel splits
+            # the same kernel splits, with the same helpers lent for the run
+            with s._executing(RuntimeContext(feeds), s._parts_hot, lend_helpers=True):
                 prog.run(feeds, binding, weights=weights)
             direct.append((time.perf_counter() - t) * 1e3)
 

@@ -65,9 +65,9 @@ def test_bench_intra_op_smoke(tmp_path):
     out = tmp_path / "intra.json"
     p = _run(["scripts/bench_intra_op.py", "--preset", "tiny-llm", "--repeats", "1", "--json", str(out)],
              tmp_path / "cache")
-    assert p.returncode == 0, p.stderr  # includes the split == whole output check
+    assert p.returncode == 0, p.stderr  # includes the wake == spin == whole output check
     times = json.loads(out.read_text())
-    assert set(times) == {f"{c}.{m}" for c in ("prefill8", "decode1") for m in ("whole", "split")}
+    assert set(times) == {f"{c}.{m}" for c in ("prefill8", "decode1") for m in ("whole", "wake", "spin")}
     assert all(len(v) == 1 and v[0] > 0 for v in times.values())
 
 
