@@ -15,8 +15,9 @@ Method:
 - Weights rotate through enough copies to exceed 4x the last-level cache, so
   every call streams its weights from DRAM as in real decoding (ORT gets the same:
   one session per copy). `--hot` keeps one copy (cache-resident) instead.
-- Our two-thread runs split the column range in two tile-aligned halves over two
-  Python threads (the runtime's executor does the same); ORT uses
+- Our two-thread runs split the column range in two panel-aligned halves, handed
+  over as the runtime's hot path does: a helper thread waits in C on a mailbox
+  (native/handoff.py) and takes its half while the caller runs the other; ORT uses
   intra_op_num_threads. Each thread count runs in its own subprocess, with BLAS
   threads pinned to it (OPENBLAS_NUM_THREADS etc.) for the numpy baseline.
 - ORT runs through IOBinding with preallocated input and output, so neither side
@@ -33,8 +34,8 @@ Method:
   one C call per part (~1 us of Python each, included; a whole
   native.matmul_nbits call re-checks its arguments, ~5 us). ORT's time likewise
   excludes session setup and includes one run_with_iobinding call.
-- Our two-thread dispatch: a persistent helper thread spins in C (GIL released)
-  until the caller publishes work (~3 us per hand-off, included).
+- The hand-off is included in our time; the read-bandwidth probes use a pool of
+  their own (a helper spinning in C until the caller publishes its half).
 - Speedup = other time / our time (median); > 1 means the native kernel is faster.
 
 Usage: python scripts/bench_kernels.py [--quick] [--hot] [--reps 21] [--blocks 3] [--json out.json]
@@ -223,7 +224,10 @@ def worker(args) -> dict:
                 # intra-op split does: arguments checked and pointers taken once
                 # (native.matmul_nbits_parts), then one C call a part (~1 us; a whole
                 # native.matmul_nbits call checks its arguments each time, ~5 us).
-                calls = [native.matmul_nbits_parts(A, p, parts, out=out)[1] for p in packs]
+                if T == 1:
+                    calls = [native.matmul_nbits_parts(A, p, parts, out=out)[1] for p in packs]
+                else:  # the runtime's hot path: the run's helpers wait in C on its mailbox
+                    calls = [native.matmul_nbits_batch(A, p, parts, out=out)[1] for p in packs]
                 bindings = []
                 for sess in sessions:
                     bnd = sess.io_binding()
@@ -259,17 +263,31 @@ def worker(args) -> dict:
     for b in range(blocks):
         pool.unpark()
         start = bandwidth()
+        if T > 1:  # kernels: T - 1 helper threads serve a mailbox (native/handoff.py), as
+            pool.park()  # the runtime lends its idle CPU workers to a hot run
+            box = native.Mailbox()
+            helpers = [threading.Thread(target=box.serve) for _ in range(T - 1)]
+            for h in helpers:
+                h.start()
+            run = box.fork_join
+        else:
+            run = pool.run
         for r in rows:
             calls = r["calls"]
             for c in calls[1:] + calls[:1]:  # untimed: every copy once, the first copy last
-                pool.run(c)
+                run(c)
             ts = []
             for i in range(per_block[b]):
                 c = calls[(i + 1) % len(calls)]  # the copy read longest ago first
                 t0 = time.perf_counter()
-                pool.run(c)
+                run(c)
                 ts.append(time.perf_counter() - t0)
             r["ours"].append(ts)
+        if T > 1:
+            box.stop()
+            for h in helpers:
+                h.join()
+            pool.unpark()
         end = bandwidth()
         # NOTE: the block's read bandwidth is the mean of a probe before and after its
         # kernels: this VM's two-thread read bandwidth moved between ~33 and ~57 GB/s
