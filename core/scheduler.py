@@ -551,27 +551,9 @@ class Scheduler:
         chunk belongs to work someone is waiting for)."""
         work = _ForkJoin(fns)
         want = len(fns) - 1 if helpers is None else min(int(helpers), len(fns) - 1)
-        offered: list[_SideJob] = []
-        q = ResourceClass.CPU
-        if want > 0 and not self.sequential and q in self._cv:
-            with self._lock:
-                n = min(want, self._waiting[q])
-                if n and not self._stop:
-                    offered = [_SideJob(work.run_remote) for _ in range(n)]
-                    self._side.extend(offered)
-                    self._cv[q].notify(n)
+        offered = self.lend(work.run_remote, want)
         work.run_local()
-        taken = []
-        if offered:
-            with self._lock:
-                for j in offered:
-                    if j.state == _SideJob.QUEUED:  # nobody came: withdraw the offer
-                        j.state = _SideJob.TAKEN
-                        self._side.remove(j)
-                    else:
-                        taken.append(j)
-        for j in taken:
-            j.done.wait()
+        self.reclaim(offered)  # nobody came: withdrawn; taken: its chunks finish first
         return work.result()
 
     def lend(self, fn: Callable[[], Any], workers: int = 1) -> list[_SideJob]:
@@ -580,7 +562,7 @@ class Scheduler:
         run's helpers serving its native mailbox (``native.Mailbox.serve``); ``fn`` must
         return when the caller tells it to. Pass the result to :meth:`reclaim`."""
         q = ResourceClass.CPU
-        if workers < 1 or self.sequential or q not in self._cv:
+        if workers < 1 or self.sequential or q not in self._cv:  # a sequential scheduler lends none
             return []
         with self._lock:
             n = min(int(workers), self._waiting[q])

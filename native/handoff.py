@@ -18,8 +18,8 @@ import numpy as np
 
 from onnx_prep.native._module import check, ffi, lib
 from onnx_prep.native.isa import isa_id
-from onnx_prep.native.matmul_nbits import bias_f32, col_range, out_rows, rows_f32
-from onnx_prep.native.packed import k_n, ptr
+from onnx_prep.native.matmul_nbits import split_args
+from onnx_prep.native.packed import ptr
 
 
 class MatmulBatch:
@@ -44,12 +44,7 @@ def matmul_nbits_batch(A: np.ndarray, packed: np.ndarray, ranges, *, bias: np.nd
                        out: np.ndarray | None = None) -> tuple[np.ndarray, MatmulBatch]:
     """``(Y, batch)``: ``matmul_nbits`` over the column ``ranges`` (together: all of Y),
     as one batch. Arguments are checked here, as by ``matmul_nbits_parts``."""
-    K, N = k_n(packed, lib.OP_KIND_INT4_MATMUL)
-    A2, M, lda = rows_f32(A, K, "matmul_nbits")
-    bias = bias_f32(bias, N, "matmul_nbits")
-    ranges = [col_range(cb, ce, N, "matmul_nbits") for cb, ce in ranges]
-    covered = sum(ce - cb for cb, ce in ranges)
-    res, o2, ldy = out_rows(out, A.shape[:-1], M, N, covered == N, "matmul_nbits")
+    res, A2, M, lda, bias, ranges, o2, ldy = split_args(A, packed, ranges, bias, out)
     c = ffi.new("op_mm_batch *")
     flat = ffi.new("int64_t[]", [v for cb, ce in ranges for v in (cb, ce)])
     rcs = ffi.new("int[]", max(1, len(ranges)))

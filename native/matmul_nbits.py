@@ -155,6 +155,19 @@ def bias_f32(bias: np.ndarray | None, N: int, what: str) -> np.ndarray | None:
     return bias
 
 
+def split_args(A: np.ndarray, packed: np.ndarray, ranges, bias, out):
+    """A split matmul's arguments, checked once: ``(Y, A2, M, lda, bias, ranges, o2, ldy)``
+    (Y the result, o2 its 2-D row view); for :func:`matmul_nbits_parts` and
+    ``handoff.matmul_nbits_batch``."""
+    K, N = k_n(packed, lib.OP_KIND_INT4_MATMUL)
+    A2, M, lda = rows_f32(A, K, "matmul_nbits")
+    bias = bias_f32(bias, N, "matmul_nbits")
+    ranges = [col_range(cb, ce, N, "matmul_nbits") for cb, ce in ranges]
+    covered = sum(ce - cb for cb, ce in ranges)
+    res, o2, ldy = out_rows(out, A.shape[:-1], M, N, covered == N, "matmul_nbits")
+    return res, A2, M, lda, bias, ranges, o2, ldy
+
+
 def matmul_nbits_parts(A: np.ndarray, packed: np.ndarray, ranges, *, bias: np.ndarray | None = None,
                        out: np.ndarray | None = None) -> tuple[np.ndarray, list]:
     """``matmul_nbits`` cut into column ranges for a caller that runs them on several
@@ -165,12 +178,7 @@ def matmul_nbits_parts(A: np.ndarray, packed: np.ndarray, ranges, *, bias: np.nd
     decode GEMV is cut into several parts. Each column is computed as in a whole call:
     the result is equal bit for bit. ``A``, ``packed``, ``bias`` and ``Y`` stay alive as
     long as the callables."""
-    K, N = k_n(packed, lib.OP_KIND_INT4_MATMUL)
-    A2, M, lda = rows_f32(A, K, "matmul_nbits")
-    bias = bias_f32(bias, N, "matmul_nbits")
-    ranges = [col_range(cb, ce, N, "matmul_nbits") for cb, ce in ranges]
-    covered = sum(ce - cb for cb, ce in ranges)
-    res, o2, ldy = out_rows(out, A.shape[:-1], M, N, covered == N, "matmul_nbits")
+    res, A2, M, lda, bias, ranges, o2, ldy = split_args(A, packed, ranges, bias, out)
     fn, isa = lib.op_matmul_nbits, isa_id(None)
     a_p, pk_p, b_p, y_p = ptr(A2, "float *"), ptr(packed, "uint8_t *"), ptr(bias, "float *"), ptr(o2, "float *")
     nbytes = packed.nbytes
