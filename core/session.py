@@ -60,6 +60,7 @@ from onnx_prep.core.errors import BudgetError, OnnxPrepError, UsageError, Where
 from onnx_prep.core.execution_handle import ExecutionHandle
 from onnx_prep.core.external_data import ExternalDataReader, as_array
 from onnx_prep.core.ops import append_buffer, intra_op
+from onnx_prep.core.ops.intra_op import spin_helpers_default
 from onnx_prep.core.plan import (
     RAW_LAYOUT,
     LookaheadWindow,
@@ -189,7 +190,7 @@ class Session:
                  io_workers: int = 2, cpu_workers: int | None = None,
                  residency_limit: int | None = None, lookahead: LookaheadWindow | None = None,
                  reader: ExternalDataReader | None = None, trust_symlinks: bool = False,
-                 source_io: str = "map", intra_op: bool = True, spin_helpers: bool = True) -> None:
+                 source_io: str = "map", intra_op: bool = True, spin_helpers: bool | None = None) -> None:
         if source_io not in SOURCE_IO:
             raise UsageError(f"unknown source_io {source_io!r}", hint=f"choose one of {', '.join(SOURCE_IO)}")
         self.source_io = source_io
@@ -213,7 +214,8 @@ class Session:
         # Hot runs borrow idle CPU workers as helpers that wait in C, spinning, for the
         # chunks of each split matmul (Session._executing); False: chunks go through
         # Scheduler.fork_join, to workers that sleep between them (no core spent waiting).
-        self._spin_helpers = bool(spin_helpers)
+        # None: ONNX_PREP_SPIN_HELPERS (default on).
+        self._spin_helpers = spin_helpers_default() if spin_helpers is None else bool(spin_helpers)
         self.budget: MemoryBudget = self.workspace.budget
         self.store = PreparedObjectStore(residency_limit=residency_limit)
         self.counters = SessionCounters()

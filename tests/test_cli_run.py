@@ -153,6 +153,24 @@ def test_bad_huge_pages_setting_is_one_line(toy, monkeypatch):
     assert "ONNX_PREP_HUGE_PAGES='on' is not a valid setting" in line and "=1" in line
 
 
+@needs_session
+def test_bad_spin_helpers_setting_is_one_line(toy, monkeypatch):
+    monkeypatch.setenv("ONNX_PREP_SPIN_HELPERS", "yes")
+    line = _error([str(toy), "--prompt-ids", "1,2", "--tokens", "2"])
+    assert "ONNX_PREP_SPIN_HELPERS='yes' is not a valid setting" in line and "=0" in line
+
+
+@needs_session
+def test_spin_helpers_off_gives_the_same_tokens(toy, monkeypatch):
+    runs = []
+    for value in ("0", "1"):
+        monkeypatch.setenv("ONNX_PREP_SPIN_HELPERS", value)
+        result = cli.invoke(app, ["run", str(toy), "--prompt-ids", "1,2,3", "--tokens", "6", "--json"])
+        assert result.exit_code == EXIT_OK, result.output
+        runs.append(json.loads(result.stdout)["tokens"])
+    assert runs[0] == runs[1]
+
+
 def test_progress_bar_draws_on_stderr_for_long_runs(toy, monkeypatch):
     term = Console(file=_io.StringIO(), force_terminal=True, width=100)
     monkeypatch.setattr(output, "stderr", term)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -87,6 +88,25 @@ def chunk_count(packed_bytes: int, rows: int, parts: int, *, helpers_waiting: bo
     if rows > 1 or helpers_waiting:
         return parts
     return max(parts, min(parts * MAX_CHUNKS_PER_PART, packed_bytes // CHUNK_WORK))
+
+SPIN_ENV = "ONNX_PREP_SPIN_HELPERS"
+
+
+def spin_helpers_default() -> bool:
+    """Whether hot runs lend idle CPU workers that wait in C, spinning, for split-matmul
+    chunks (``Session(spin_helpers=None)``): ``ONNX_PREP_SPIN_HELPERS`` unset or ``1``:
+    yes; ``0``: no (chunks go through ``fork_join`` to workers that sleep between them;
+    no core spent waiting, slower decode)."""
+    raw = os.environ.get(SPIN_ENV, "").strip()
+    if raw in ("", "1"):
+        return True
+    if raw == "0":
+        return False
+    from onnx_prep.core.errors import UsageError
+
+    raise UsageError(f"{SPIN_ENV}={raw!r} is not a valid setting",
+                     hint=f"set {SPIN_ENV}=0 to keep idle workers from spinning during runs, or 1 (default)")
+
 
 _CURRENT: contextvars.ContextVar[tuple[ForkJoin, int] | None] = contextvars.ContextVar(
     "onnx_prep_intra_op", default=None)
