@@ -32,15 +32,10 @@ HUGE_PAGES_ENV = "ONNX_PREP_HUGE_PAGES"
 def huge_pages_default() -> bool:
     """Whether new slots ask for transparent huge pages: ``ONNX_PREP_HUGE_PAGES=1``
     (``0`` or unset: no). See :class:`StableSlot`."""
-    raw = os.environ.get(HUGE_PAGES_ENV, "").strip()
-    if raw in ("", "0"):
-        return False
-    if raw == "1":
-        return True
-    from onnx_prep.core.errors import UsageError
+    from onnx_prep.core.environment import flag
 
-    raise UsageError(f"{HUGE_PAGES_ENV}={raw!r} is not a valid setting",
-                     hint=f"set {HUGE_PAGES_ENV}=1 to back prepared weights with huge pages, or 0 (default)")
+    return flag(HUGE_PAGES_ENV, default=False, on="back prepared weights with huge pages",
+                off="use 4 KiB pages")
 
 
 def _round_up(n: int, to: int) -> int:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -97,15 +96,10 @@ def spin_helpers_default() -> bool:
     chunks (``Session(spin_helpers=None)``): ``ONNX_PREP_SPIN_HELPERS`` unset or ``1``:
     yes; ``0``: no (chunks go through ``fork_join`` to workers that sleep between them;
     no core spent waiting, slower decode)."""
-    raw = os.environ.get(SPIN_ENV, "").strip()
-    if raw in ("", "1"):
-        return True
-    if raw == "0":
-        return False
-    from onnx_prep.core.errors import UsageError
+    from onnx_prep.core.environment import flag
 
-    raise UsageError(f"{SPIN_ENV}={raw!r} is not a valid setting",
-                     hint=f"set {SPIN_ENV}=0 to keep idle workers from spinning during runs, or 1 (default)")
+    return flag(SPIN_ENV, default=True, on="let idle workers wait for matmul chunks in C (faster decode)",
+                off="keep idle workers from spinning during runs")
 
 
 _CURRENT: contextvars.ContextVar[tuple[ForkJoin, int] | None] = contextvars.ContextVar(
