@@ -72,8 +72,28 @@ static void quantize_row(const float *a, size_t K, uint32_t bs, uint32_t nb, int
  * so its outputs are NaN. */
 #define BFP_MAX_M 8355711 /* 127 * 65536 + 127 * 256 + 127 */
 
+static int64_t bfp_digits_portable(const float *a, size_t n, double inv, int8_t *dst) {
+    int64_t sum = 0;
+    for (size_t i = 0; i < n; i++) {
+        /* exact scaling, then round half to even by adding and removing 1.5 * 2^52
+         * (|x| < 2^23 here; no libm call in the per-element loop; without
+         * -ffast-math the compiler must keep both steps) */
+        double x = (double)a[i] * inv + 6755399441055744.0;
+        int32_t m = (int32_t)(x - 6755399441055744.0);
+        int32_t lo = ((m + 128) & 255) - 128, m1 = (m - lo) / 256;
+        int32_t mid = ((m1 + 128) & 255) - 128, hi = (m1 - mid) / 256;
+        size_t g = i / OP_GROUP_K, j = i % OP_GROUP_K;
+        int8_t *grp = dst + g * 24 + (j >= 4 ? 4 : 0) + (j & 3);
+        grp[0] = (int8_t)lo;
+        grp[8] = (int8_t)mid;
+        grp[16] = (int8_t)hi;
+        sum += m;
+    }
+    return sum;
+}
+
 static void bfp_row(const float *a, size_t K, uint32_t bs, uint32_t nb, int8_t *d24, float *p2,
-                    float *msum) {
+                    float *msum, int64_t (*digits)(const float *, size_t, double, int8_t *)) {
     for (uint32_t b = 0; b < nb; b++) {
         size_t k0 = (size_t)b * bs, n = K - k0 < bs ? K - k0 : bs;
         float amax = 0.0f;
@@ -99,22 +119,7 @@ static void bfp_row(const float *a, size_t K, uint32_t bs, uint32_t nb, int8_t *
         int e = ex - 23;            /* amax / 2^e in [2^22, 2^23) */
         if (nearbyint(ldexp((double)amax, -e)) > BFP_MAX_M) e++;
         const double inv = ldexp(1.0, -e);
-        int64_t sum = 0;
-        for (size_t i = 0; i < n; i++) {
-            /* exact scaling, then round half to even by adding and removing 1.5 * 2^52
-             * (|x| < 2^23 here; no libm call in the per-element loop; without
-             * -ffast-math the compiler must keep both steps) */
-            double x = (double)a[k0 + i] * inv + 6755399441055744.0;
-            int32_t m = (int32_t)(x - 6755399441055744.0);
-            int32_t lo = ((m + 128) & 255) - 128, m1 = (m - lo) / 256;
-            int32_t mid = ((m1 + 128) & 255) - 128, hi = (m1 - mid) / 256;
-            size_t g = i / OP_GROUP_K, j = i % OP_GROUP_K;
-            int8_t *grp = dst + g * 24 + (j >= 4 ? 4 : 0) + (j & 3);
-            grp[0] = (int8_t)lo;
-            grp[8] = (int8_t)mid;
-            grp[16] = (int8_t)hi;
-            sum += m;
-        }
+        int64_t sum = digits(a + k0, n, inv, dst);
         p2[b] = ldexpf(1.0f, e);
         msum[b] = (float)sum;
     }
@@ -163,7 +168,7 @@ int op_matmul_nbits(int isa, const float *A, size_t M, size_t lda, const uint8_t
         int8_t *d24 = (int8_t *)(p2 + M * nb);
         for (size_t m = 0; m < M; m++)
             bfp_row(A + m * lda, K, (uint32_t)bs, (uint32_t)nb, d24 + m * Kp * 3, p2 + m * nb,
-                    asum + m * nb);
+                    asum + m * nb, kt->bfp_digits ? kt->bfp_digits : bfp_digits_portable);
         a.a8 = d24;
         a.ascale = p2;
         kt->mm_bfp(&a);

@@ -342,5 +342,5 @@ static void gemm_avx2(const op_gemm_args *g) {
     }
 }
 
-const op_kernel_table op_kernels_avx2 = {mm_f32_avx2, mm_bfp_avx2, mm_i8_avx2, gemm_avx2};
+const op_kernel_table op_kernels_avx2 = {mm_f32_avx2, mm_bfp_avx2, mm_i8_avx2, gemm_avx2, NULL};
 #endif

@@ -489,7 +489,50 @@ static void gemm_avx512(const op_gemm_args *g) {
     }
 }
 
-const op_kernel_table op_kernels_avx512 = {mm_f32_avx512, mm_bfp_avx512_bw, mm_i8_avx512_bw, gemm_avx512};
+/* Level 0's A digits (op_kernel_table.bfp_digits), 8 values (one group) at a time:
+ * the same double operations as the portable loop in dispatch.c (a * inv is exact: a
+ * power of two; adding and removing 1.5 * 2^52 rounds half to even; the integral
+ * result converts exactly), the same integer splitting (an arithmetic shift divides
+ * the multiples of 256 exactly), and the bytes of group g stored at dst + 24 g as
+ * [lo k0..7][mid k0..7][hi k0..7], the portable loop's positions. A tail of fewer
+ * than 8 values goes through the portable formula. */
+static int64_t bfp_digits_avx512(const float *a, size_t n, double inv, int8_t *dst) {
+    const __m512d vinv = _mm512_set1_pd(inv), magic = _mm512_set1_pd(6755399441055744.0);
+    const __m256i c128 = _mm256_set1_epi32(128), c255 = _mm256_set1_epi32(255);
+    __m512i acc = _mm512_setzero_si512();
+    size_t i = 0;
+    for (; i + OP_GROUP_K <= n; i += OP_GROUP_K) {
+        __m512d x = _mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(a + i)), vinv);
+        x = _mm512_sub_pd(_mm512_add_pd(x, magic), magic);
+        __m256i m = _mm512_cvtpd_epi32(x);
+        __m256i lo = _mm256_sub_epi32(_mm256_and_si256(_mm256_add_epi32(m, c128), c255), c128);
+        __m256i m1 = _mm256_srai_epi32(_mm256_sub_epi32(m, lo), 8);
+        __m256i mid = _mm256_sub_epi32(_mm256_and_si256(_mm256_add_epi32(m1, c128), c255), c128);
+        __m256i hi = _mm256_srai_epi32(_mm256_sub_epi32(m1, mid), 8);
+        int8_t *grp = dst + (i / OP_GROUP_K) * 24;
+        _mm_storel_epi64((__m128i *)grp, _mm256_cvtepi32_epi8(lo));
+        _mm_storel_epi64((__m128i *)(grp + 8), _mm256_cvtepi32_epi8(mid));
+        _mm_storel_epi64((__m128i *)(grp + 16), _mm256_cvtepi32_epi8(hi));
+        acc = _mm512_add_epi64(acc, _mm512_cvtepi32_epi64(m));
+    }
+    int64_t sum = _mm512_reduce_add_epi64(acc);
+    for (; i < n; i++) {
+        double x = (double)a[i] * inv + 6755399441055744.0;
+        int32_t m = (int32_t)(x - 6755399441055744.0);
+        int32_t lo = ((m + 128) & 255) - 128, m1 = (m - lo) / 256;
+        int32_t mid = ((m1 + 128) & 255) - 128, hi = (m1 - mid) / 256;
+        size_t j = i % OP_GROUP_K;
+        int8_t *grp = dst + (i / OP_GROUP_K) * 24 + (j >= 4 ? 4 : 0) + (j & 3);
+        grp[0] = (int8_t)lo;
+        grp[8] = (int8_t)mid;
+        grp[16] = (int8_t)hi;
+        sum += m;
+    }
+    return sum;
+}
+
+const op_kernel_table op_kernels_avx512 = {mm_f32_avx512, mm_bfp_avx512_bw, mm_i8_avx512_bw, gemm_avx512,
+                                           bfp_digits_avx512};
 
 /* ---- VNNI variant of the int8 path ------------------------------------------------ */
 #pragma GCC push_options
@@ -503,5 +546,5 @@ DEFINE_BFP_DRIVER(mm_bfp_avx512_vnni, bfp_panel_vnni)
 #pragma GCC pop_options
 
 const op_kernel_table op_kernels_avx512_vnni = {mm_f32_avx512, mm_bfp_avx512_vnni, mm_i8_avx512_vnni,
-                                                gemm_avx512};
+                                                gemm_avx512, bfp_digits_avx512};
 #endif

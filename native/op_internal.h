@@ -127,6 +127,12 @@ typedef struct {
     void (*mm_bfp)(const op_mm_args *);
     void (*mm_i8)(const op_mm_args *);
     void (*gemm)(const op_gemm_args *);
+    /* Level 0's A digits for one block (dispatch.c, bfp_row): for each of the block's
+     * n values, m = round_even(a * inv) split into lo / mid / hi bytes at their group
+     * positions in dst (zeroed by the caller); returns sum m. NULL: the portable loop.
+     * Must give exactly the portable loop's bytes and sum (tested through the
+     * ISA-vs-scalar matmul tests). */
+    int64_t (*bfp_digits)(const float *a, size_t n, double inv, int8_t *dst);
 } op_kernel_table;
 
 /* Per-ISA tables. */

@@ -266,3 +266,30 @@ def test_layout_key_names_everything_that_changes_the_bytes():
                     assert seen.setdefault((bs, key), packed) == packed
     keys = [k for _, k in seen]
     assert len(set(keys)) == len(keys) == 2 * 3 * 2 * 2
+
+
+def test_block_floating_point_digits_with_rounding_ties_agree_across_isas():
+    """Level 0's A digits (the portable loop, or the AVX-512 one: op_kernel_table
+    .bfp_digits) on values that land exactly halfway between two mantissas, both signs,
+    at every position of a group, in blocks whose last one is cut short (K = 300: a
+    tail of 12 values, 8 in a group and 4 after). Every ISA path equals the scalar one
+    bit for bit, and the scalar one stays within the bound against numpy."""
+    rng = np.random.default_rng(21)
+    K, N, bs = 300, 70, 32
+    B, s, z = random_matmul_nbits(rng, K=K, N=N, block_size=bs, zp="u4")
+    packed = native.prepack_matmul_nbits(B, s, z, K=K, N=N, block_size=bs)
+    A = np.zeros((4, K), np.float32)
+    for b in range(-(-K // bs)):
+        lo, hi = b * bs, min(K, (b + 1) * bs)
+        A[:, lo] = np.float32(2.0 ** 22)  # max |a| = 2^22: the scale is 2^0 ... or 2^-1
+        n = hi - lo - 1
+        half = (rng.integers(-2 ** 20, 2 ** 20, (4, n)) + 0.5).astype(np.float32)  # exact ties
+        A[:, lo + 1:hi] = half
+    A[1] *= np.float32(2.0 ** -60)  # the same ties at another exponent
+    A[2] = -A[2]
+    A[3, ::7] = rng.standard_normal(A[3, ::7].shape).astype(np.float32) * 1e3
+    ref = native.matmul_nbits(A, packed, isa="scalar", accuracy_level=0)
+    check_against_numpy(ref, A, B, s, z, None, K=K, N=N, bs=bs, level=0)
+    for isa in native.kernel_variants()[1:]:
+        np.testing.assert_array_equal(native.matmul_nbits(A, packed, isa=isa, accuracy_level=0), ref,
+                                      err_msg=isa)
