@@ -293,3 +293,62 @@ def test_block_floating_point_digits_with_rounding_ties_agree_across_isas():
     for isa in native.kernel_variants()[1:]:
         np.testing.assert_array_equal(native.matmul_nbits(A, packed, isa=isa, accuracy_level=0), ref,
                                       err_msg=isa)
+
+
+PINNED_LEVEL0 = [  # sha256 of level-0 outputs on the edge inputs below, per (K, N, block size)
+    "7273b4fef1c6294710c9e140131c42203bceaf5a043701d07a83ba89dc5791de",
+    "5bbee3b60ab95636a400a7d7041ac6c32fff03a807c6e8a181f9923552c33958",
+    "4129ae60a7bbd945463c7e2b421c3dc51a79038829dc64485df9c1907f2e6106",
+]
+
+
+def test_level0_outputs_are_pinned_on_edge_inputs():
+    """Level 0's per-block exponent and scale are shared portable code, so the
+    ISA-vs-scalar tests cannot see a change in them; these digests can. Inputs: blocks
+    from FLT_MIN to near FLT_MAX, exact rounding ties, maxima just under a power of two
+    (the e + 1 step), zero and denormal blocks. (Replacing frexpf / nearbyint / ldexp with
+    bit operations kept every digest but gained nothing measurable, so it was not kept;
+    forcing the e + 1 step off fails this test.)"""
+    import hashlib
+
+    rng = np.random.default_rng(20261129)
+    for (K, N, bs), want in zip(((300, 70, 32), (256, 33, 16), (640, 64, 128)), PINNED_LEVEL0):
+        B, s, z = random_matmul_nbits(rng, K=K, N=N, block_size=bs, zp="u4")
+        packed = native.prepack_matmul_nbits(B, s, z, K=K, N=N, block_size=bs)
+        A = rng.standard_normal((8, K)).astype(np.float32)
+        for b in range(-(-K // bs)):  # row 1: a different magnitude per block
+            A[1, b * bs:(b + 1) * bs] *= np.float32(2.0) ** int(-126 + (b * 97) % 250)
+        A[1, :bs] = np.float32(1.1754944e-38) * rng.random(min(bs, K)).astype(np.float32) + np.float32(1.1754944e-38)
+        A[2] = (rng.integers(-2 ** 20, 2 ** 20, K) + 0.5).astype(np.float32)  # ties at scale 1
+        A[2, ::bs] = np.float32(2.0 ** 22)
+        A[3] = np.float32(0.9999) * np.sign(A[3])  # max just under a power of two
+        A[4, :bs] = 0.0
+        A[4, bs:2 * bs] = np.float32(1e-40)  # denormal block: flushed
+        A[5] = np.float32(3.0e38) * np.tanh(A[5])  # near FLT_MAX
+        # rows 6-7: every block just above FLT_MIN (a denormal 2^e scale, denormal
+        # outputs), and every block near 2^-120
+        A[6] = np.float32(1.1754944e-38) * (1 + rng.random(K).astype(np.float32)) * np.sign(A[6])
+        A[7] *= np.float32(2.0 ** -120)
+        y = native.matmul_nbits(A, packed, isa="scalar", accuracy_level=0)
+        assert hashlib.sha256(y.tobytes()).hexdigest() == want, (K, N, bs)
+        for isa in native.kernel_variants()[1:]:
+            np.testing.assert_array_equal(native.matmul_nbits(A, packed, isa=isa, accuracy_level=0), y,
+                                          err_msg=isa)
+
+
+def test_level0_denormal_block_scale_is_pinned():
+    """Blocks just above FLT_MIN get the scale 2^-148, a denormal float; with large
+    weight scales (2^30 here) the product stays normal, so the outputs show whether that
+    scale is right (a denormal scale forced to 0 fails this test)."""
+    import hashlib
+
+    rng = np.random.default_rng(7)
+    K, N, bs = 128, 40, 32
+    B, s, z = random_matmul_nbits(rng, K=K, N=N, block_size=bs, zp="u4")
+    packed = native.prepack_matmul_nbits(B, s * np.float32(2.0 ** 30), z, K=K, N=N, block_size=bs)
+    A = (np.float32(1.1754944e-38) * (1 + rng.random((2, K)).astype(np.float32))
+         * np.sign(rng.standard_normal((2, K))).astype(np.float32))
+    y = native.matmul_nbits(A, packed, isa="scalar", accuracy_level=0)
+    assert np.count_nonzero(y) == y.size
+    assert hashlib.sha256(y.tobytes()).hexdigest() == \
+        "0ac52b3dd4c17dc93af54cbc1689ba250474f320e5c83bbc8b75302d410cf156"
