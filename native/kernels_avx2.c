@@ -94,9 +94,13 @@ AI __m256 fold_int_block(__m256 out, __m256 d, __m256 s, __m256 z, float asum, f
 }
 
 /* One block's dot products d[i][hf][r] (tiles from i0, rows from m) folded into out
- * with the block's scales and zero points: the epilogue of the int8 and bfp panels. */
+ * with the block's scales and zero points: the epilogue of every panel. ascale: A's
+ * per-block scales (int8 and bfp), or NULL for fp32, where the fold is
+ * out + scale * (d - zero * asum); always inlined with a constant NULL, so the fp32
+ * panel has no multiply by 1 and no branch. */
 AI void fold_block_tiles(const op_mm_args *a, const uint8_t *blk, int i0, size_t m, uint32_t b,
-                         const int TP, const int R, __m256 d[4][2][2], __m256 out[4][2][2]) {
+                         const int TP, const int R, const float *ascale, __m256 d[4][2][2],
+                         __m256 out[4][2][2]) {
     const op_packed_header *h = a->h;
     for (int i = 0; i < TP; i++) {
         const float *sc = op_mm_scales(h, blk, i0 + i);
@@ -106,7 +110,12 @@ AI void fold_block_tiles(const op_mm_args *a, const uint8_t *blk, int i0, size_t
             const __m256 s = _mm256_loadu_ps(sc + 8 * hf);
             for (int r = 0; r < R; r++) {
                 const size_t ab = (m + r) * h->n_blocks + b;
-                out[i][hf][r] = fold_int_block(out[i][hf][r], d[i][hf][r], s, z[hf], a->asum[ab], a->ascale[ab]);
+                if (ascale) {
+                    out[i][hf][r] = fold_int_block(out[i][hf][r], d[i][hf][r], s, z[hf], a->asum[ab], ascale[ab]);
+                } else {
+                    const __m256 dz = _mm256_fnmadd_ps(z[hf], _mm256_set1_ps(a->asum[ab]), d[i][hf][r]);
+                    out[i][hf][r] = _mm256_fmadd_ps(s, dz, out[i][hf][r]);
+                }
             }
         }
     }
@@ -138,18 +147,7 @@ AI void f32_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP,
                     }
             }
         }
-        for (int i = 0; i < TP; i++) {
-            const float *sc = op_mm_scales(h, blk, i0 + i);
-            __m256 z[2];
-            block_zeros(h, blk, i0 + i, z);
-            for (int hf = 0; hf < 2; hf++) {
-                const __m256 s = _mm256_loadu_ps(sc + 8 * hf);
-                for (int r = 0; r < R; r++) {
-                    __m256 d = _mm256_fnmadd_ps(z[hf], _mm256_set1_ps(a->asum[(m + r) * nb + b]), acc[i][hf][r]);
-                    out[i][hf][r] = _mm256_fmadd_ps(s, d, out[i][hf][r]);
-                }
-            }
-        }
+        fold_block_tiles(a, blk, i0, m, b, TP, R, NULL, acc, out);
     }
     store_tiles(a, p, i0, m, TP, R, out);
 }
@@ -197,7 +195,7 @@ AI void i8_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP, 
         for (int i = 0; i < TP; i++)
             for (int hf = 0; hf < 2; hf++)
                 for (int r = 0; r < R; r++) d[i][hf][r] = _mm256_cvtepi32_ps(isum[i][hf][r]);
-        fold_block_tiles(a, blk, i0, m, b, TP, R, d, out);
+        fold_block_tiles(a, blk, i0, m, b, TP, R, a->ascale, d, out);
     }
     store_tiles(a, p, i0, m, TP, R, out);
 }
@@ -251,7 +249,7 @@ AI void bfp_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP,
                     d[i][hf][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ih[i][hf][r]), _mm256_set1_ps(65536.0f),
                                                   _mm256_cvtepi32_ps(t));
                 }
-        fold_block_tiles(a, blk, i0, m, b, TP, R, d, out);
+        fold_block_tiles(a, blk, i0, m, b, TP, R, a->ascale, d, out);
     }
     store_tiles(a, p, i0, m, TP, R, out);
 }
