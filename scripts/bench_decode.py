@@ -41,6 +41,7 @@ def main(argv=None) -> int:
     from onnx_prep.core.decoder_io import DecoderIO
     from onnx_prep.core.external_data import ExternalDataReader
     from onnx_prep.core.generation import greedy_decode
+    from onnx_prep.core.machine_activity import MachineActivity, describe
     from onnx_prep.core.ops import append_buffer
     from onnx_prep.core.ops.prepack import prepack_all, source_loader
     from onnx_prep.core.resolution import resolve_model
@@ -75,6 +76,7 @@ def main(argv=None) -> int:
     steps = {"append": [], "grow": [], "copy": []}
     counts = {}
     results = {}
+    activity0 = MachineActivity.now()
     for mode in ("append", "grow", "copy", "copy", "grow", "append"):
         c0 = append_buffer.counters()
         t0 = time.perf_counter()
@@ -87,6 +89,7 @@ def main(argv=None) -> int:
             assert res.tokens.tolist() == results[mode].tokens.tolist()
         results[mode] = res
         print(f"  {mode}: {wall:.1f} s, {args.tokens / wall:.1f} tokens/s", file=sys.stderr)
+    activity = MachineActivity.now().since(activity0)
     a = results["append"]
     for other in ("grow", "copy"):
         o = results[other]
@@ -114,10 +117,11 @@ def main(argv=None) -> int:
     print("slowest decode step (both runs): "
           + ", ".join(f"{m} {max(max(r[1:], default=0.0) for r in steps[m]):.1f} ms" for m in steps))
     print(f"counters per run: " + ", ".join(f"{m} {counts[m]}" for m in steps))
+    print(describe(activity))
     if args.json:
         args.json.write_text(json.dumps({"model": str(path), "tokens": args.tokens, "windows": summary,
                                          "decode_s": total, "counters": counts,
-                                         "step_ms": steps}, indent=2))
+                                         "step_ms": steps, "machine_activity": activity}, indent=2))
     return 0
 
 

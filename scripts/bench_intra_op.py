@@ -32,6 +32,7 @@ def main(argv=None) -> int:
 
     from onnx_prep.core.decoder_io import DecoderIO
     from onnx_prep.core.generation import step_feeds
+    from onnx_prep.core.machine_activity import MachineActivity, describe
     from onnx_prep.core.resolution import resolve_model
     from onnx_prep.core.session import Session
     from onnx_prep.fixtures import FixtureConfig, ensure_cached
@@ -54,12 +55,14 @@ def main(argv=None) -> int:
                 b = sessions[mode].run(feeds)
                 assert all(np.array_equal(a[k], b[k]) for k in a), f"{name}: {mode} and whole outputs differ"
         times: dict[str, list[float]] = {}
+        activity0 = MachineActivity.now()
         for _ in range(args.repeats):
             for mode, s in sessions.items():
                 for name, feeds in cases.items():
                     t = time.perf_counter()
                     s.run(feeds)
                     times.setdefault(f"{name}.{mode}", []).append((time.perf_counter() - t) * 1e3)
+        activity = MachineActivity.now().since(activity0)
     finally:
         for s in sessions.values():
             s.close()
@@ -70,8 +73,9 @@ def main(argv=None) -> int:
         w, wk, sp = (statistics.median(times[f"{name}.{m}"]) for m in ("whole", "wake", "spin"))
         print(f"  {name}: wake {w / wk:.2f}x, spin {w / sp:.2f}x faster than whole; spin {wk / sp:.2f}x "
               f"faster than wake (medians)")
+    print(describe(activity))
     if args.json:
-        args.json.write_text(json.dumps(times, indent=2))
+        args.json.write_text(json.dumps({"times_ms": times, "machine_activity": activity}, indent=2))
     return 0
 
 

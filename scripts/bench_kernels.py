@@ -436,7 +436,8 @@ def main() -> int:
     if args.worker:
         json.dump(worker(args), sys.stdout)
         return 0
-    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
+    from onnx_prep.core.machine_activity import MachineActivity, describe
+
     results = []
     for t in THREADS:
         env = dict(os.environ, OPENBLAS_NUM_THREADS=str(t), OMP_NUM_THREADS=str(t), MKL_NUM_THREADS=str(t))
@@ -445,8 +446,9 @@ def main() -> int:
                "--levels", ",".join(map(str, args.levels))]
         cmd += ["--hot"] if args.hot else []
         cmd += ["--no-numpy"] if args.no_numpy else []
+        before = MachineActivity.now()
         out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
-        results.append(json.loads(out.stdout))
+        results.append(json.loads(out.stdout) | {"machine_activity": MachineActivity.now().since(before)})
     from onnx_prep import __version__
 
     try:
@@ -460,9 +462,8 @@ def main() -> int:
           f"onnxruntime {ort_version}, block_size {BLOCK_SIZE}, no zero points, "
           f"{'hot cache' if args.hot else 'weights streamed from DRAM (rotating copies > 4x LLC)'}, "
           f"{args.reps} repetitions")
-    if load_before:
-        print(f"load average (1 min) before / after: {load_before[0]:.2f} / {os.getloadavg()[0]:.2f} "
-              f"on {os.cpu_count()} CPUs (other work on the machine distorts the 2-thread rows first)")
+    for t, res in zip(THREADS, results):  # other work distorts the 2-thread rows first
+        print(f"{t} thread{'s' if t > 1 else ''}: {describe(res['machine_activity'])}")
     print()
     print(render(results, args))
     if args.json:

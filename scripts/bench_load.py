@@ -271,6 +271,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from onnx_prep import __version__
+    from onnx_prep.core.machine_activity import MachineActivity, describe
     from onnx_prep.core.resolution import resolve_model
     from onnx_prep.fixtures import FixtureConfig, ensure_cached
     from onnx_prep.native import active_isa
@@ -286,6 +287,7 @@ def main(argv=None) -> int:
           f"isa {active_isa()}  cpus {os.cpu_count()}  {platform.machine()}  "
           f"page cache {'warm' if warm else 'dropped per repeat'}  source io {SOURCE_IO}", file=sys.stderr)
 
+    activity0 = MachineActivity.now()
     # NOTE: one discarded warm-up load. On a VM the first touch of memory the host has not
     # backed yet costs ~2 ms/MB; every later load in this process, and the stages measured
     # alone, reuse memory already backed, so without this the first sample is not like the rest.
@@ -301,6 +303,7 @@ def main(argv=None) -> int:
     stage_stats = {k: _stats([run[k] for run in stage_runs]) for k in stage_runs[0]}
     stages = {k: st["median"] for k, st in stage_stats.items()}  # the pipelining limit: medians
     hot = hot_vs_direct(resolved, feeds, args.hot_repeats)
+    activity = MachineActivity.now().since(activity0)
 
     counter_keys = ("bytes_read", "bytes_mapped", "session_tasks", "peak_preparation", "peak_prepared",
                     "peak_execution", "peak_io", "max_in_flight")
@@ -362,6 +365,7 @@ def main(argv=None) -> int:
         "mins": all(v <= t for v, t in zip(ratios_min.values(), targets.values())),
     }
     print("targets met: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in met.items()))
+    print(describe(activity))
     if args.json:
         args.json.write_text(json.dumps({"model": str(path), "isa": active_isa(), "warm_cache": warm,
                                          "samples": samples, "summary": summary, "counters": counters,
@@ -370,7 +374,7 @@ def main(argv=None) -> int:
                                          "cores_busy": cores, "ratios_min": ratios_min,
                                          "stage_runs": stage_runs, "ratios_paired": ratios_paired,
                                          "ratios_paired_runs": paired_runs, "targets": targets,
-                                         "targets_met": met},
+                                         "targets_met": met, "machine_activity": activity},
                                         indent=2))
     return 0
 

@@ -19,6 +19,13 @@ def _run(args: list[str], env_cache: Path, timeout: int = 300) -> subprocess.Com
                           text=True, timeout=timeout)
 
 
+def _check_activity(a: dict, stdout: str) -> None:
+    """Every benchmark reports what else ran on the machine while it measured."""
+    assert "other work on the machine" in stdout
+    if a["available"]:
+        assert a["own_cpu_s"] > 0 and a["foreign_cpu_s"] >= 0 and a["steal_s"] >= 0
+
+
 def test_bench_load_smoke(tmp_path):
     from onnx_prep.core.resolution import resolve_model
 
@@ -45,6 +52,7 @@ def test_bench_load_smoke(tmp_path):
         assert pr["ttfo_over_longest_stage"] == pytest.approx(ttfo_i / max(run.values()))
     st = doc["ratios_paired"]["parallel_init_over_sequential"]
     assert st["min"] <= st["median"] <= st["max"]
+    _check_activity(doc["machine_activity"], p.stdout)
 
 
 def test_bench_resolve_smoke(tmp_path):
@@ -59,6 +67,7 @@ def test_bench_kernels_smoke(tmp_path):
               "--reps", "2"], tmp_path / "cache")
     assert p.returncode == 0, p.stderr
     assert "256x512" in p.stdout
+    assert p.stdout.count("other work on the machine") == 2  # one line per thread count
 
 
 def test_bench_intra_op_smoke(tmp_path):
@@ -66,7 +75,9 @@ def test_bench_intra_op_smoke(tmp_path):
     p = _run(["scripts/bench_intra_op.py", "--preset", "tiny-llm", "--repeats", "1", "--json", str(out)],
              tmp_path / "cache")
     assert p.returncode == 0, p.stderr  # includes the wake == spin == whole output check
-    times = json.loads(out.read_text())
+    doc = json.loads(out.read_text())
+    _check_activity(doc["machine_activity"], p.stdout)
+    times = doc["times_ms"]
     assert set(times) == {f"{c}.{m}" for c in ("prefill8", "decode1") for m in ("whole", "wake", "spin")}
     assert all(len(v) == 1 and v[0] > 0 for v in times.values())
 
@@ -78,6 +89,7 @@ def test_bench_decode_smoke(tmp_path):
     assert p.returncode == 0, p.stderr
     assert "tokens and logits identical" in p.stdout
     doc = json.loads(out.read_text())
+    _check_activity(doc["machine_activity"], p.stdout)
     kv = 2 * 4  # K and V Concats of the 4 blocks
     # the 8-token prefill makes one buffer per KV Concat with room for 64 more rows: the
     # 59 decode steps (past 8 -> 67) all append in place

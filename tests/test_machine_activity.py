@@ -1,0 +1,50 @@
+"""MachineActivity: CPU spent by other work during an interval, from the real counters."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from onnx_prep.core.machine_activity import MachineActivity, describe
+
+linux = pytest.mark.skipif(not os.path.exists("/proc/stat") or not hasattr(os, "waitid"),
+                           reason="needs /proc/stat and waitid (Linux)")
+
+BURN = 0.4  # CPU-seconds the other process spends
+
+
+def _burner() -> subprocess.Popen:
+    code = ("import time\nt = time.process_time()\n"
+            f"while time.process_time() - t < {BURN}: pass\n")
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+@linux
+def test_other_process_cpu_counts_as_foreign_until_it_is_ours():
+    before = MachineActivity.now()
+    child = _burner()
+    # Wait for it to exit WITHOUT reaping it: its CPU is not in RUSAGE_CHILDREN yet, so
+    # for this process it is somebody else's work.
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
+    exited = MachineActivity.now()
+    child.wait()  # reaped: now its CPU is this process's (children)
+    reaped = MachineActivity.now()
+
+    a = exited.since(before)
+    assert a["available"]
+    assert a["foreign_cpu_s"] >= BURN - 0.05, a
+    assert a["foreign_cores"] > 0.05 and "WARNING" in describe(a)
+
+    b = reaped.since(before)
+    assert b["own_cpu_s"] >= BURN - 0.02, b
+    # the same work, counted as ours: at most the interpreter start-up and the
+    # counters' granularity (~10 ms per CPU per snapshot) stay foreign
+    assert b["foreign_cpu_s"] < a["foreign_cpu_s"] - BURN / 2, (a, b)
+
+
+def test_without_proc_stat_it_says_unknown():
+    a = MachineActivity(1.0, 0.5, None, None).since(MachineActivity(0.0, 0.0, None, None))
+    assert a == {"available": False, "wall_s": 1.0, "own_cpu_s": 0.5}
+    assert "unknown" in describe(a)
