@@ -383,8 +383,8 @@ class Session:
 
         ``lend_helpers`` (the hot path): CPU workers idle at the start are lent to the
         run for its duration, waiting in C on the run's mailbox for the chunks of each
-        split matmul (native/handoff.py); they spin, so each costs a core until the run
-        ends. Without an idle worker, or on the cold path (where the other workers pack
+        split matmul (native/handoff.py); they spin between batches, so each costs a
+        core while the run publishes them, and sleep after 1 ms without one. Without an idle worker, or on the cold path (where the other workers pack
         weights), splits go through ``fork_join``."""
         box, lent = None, []
         if lend_helpers and self._spin_helpers and parts >= 2:
@@ -400,7 +400,7 @@ class Session:
             if lent:
                 box.stop()
                 self.scheduler.reclaim(lent)
-                intra_op.COUNTERS.add_handed_off(box.chunks_by_helpers)
+                intra_op.COUNTERS.add_handed_off(box.chunks_by_helpers, box.sleeps, box.wakes)
 
     def _run_hot(self, ctx: RuntimeContext, pins, run_id: int) -> ExecutionHandle:
         ctx.mode = "hot"

@@ -17,9 +17,49 @@
  *   it leaves without touching the batch. Both sides use sequentially consistent
  *   operations on seq and active, so either the caller sees the helper's active++ and
  *   waits for it, or the helper sees the close and backs off. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
 #include <stdint.h>
 
 #include "onnx_prep_native.h"
+
+#if defined(_WIN32)
+#include <windows.h>
+static int64_t now_ns(void) {
+    LARGE_INTEGER f, c;
+    QueryPerformanceFrequency(&f);
+    QueryPerformanceCounter(&c);
+    return (int64_t)((double)c.QuadPart * 1e9 / (double)f.QuadPart);
+}
+static void nap(uint32_t *word, uint32_t seen) { (void)word; (void)seen; Sleep(0); }
+static void wake_all(uint32_t *word) { (void)word; }
+#else
+#include <time.h>
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+/* Sleep while *word == seen (returns at once if it already changed, or on a signal:
+ * the caller re-checks everything either way). */
+static void nap(uint32_t *word, uint32_t seen) {
+    syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+}
+static void wake_all(uint32_t *word) { syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, 0x7fffffff, NULL, NULL, 0); }
+#else
+static void nap(uint32_t *word, uint32_t seen) {
+    (void)word; (void)seen;
+    struct timespec ts = {0, 50000};
+    nanosleep(&ts, NULL);
+}
+static void wake_all(uint32_t *word) { (void)word; }
+#endif
+#endif
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -47,6 +87,11 @@ int op_mailbox_fork_join(op_mailbox *m, op_mm_batch *b) {
     b->done = 0;
     __atomic_store_n(&m->batch, b, __ATOMIC_RELEASE);
     __atomic_fetch_add(&m->seq, 1, __ATOMIC_SEQ_CST); /* even: open */
+    if (__atomic_load_n(&m->sleepers, __ATOMIC_SEQ_CST) > 0) { /* see op_mailbox_serve */
+        __atomic_fetch_add(&m->wake, 1, __ATOMIC_SEQ_CST);
+        wake_all(&m->wake);
+        __atomic_fetch_add(&m->wakes, 1, __ATOMIC_RELAXED);
+    }
     int64_t mine = op_batch_run(b);
     while (__atomic_load_n(&b->done, __ATOMIC_ACQUIRE) < b->n) cpu_relax();
     __atomic_fetch_add(&m->seq, 1, __ATOMIC_SEQ_CST); /* odd: closed */
@@ -60,6 +105,9 @@ int op_mailbox_fork_join(op_mailbox *m, op_mm_batch *b) {
 int64_t op_mailbox_serve(op_mailbox *m) {
     uint64_t last = 0;
     int64_t ran = 0;
+    int64_t spin_ns = m->spin_ns;
+    int64_t idle_since = now_ns();
+    uint32_t polls = 0;
     while (!__atomic_load_n(&m->stop, __ATOMIC_ACQUIRE)) {
         uint64_t s = __atomic_load_n(&m->seq, __ATOMIC_SEQ_CST);
         if ((s & 1) == 0 && s != last) {
@@ -68,11 +116,32 @@ int64_t op_mailbox_serve(op_mailbox *m) {
                 ran += op_batch_run(__atomic_load_n(&m->batch, __ATOMIC_ACQUIRE));
             __atomic_fetch_sub(&m->active, 1, __ATOMIC_SEQ_CST);
             last = s;
-        } else {
-            cpu_relax();
+            idle_since = now_ns();
+            continue;
         }
+        cpu_relax();
+        if (spin_ns <= 0 || (++polls & 255) != 0 || now_ns() - idle_since < spin_ns) continue;
+        /* Idle too long: sleep until the next publish or stop. The wake word is read
+         * before sleepers++ and seq is checked after it; the publisher bumps seq before
+         * it reads sleepers (all sequentially consistent). So either the publisher sees
+         * this sleeper and bumps the wake word (the futex then returns at once, or wakes
+         * it), or this helper sees the new seq and does not sleep. */
+        uint32_t w = __atomic_load_n(&m->wake, __ATOMIC_SEQ_CST);
+        __atomic_fetch_add(&m->sleepers, 1, __ATOMIC_SEQ_CST);
+        uint64_t s2 = __atomic_load_n(&m->seq, __ATOMIC_SEQ_CST);
+        if (!((s2 & 1) == 0 && s2 != last) && !__atomic_load_n(&m->stop, __ATOMIC_SEQ_CST)) {
+            __atomic_fetch_add(&m->sleeps, 1, __ATOMIC_RELAXED);
+            nap(&m->wake, w);
+        }
+        __atomic_fetch_sub(&m->sleepers, 1, __ATOMIC_SEQ_CST);
+        /* idle_since stays: woken without a batch (a stray wake-up, a nap that ran
+         * out), the helper goes back to sleep at its next clock check */
     }
     return ran;
 }
 
-void op_mailbox_stop(op_mailbox *m) { __atomic_store_n(&m->stop, 1u, __ATOMIC_RELEASE); }
+void op_mailbox_stop(op_mailbox *m) {
+    __atomic_store_n(&m->stop, 1u, __ATOMIC_SEQ_CST);
+    __atomic_fetch_add(&m->wake, 1, __ATOMIC_SEQ_CST);
+    wake_all(&m->wake);
+}

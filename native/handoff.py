@@ -56,14 +56,29 @@ def matmul_nbits_batch(A: np.ndarray, packed: np.ndarray, ranges, *, bias: np.nd
     return res, MatmulBatch(c, (A2, packed, bias, o2, flat, rcs), len(ranges))
 
 
+# NOTE: how long an idle helper spins before it sleeps. A hot decode step publishes a
+# batch every ~0.1-0.3 ms (its other ops run in between), so 1 ms keeps the helpers
+# spinning through a run of the fixtures; a run that stalls in a slow op (the generic
+# fallback, say) costs a core for 1 ms instead of for as long as the op takes. A wake
+# from sleep costs a futex call on the publishing side and ~10-50 us before the helper
+# joins, during which the caller runs the chunks itself.
+SPIN_NS_DEFAULT = 1_000_000
+
+
 class Mailbox:
-    """Where one run publishes its batches to the helpers lent to it."""
+    """Where one run publishes its batches to the helpers lent to it. ``spin_ns``: how
+    long an idle helper spins before it sleeps until the next publish (0: it never
+    sleeps)."""
 
     __slots__ = ("c",)
 
-    def __init__(self) -> None:
+    def __init__(self, spin_ns: int | None = None) -> None:
+        spin_ns = SPIN_NS_DEFAULT if spin_ns is None else int(spin_ns)
+        if spin_ns < 0:
+            raise ValueError(f"spin_ns must be >= 0, got {spin_ns}")
         self.c = ffi.new("op_mailbox *")
         self.c.seq = 1  # closed
+        self.c.spin_ns = spin_ns
 
     def serve(self) -> int:
         """Helper side: run chunks of every batch published until :meth:`stop` (GIL
@@ -82,3 +97,18 @@ class Mailbox:
     @property
     def chunks_by_helpers(self) -> int:
         return int(self.c.chunks_by_helpers)
+
+    @property
+    def sleeps(self) -> int:
+        """Times a helper went to sleep after ``spin_ns`` without a batch."""
+        return int(self.c.sleeps)
+
+    @property
+    def sleepers(self) -> int:
+        """Helpers asleep (or about to be) right now."""
+        return max(0, int(self.c.sleepers))
+
+    @property
+    def wakes(self) -> int:
+        """Publishes that found a helper asleep and woke it."""
+        return int(self.c.wakes)

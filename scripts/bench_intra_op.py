@@ -33,6 +33,8 @@ def main(argv=None) -> int:
     from onnx_prep.core.decoder_io import DecoderIO
     from onnx_prep.core.generation import step_feeds
     from onnx_prep.core.machine_activity import MachineActivity, describe
+    from onnx_prep.core.ops import intra_op
+    from onnx_prep.native.handoff import SPIN_NS_DEFAULT
     from onnx_prep.core.resolution import resolve_model
     from onnx_prep.core.session import Session
     from onnx_prep.fixtures import FixtureConfig, ensure_cached
@@ -56,6 +58,7 @@ def main(argv=None) -> int:
                 assert all(np.array_equal(a[k], b[k]) for k in a), f"{name}: {mode} and whole outputs differ"
         times: dict[str, list[float]] = {}
         activity0 = MachineActivity.now()
+        c0 = (intra_op.COUNTERS.handed_off, intra_op.COUNTERS.helper_sleeps, intra_op.COUNTERS.helper_wakes)
         for _ in range(args.repeats):
             for mode, s in sessions.items():
                 for name, feeds in cases.items():
@@ -63,6 +66,9 @@ def main(argv=None) -> int:
                     s.run(feeds)
                     times.setdefault(f"{name}.{mode}", []).append((time.perf_counter() - t) * 1e3)
         activity = MachineActivity.now().since(activity0)
+        helpers = dict(zip(("handed_off", "sleeps", "wakes"),
+                           (b - a for a, b in zip(c0, (intra_op.COUNTERS.handed_off, intra_op.COUNTERS.helper_sleeps,
+                                                       intra_op.COUNTERS.helper_wakes)))))
     finally:
         for s in sessions.values():
             s.close()
@@ -73,9 +79,12 @@ def main(argv=None) -> int:
         w, wk, sp = (statistics.median(times[f"{name}.{m}"]) for m in ("whole", "wake", "spin"))
         print(f"  {name}: wake {w / wk:.2f}x, spin {w / sp:.2f}x faster than whole; spin {wk / sp:.2f}x "
               f"faster than wake (medians)")
+    runs = 2 * args.repeats
+    print(f"  spin runs' helpers: {helpers['handed_off'] / runs:.1f} chunks, {helpers['sleeps'] / runs:.2f} sleeps, "
+          f"{helpers['wakes'] / runs:.2f} wakes per run (sleep after {SPIN_NS_DEFAULT / 1e6:g} ms idle)")
     print(describe(activity))
     if args.json:
-        args.json.write_text(json.dumps({"times_ms": times, "machine_activity": activity}, indent=2))
+        args.json.write_text(json.dumps({"times_ms": times, "helpers": helpers, "machine_activity": activity}, indent=2))
     return 0
 
 

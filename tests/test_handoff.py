@@ -4,7 +4,9 @@ a mailbox nobody serves costs the caller nothing but its own chunks; and the run
 lends its idle CPU workers to hot runs for it."""
 from __future__ import annotations
 
+import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -73,6 +75,48 @@ def test_serve_returns_once_stopped_even_if_stopped_first():
     box2.stop()
     t.join(timeout=30)
     assert not t.is_alive()
+
+
+def _thread_cpu_ns(tid: int) -> int:
+    with open(f"/proc/self/task/{tid}/schedstat") as f:
+        return int(f.read().split()[0])  # time on a CPU, ns
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"), reason="needs /proc schedstat (Linux)")
+def test_an_idle_helper_sleeps_costs_no_cpu_and_wakes_for_the_next_batch():
+    K, N = 256, 640
+    p = _packed(K, N)
+    box = native.Mailbox(spin_ns=200_000)  # sleeps after 0.2 ms without a batch
+    helper = threading.Thread(target=box.serve)
+    helper.start()
+    try:
+        deadline = time.monotonic() + 30
+        while box.sleepers == 0:  # the condition itself, not a timed wait
+            assert time.monotonic() < deadline, "the helper never went to sleep"
+        assert box.sleeps >= 1
+        # asleep: it takes no CPU while the caller works (spinning, it would take ~all
+        # of a core for the whole window)
+        cpu0, t0 = _thread_cpu_ns(helper.native_id), time.perf_counter()
+        A = rng.standard_normal((4, K)).astype(np.float32)
+        while time.perf_counter() - t0 < 0.2:
+            ref = native.matmul_nbits(A, p)
+        assert _thread_cpu_ns(helper.native_id) - cpu0 < 20_000_000
+        # a publish wakes it: it runs chunks again, same bits
+        for i in range(2000):
+            y, batch = native.matmul_nbits_batch(A, p, _ranges(N, 8))
+            box.fork_join(batch)
+            np.testing.assert_array_equal(y, ref)
+            if box.chunks_by_helpers:
+                break
+        assert box.wakes >= 1 and box.chunks_by_helpers > 0
+        while box.sleepers == 0:  # idle again: asleep again
+            assert time.monotonic() < deadline, "the helper never went back to sleep"
+    finally:
+        box.stop()  # wakes a sleeping helper
+        helper.join(timeout=30)
+    assert not helper.is_alive()
+    with pytest.raises(ValueError, match="spin_ns"):
+        native.Mailbox(spin_ns=-1)
 
 
 def test_batch_arguments_are_checked_before_any_c_call():

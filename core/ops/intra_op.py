@@ -30,13 +30,17 @@ MIN_SPLIT_WORK = 2 << 20
 
 
 class _Counters:
-    """Process-wide: ops split (``splits``), parts made (``parts``), and chunks run by
-    helpers through a run's mailbox (``handed_off``)."""
+    """Process-wide: ops split (``splits``), parts made (``parts``), chunks run by
+    helpers through a run's mailbox (``handed_off``), and how often a run's helpers
+    went to sleep after spinning idle (``helper_sleeps``) and had to be woken by a
+    publish (``helper_wakes``; native/handoff.py, SPIN_NS_DEFAULT)."""
 
     def __init__(self) -> None:
         self.splits = 0
         self.parts = 0
         self.handed_off = 0
+        self.helper_sleeps = 0
+        self.helper_wakes = 0
         self._lock = threading.Lock()
 
     def add(self, parts: int) -> None:
@@ -44,9 +48,11 @@ class _Counters:
             self.splits += 1
             self.parts += parts
 
-    def add_handed_off(self, chunks: int) -> None:
+    def add_handed_off(self, chunks: int, sleeps: int = 0, wakes: int = 0) -> None:
         with self._lock:
             self.handed_off += chunks
+            self.helper_sleeps += sleeps
+            self.helper_wakes += wakes
 
 
 COUNTERS = _Counters()
