@@ -159,6 +159,33 @@ class _Residency:
     view: np.ndarray  # what kernels consume: uint8 packed bytes or the typed raw weight
 
 
+class _Warming:
+    """A spare slot the warmer is committing: ``lock`` is held for each step of it, and
+    a prepack that wants the slot sets ``wanted`` (under the session lock) and then
+    takes ``lock`` once, after which the warmer commits no more of it."""
+
+    __slots__ = ("lock", "wanted")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.wanted = False
+
+
+# The warmer commits a slot in steps of this size, so a prepack that wants the slot
+# waits for at most one step (~1 ms) before it commits the rest itself.
+WARM_STEP_BYTES = 4 << 20
+
+
+def _to_idle_priority() -> bool:
+    """Put the calling thread in the OS's idle class (it runs only on a CPU that would
+    otherwise idle). False where the OS has no such per-thread class (not Linux)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread (Linux)
+        return True
+    except (AttributeError, OSError):
+        return False
+
+
 @dataclass
 class _Run:
     ctx: RuntimeContext
@@ -182,6 +209,7 @@ class SessionCounters:
     evictions: int = 0  # objects the session evicted to make room under the PREPARED limit
     shed: int = 0  # speculative tasks cancelled because a run's producer could not get memory
     source_reads: int = 0
+    slot_bytes_warmed: int = 0  # stable-slot bytes committed ahead of their prepack by idle CPU
 
 
 class Session:
@@ -190,7 +218,8 @@ class Session:
                  io_workers: int = 2, cpu_workers: int | None = None,
                  residency_limit: int | None = None, lookahead: LookaheadWindow | None = None,
                  reader: ExternalDataReader | None = None, trust_symlinks: bool = False,
-                 source_io: str = "map", intra_op: bool = True, spin_helpers: bool | None = None) -> None:
+                 source_io: str = "map", intra_op: bool = True, spin_helpers: bool | None = None,
+                 warm_slots: bool = True) -> None:
         if source_io not in SOURCE_IO:
             raise UsageError(f"unknown source_io {source_io!r}", hint=f"choose one of {', '.join(SOURCE_IO)}")
         self.source_io = source_io
@@ -268,6 +297,15 @@ class Session:
                 slot = StableSlot(r.packed_bytes)
                 slot.open()
                 self._spare_slots[r.key] = slot
+        # Slot warming (_warm_slots): while a parallel prepare runs and no run does, a
+        # thread in the OS's idle class commits the spare slots' pages ahead of their
+        # prepacks, on CPU time the workers leave idle (waiting for reads, at the tail).
+        # Only without memory limits: it commits pages before their admission.
+        self._warm_slots = (warm_slots and not self.scheduler.sequential and residency_limit is None
+                            and self.budget.global_limit is None and self.budget.limit(Arena.PREPARED) is None)
+        self._warming: dict[PreparedKey, _Warming] = {}
+        self._warmer: threading.Thread | None = None
+        self._warm_cv = threading.Condition(self._lock)  # notified as slot_bytes_warmed grows
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -292,6 +330,9 @@ class Session:
             h.wait()
         for h in handles:
             self._release_source(h)
+        warmer = self._warmer
+        if warmer is not None:
+            warmer.join()  # it sees _closed at its next step
         if self._own_workspace:
             self.workspace.close()
         self.store.clear()
@@ -323,7 +364,61 @@ class Session:
                 h = self._handles.get(tid)
                 if h is not None and h not in shared:
                     shared.append(h)
-        return ExecutionHandle(shared=shared, name="prepare")
+        handle = ExecutionHandle(shared=shared, name="prepare")
+        self._start_warmer(handle)
+        return handle
+
+    def _start_warmer(self, prepare: ExecutionHandle) -> None:
+        with self._lock:
+            if (not self._warm_slots or not self._spare_slots or self._closed
+                    or (self._warmer is not None and self._warmer.is_alive())):
+                return
+            runs = self.counters.cold_runs + self.counters.hot_runs
+            if runs:  # a run is (or was) here: its steps need the memory bandwidth
+                return
+            self._warmer = threading.Thread(target=self._warm_slots_loop, args=(prepare, runs),
+                                            name="onnx-prep-slot-warmer", daemon=True)
+            self._warmer.start()
+
+    def _warm_slots_loop(self, prepare: ExecutionHandle, runs: int) -> None:
+        """Commit spare slots' pages in the order runs need them, one step at a time,
+        from the OS's idle class. NOTE: measured on the 2-vCPU VM, cold page cache,
+        medium fixture, 15 interleaved loads each: parallel init 484 ms median
+        (336-721) without, 425 ms (360-467) with. It stops when a run starts (a run's
+        GEMVs need the memory bandwidth that zeroing pages takes: a time-to-first-output
+        load with the warmer running came out 550 -> 636 ms), when the prepare ends
+        or is cancelled, and when the session closes."""
+        if not _to_idle_priority():
+            return  # at normal priority it would take CPU from the workers instead
+        for r in self.plan.requirements:  # in order of first use
+            key = r.key
+            if prepare.is_ready():  # done, failed or cancelled (outside the session lock)
+                return
+            with self._lock:
+                if self._closed or self.counters.cold_runs + self.counters.hot_runs != runs:
+                    return
+                slot = self._spare_slots.get(key)
+                if slot is None or slot.committed_bytes >= r.packed_bytes:
+                    continue  # its prepack took it, or nothing to do
+                w = self._warming[key] = _Warming()
+            try:
+                n = slot.committed_bytes
+                while n < r.packed_bytes:
+                    n = min(r.packed_bytes, n + WARM_STEP_BYTES)
+                    with w.lock:
+                        if w.wanted or self._closed:
+                            break
+                        before = slot.committed_bytes
+                        slot.commit(n)
+                        added = slot.committed_bytes - before
+                    with self._lock:
+                        self.counters.slot_bytes_warmed += added
+                        self._warm_cv.notify_all()
+            except MemoryError:
+                return  # the prepack commits (and reports) it itself
+            finally:
+                with self._lock:
+                    self._warming.pop(key, None)
 
     def prepare(self) -> None:
         self.prepare_async().wait()
@@ -696,6 +791,12 @@ class Session:
             with self._lock:
                 r = self._residency.get(key)
                 spare = self._spare_slots.pop(key, None) if r is None else None
+                warming = self._warming.get(key) if spare is not None else None
+                if warming is not None:
+                    warming.wanted = True
+            if warming is not None:
+                with warming.lock:  # the warmer's current step ends; it commits no more
+                    pass
             if r is None:
                 slot = spare if spare is not None and spare.capacity >= nbytes else StableSlot(max(nbytes, 1))
                 slot.commit(nbytes)

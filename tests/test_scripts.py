@@ -52,6 +52,9 @@ def test_bench_load_smoke(tmp_path):
         assert pr["ttfo_over_longest_stage"] == pytest.approx(ttfo_i / max(run.values()))
     st = doc["ratios_paired"]["parallel_init_over_sequential"]
     assert st["min"] <= st["median"] <= st["max"]
+    # slot warming: never in a sequential session, never once a run has started (ttfo)
+    assert doc["slot_mib_warmed"]["sequential"]["max"] == 0 and doc["slot_mib_warmed"]["ttfo"]["max"] == 0
+    assert doc["slot_mib_warmed"]["init"]["min"] >= 0
     _check_activity(doc["machine_activity"], p.stdout)
 
 

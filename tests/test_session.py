@@ -436,3 +436,53 @@ def test_source_io_map_and_read_give_identical_outputs(small_llm_path):
     assert counters["map"]["bytes_mapped"] > 0 and counters["read"]["bytes_mapped"] == 0
     with pytest.raises(OnnxPrepError, match="source_io"):
         Session.open(small_llm_path, source_io="bogus")
+
+
+needs_idle_class = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"),
+                                      reason="slot warming needs the OS's per-thread idle class (Linux)")
+
+
+@needs_idle_class
+def test_idle_cpu_commits_slots_ahead_and_prepacks_use_those_slots(small_llm_path):
+    """While every read is held back (CPU workers idle), the warmer commits reserved
+    slots; the prepacks then fill exactly those slots (same addresses, no second slot)
+    and the outputs equal a session without warming."""
+    io = _io(small_llm_path)
+    feeds = _feeds(io, np.array([[1, 2, 3]]))
+    with Session.open(small_llm_path, warm_slots=False) as plain:
+        plain.prepare()
+        ref = plain.run(feeds)
+        assert plain.counters.slot_bytes_warmed == 0
+    gate = threading.Event()
+    s = Session.open(small_llm_path)
+    try:
+        reserved = {k: slot.address for k, slot in s._spare_slots.items()}
+        s.reader.hooks.before_read = lambda desc: gate.wait(HOOK_TIMEOUT_S)
+        h = s.prepare_async()
+        with s._warm_cv:  # the condition the warmer notifies, not a timed wait
+            assert s._warm_cv.wait_for(lambda: s.counters.slot_bytes_warmed > 0, HOOK_TIMEOUT_S)
+        gate.set()
+        h.wait()
+        assert {k: s.prepared_view(k).ctypes.data for k in reserved} == reserved
+        out = s.run(feeds)
+        assert all(np.array_equal(out[k], ref[k]) for k in ref)
+    finally:
+        gate.set()
+        s.close()
+    assert "onnx-prep-slot-warmer" not in _live_threads()
+
+
+@needs_idle_class
+def test_slot_warming_stays_out_of_runs_sequential_sessions_and_memory_limits(small_llm_path):
+    io = _io(small_llm_path)
+    feeds = _feeds(io, np.array([[1, 2, 3]]))
+    limited = MemoryBudget(limits={Arena.PREPARED: 1 << 40})
+    for kw in ({"sequential": True}, {"budget": limited}, {"residency_limit": 1 << 40}):
+        with Session.open(small_llm_path, **kw) as s:
+            s.prepare()
+            assert s._warmer is None and s.counters.slot_bytes_warmed == 0, kw
+    with Session.open(small_llm_path) as s:  # a run first: its steps need the bandwidth
+        run = s.run_async(RuntimeContext(feeds))
+        s.prepare()
+        run.wait()
+        assert s._warmer is None and s.counters.slot_bytes_warmed == 0
