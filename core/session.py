@@ -383,11 +383,12 @@ class Session:
     def _warm_slots_loop(self, prepare: ExecutionHandle, runs: int) -> None:
         """Commit spare slots' pages in the order runs need them, one step at a time,
         from the OS's idle class. NOTE: measured on the 2-vCPU VM, cold page cache,
-        medium fixture, 15 interleaved loads each: parallel init 484 ms median
-        (336-721) without, 425 ms (360-467) with. It stops when a run starts (a run's
-        GEMVs need the memory bandwidth that zeroing pages takes: a time-to-first-output
-        load with the warmer running came out 550 -> 636 ms), when the prepare ends
-        or is cancelled, and when the session closes."""
+        medium fixture, 12 interleaved loads each: parallel init 475 ms median
+        (351-747) without, 395 ms (351-550) with; warm page cache, no change (328 vs
+        338 ms: the workers leave little CPU idle). It stops when a run starts (a run's
+        GEMVs need the memory bandwidth that zeroing pages takes: with a first version
+        that kept warming during the run, time to first output came out 550 -> 636 ms),
+        when the prepare ends or is cancelled, and when the session closes."""
         if not _to_idle_priority():
             return  # at normal priority it would take CPU from the workers instead
         for r in self.plan.requirements:  # in order of first use
@@ -406,8 +407,8 @@ class Session:
                 while n < r.packed_bytes:
                     n = min(r.packed_bytes, n + WARM_STEP_BYTES)
                     with w.lock:
-                        if w.wanted or self._closed:
-                            break
+                        if w.wanted or self._closed or self.counters.cold_runs + self.counters.hot_runs != runs:
+                            break  # (the counters read without the lock: a hint, checked again)
                         before = slot.committed_bytes
                         slot.commit(n)
                         added = slot.committed_bytes - before
