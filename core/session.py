@@ -245,6 +245,7 @@ class Session:
         # Scheduler.fork_join, to workers that sleep between them (no core spent waiting).
         # None: ONNX_PREP_SPIN_HELPERS (default on).
         self._spin_helpers = spin_helpers_default() if spin_helpers is None else bool(spin_helpers)
+        self._lend_at_start = False  # see _executing
         self.budget: MemoryBudget = self.workspace.budget
         self.store = PreparedObjectStore(residency_limit=residency_limit)
         self.counters = SessionCounters()
@@ -477,26 +478,46 @@ class Session:
         """What a run's actions execute under, on whichever thread runs them: the
         intra-op split (``parts`` ways) and the KV room the caller announced.
 
-        ``lend_helpers`` (the hot path): CPU workers idle at the start are lent to the
-        run for its duration, waiting in C on the run's mailbox for the chunks of each
-        split matmul (native/handoff.py); they spin between batches, so each costs a
-        core while the run publishes them, and sleep after 1 ms without one. Without an idle worker, or on the cold path (where the other workers pack
-        weights), splits go through ``fork_join``."""
-        box, lent = None, []
+        ``lend_helpers`` (the hot path): the CPU workers idle at the start are lent to
+        the run, waiting in C on the run's mailbox for the chunks of each split matmul
+        (native/handoff.py): at the start if the session's previous hot run split a
+        matmul, else at the run's first split (``intra_op.LazyMailbox``: a run that
+        splits nothing lends nothing). NOTE: lending at the first split costs that
+        split its helper (the worker wakes while the caller runs the chunks); a medium
+        decode token took 27.05 ms against 26.17 lending at the start in one A/B
+        (medians of 40, interleaved), within the noise in another. So a run lends at
+        its start when the one before split (decode steps look like the step before),
+        and a session whose runs split nothing (the tiny fixture's decode) never lends.
+        They spin
+        between batches, so each costs a core while the run publishes them, and sleep
+        after 1 ms without one. Without an idle worker, or on the cold path (where the
+        other workers pack weights), splits go through ``fork_join``."""
+        lazy, opened = None, []
         if lend_helpers and self._spin_helpers and parts >= 2:
-            from onnx_prep import native
+            def open_mailbox():
+                from onnx_prep import native
 
-            box = native.Mailbox()
-            lent = self.scheduler.lend(box.serve, parts - 1)
+                box = native.Mailbox()
+                lent = self.scheduler.lend(box.serve, parts - 1)
+                if not lent:
+                    return None
+                opened.append((box, lent))
+                return box
+
+            lazy = intra_op.LazyMailbox(open_mailbox)
+            if self._lend_at_start:
+                lazy.open_now()
         try:
-            with intra_op.using(self.scheduler.fork_join, parts, mailbox=box if lent else None), \
+            with intra_op.using(self.scheduler.fork_join, parts, mailbox=lazy), \
                     append_buffer.room_for(ctx.append_room):
                 yield
         finally:
-            if lent:
+            for box, lent in opened:
                 box.stop()
                 self.scheduler.reclaim(lent)
                 intra_op.COUNTERS.add_handed_off(box.chunks_by_helpers, box.sleeps, box.wakes)
+            if lazy is not None:  # the next hot run lends at its start if this one split
+                self._lend_at_start = lazy.asked
 
     def _run_hot(self, ctx: RuntimeContext, pins, run_id: int) -> ExecutionHandle:
         ctx.mode = "hot"

@@ -161,3 +161,41 @@ def test_hot_runs_lend_idle_workers_and_keep_every_bit(tiny_llm_path, monkeypatc
         sched = spin.scheduler
         assert not sched._side  # every offer taken back or finished
         assert spin.counters.hot_runs >= 6
+
+
+def test_a_run_that_splits_nothing_lends_nothing(tiny_llm_path, monkeypatch):
+    """Helpers are lent at a run's first split (or at its start when the run before
+    split): the tiny fixture's decode, which splits no matmul, never lends a worker;
+    a prefill made to split lends, and the next run lends at its start."""
+    from onnx_prep.core.decoder_io import DecoderIO
+    from onnx_prep.core.generation import step_feeds
+    from onnx_prep.core.resolution import resolve_model
+    from onnx_prep.core.session import Session
+
+    r = resolve_model(tiny_llm_path)
+    io = DecoderIO.discover(r.inputs, r.outputs)
+    prefill = step_feeds(io, np.arange(3, 11, dtype=np.int64).reshape(1, 8), io.empty_past(1), 0)
+    with Session(r) as s:
+        s.prepare()
+        out = s.run(prefill)
+        past = {p.name: out[pres] for kv in io.kv
+                for pres, p in ((kv.present_key, kv.past_key), (kv.present_value, kv.past_value))}
+        decode = step_feeds(io, np.array([[5]], dtype=np.int64), past, 8)
+        monkeypatch.setattr(intra_op, "MIN_SPLIT_WORK", 1 << 40)  # nothing splits
+        s.run(decode)  # may lend at its start: the prefill before it split
+        assert not s._lend_at_start  # it split nothing: the next runs lend only if they split
+        lent0, splits0 = intra_op.COUNTERS.runs_lending, intra_op.COUNTERS.splits
+        for _ in range(5):
+            s.run(decode)
+        assert intra_op.COUNTERS.splits == splits0
+        assert intra_op.COUNTERS.runs_lending == lent0  # no worker was lent
+        assert not s._lend_at_start
+
+        monkeypatch.setattr(intra_op, "MIN_SPLIT_WORK", 1)  # every matmul splits
+        ref = s.run(prefill)
+        if intra_op.COUNTERS.runs_lending == lent0:  # no worker was idle at that split
+            pytest.skip("no idle CPU worker to lend on this machine")
+        assert s._lend_at_start  # it split: the next run lends at its start
+        out = s.run(prefill)
+        assert all(np.array_equal(out[k], ref[k]) for k in ref)
+        assert intra_op.COUNTERS.runs_lending >= lent0 + 2

@@ -41,6 +41,7 @@ class _Counters:
         self.handed_off = 0
         self.helper_sleeps = 0
         self.helper_wakes = 0
+        self.runs_lending = 0  # hot runs that lent helpers (at their first split)
         self._lock = threading.Lock()
 
     def add(self, parts: int) -> None:
@@ -50,6 +51,7 @@ class _Counters:
 
     def add_handed_off(self, chunks: int, sleeps: int = 0, wakes: int = 0) -> None:
         with self._lock:
+            self.runs_lending += 1
             self.handed_off += chunks
             self.helper_sleeps += sleeps
             self.helper_wakes += wakes
@@ -118,11 +120,48 @@ def current() -> tuple[ForkJoin, int] | None:
     return _CURRENT.get()
 
 
+class LazyMailbox:
+    """A run's mailbox, opened by the first split that asks for it: ``open_fn()`` lends
+    the helpers and returns the ``native.Mailbox`` they serve, or None (no idle worker);
+    either way once per run.
+
+    NOTE: lazily, because a run that splits nothing must not lend anything. The tiny
+    fixture's decode steps split no matmul, yet each lent a helper at its start: a
+    worker woken, spinning for up to 1 ms on the other core of a 2.4 ms step, then
+    stopped and reclaimed (in one run of bench_intra_op those steps took 2.94 ms against
+    2.62 without any split; with lazy lending 2.43 against 2.40, though repeated A/Bs put
+    the time difference within this VM's noise of ~5%; the core left alone is the sure
+    part). The first split of a run pays the lending instead: its chunks start on the
+    caller while the helper wakes; Session lends at the start of a run when the run
+    before it split."""
+
+    __slots__ = ("_open", "_box", "_opened", "asked")
+
+    def __init__(self, open_fn: Callable[[], Any]) -> None:
+        self._open, self._box, self._opened = open_fn, None, False
+        self.asked = False  # a split asked for it (see get)
+
+    def open_now(self) -> None:
+        """Lend now, ahead of any split (the caller expects one)."""
+        if not self._opened:
+            self._opened = True
+            self._box = self._open()
+
+    def get(self) -> Any:
+        """For a split: the mailbox, opened now if it was not."""
+        self.asked = True
+        self.open_now()
+        return self._box
+
+
 def mailbox() -> Any:
     """The ``native.Mailbox`` that helpers lent to this run serve, or None. An INT4
     matmul that splits hands its chunks over through it, in C, instead of through
-    ``fork_join`` (native/handoff.py says why)."""
-    return _MAILBOX.get() if _CURRENT.get() is not None else None
+    ``fork_join`` (native/handoff.py says why). Asking opens a :class:`LazyMailbox`."""
+    if _CURRENT.get() is None:
+        return None
+    box = _MAILBOX.get()
+    return box.get() if isinstance(box, LazyMailbox) else box
 
 
 @contextlib.contextmanager
