@@ -18,7 +18,7 @@ from onnx_prep.core.errors import EXIT_FINDINGS, EXIT_OK, UsageError
 DEFAULT_PROMPT = "1,2,3,4"
 PROGRESS_MIN_TOKENS = 8  # shorter runs finish before a bar is worth drawing
 RUNTIMES = ("prepared", "ort")
-SCHEMA = "onnx-prep.run/2"
+SCHEMA = "onnx-prep.run/3"
 
 
 def _open_runtime_runner(path: Path, *, threads: int | None):

@@ -20,7 +20,7 @@ import numpy as np
 
 from onnx_prep.core.decoder_io import DecoderIO
 from onnx_prep.core.errors import ModelIOError, UsageError, Where
-from onnx_prep.core.ops import append_buffer
+from onnx_prep.core.ops import append_buffer, intra_op
 
 
 @runtime_checkable
@@ -65,6 +65,13 @@ class GenerationResult:
     # fresh buffer (core/ops/append_buffer.py; both 0 for a runner that does not use it)
     kv_appended_in_place: int = 0
     kv_copied: int = 0
+    # Intra-op splitting during the decode (core/ops/intra_op.py; all 0 for ORT): INT4
+    # matmuls split over threads, the chunks the run's lent helpers ran, and how often a
+    # helper slept after 1 ms without a chunk and had to be woken
+    matmul_splits: int = 0
+    chunks_by_helpers: int = 0
+    helper_sleeps: int = 0
+    helper_wakes: int = 0
 
     @property
     def batch(self) -> int:
@@ -91,7 +98,9 @@ class GenerationResult:
         return None if s is None else s * self.batch
 
     def counters_json(self) -> dict:
-        return {"kv_appended_in_place": self.kv_appended_in_place, "kv_copied": self.kv_copied}
+        return {"kv_appended_in_place": self.kv_appended_in_place, "kv_copied": self.kv_copied,
+                "matmul_splits": self.matmul_splits, "chunks_by_helpers": self.chunks_by_helpers,
+                "helper_sleeps": self.helper_sleeps, "helper_wakes": self.helper_wakes}
 
     def timings_json(self) -> dict:
         return {"first_output_ms": self.first_output_ms, "total_ms": self.total_ms,
@@ -196,6 +205,7 @@ def greedy_decode(runner: Runner, io: DecoderIO, prompt_ids: np.ndarray, tokens:
     past = io.empty_past(batch)
     new_ids, past_len = prompt, 0
     kv0 = append_buffer.counters()
+    io0 = intra_op.counters()
     # KV buffers sized once for the whole decode (append buffers; no growth copies)
     with append_buffer.room_for(prompt.shape[1] + tokens - 1):
         for step in range(tokens):
@@ -223,11 +233,16 @@ def greedy_decode(runner: Runner, io: DecoderIO, prompt_ids: np.ndarray, tokens:
             new_ids = chosen[:, None] if io.kv else np.concatenate([new_ids, chosen[:, None]], axis=1)
 
     kv1 = append_buffer.counters()
+    io1 = intra_op.counters()
     return GenerationResult(prompt_ids=prompt, tokens=out_tokens, step_ms=tuple(step_ms),
                             top2_margin=margins, logit_range=ranges, first_logits=first_logits,
                             logits=tuple(kept) if keep_logits else None,
                             kv_appended_in_place=kv1["appended_in_place"] - kv0["appended_in_place"],
-                            kv_copied=kv1["copied"] - kv0["copied"])
+                            kv_copied=kv1["copied"] - kv0["copied"],
+                            matmul_splits=io1["splits"] - io0["splits"],
+                            chunks_by_helpers=io1["handed_off"] - io0["handed_off"],
+                            helper_sleeps=io1["helper_sleeps"] - io0["helper_sleeps"],
+                            helper_wakes=io1["helper_wakes"] - io0["helper_wakes"])
 
 
 # A divergence where the reference's top-2 margin is within this fraction of its logit

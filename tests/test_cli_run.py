@@ -69,7 +69,7 @@ def test_ort_json_matches_the_library_and_validates(small_llm_path):
     assert doc["tokens"] == want.tokens.tolist()
     assert doc["runtime"] == "ort" and doc["batch"] == 1 and doc["prompt_ids"] == [[5, 6, 7]]
     assert doc["io"]["kv_layout"] == "bhsd" and len(doc["io"]["kv"]) == 2 and doc["compare"] is None
-    assert doc["counters"] == {"kv_appended_in_place": 0, "kv_copied": 0}  # ORT: not ours
+    assert doc["counters"] == {"kv_appended_in_place": 0, "kv_copied": 0, "matmul_splits": 0, "chunks_by_helpers": 0, "helper_sleeps": 0, "helper_wakes": 0}  # ORT: not ours
     assert len(doc["timings"]["step_ms"]) == 6 and doc["timings"]["decode_tokens_per_s"] > 0
 
 
@@ -222,8 +222,23 @@ def test_prepared_runtime_matches_ort_on_the_fixture(small_llm_path):
     assert doc["compare"]["first_step_max_abs_logit_diff"] <= 1e-3 * doc["compare"]["first_step_logit_range"]
     assert all(row == doc["tokens"][0] for row in doc["tokens"])
     # KV cache: the prefill makes one buffer per K/V Concat (2 blocks), sized for the
-    # whole decode, and each of the 31 decode steps appends in place
-    assert doc["counters"] == {"kv_appended_in_place": 31 * 2 * 2, "kv_copied": 2 * 2}
+    # whole decode, and each of the 31 decode steps appends in place; no matmul of this
+    # small model reaches intra_op.MIN_SPLIT_WORK, so nothing splits and nothing is lent
+    assert doc["counters"] == {"kv_appended_in_place": 31 * 2 * 2, "kv_copied": 2 * 2, "matmul_splits": 0, "chunks_by_helpers": 0, "helper_sleeps": 0, "helper_wakes": 0}
+
+
+@needs_session
+def test_prepared_runtime_counts_its_intra_op_splits(tiny_llm_path):
+    import os
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one CPU: the runtime splits no matmul")
+    doc = _json([str(tiny_llm_path), "--prompt-ids", "1,2,3,4,5,6,7,8", "--tokens", "3"])
+    c = doc["counters"]
+    # the 8-token prefill splits the matmuls whose packed bytes x 8 rows reach
+    # MIN_SPLIT_WORK (the tiny fixture's MLP and LM head); a decode row splits none
+    assert c["matmul_splits"] > 0
+    assert min(c["chunks_by_helpers"], c["helper_sleeps"], c["helper_wakes"]) >= 0
 
 
 @needs_session

@@ -64,6 +64,15 @@ def count_split(parts: int) -> None:
     COUNTERS.add(parts)
 
 
+def counters() -> dict[str, int]:
+    """A snapshot of the process-wide intra-op counters."""
+    c = COUNTERS
+    with c._lock:
+        return {"splits": c.splits, "parts": c.parts, "handed_off": c.handed_off,
+                "helper_sleeps": c.helper_sleeps, "helper_wakes": c.helper_wakes,
+                "runs_lending": c.runs_lending}
+
+
 # A decode GEMV is cut into chunks of about CHUNK_WORK packed bytes, at least one and
 # at most MAX_CHUNKS_PER_PART per part, that the caller and the helpers pull in order: a
 # helper that wakes late takes fewer of them instead of leaving the caller waiting at the
