@@ -72,7 +72,7 @@ static void quantize_row(const float *a, size_t K, uint32_t bs, uint32_t nb, int
  * so its outputs are NaN. */
 #define BFP_MAX_M 8355711 /* 127 * 65536 + 127 * 256 + 127 */
 
-static int64_t bfp_digits_portable(const float *a, size_t n, double inv, int8_t *dst) {
+int64_t op_bfp_digits_portable(const float *a, size_t n, double inv, int8_t *dst) {
     int64_t sum = 0;
     for (size_t i = 0; i < n; i++) {
         /* exact scaling, then round half to even by adding and removing 1.5 * 2^52
@@ -168,7 +168,7 @@ int op_matmul_nbits(int isa, const float *A, size_t M, size_t lda, const uint8_t
         int8_t *d24 = (int8_t *)(p2 + M * nb);
         for (size_t m = 0; m < M; m++)
             bfp_row(A + m * lda, K, (uint32_t)bs, (uint32_t)nb, d24 + m * Kp * 3, p2 + m * nb,
-                    asum + m * nb, kt->bfp_digits ? kt->bfp_digits : bfp_digits_portable);
+                    asum + m * nb, kt->bfp_digits ? kt->bfp_digits : op_bfp_digits_portable);
         a.a8 = d24;
         a.ascale = p2;
         kt->mm_bfp(&a);

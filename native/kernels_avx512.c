@@ -495,7 +495,8 @@ static void gemm_avx512(const op_gemm_args *g) {
  * result converts exactly), the same integer splitting (an arithmetic shift divides
  * the multiples of 256 exactly), and the bytes of group g stored at dst + 24 g as
  * [lo k0..7][mid k0..7][hi k0..7], the portable loop's positions. A tail of fewer
- * than 8 values goes through the portable formula. */
+ * than 8 values goes through the portable loop itself (it starts on a group boundary,
+ * so its positions are the same). */
 static int64_t bfp_digits_avx512(const float *a, size_t n, double inv, int8_t *dst) {
     const __m512d vinv = _mm512_set1_pd(inv), magic = _mm512_set1_pd(6755399441055744.0);
     const __m256i c128 = _mm256_set1_epi32(128), c255 = _mm256_set1_epi32(255);
@@ -516,18 +517,7 @@ static int64_t bfp_digits_avx512(const float *a, size_t n, double inv, int8_t *d
         acc = _mm512_add_epi64(acc, _mm512_cvtepi32_epi64(m));
     }
     int64_t sum = _mm512_reduce_add_epi64(acc);
-    for (; i < n; i++) {
-        double x = (double)a[i] * inv + 6755399441055744.0;
-        int32_t m = (int32_t)(x - 6755399441055744.0);
-        int32_t lo = ((m + 128) & 255) - 128, m1 = (m - lo) / 256;
-        int32_t mid = ((m1 + 128) & 255) - 128, hi = (m1 - mid) / 256;
-        size_t j = i % OP_GROUP_K;
-        int8_t *grp = dst + (i / OP_GROUP_K) * 24 + (j >= 4 ? 4 : 0) + (j & 3);
-        grp[0] = (int8_t)lo;
-        grp[8] = (int8_t)mid;
-        grp[16] = (int8_t)hi;
-        sum += m;
-    }
+    if (i < n) sum += op_bfp_digits_portable(a + i, n - i, inv, dst + (i / OP_GROUP_K) * 24);
     return sum;
 }
 

@@ -135,6 +135,9 @@ typedef struct {
     int64_t (*bfp_digits)(const float *a, size_t n, double inv, int8_t *dst);
 } op_kernel_table;
 
+/* The portable bfp_digits (dispatch.c): the reference, and the tail of an ISA's. */
+int64_t op_bfp_digits_portable(const float *a, size_t n, double inv, int8_t *dst);
+
 /* Per-ISA tables. */
 extern const op_kernel_table op_kernels_scalar;
 #if OP_SIMD
