@@ -13,7 +13,7 @@ Rows of a batch are independent prompts of the same length (no padding).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Protocol, runtime_checkable
 
 import numpy as np
@@ -21,6 +21,20 @@ import numpy as np
 from onnx_prep.core.decoder_io import DecoderIO
 from onnx_prep.core.errors import ModelIOError, UsageError, Where
 from onnx_prep.core.ops import append_buffer, intra_op
+
+
+# The decode's counters (this process), all 0 for a runner that does not use them (ORT):
+# KV Concats appended in place / copied into a fresh buffer (core/ops/append_buffer.py);
+# INT4 matmuls split over threads, the chunks the run's lent helpers ran, and how often a
+# helper slept after 1 ms without a chunk and had to be woken (core/ops/intra_op.py).
+COUNTER_NAMES = ("kv_appended_in_place", "kv_copied", "matmul_splits", "chunks_by_helpers",
+                 "helper_sleeps", "helper_wakes")
+
+
+def _counters_now() -> dict[str, int]:
+    kv, split = append_buffer.counters(), intra_op.counters()
+    return dict(zip(COUNTER_NAMES, (kv["appended_in_place"], kv["copied"], split["splits"], split["handed_off"],
+                                    split["helper_sleeps"], split["helper_wakes"])))
 
 
 @runtime_checkable
@@ -61,17 +75,7 @@ class GenerationResult:
     logit_range: np.ndarray  # float64 [batch, tokens]: max - min of the step's logits
     first_logits: np.ndarray | None = None  # float32 [batch, vocab]: the prefill's last position
     logits: tuple[np.ndarray, ...] | None = None  # per step [batch, vocab] when kept
-    # KV Concats during the decode (this process): appended in place / copied into a
-    # fresh buffer (core/ops/append_buffer.py; both 0 for a runner that does not use it)
-    kv_appended_in_place: int = 0
-    kv_copied: int = 0
-    # Intra-op splitting during the decode (core/ops/intra_op.py; all 0 for ORT): INT4
-    # matmuls split over threads, the chunks the run's lent helpers ran, and how often a
-    # helper slept after 1 ms without a chunk and had to be woken
-    matmul_splits: int = 0
-    chunks_by_helpers: int = 0
-    helper_sleeps: int = 0
-    helper_wakes: int = 0
+    counters: Mapping[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTER_NAMES, 0))
 
     @property
     def batch(self) -> int:
@@ -97,10 +101,16 @@ class GenerationResult:
         s = self.decode_steps_per_s
         return None if s is None else s * self.batch
 
+    @property
+    def kv_appended_in_place(self) -> int:
+        return self.counters["kv_appended_in_place"]
+
+    @property
+    def kv_copied(self) -> int:
+        return self.counters["kv_copied"]
+
     def counters_json(self) -> dict:
-        return {"kv_appended_in_place": self.kv_appended_in_place, "kv_copied": self.kv_copied,
-                "matmul_splits": self.matmul_splits, "chunks_by_helpers": self.chunks_by_helpers,
-                "helper_sleeps": self.helper_sleeps, "helper_wakes": self.helper_wakes}
+        return dict(self.counters)
 
     def timings_json(self) -> dict:
         return {"first_output_ms": self.first_output_ms, "total_ms": self.total_ms,
@@ -154,8 +164,11 @@ def _last_logits(io: DecoderIO, out: Mapping[str, np.ndarray], batch: int, model
     return logits
 
 
-def _next_past(io: DecoderIO, out: Mapping[str, np.ndarray], expect_len: int,
-               model: str | None) -> dict[str, np.ndarray]:
+def next_past(io: DecoderIO, out: Mapping[str, np.ndarray], expect_len: int,
+              model: str | None = None) -> dict[str, np.ndarray]:
+    """The next step's past inputs from a step's present outputs (checked: each holds
+    ``expect_len`` positions). Exposed, like :func:`step_feeds`, for runners that drive
+    their own loop."""
     past = {}
     for p in io.kv:
         for present, slot in ((p.present_key, p.past_key), (p.present_value, p.past_value)):
@@ -204,8 +217,7 @@ def greedy_decode(runner: Runner, io: DecoderIO, prompt_ids: np.ndarray, tokens:
 
     past = io.empty_past(batch)
     new_ids, past_len = prompt, 0
-    kv0 = append_buffer.counters()
-    io0 = intra_op.counters()
+    c0 = _counters_now()
     # KV buffers sized once for the whole decode (append buffers; no growth copies)
     with append_buffer.room_for(prompt.shape[1] + tokens - 1):
         for step in range(tokens):
@@ -215,7 +227,7 @@ def greedy_decode(runner: Runner, io: DecoderIO, prompt_ids: np.ndarray, tokens:
             chosen = np.argmax(logits, axis=-1).astype(np.int64)
             if io.kv:
                 past_len += new_ids.shape[1]
-                past = _next_past(io, out, past_len, model)
+                past = next_past(io, out, past_len, model)
             step_ms.append((time.perf_counter() - t0) * 1e3)
 
             out_tokens[:, step] = chosen
@@ -232,17 +244,11 @@ def greedy_decode(runner: Runner, io: DecoderIO, prompt_ids: np.ndarray, tokens:
             # Without KV inputs every step re-feeds the whole sequence (prefix recompute).
             new_ids = chosen[:, None] if io.kv else np.concatenate([new_ids, chosen[:, None]], axis=1)
 
-    kv1 = append_buffer.counters()
-    io1 = intra_op.counters()
+    c1 = _counters_now()
     return GenerationResult(prompt_ids=prompt, tokens=out_tokens, step_ms=tuple(step_ms),
                             top2_margin=margins, logit_range=ranges, first_logits=first_logits,
                             logits=tuple(kept) if keep_logits else None,
-                            kv_appended_in_place=kv1["appended_in_place"] - kv0["appended_in_place"],
-                            kv_copied=kv1["copied"] - kv0["copied"],
-                            matmul_splits=io1["splits"] - io0["splits"],
-                            chunks_by_helpers=io1["handed_off"] - io0["handed_off"],
-                            helper_sleeps=io1["helper_sleeps"] - io0["helper_sleeps"],
-                            helper_wakes=io1["helper_wakes"] - io0["helper_wakes"])
+                            counters={k: c1[k] - c0[k] for k in COUNTER_NAMES})
 
 
 # A divergence where the reference's top-2 margin is within this fraction of its logit

@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from onnx_prep.core.decoder_io import DecoderIO
-    from onnx_prep.core.generation import step_feeds
+    from onnx_prep.core.generation import next_past, step_feeds
     from onnx_prep.core.machine_activity import MachineActivity, describe
     from onnx_prep.core.ops import intra_op
     from onnx_prep.native.handoff import SPIN_NS_DEFAULT
@@ -53,11 +53,7 @@ def main(argv=None) -> int:
     try:
         for s in sessions.values():
             s.prepare()
-        def presents(out):
-            return {p.name: out[pres] for kv in io.kv
-                    for pres, p in ((kv.present_key, kv.past_key), (kv.present_value, kv.past_value))}
-
-        past0 = presents(sessions["whole"].run(prefill))
+        past0 = next_past(io, sessions["whole"].run(prefill), 8)
         a = sessions["whole"].run(prefill)
         for mode in ("wake", "spin"):  # the sessions must agree exactly
             b = sessions[mode].run(prefill)
@@ -65,7 +61,7 @@ def main(argv=None) -> int:
         chain = {mode: (past0, 8) for mode in sessions}  # each session's own decode
         times: dict[str, list[float]] = {}
         activity0 = MachineActivity.now()
-        c0 = (intra_op.COUNTERS.handed_off, intra_op.COUNTERS.helper_sleeps, intra_op.COUNTERS.helper_wakes)
+        c0 = intra_op.counters()
         for i in range(args.repeats):
             logits = {}
             for mode, s in sessions.items():
@@ -78,13 +74,13 @@ def main(argv=None) -> int:
                 out = s.run(feeds)
                 times.setdefault(f"decode1.{mode}", []).append((time.perf_counter() - t) * 1e3)
                 logits[mode] = out[io.logits]
-                chain[mode] = (past0, 8) if n + 1 >= 8 + DECODE_SPAN else (presents(out), n + 1)
+                chain[mode] = (past0, 8) if n + 1 >= 8 + DECODE_SPAN else (next_past(io, out, n + 1), n + 1)
             for mode in ("wake", "spin"):
                 assert np.array_equal(logits[mode], logits["whole"]), f"decode step {i}: {mode} and whole differ"
         activity = MachineActivity.now().since(activity0)
-        helpers = dict(zip(("handed_off", "sleeps", "wakes"),
-                           (b - a for a, b in zip(c0, (intra_op.COUNTERS.handed_off, intra_op.COUNTERS.helper_sleeps,
-                                                       intra_op.COUNTERS.helper_wakes)))))
+        c1 = intra_op.counters()
+        helpers = {k: c1[c] - c0[c] for k, c in
+                   (("handed_off", "handed_off"), ("sleeps", "helper_sleeps"), ("wakes", "helper_wakes"))}
     finally:
         for s in sessions.values():
             s.close()

@@ -49,6 +49,12 @@ class _Counters:
             self.splits += 1
             self.parts += parts
 
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {"splits": self.splits, "parts": self.parts, "handed_off": self.handed_off,
+                    "helper_sleeps": self.helper_sleeps, "helper_wakes": self.helper_wakes,
+                    "runs_lending": self.runs_lending}
+
     def add_handed_off(self, chunks: int, sleeps: int = 0, wakes: int = 0) -> None:
         with self._lock:
             self.runs_lending += 1
@@ -66,11 +72,7 @@ def count_split(parts: int) -> None:
 
 def counters() -> dict[str, int]:
     """A snapshot of the process-wide intra-op counters."""
-    c = COUNTERS
-    with c._lock:
-        return {"splits": c.splits, "parts": c.parts, "handed_off": c.handed_off,
-                "helper_sleeps": c.helper_sleeps, "helper_wakes": c.helper_wakes,
-                "runs_lending": c.runs_lending}
+    return COUNTERS.snapshot()
 
 
 # A decode GEMV is cut into chunks of about CHUNK_WORK packed bytes, at least one and
@@ -105,6 +107,7 @@ def chunk_count(packed_bytes: int, rows: int, parts: int, *, helpers_waiting: bo
         return parts
     return max(parts, min(parts * MAX_CHUNKS_PER_PART, packed_bytes // CHUNK_WORK))
 
+
 SPIN_ENV = "ONNX_PREP_SPIN_HELPERS"
 
 
@@ -121,7 +124,8 @@ def spin_helpers_default() -> bool:
 
 _CURRENT: contextvars.ContextVar[tuple[ForkJoin, int] | None] = contextvars.ContextVar(
     "onnx_prep_intra_op", default=None)
-_MAILBOX: contextvars.ContextVar[Any] = contextvars.ContextVar("onnx_prep_intra_op_mailbox", default=None)
+_MAILBOX: contextvars.ContextVar[LazyMailbox | None] = contextvars.ContextVar("onnx_prep_intra_op_mailbox",
+                                                                              default=None)
 
 
 def current() -> tuple[ForkJoin, int] | None:
@@ -166,17 +170,18 @@ class LazyMailbox:
 def mailbox() -> Any:
     """The ``native.Mailbox`` that helpers lent to this run serve, or None. An INT4
     matmul that splits hands its chunks over through it, in C, instead of through
-    ``fork_join`` (native/handoff.py says why). Asking opens a :class:`LazyMailbox`."""
+    ``fork_join`` (native/handoff.py says why). Asking opens the run's
+    :class:`LazyMailbox`."""
     if _CURRENT.get() is None:
         return None
     box = _MAILBOX.get()
-    return box.get() if isinstance(box, LazyMailbox) else box
+    return box.get() if box is not None else None
 
 
 @contextlib.contextmanager
-def using(fork_join: ForkJoin | None, parts: int, mailbox: Any = None) -> Iterator[None]:
+def using(fork_join: ForkJoin | None, parts: int, mailbox: LazyMailbox | None = None) -> Iterator[None]:
     """Install ``fork_join`` with ``parts`` (>= 2 to split at all) for the block, and
-    the run's ``mailbox`` if it has helpers serving one."""
+    the run's ``mailbox`` if it may lend helpers."""
     token = _CURRENT.set((fork_join, int(parts)) if fork_join is not None and parts >= 2 else None)
     box = _MAILBOX.set(mailbox)
     try:
