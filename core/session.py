@@ -298,7 +298,7 @@ class Session:
                 slot = StableSlot(r.packed_bytes)
                 slot.open()
                 self._spare_slots[r.key] = slot
-        # Slot warming (_warm_slots): while a parallel prepare runs and no run does, a
+        # Slot warming (_warm_slots_loop): while a parallel prepare runs and no run does, a
         # thread in the OS's idle class commits the spare slots' pages ahead of their
         # prepacks, on CPU time the workers leave idle (waiting for reads, at the tail).
         # Only without memory limits: it commits pages before their admission.
@@ -369,26 +369,29 @@ class Session:
         self._start_warmer(handle)
         return handle
 
+    def _runs_started(self) -> bool:
+        """Whether any run has started here (read without the lock by the warmer's
+        steps: a hint there, checked again under the lock at its next slot)."""
+        return self.counters.cold_runs + self.counters.hot_runs > 0
+
     def _start_warmer(self, prepare: ExecutionHandle) -> None:
         with self._lock:
-            if (not self._warm_slots or not self._spare_slots or self._closed
+            if (not self._warm_slots or not self._spare_slots or self._closed or self._runs_started()
                     or (self._warmer is not None and self._warmer.is_alive())):
-                return
-            runs = self.counters.cold_runs + self.counters.hot_runs
-            if runs:  # a run is (or was) here: its steps need the memory bandwidth
-                return
-            self._warmer = threading.Thread(target=self._warm_slots_loop, args=(prepare, runs),
+                return  # (a run started: its steps need the memory bandwidth)
+            self._warmer = threading.Thread(target=self._warm_slots_loop, args=(prepare,),
                                             name="onnx-prep-slot-warmer", daemon=True)
             self._warmer.start()
 
-    def _warm_slots_loop(self, prepare: ExecutionHandle, runs: int) -> None:
+    def _warm_slots_loop(self, prepare: ExecutionHandle) -> None:
         """Commit spare slots' pages in the order runs need them, one step at a time,
         from the OS's idle class. NOTE: measured on the 2-vCPU VM, cold page cache,
         medium fixture, 12 interleaved loads each: parallel init 475 ms median
         (351-747) without, 395 ms (351-550) with; warm page cache, no change (328 vs
-        338 ms: the workers leave little CPU idle). It stops when a run starts (a run's
-        GEMVs need the memory bandwidth that zeroing pages takes: with a first version
-        that kept warming during the run, time to first output came out 550 -> 636 ms),
+        338 ms: the workers leave little CPU idle). It stops when a run starts: warming
+        beside a run made time to first output 509 -> 556 ms cold and 415 -> 481 warm
+        (pages zeroed early leave the cache before their prepack writes them, and the
+        zeroing takes bandwidth the run's GEMVs need; docs/runtime.md). It also stops
         when the prepare ends or is cancelled, and when the session closes."""
         if not _to_idle_priority():
             return  # at normal priority it would take CPU from the workers instead
@@ -397,7 +400,7 @@ class Session:
             if prepare.is_ready():  # done, failed or cancelled (outside the session lock)
                 return
             with self._lock:
-                if self._closed or self.counters.cold_runs + self.counters.hot_runs != runs:
+                if self._closed or self._runs_started():
                     return
                 slot = self._spare_slots.get(key)
                 if slot is None or slot.committed_bytes >= r.packed_bytes:
@@ -408,8 +411,8 @@ class Session:
                 while n < r.packed_bytes:
                     n = min(r.packed_bytes, n + WARM_STEP_BYTES)
                     with w.lock:
-                        if w.wanted or self._closed or self.counters.cold_runs + self.counters.hot_runs != runs:
-                            break  # (the counters read without the lock: a hint, checked again)
+                        if w.wanted or self._closed or self._runs_started():
+                            break
                         before = slot.committed_bytes
                         slot.commit(n)
                         added = slot.committed_bytes - before
@@ -488,10 +491,9 @@ class Session:
         (medians of 40, interleaved), within the noise in another. So a run lends at
         its start when the one before split (decode steps look like the step before),
         and a session whose runs split nothing (the tiny fixture's decode) never lends.
-        They spin
-        between batches, so each costs a core while the run publishes them, and sleep
-        after 1 ms without one. Without an idle worker, or on the cold path (where the
-        other workers pack weights), splits go through ``fork_join``."""
+        Lent helpers spin between batches, so each costs a core while the run publishes
+        them, and sleep after 1 ms without one. Without an idle worker, or on the cold
+        path (where the other workers pack weights), splits go through ``fork_join``."""
         lazy, opened = None, []
         if lend_helpers and self._spin_helpers and parts >= 2:
             def open_mailbox():

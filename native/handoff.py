@@ -11,7 +11,8 @@ which chunk (each column is computed as in a whole call).
 NOTE: why in C: handing chunks to helpers as Python callables costs each helper the GIL
 before its chunk can start, ~5-20 us on a 2-vCPU VM, about a whole decode GEMV of a few
 MB. A helper in ``serve`` waits in C with the GIL released, spinning, so it costs a core
-for as long as the run lasts (docs/runtime.md, "Intra-op parallelism")."""
+while batches keep coming; after ``spin_ns`` without one it sleeps until the next
+(docs/runtime.md, "Intra-op parallelism")."""
 from __future__ import annotations
 
 import numpy as np
