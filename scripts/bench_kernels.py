@@ -43,6 +43,7 @@ Usage: python scripts/bench_kernels.py [--quick] [--hot] [--reps 21] [--blocks 3
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -78,6 +79,22 @@ def _stats(ts):
 
 
 # ------------------------------------------------------------------ worker process
+
+def _time_rotating(run, items: list, n: int) -> list[float]:
+    """``n`` timed calls ``run(item)`` rotating over ``items`` (copies of one row's
+    weights), after one untimed pass over all of them (the first copy last), so each
+    timed call takes the copy read longest ago, as a decode streams weights it read one
+    token ago. Seconds per call."""
+    for it in items[1:] + items[:1]:
+        run(it)
+    ts = []
+    for i in range(n):
+        it = items[(i + 1) % len(items)]
+        t0 = time.perf_counter()
+        run(it)
+        ts.append(time.perf_counter() - t0)
+    return ts
+
 
 def worker(args) -> dict:
     import threading
@@ -279,16 +296,7 @@ def worker(args) -> dict:
         first = (b * len(rows)) // blocks
         order = rows[first:] + rows[:first]
         for r in order:
-            calls = r["calls"]
-            for c in calls[1:] + calls[:1]:  # untimed: every copy once, the first copy last
-                run(c)
-            ts = []
-            for i in range(per_block[b]):
-                c = calls[(i + 1) % len(calls)]  # the copy read longest ago first
-                t0 = time.perf_counter()
-                run(c)
-                ts.append(time.perf_counter() - t0)
-            r["ours"].append(ts)
+            r["ours"].append(_time_rotating(run, r["calls"], per_block[b]))
         if T > 1:
             box.stop()
             for h in helpers:
@@ -303,16 +311,8 @@ def worker(args) -> dict:
         pool.park()  # our helper must not spin while ORT runs
         if ort:
             for r in order:
-                bindings = r["bindings"]
-                for sess, bnd, _ in bindings[1:] + bindings[:1]:
-                    sess.run_with_iobinding(bnd)
-                ts = []
-                for i in range(per_block[b]):
-                    sess, bnd, _ = bindings[(i + 1) % len(bindings)]
-                    t0 = time.perf_counter()
-                    sess.run_with_iobinding(bnd)
-                    ts.append(time.perf_counter() - t0)
-                r["ort"].append(ts)
+                runs = [functools.partial(sess.run_with_iobinding, bnd) for sess, bnd, _ in r["bindings"]]
+                r["ort"].append(_time_rotating(lambda f: f(), runs, per_block[b]))
             time.sleep(0.2)  # let ORT's spinning pool threads go idle before our next block
     reads = [x["read_GBps"] for x in bw_runs]
     result["bandwidth"] = {"read_GBps": statistics.median(reads), "read_GBps_min": min(reads),
