@@ -145,13 +145,21 @@ int op_prepack_matmul_nbits(const uint8_t *B, const float *scales, const uint8_t
         const size_t n0 = p * OP_PANEL_N;
         const size_t ncols = (N - n0) < OP_PANEL_N ? (size_t)(N - n0) : OP_PANEL_N;
         if (ncols < OP_PANEL_N) memset(panel, 0, stride); /* padded columns: all zero */
-        for (uint32_t b = 0; b < nb; b++) {
-            uint8_t *blk = panel + (size_t)b * blk_bytes;
-            float *sc = (float *)(blk + (size_t)bs * 32u);
-            uint8_t *zb = blk + (size_t)bs * 32u + OP_PANEL_N * 4u;
-            const uint64_t valid = (K - (uint64_t)b * bs) < bs ? K - (uint64_t)b * bs : bs;
-            for (size_t col = 0; col < ncols; col++) {
-                const size_t n = n0 + col, i = col / OP_TILE_N, c = col % OP_TILE_N;
+        /* NOTE: column-major walk: each column's source row (all its blocks) is read
+         * front to back, so the panel's 64 contiguous source rows stream in order
+         * while its output (nb blocks, ~80 KiB for K = 2048) stays in L2 as its dwords
+         * fill in. Blocks outer, columns inner (before) read 64 rows 1 KiB apart per
+         * step. Measured on the medium fixture's matmuls (Zen 4 VM, one thread): into
+         * committed pages that have left the cache, 2.0 -> 3.0 GB/s of output; into a
+         * slot committed just before (the runtime's case) or a fresh buffer, no change:
+         * there the kernel's page zeroing (or faults) costs as much as the pack. */
+        for (size_t col = 0; col < ncols; col++) {
+            const size_t n = n0 + col, i = col / OP_TILE_N, c = col % OP_TILE_N;
+            for (uint32_t b = 0; b < nb; b++) {
+                uint8_t *blk = panel + (size_t)b * blk_bytes;
+                float *sc = (float *)(blk + (size_t)bs * 32u);
+                uint8_t *zb = blk + (size_t)bs * 32u + OP_PANEL_N * 4u;
+                const uint64_t valid = (K - (uint64_t)b * bs) < bs ? K - (uint64_t)b * bs : bs;
                 const uint8_t *src = B + ((size_t)n * nb + b) * blob;
                 uint8_t *dst = (uint8_t *)op_mm_group(blk, 0, (int)i) + 4 * c; /* group g: + g * 256 */
                 if (valid == bs) {
