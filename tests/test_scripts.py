@@ -106,6 +106,21 @@ def test_bench_decode_smoke(tmp_path):
     assert [len(run) for run in doc["step_ms"]["grow"]] == [60, 60]
 
 
+def test_bench_read_contention_smoke(tmp_path):
+    out = tmp_path / "contention.json"
+    p = _run(["scripts/bench_read_contention.py", "--preset", "tiny-llm", "--repeats", "2", "--json", str(out)],
+             tmp_path / "cache")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(out.read_text())
+    _check_activity(doc["machine_activity"], p.stdout)
+    cases = {"reads_alone", "reads_beside_cpu", "reads_beside_commits", "reads_and_commits_wall", "commits_alone"}
+    assert set(doc["samples_ms"]) == cases
+    assert all(len(v) == 2 and min(v) > 0 for v in doc["samples_ms"].values())
+    # the overlapped wall time covers the reads measured inside it
+    assert all(w >= r for w, r in zip(doc["samples_ms"]["reads_and_commits_wall"],
+                                      doc["samples_ms"]["reads_beside_commits"]))
+
+
 def test_profile_ops_smoke(tmp_path):
     p = _run(["scripts/profile_ops.py", "--preset", "tiny-llm", "--past", "4", "--repeats", "2", "--json"],
              tmp_path / "cache")
