@@ -22,7 +22,10 @@ the workers, every stable slot reserved and opened), both before the load's cloc
 Then counters: bytes_read / bytes_mapped (the one reader), session_tasks,
 peak_<arena> and max_in_flight (all arenas together); cpu_ms (process user + sys CPU over
 the load; cpu_user_ms + cpu_sys_ms) and task_wall_ms / task_cpu_ms (summed over the scheduler's tasks: the gap is
-time a running task was descheduled or blocked). Times as min/median/max.
+time a running task was descheduled or blocked); reads_end_ms (when the last source read
+ended) and read_tasks_ms (the read tasks' wall time summed: with the reads back to back,
+as in a cold parallel load, it is the device's time; a sequential load's readahead runs
+on while it prepacks, so its read tasks block for less). Times as min/median/max.
 
 Then, in the same repeat, each stage measured alone (same process, same model; the
 longest of the three is that repeat's pipelining limit):
@@ -101,12 +104,17 @@ def _cpu_ms() -> tuple[float, float]:
     return ru.ru_utime * 1e3, ru.ru_stime * 1e3
 
 
-def _task_profile(s) -> dict:
-    """Wall vs thread-CPU time summed over the session's tasks (scheduler events)."""
+def _task_profile(s, t0: int) -> dict:
+    """Wall vs thread-CPU time summed over the session's tasks (scheduler events), and
+    the reads: when the last one ended (from the load's start t0) and how long the read
+    tasks took in all (a reader blocked on the device, or on readahead still in flight)."""
     ev = [e for e in s.scheduler.events() if e.start_ns is not None]
     wall = sum(e.end_ns - e.start_ns for e in ev) / 1e6
     cpu = sum(e.cpu_ns or 0 for e in ev) / 1e6
-    return {"task_wall_ms": wall, "task_cpu_ms": cpu}
+    reads = [e for e in ev if e.name.startswith("S.read_source")]
+    return {"task_wall_ms": wall, "task_cpu_ms": cpu,
+            "reads_end_ms": (max((e.end_ns for e in reads), default=t0) - t0) / 1e6,
+            "read_tasks_ms": sum(e.end_ns - e.start_ns for e in reads) / 1e6}
 
 
 def one_load(resolved, feeds, *, mode: str, warm: bool) -> dict:
@@ -152,7 +160,7 @@ def one_load(resolved, feeds, *, mode: str, warm: bool) -> dict:
         cpu1 = _cpu_ms()  # process CPU over the load: user, sys (page faults, mapping, zeroing)
         out["cpu_user_ms"], out["cpu_sys_ms"] = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
         out["cpu_ms"] = out["cpu_user_ms"] + out["cpu_sys_ms"]
-        out.update(_task_profile(s))
+        out.update(_task_profile(s, t0))
         snap = s.reader.counters.snapshot()
         budget = s.budget
         # slot pages the idle-class warmer committed ahead of their prepacks (parallel

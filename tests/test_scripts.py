@@ -43,6 +43,10 @@ def test_bench_load_smoke(tmp_path):
     seq, ttfo = doc["samples"]["sequential"][0], doc["samples"]["ttfo"][0]
     assert seq["init_plus_run_ms"] >= seq["init_ms"] + seq["first_run_ms"] * 0.99  # run timed after init
     assert ttfo["first_output_ms"] >= ttfo["first_step_ms"]
+    # the reads: every one ends inside its load (before the prepare that needs it returns)
+    for mode, end in (("sequential", "init_ms"), ("init", "init_ms"), ("ttfo", "all_ready_ms")):
+        x = doc["samples"][mode][0]
+        assert 0 < x["read_tasks_ms"] and 0 < x["reads_end_ms"] <= x[end]
     assert set(doc["ratios"]) == {"parallel_init_over_sequential", "ttfo_over_sequential_init_plus_run",
                                   "ttfo_over_longest_stage", "hot_overhead_median"}
     # Stages are measured in every repeat, and each paired ratio is that repeat's own.
