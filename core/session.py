@@ -698,6 +698,8 @@ class Session:
                 if st not in _DEAD and not (st is TaskState.DONE and desc.publishes is not None):
                     if priority < h.priority:
                         self.scheduler.promote(h, priority)
+                        if desc.kind is TaskKind.PREPACK:
+                            self._ensure_tied(tid, desc, priority)
                     return h
             deps = []
             for d in desc.dependencies:
@@ -712,16 +714,35 @@ class Session:
                 # A read can finish after its consumers were cancelled (shed): free it then.
                 h.add_done_callback(lambda _h, t=tid: self._on_read_done(t))
             elif desc.kind is TaskKind.PREPACK:
-                # A source shared with other prepacks (a tied embedding / LM head) is read
-                # once; its other consumers follow at no more than DEMANDED, so the source
-                # buffer is freed early and the last consumer (the LM head, at the end of
-                # the graph) does not become the load's serial tail.
-                sib = Priority(max(priority, Priority.DEMANDED))
-                for d in desc.dependencies:
-                    for c in self._read_consumers.get(d, ()):
-                        if c != tid and c not in self._handles:
-                            self._ensure(c, sib)
+                self._ensure_tied(tid, desc, priority)
             return h
+
+    def _ensure_tied(self, tid: TaskId, desc: TaskDescriptor, priority: Priority) -> None:
+        """A source shared with other prepacks (a tied embedding / LM head) is read once;
+        its other consumers follow at the same priority but no more than DEMANDED, so the
+        source buffer is freed early and the last consumer (the LM head, at the end of
+        the graph) does not become the load's serial tail. Applies when the prepack is
+        submitted and again when it is promoted. Caller holds the lock.
+
+        NOTE: why on promotion too: with run_async() first and prepare_async() right
+        behind it (time to first output), prepare_async() submits the embedding and the
+        LM head at PREFETCH before the run's first step asks for the embedding at
+        CRITICAL. Raising only the embedding then left the LM head and its scales (at
+        the end of the data file) behind every DEMANDED read: in cold loads of the medium
+        fixture they were read at 114-636 ms and packed in the last 25-35 ms before the
+        first output. Raised with the embedding, they are read at ~35-47 ms; cold time to
+        first output 469 -> 429 and 505 -> 422 ms (medians of 12 alternating loads),
+        warm 352 -> 344 (docs/runtime.md)."""
+        sib = Priority(max(priority, Priority.DEMANDED))
+        for d in desc.dependencies:
+            for c in self._read_consumers.get(d, ()):
+                if c == tid:
+                    continue
+                ch = self._handles.get(c)
+                # a new sibling, or a live one to raise; never resubmit one that finished
+                # or was cancelled (it comes back when its own consumer asks for it)
+                if ch is None or (ch.state not in _DEAD and ch.state is not TaskState.DONE):
+                    self._ensure(c, sib)
 
     def _task_fn(self, desc: TaskDescriptor):
         if desc.kind is TaskKind.READ_SOURCE:

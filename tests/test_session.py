@@ -193,6 +193,36 @@ def test_tied_source_consumers_are_prepacked_together(tiny_llm_path):
         assert head.priority is not Priority.BACKGROUND
 
 
+def test_tied_consumer_is_raised_when_its_sibling_is_promoted(tiny_llm_path):
+    """prepare_async() first submits the tied LM head (and the read of its own scales)
+    as speculative work; when a run then asks for the embedding at CRITICAL (what its
+    first step does), the LM head follows it up to DEMANDED, the read of its scales with
+    it: otherwise that read waits behind every DEMANDED read of the load and the LM head
+    is packed last, in the time to first output."""
+    gate = threading.Event()
+    with Session.open(tiny_llm_path) as s:
+        s.reader.hooks.before_read = lambda desc: gate.wait(HOOK_TIMEOUT_S)  # nothing finishes yet
+        plan = s.plan
+        consumers: dict[str, list] = {}
+        for r in plan.requirements:
+            for d in plan.by_id[r.publisher].dependencies:
+                consumers.setdefault(d, []).append(r)
+        (first, last), = [sorted(rs, key=lambda r: r.first_step) for rs in consumers.values() if len(rs) > 1]
+        h = s.prepare_async()
+        head = s._handles[last.publisher]
+        own_reads = [s._handles[d] for d in plan.by_id[last.publisher].dependencies
+                     if d not in plan.by_id[first.publisher].dependencies]
+        assert own_reads, "the LM head has a read of its own (its scales)"
+        assert head.priority > Priority.DEMANDED and all(r.priority > Priority.DEMANDED for r in own_reads)
+        s._ensure(first.publisher, Priority.CRITICAL)  # a run's first step waiting for the embedding
+        assert head.priority is Priority.DEMANDED
+        assert all(r.priority is Priority.DEMANDED for r in own_reads)
+        assert s._handles[first.publisher].priority is Priority.CRITICAL
+        gate.set()
+        h.wait()
+        assert s.is_prepared()
+
+
 def test_waiting_on_prepare_makes_its_tasks_demanded(small_llm_path):
     """prepare_async() submits speculative work (PREFETCH/BACKGROUND: one CPU worker is
     held back for critical work); a caller that waits on the handle is blocked on all of
