@@ -363,6 +363,11 @@ def main(argv=None) -> int:
                                                            ("init_ms" if m == "init" else "first_output_ms")]["median"]
              for m in modes}
     print("cores busy (process CPU / wall, medians): " + ", ".join(f"{m} {v:.2f}" for m, v in cores.items()))
+    # What bounds the parallel init: when its last read ends close to its end, the reads
+    # (the device) set its length, and they ran this much slower than alone
+    init_med, reads_end_med = summary["init"]["init_ms"]["median"], summary["init"]["reads_end_ms"]["median"]
+    print(f"parallel init: its last read ends at {reads_end_med:.1f} of {init_med:.1f} ms (medians); "
+          f"the same reads alone {stages['reads_alone_ms']:.1f} ms")
     print(f"hot path {hot['hot_ms']['median']:.2f} ms vs direct replay {hot['direct_ms']['median']:.2f} ms "
           f"(median; min {hot['hot_ms']['min']:.2f} vs {hot['direct_ms']['min']:.2f})")
     targets = {"parallel_init_over_sequential": 0.65, "ttfo_over_sequential_init_plus_run": 0.60,

@@ -47,6 +47,7 @@ def test_bench_load_smoke(tmp_path):
     for mode, end in (("sequential", "init_ms"), ("init", "init_ms"), ("ttfo", "all_ready_ms")):
         x = doc["samples"][mode][0]
         assert 0 < x["read_tasks_ms"] and 0 < x["reads_end_ms"] <= x[end]
+    assert "parallel init: its last read ends at" in p.stdout
     assert set(doc["ratios"]) == {"parallel_init_over_sequential", "ttfo_over_sequential_init_plus_run",
                                   "ttfo_over_longest_stage", "hot_overhead_median"}
     # Stages are measured in every repeat, and each paired ratio is that repeat's own.
