@@ -87,10 +87,10 @@ AI void store_out(const op_mm_args *a, size_t m, size_t t, __m512 v) {
  * codes (cvt shares the shift pipe), OR-ing the nibble into a float's mantissa
  * and subtracting the implicit one (vpternlogd + vsubps: more ops), software
  * prefetch 1-8 KiB ahead. Also slower, measured 2026-11-29 (one thread, DRAM,
- * the four medium shapes): the same mantissa trick with no shifts at all, each
- * nibble masked where it lies (bit 4j' <= 16 of the lane or of the lane >> 12)
- * and A pre-scaled by 2^-bit so each product stays exactly a * q: 13.9-15.8 GB/s
- * against 15.3-18.8 for this loop in the same runs. */
+ * the four medium shapes): the same mantissa trick with one shift per 8 codes,
+ * each nibble masked where it lies (at bit s <= 16 of the lane, or of the lane
+ * shifted right by 12) and A pre-scaled by 2^-s so each product stays exactly
+ * a * q: 13.9-15.8 GB/s against 15.3-18.8 for this loop in the same runs. */
 
 /* Upper halves of float(q) for q = i & 15 (float(q) has zero low 16 bits for q < 16):
  * the vpermw table, duplicated because vpermw reads 5 index bits. */
