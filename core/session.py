@@ -741,7 +741,7 @@ class Session:
                 ch = self._handles.get(c)
                 # a new sibling, or a live one to raise; never resubmit one that finished
                 # or was cancelled (it comes back when its own consumer asks for it)
-                if ch is None or (ch.state not in _DEAD and ch.state is not TaskState.DONE):
+                if ch is None or not ch.state.terminal:
                     self._ensure(c, sib)
 
     def _task_fn(self, desc: TaskDescriptor):

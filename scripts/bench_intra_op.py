@@ -53,8 +53,8 @@ def main(argv=None) -> int:
     try:
         for s in sessions.values():
             s.prepare()
-        past0 = next_past(io, sessions["whole"].run(prefill), 8)
         a = sessions["whole"].run(prefill)
+        past0 = next_past(io, a, 8)
         for mode in ("wake", "spin"):  # the sessions must agree exactly
             b = sessions[mode].run(prefill)
             assert all(np.array_equal(a[k], b[k]) for k in a), f"prefill8: {mode} and whole outputs differ"

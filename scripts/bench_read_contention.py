@@ -109,7 +109,6 @@ def main(argv=None) -> int:
 
         for case in ("reads_beside_commits", "commits_alone"):
             slots = opened_slots()
-            _drop_cache(resolved)
             done: list[float] = []
             t0 = time.perf_counter()
             ths = [threading.Thread(target=commit_all, args=(slots[i::2], done), daemon=True) for i in range(2)]
