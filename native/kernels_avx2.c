@@ -340,5 +340,60 @@ static void gemm_avx2(const op_gemm_args *g) {
     }
 }
 
-const op_kernel_table op_kernels_avx2 = {mm_f32_avx2, mm_bfp_avx2, mm_i8_avx2, gemm_avx2, NULL};
+/* Levels 0 and 4's block scan (op_kernel_table.block_amax), 8 values at a time, as
+ * the AVX-512 one does (max_ps keeps its second operand, the running max, when
+ * either is NaN); the tail goes through the portable loop. */
+static float block_amax_avx2(const float *a, size_t n, int *finite) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256 fmax = _mm256_set1_ps(3.4028234663852886e38f);
+    __m256 acc = _mm256_setzero_ps();
+    int bad = 0;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_and_ps(_mm256_loadu_ps(a + i), absmask);
+        bad |= _mm256_movemask_ps(_mm256_cmp_ps(v, fmax, _CMP_NLE_UQ)); /* inf or NaN */
+        acc = _mm256_max_ps(v, acc);
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    float amax = _mm_cvtss_f32(m);
+    if (bad) *finite = 0;
+    if (i < n) {
+        const float tail = op_block_amax_portable(a + i, n - i, finite);
+        amax = tail > amax ? tail : amax;
+    }
+    return amax;
+}
+
+/* Level 4's A bytes (op_kernel_table.i8_round), 8 values at a time, the steps of the
+ * AVX-512 one; the low byte of each converted dword is stored (a shuffle, not a
+ * saturating pack: a NaN's INT32_MIN must store 0, as the portable cast does). */
+static int32_t i8_round_avx2(const float *a, size_t n, float inv, int8_t *a8) {
+    const __m256 vinv = _mm256_set1_ps(inv), magic = _mm256_set1_ps(12582912.0f);
+    const __m256 top = _mm256_set1_ps(127.0f), bottom = _mm256_set1_ps(-128.0f);
+    const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                               0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i lanes = _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1);
+    __m256i acc = _mm256_setzero_si256();
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 r = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(a + i), vinv), magic), magic);
+        r = _mm256_blendv_ps(r, top, _mm256_cmp_ps(r, top, _CMP_GT_OQ));
+        r = _mm256_blendv_ps(r, bottom, _mm256_cmp_ps(r, bottom, _CMP_LT_OQ));
+        const __m256i q = _mm256_cvttps_epi32(r);
+        const __m256i b = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(q, low_bytes), lanes);
+        _mm_storel_epi64((__m128i *)(a8 + i), _mm256_castsi256_si128(b));
+        acc = _mm256_add_epi32(acc, q);
+    }
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    int32_t s = _mm_cvtsi128_si32(t);
+    if (i < n) s += op_i8_round_portable(a + i, n - i, inv, a8 + i);
+    return s;
+}
+
+const op_kernel_table op_kernels_avx2 = {mm_f32_avx2, mm_bfp_avx2, mm_i8_avx2, gemm_avx2, NULL,
+                                         block_amax_avx2, i8_round_avx2};
 #endif

@@ -525,8 +525,50 @@ static int64_t bfp_digits_avx512(const float *a, size_t n, double inv, int8_t *d
     return sum;
 }
 
+/* Levels 0 and 4's block scan (op_kernel_table.block_amax), 16 values at a time:
+ * max_ps returns its second operand when either is NaN, so the running max (always
+ * the second operand) ignores a NaN as the portable compare does; a max is exact in
+ * any order. The tail is a masked load (the lanes past n read as 0, which no max of
+ * absolute values changes). */
+static float block_amax_avx512(const float *a, size_t n, int *finite) {
+    const __m512 fmax = _mm512_set1_ps(3.4028234663852886e38f);
+    __m512 acc = _mm512_setzero_ps();
+    __mmask16 bad = 0;
+    for (size_t i = 0; i < n; i += 16) {
+        const __mmask16 k = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+        const __m512 v = _mm512_abs_ps(_mm512_maskz_loadu_ps(k, a + i));
+        bad |= _mm512_cmp_ps_mask(v, fmax, _CMP_NLE_UQ); /* inf or NaN */
+        acc = _mm512_max_ps(v, acc);
+    }
+    if (bad) *finite = 0;
+    return _mm512_reduce_max_ps(acc);
+}
+
+/* Level 4's A bytes (op_kernel_table.i8_round), 16 values at a time: the portable
+ * loop's float steps (a * inv, then + and - 1.5 * 2^23), its clamp (compares, so a
+ * NaN passes through as there), its truncating conversion (cvttps: a NaN becomes
+ * INT32_MIN, whose low byte, 0, is what the portable (int8_t) cast stores too) and
+ * its int32 sum. The tail goes through the portable loop. */
+static int32_t i8_round_avx512(const float *a, size_t n, float inv, int8_t *a8) {
+    const __m512 vinv = _mm512_set1_ps(inv), magic = _mm512_set1_ps(12582912.0f);
+    const __m512 top = _mm512_set1_ps(127.0f), bottom = _mm512_set1_ps(-128.0f);
+    __m512i acc = _mm512_setzero_si512();
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 r = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(a + i), vinv), magic), magic);
+        r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(r, top, _CMP_GT_OQ), r, top);
+        r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(r, bottom, _CMP_LT_OQ), r, bottom);
+        const __m512i q = _mm512_cvttps_epi32(r);
+        _mm_storeu_si128((__m128i *)(a8 + i), _mm512_cvtepi32_epi8(q));
+        acc = _mm512_add_epi32(acc, q);
+    }
+    int32_t s = _mm512_reduce_add_epi32(acc);
+    if (i < n) s += op_i8_round_portable(a + i, n - i, inv, a8 + i);
+    return s;
+}
+
 const op_kernel_table op_kernels_avx512 = {mm_f32_avx512, mm_bfp_avx512_bw, mm_i8_avx512_bw, gemm_avx512,
-                                           bfp_digits_avx512};
+                                           bfp_digits_avx512, block_amax_avx512, i8_round_avx512};
 
 /* ---- VNNI variant of the int8 path ------------------------------------------------ */
 #pragma GCC push_options
@@ -540,5 +582,6 @@ DEFINE_BFP_DRIVER(mm_bfp_avx512_vnni, bfp_panel_vnni)
 #pragma GCC pop_options
 
 const op_kernel_table op_kernels_avx512_vnni = {mm_f32_avx512, mm_bfp_avx512_vnni, mm_i8_avx512_vnni,
-                                                gemm_avx512, bfp_digits_avx512};
+                                                gemm_avx512, bfp_digits_avx512, block_amax_avx512,
+                                                i8_round_avx512};
 #endif

@@ -246,6 +246,36 @@ def test_block_floating_point_edge_values():
                                       err_msg=isa)
 
 
+def test_int8_quantization_edge_values():
+    """Level 4 quantizes A per block to int8 (the block scan and the rounding have a
+    vector version per ISA): zero, huge, tiny and denormal blocks, and a short last
+    block (K = 120, blocks of 32: 24 values, a vector step plus a tail), agree bit for
+    bit on every ISA path and with the numpy reference; a block holding inf or NaN
+    makes only its own row NaN."""
+    rng = np.random.default_rng(13)
+    K, N, bs = 120, 40, 32
+    B, s, z = random_matmul_nbits(rng, K=K, N=N, block_size=bs, zp="u4")
+    packed = native.prepack_matmul_nbits(B, s, z, K=K, N=N, block_size=bs, accuracy_level=4)
+    A = rng.standard_normal((7, K)).astype(np.float32)
+    A[0, :32] = 0.0                                   # an all-zero block
+    A[1, :32] *= np.float32(1e30)                     # huge block next to normal ones
+    A[1, 40] = np.float32(1e-30)                      # tiny value inside a normal block
+    A[2, 32:64] = np.float32(1e-40)                   # a denormal block
+    A[3, 100] = np.float32(3.0e38)                    # near FLT_MAX, in the short block
+    A[3, 33] = np.float32(-0.0)
+    A[4, 5] = np.nan
+    A[5, 119] = -np.inf                               # the short block's last value
+    A[6, 70] = np.nan                                 # the vector part of a block
+    good = A[:4]
+    ref = native.matmul_nbits(good, packed, isa="scalar")
+    check_against_numpy(ref, good, B, s, z, None, K=K, N=N, bs=bs, level=4)
+    full = native.matmul_nbits(A, packed, isa="scalar")
+    np.testing.assert_array_equal(full[:4], ref)
+    assert np.all(np.isnan(full[4:]))
+    for isa in native.kernel_variants()[1:]:
+        np.testing.assert_array_equal(native.matmul_nbits(A, packed, isa=isa), full, err_msg=isa)
+
+
 def test_layout_key_names_everything_that_changes_the_bytes():
     """Equal keys over equal sources give equal bytes; every parameter that changes
     the packed bytes (level, zero-point kind, scale dtype, block size) changes the key."""
