@@ -76,6 +76,8 @@ def test_bench_kernels_smoke(tmp_path):
     assert p.returncode == 0, p.stderr
     assert "256x512" in p.stdout
     assert p.stdout.count("other work on the machine") == 2  # one line per thread count
+    # every streamed buffer (ours and the read probe) on 4 KiB pages: none on huge pages
+    assert "4 KiB pages asked, 0 of " in p.stdout
 
 
 def test_bench_intra_op_smoke(tmp_path):
