@@ -195,6 +195,9 @@ void op_erf_f64(const double *x, double *y, size_t n);
 
 /* ---- benchmark probes (scripts/bench_kernels.py) ------------------------------- */
 uint64_t op_bench_read(const uint8_t *p, size_t n);   /* reads n bytes (p 8-aligned) */
+/* reads n bytes as 1, 2, 4 or 8 sequential streams in lockstep; returns the bytes read
+ * (0 for another stream count) */
+uint64_t op_bench_read_streams(const uint8_t *p, size_t n, int streams);
 void op_bench_copy(uint8_t *dst, const uint8_t *src, size_t n);   /* memcpy */
 uint32_t op_bench_spin_wait(volatile uint32_t *flag, uint32_t value); /* spin until value or PARK */
 void op_bench_store(volatile uint32_t *flag, uint32_t value);     /* release store */
