@@ -275,6 +275,7 @@ def worker(args) -> dict:
     # -- set-up: every row's packed copies (and ORT sessions) exist before any timing,
     # so the timed calls can go round-robin over all rows (below)
     rows = []  # one per (shape, level, M), in print order
+    groups = []  # one per (shape, level): the packed copies its rows share
     numpy_inputs = {}
     for K, N in args.shapes:
         kb = -(-K // BLOCK_SIZE)
@@ -307,6 +308,16 @@ def worker(args) -> dict:
                                                  accuracy_level=level, out=region(packed_bytes))
                      for B in Bs]
             sessions = [ort_session(B, s0, K, N, level) for B in Bs] if ort else []
+            # the same bytes read plainly, in the same rotation and split over the same
+            # threads (byte halves ~ the kernel's panel-aligned column halves): the
+            # reference for this group's "% of read bandwidth" (see same_bytes_reads)
+            ptrs = [ffi.from_buffer("uint8_t[]", p) for p in packs]
+            h = packed_bytes // 2 // 64 * 64
+            spans = [(0, packed_bytes)] if T == 1 else [(0, h), (h, packed_bytes - h)]
+            group = {"packed_bytes": packed_bytes, "blocks": [], "streams": [], "keep": ptrs,
+                     "reads": {S: [[functools.partial(lib.op_bench_read_streams, q + o, n, S) for o, n in spans]
+                                   for q in ptrs] for S in (1, 4)}}
+            groups.append(group)
             for M in args.ms:
                 A = inputs[M]
                 out = np.empty((M, N), dtype=np.float32)
@@ -328,7 +339,7 @@ def worker(args) -> dict:
                 rows.append({"row": {"K": K, "N": N, "M": M, "level": level, "threads": T,
                                      "packed_bytes": packed_bytes, "copies": copies},
                              "calls": calls, "bindings": bindings, "keep": (packs, out),
-                             "ours": [], "ort": []})
+                             "group": group, "ours": [], "ort": []})
 
     # -- timing, in blocks. NOTE: a row's samples come from every block, so a noisy
     # phase of the machine (this VM has them, from milliseconds to seconds) moves
@@ -357,9 +368,24 @@ def worker(args) -> dict:
                 "read_one_stream_GBps": size / best_of(read1_fns) / 1e9,
                 "memcpy_GBps": size / best_of(copy_fns) / 1e9}
 
+    def same_bytes_reads(b: int) -> None:
+        """Each group's packed copies read plainly, rotating as the kernels do (best of
+        1 and 4 streams per thread, medians of per_block[b] reads). NOTE: why this
+        reference: the 256 MiB probe above reads slower than the smaller copies do (4
+        KiB pages: ~27-28 GB/s against ~29-30 for 7.2 MB copies, one thread, in one
+        process; page-table reach, placement), so a kernel could stream its copies at
+        over 100% of it. Read in place, the same bytes give the ceiling for that row."""
+        for g in groups:
+            best = {S: g["packed_bytes"] / statistics.median(_time_rotating(pool.run, items, per_block[b])) / 1e9
+                    for S, items in g["reads"].items()}
+            S = max(best, key=best.get)
+            g["blocks"].append(best[S])
+            g["streams"].append(S)
+
     for b in range(blocks):
         pool.unpark()
         start = bandwidth()
+        same_bytes_reads(b)
         if T > 1:  # kernels: T - 1 helper threads serve a mailbox (native/handoff.py), as
             pool.park()  # the runtime lends its idle CPU workers to a hot run
             box = native.Mailbox()
@@ -408,11 +434,16 @@ def worker(args) -> dict:
         # paired: this block's median kernel time against this block's read bandwidth
         row["read_share_blocks"] = [row["packed_bytes"] / med / 1e9 / bw["read_GBps"]
                                     for med, bw in zip(row["ours_blocks"], bw_runs)]
+        # and against this block's plain read of the same copies
+        g = r["group"]
+        row["same_read_GBps_blocks"], row["same_read_streams"] = g["blocks"], g["streams"]
+        row["same_read_share_blocks"] = [row["packed_bytes"] / med / 1e9 / gb
+                                         for med, gb in zip(row["ours_blocks"], g["blocks"])]
         if r["ort"]:
             row["ort"] = _stats([t for ts in r["ort"] for t in ts])
             row["ort_blocks"] = [statistics.median(ts) for ts in r["ort"]]
         result["rows"].append(row)
-    del rows, src, dst, sp, dp
+    del rows, groups, src, dst, sp, dp
     region.maps.clear()  # each mapping goes with its last view
 
     # numpy dequantize + matmul: independent of the accuracy level, measured once
@@ -460,16 +491,18 @@ def render(results: list[dict], args) -> str:
             lines.append(f"| {p['K']}x{p['N']} | {p['source_bytes'] / 1e6:.1f} | {p['packed_bytes'] / 1e6:.1f} "
                          f"| {p['GBps_source']:.2f} |")
         lines.append("")
-    lines.append("| K x N | M | level | thr | ours ms min / med / max | GB/s (med) | % read BW, paired (blocks) "
+    lines.append("| K x N | M | level | thr | ours ms min / med / max | GB/s (med) "
+                 "| % of the same bytes read, paired (blocks) | % of the 256 MiB probe, paired "
                  "| ORT ms min / med | vs ORT (med / min) | numpy ms med | vs numpy |")
-    lines.append("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    lines.append("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     rows = sorted((row for r in results for row in r["rows"]),
                   key=lambda x: (x["K"], x["N"], x["level"], x["M"], x["threads"]))
     for row in rows:
         o = row["ours"]
         gbps = row["packed_bytes"] / o["median"] / 1e9
-        shares = [100 * x for x in row["read_share_blocks"]]
+        shares = [100 * x for x in row["same_read_share_blocks"]]
         pct = f"{statistics.median(shares):.0f}% ({min(shares):.0f}-{max(shares):.0f})"
+        pct += f" | {100 * statistics.median(row['read_share_blocks']):.0f}%"
         ort_med = row.get("ort", {}).get("median")
         ort_min = row.get("ort", {}).get("min")
         np_med = row.get("numpy", {}).get("median")
@@ -486,14 +519,19 @@ def render(results: list[dict], args) -> str:
     m1 = [r for r in rows if r["M"] == 1 and "ort" in r]
     if m1:
         beat = sum(statistics.median(o / u for o, u in zip(r["ort_blocks"], r["ours_blocks"])) >= 1 for r in m1)
-        bwok = sum(statistics.median(r["read_share_blocks"]) >= 0.6 for r in m1)
+        same = sum(statistics.median(r["same_read_share_blocks"]) >= 0.6 for r in m1)
+        probe = sum(statistics.median(r["read_share_blocks"]) >= 0.6 for r in m1)
         lines.append(f"M = 1 (paired: each block's medians, then the median over blocks): at least as fast as "
-                     f"ORT in {beat}/{len(m1)} rows; >= 60% of the block's read bandwidth in {bwok}/{len(m1)} rows.")
+                     f"ORT in {beat}/{len(m1)} rows; >= 60% of the read bandwidth in {same}/{len(m1)} rows "
+                     f"(the same bytes read plainly), {probe}/{len(m1)} (the 256 MiB probe).")
         for stat in ("median", "min"):
             beat = sum(r["ort"][stat] >= r["ours"][stat] for r in m1)
-            bwok = sum(r["packed_bytes"] / r["ours"][stat] / 1e9 >= 0.6 * bw[r["threads"]]["read_GBps"] for r in m1)
+            same = sum(r["packed_bytes"] / r["ours"][stat] / 1e9 >= 0.6 * statistics.median(r["same_read_GBps_blocks"])
+                       for r in m1)
+            probe = sum(r["packed_bytes"] / r["ours"][stat] / 1e9 >= 0.6 * bw[r["threads"]]["read_GBps"] for r in m1)
             lines.append(f"M = 1 ({stat}s of all samples, against the median read bandwidth): at least as fast as "
-                         f"ORT in {beat}/{len(m1)} rows; >= 60% of read bandwidth in {bwok}/{len(m1)} rows.")
+                         f"ORT in {beat}/{len(m1)} rows; >= 60% of the read bandwidth in {same}/{len(m1)} rows "
+                         f"(the same bytes), {probe}/{len(m1)} (the probe).")
     withort = [r for r in rows if "ort" in r]
     if withort:
         for stat in ("median", "min"):
