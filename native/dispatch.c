@@ -186,7 +186,7 @@ int op_matmul_nbits(int isa, const float *A, size_t M, size_t lda, const uint8_t
     if (!A || !Y || M == 0 || lda < h.K || ldy < h.N || col_begin > col_end || col_end > h.N)
         return OP_E_ARG;
     if (accuracy_level < 0) accuracy_level = (int)((h.flags & OP_FLAG_ACC_MASK) >> OP_FLAG_ACC_SHIFT);
-    if (accuracy_level > 4) return OP_E_ARG;
+    if (accuracy_level > 4 && accuracy_level != OP_COMPUTE_FMA32) return OP_E_ARG;
     if (col_begin == col_end) return OP_OK;
 
     const size_t K = (size_t)h.K, nb = h.n_blocks, bs = h.block_size, Kp = nb * bs;
@@ -202,10 +202,14 @@ int op_matmul_nbits(int isa, const float *A, size_t M, size_t lda, const uint8_t
     a.col_begin = col_begin;
     a.col_end = col_end;
 
-    /* NOTE: level 0 ("unset") runs the block floating point path: fp32-accurate
-     * and, being integer dot products, bandwidth-bound at decode; levels 1-3 run
-     * IEEE fp32 FMA chains (ONNX Runtime computes both in fp32 on CPU). */
-    const int int8 = accuracy_level == 4, bfp = accuracy_level == 0;
+    /* NOTE: levels 0-3 run the block floating point path: fp32-accurate (as close to
+     * ONNX Runtime's fp32 result as IEEE fp32 FMA chains are: ~1e-7 of the output
+     * magnitude, measured) and, being integer dot products, bandwidth-bound at
+     * decode. ONNX Runtime computes levels 0 and 1 alike on CPU. The IEEE fp32 FMA
+     * chains (OP_COMPUTE_FMA32) convert every code to float and are compute-bound at
+     * decode: ~19 GB/s on one Zen 4 core, ~60% of what it reads from DRAM. Level 1 ran
+     * them until run 22 (docs/kernels.md). */
+    const int int8 = accuracy_level == 4, bfp = accuracy_level <= 3;
     const int pad = Kp != K;
     size_t bytes = M * nb * sizeof(float) * (int8 || bfp ? 2 : 1);
     bytes += int8 ? M * Kp : bfp ? M * Kp * 3 : (pad ? M * Kp * sizeof(float) : 0);

@@ -19,7 +19,7 @@ import numpy as np
 
 from onnx_prep.native._module import check, ffi, lib
 from onnx_prep.native.isa import isa_id
-from onnx_prep.native.matmul_nbits import split_args
+from onnx_prep.native.matmul_nbits import compute_mode, split_args
 from onnx_prep.native.packed import ptr
 
 
@@ -42,9 +42,10 @@ class MatmulBatch:
 
 
 def matmul_nbits_batch(A: np.ndarray, packed: np.ndarray, ranges, *, bias: np.ndarray | None = None,
-                       out: np.ndarray | None = None) -> tuple[np.ndarray, MatmulBatch]:
+                       out: np.ndarray | None = None, compute: str | None = None) -> tuple[np.ndarray, MatmulBatch]:
     """``(Y, batch)``: ``matmul_nbits`` over the column ``ranges`` (together: all of Y),
     as one batch. Arguments are checked here, as by ``matmul_nbits_parts``."""
+    mode = compute_mode(None, compute)
     res, A2, M, lda, bias, ranges, o2, ldy = split_args(A, packed, ranges, bias, out)
     c = ffi.new("op_mm_batch *")
     flat = ffi.new("int64_t[]", [v for cb, ce in ranges for v in (cb, ce)])
@@ -52,7 +53,7 @@ def matmul_nbits_batch(A: np.ndarray, packed: np.ndarray, ranges, *, bias: np.nd
     c.A, c.M, c.lda = ptr(A2, "float *"), M, lda
     c.packed, c.nbytes = ptr(packed, "uint8_t *"), packed.nbytes
     c.bias, c.Y, c.ldy = ptr(bias, "float *"), ptr(o2, "float *"), ldy
-    c.isa, c.level = isa_id(None), -1
+    c.isa, c.level = isa_id(None), mode
     c.ranges, c.n, c.rcs = flat, len(ranges), rcs
     return res, MatmulBatch(c, (A2, packed, bias, o2, flat, rcs), len(ranges))
 

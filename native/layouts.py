@@ -22,7 +22,7 @@ def matmul_nbits_layout(
     scale_dtype: "float16" | "float32" (the source's; packed scales are always fp32,
     the header records the source type).
     accuracy_level: 0-4, ORT's attribute. The packed header records it (it is the
-    kernels' default compute mode: 0 block floating point, 1-3 fp32, 4 int8), so it
+    kernels' default compute mode: 0-3 block floating point, 4 int8), so it
     is in the key even though the tile bytes do not depend on it.
     """
     if bits != 4:

@@ -13,7 +13,10 @@ from onnx_prep.native._module import check, lib
 from onnx_prep.native.isa import isa_id
 from onnx_prep.native.packed import ZP_KINDS, k_n, new_buffer, ptr
 
-ACCURACY_LEVELS = (0, 1, 2, 3, 4)  # 0-3: fp32 compute; 4: int8 compute (ORT semantics)
+ACCURACY_LEVELS = (0, 1, 2, 3, 4)  # 0-3: fp32-accurate compute; 4: int8 compute (ORT semantics)
+# Compute modes beyond the level's own: "fma" runs IEEE fp32 FMA chains (one per output
+# and block, ascending k) instead of the levels 0-3 block floating point path.
+COMPUTE_MODES = ("fma",)
 PANEL_N = int(lib.op_packed_panel_n())  # columns per packed panel: split column ranges on it
 
 
@@ -53,6 +56,18 @@ def _check_level(accuracy_level: int) -> int:
     if level not in ACCURACY_LEVELS:
         raise ValueError(f"accuracy_level {accuracy_level}: MatMulNBits defines 0-4")
     return level
+
+
+def compute_mode(accuracy_level: int | None, compute: str | None) -> int:
+    """The C call's ``accuracy_level`` argument: -1 (the packed buffer's level), a level
+    0-4, or OP_COMPUTE_FMA32 for ``compute="fma"``."""
+    if compute is None:
+        return -1 if accuracy_level is None else _check_level(accuracy_level)
+    if compute not in COMPUTE_MODES:
+        raise ValueError(f"compute {compute!r}: use one of {', '.join(COMPUTE_MODES)} (or None: the level's)")
+    if accuracy_level is not None:
+        raise ValueError("give accuracy_level or compute, not both")
+    return int(lib.OP_COMPUTE_FMA32)
 
 
 def matmul_nbits_packed_size(*, K: int, N: int, block_size: int, zero_points, accuracy_level: int = 0) -> int:
@@ -169,7 +184,7 @@ def split_args(A: np.ndarray, packed: np.ndarray, ranges, bias, out):
 
 
 def matmul_nbits_parts(A: np.ndarray, packed: np.ndarray, ranges, *, bias: np.ndarray | None = None,
-                       out: np.ndarray | None = None) -> tuple[np.ndarray, list]:
+                       out: np.ndarray | None = None, compute: str | None = None) -> tuple[np.ndarray, list]:
     """``matmul_nbits`` cut into column ranges for a caller that runs them on several
     threads: returns ``(Y, calls)``, one zero-argument callable per ``(col_begin,
     col_end)`` of ``ranges``, each filling its columns of ``Y`` (all of them together:
@@ -177,7 +192,8 @@ def matmul_nbits_parts(A: np.ndarray, packed: np.ndarray, ranges, *, bias: np.nd
     call (about 1 us instead of ~5 us through :func:`matmul_nbits`), which matters when a
     decode GEMV is cut into several parts. Each column is computed as in a whole call:
     the result is equal bit for bit. ``A``, ``packed``, ``bias`` and ``Y`` stay alive as
-    long as the callables."""
+    long as the callables. ``compute``: as for :func:`matmul_nbits`."""
+    mode = compute_mode(None, compute)
     res, A2, M, lda, bias, ranges, o2, ldy = split_args(A, packed, ranges, bias, out)
     fn, isa = lib.op_matmul_nbits, isa_id(None)
     a_p, pk_p, b_p, y_p = ptr(A2, "float *"), ptr(packed, "uint8_t *"), ptr(bias, "float *"), ptr(o2, "float *")
@@ -185,28 +201,33 @@ def matmul_nbits_parts(A: np.ndarray, packed: np.ndarray, ranges, *, bias: np.nd
     keep = (A2, packed, bias, o2)
 
     def call(cb: int, ce: int, keep=keep) -> None:
-        check(fn(isa, a_p, M, lda, pk_p, nbytes, b_p, y_p, ldy, cb, ce, -1), "matmul_nbits")
+        check(fn(isa, a_p, M, lda, pk_p, nbytes, b_p, y_p, ldy, cb, ce, mode), "matmul_nbits")
 
     return res, [lambda cb=cb, ce=ce: call(cb, ce) for cb, ce in ranges]
 
 
 def matmul_nbits(A: np.ndarray, packed: np.ndarray, *, bias: np.ndarray | None = None,
                  out: np.ndarray | None = None, col_begin: int = 0, col_end: int | None = None,
-                 accuracy_level: int | None = None, isa: str | None = None) -> np.ndarray:
+                 accuracy_level: int | None = None, isa: str | None = None,
+                 compute: str | None = None) -> np.ndarray:
     """``Y[..., c] = A x dequant(B) (+ bias)`` for c in [col_begin, col_end).
 
     A: float32 ``[..., K]`` (copied if not C-contiguous). Only the
     range's columns of ``out`` are written; a fresh ``out`` is zeros outside the
-    range. accuracy_level None = the packed buffer's; 0-3 compute in fp32, 4
-    quantizes A per block to int8 (ONNX Runtime's semantics). ``isa`` forces a
-    kernel path (tests, benchmarks); default :func:`active_isa`.
+    range. accuracy_level None = the packed buffer's; 0-3 compute fp32-accurately
+    (block floating point: A as 24-bit mantissas per block, exact integer dot
+    products; ONNX Runtime computes 0 and 1 alike), 4 quantizes A per block to int8
+    (ONNX Runtime's semantics). ``compute="fma"`` (instead of a level) runs IEEE fp32
+    FMA chains, one per output and block in ascending k: as accurate, slower at
+    decode. ``isa`` forces a kernel path (tests, benchmarks); default
+    :func:`active_isa`.
     Releases the GIL for the whole computation. For work splitting, column ranges
     on multiples of :data:`PANEL_N` avoid computing a shared panel twice.
     """
     K, N = k_n(packed, lib.OP_KIND_INT4_MATMUL)
     A2, M, lda = rows_f32(A, K, "matmul_nbits")
     cb, ce = col_range(col_begin, col_end, N, "matmul_nbits")
-    level = -1 if accuracy_level is None else _check_level(accuracy_level)
+    level = compute_mode(accuracy_level, compute)
     bias = bias_f32(bias, N, "matmul_nbits")
     res, o2, ldy = out_rows(out, A.shape[:-1], M, N, cb == 0 and ce == N, "matmul_nbits")
     check(lib.op_matmul_nbits(isa_id(isa), ptr(A2, "float *"), M, lda, ptr(packed, "uint8_t *"), packed.nbytes,

@@ -102,8 +102,12 @@ int op_prepack_matmul_nbits(const uint8_t *B, const float *scales, const uint8_t
                             uint8_t *out, size_t out_size);
 /* Y[m, c] = sum_k A[m, k] * dequant(B)[k, c] (+ bias[c]) for c in [col_begin, col_end).
  * A: fp32 rows of length K with row stride lda (elements); Y row stride ldy.
- * accuracy_level: -1 = the packed buffer's; 0-3 = fp32 compute; 4 = A quantized per
- * block to int8 with integer dot products (ONNX Runtime semantics). */
+ * accuracy_level: -1 = the packed buffer's; 0-3 = fp32-accurate compute (block
+ * floating point: A as 24-bit block mantissas, exact integer dot products; ONNX
+ * Runtime computes 0 and 1 alike); 4 = A quantized per block to int8 with integer dot
+ * products (ONNX Runtime semantics); OP_COMPUTE_FMA32 = IEEE fp32 FMA chains, one per
+ * output and block in ascending k (not an ONNX level: for whoever needs exactly that). */
+enum { OP_COMPUTE_FMA32 = 16 };
 int op_matmul_nbits(int isa, const float *A, size_t M, size_t lda, const uint8_t *packed,
                     size_t packed_size, const float *bias, float *Y, size_t ldy,
                     size_t col_begin, size_t col_end, int accuracy_level);

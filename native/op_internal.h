@@ -34,10 +34,10 @@
  * depend on whatever the source had there.
  *
  * Compute (every ISA, same order per output lane, so paths agree bit for bit):
- *   fp32 mode  (accuracy levels 1-3)
+ *   fp32 mode  (OP_COMPUTE_FMA32, asked for explicitly; levels 1-3 until run 22)
  *              acc_b = fma-chain over k in block (k ascending) of a[k] * code
  *              out  = fma(scale, fma(-zero, sum_b(a), acc_b), out)      per block
- *   bfp mode   (accuracy level 0: fp32-accurate block floating point)
+ *   bfp mode   (accuracy levels 0-3: fp32-accurate block floating point)
  *              a[k] = m[k] * p2_b with m integer, |m| < 2^23 (24-bit mantissas
  *              sharing the block's exponent), split into signed bytes
  *              m = hi * 65536 + mid * 256 + lo. Exact integer dot products per

@@ -29,10 +29,11 @@ def _ranges(N: int, parts: int):
     return intra_op.column_ranges(N, parts, native.PANEL_N)
 
 
-@pytest.mark.parametrize("level", [0, 1, 4])
+@pytest.mark.parametrize("level", [0, "fma", 4])
 def test_a_served_mailbox_equals_a_whole_call_and_the_helper_takes_chunks(level):
     K, N = 300, 1000  # K not a multiple of the block, N not of the panel
-    p = _packed(K, N, level)
+    p = _packed(K, N, 1 if level == "fma" else level)
+    compute = "fma" if level == "fma" else None
     box = native.Mailbox()
     helper = threading.Thread(target=box.serve)
     helper.start()
@@ -40,9 +41,9 @@ def test_a_served_mailbox_equals_a_whole_call_and_the_helper_takes_chunks(level)
         for i in range(2000):  # until the helper has run chunks (it spins in C, so soon)
             A = rng.standard_normal((1 + i % 3, K)).astype(np.float32)
             bias = rng.standard_normal(N).astype(np.float32) if i % 2 else None
-            y, batch = native.matmul_nbits_batch(A, p, _ranges(N, 4), bias=bias)
+            y, batch = native.matmul_nbits_batch(A, p, _ranges(N, 4), bias=bias, compute=compute)
             box.fork_join(batch)
-            np.testing.assert_array_equal(y, native.matmul_nbits(A, p, bias=bias))
+            np.testing.assert_array_equal(y, native.matmul_nbits(A, p, bias=bias, compute=compute))
             if box.chunks_by_helpers and i >= 20:
                 break
     finally:

@@ -10,15 +10,17 @@ import pytest
 from onnx_prep import native
 from onnx_prep.core.errors import NativeError
 from test_native_reference import (
+    KERNEL_MODES,
     assert_close_rel,
     dequantize_matmul_nbits,
     fold_weights,
     level_bounds,
     matmul_reference,
+    mm_mode,
     random_matmul_nbits,
 )
 
-LEVELS = [0, 1, 4]  # block floating point, fp32 FMA, int8 (the three kernel families)
+LEVELS = KERNEL_MODES  # block floating point (levels 0-3), IEEE fp32 FMA ("fma"), int8 (4)
 
 SHAPES = [  # (M, K, N, block_size): odd N, K not a multiple of the block, every block size
     (1, 64, 16, 16), (1, 100, 37, 32), (3, 250, 33, 64), (5, 384, 50, 128),
@@ -32,7 +34,8 @@ def _case(seed, M, K, N, bs, zp, scale_dtype=np.float32, level=0, bias=False):
     B, s, z = random_matmul_nbits(rng, K=K, N=N, block_size=bs, zp=zp, scale_dtype=scale_dtype)
     A = rng.standard_normal((M, K)).astype(np.float32)
     b = rng.standard_normal(N).astype(np.float32) if bias else None
-    packed = native.prepack_matmul_nbits(B, s, z, K=K, N=N, block_size=bs, accuracy_level=level)
+    packed = native.prepack_matmul_nbits(B, s, z, K=K, N=N, block_size=bs,
+                                         accuracy_level=1 if level == "fma" else level)
     W = dequantize_matmul_nbits(B, s, z, K=K, N=N, block_size=bs)
     return A, packed, W, b
 
@@ -57,7 +60,7 @@ def test_scalar_matches_numpy_dequantize_then_matmul(M, K, N, bs, zp):
     b = rng.standard_normal(N).astype(np.float32)
     packed = native.prepack_matmul_nbits(B, s, z, K=K, N=N, block_size=bs)
     for level in LEVELS:
-        got = native.matmul_nbits(A, packed, bias=b, isa="scalar", accuracy_level=level)
+        got = mm_mode(A, packed, level, bias=b, isa="scalar")
         assert got.shape == (M, N) and got.dtype == np.float32
         check_against_numpy(got, A, B, s, z, b, K=K, N=N, bs=bs, level=level)
 
@@ -72,9 +75,40 @@ def test_isa_paths_equal_scalar_bit_for_bit(isa, level, zp):
     extra = [(16, 256, 64, 32), (7, 96, 200, 32), (6, 1100, 100, 16), (9, 800, 70, 32)]
     for i, (M, K, N, bs) in enumerate(SHAPES + extra):
         A, packed, _, b = _case(10 + i, M, K, N, bs, zp, level=level, bias=i % 2 == 0)
-        ref = native.matmul_nbits(A, packed, bias=b, isa="scalar")
-        got = native.matmul_nbits(A, packed, bias=b, isa=isa)
+        kw = {"compute": "fma"} if level == "fma" else {}  # else: the packed buffer's level
+        ref = native.matmul_nbits(A, packed, bias=b, isa="scalar", **kw)
+        got = native.matmul_nbits(A, packed, bias=b, isa=isa, **kw)
         np.testing.assert_array_equal(got, ref, err_msg=f"{isa} level {level} shape {(M, K, N, bs)}")
+
+
+def test_levels_0_to_3_compute_alike_and_fma_is_a_compute_mode():
+    """ONNX Runtime computes accuracy levels 0 and 1 alike on CPU (fp32); here levels
+    0-3 all run block floating point, bit for bit the same outputs on every ISA path,
+    whatever level the packed buffer records. The IEEE fp32 FMA chains are asked for
+    with compute="fma": a different rounding sequence, the same accuracy bound."""
+    rng = np.random.default_rng(21)
+    K, N, bs = 300, 70, 32
+    B, s, z = random_matmul_nbits(rng, K=K, N=N, block_size=bs, zp="u4")
+    A = rng.standard_normal((3, K)).astype(np.float32)
+    for isa in native.kernel_variants():
+        outs = [native.matmul_nbits(A, native.prepack_matmul_nbits(B, s, z, K=K, N=N, block_size=bs,
+                                                                 accuracy_level=level), isa=isa)
+                for level in (0, 1, 2, 3)]
+        for level, y in enumerate(outs[1:], 1):
+            np.testing.assert_array_equal(y, outs[0], err_msg=f"{isa} level {level}")
+        packed = native.prepack_matmul_nbits(B, s, z, K=K, N=N, block_size=bs, accuracy_level=1)
+        fma = native.matmul_nbits(A, packed, isa=isa, compute="fma")
+        assert not np.array_equal(fma, outs[0])  # another path, not an alias
+        check_against_numpy(fma, A, B, s, z, None, K=K, N=N, bs=bs, level="fma")
+        check_against_numpy(outs[0], A, B, s, z, None, K=K, N=N, bs=bs, level=1)
+    with pytest.raises(ValueError, match="compute 'fp64'"):
+        native.matmul_nbits(A, packed, compute="fp64")
+    with pytest.raises(ValueError, match="not both"):
+        native.matmul_nbits(A, packed, compute="fma", accuracy_level=1)
+    y, calls = native.matmul_nbits_parts(A, packed, [(0, 64), (64, N)], compute="fma")
+    for c in calls:
+        c()
+    np.testing.assert_array_equal(y, native.matmul_nbits(A, packed, compute="fma"))
 
 
 def test_packing_is_deterministic_and_layout_independent_of_source_padding():

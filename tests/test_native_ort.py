@@ -65,17 +65,18 @@ CASES = [  # (M, K, N, block_size): odd N, K not a multiple of the block, every 
 @pytest.mark.parametrize("M,K,N,bs", CASES)
 @pytest.mark.parametrize("zp", ["none", "u4", "float"])
 @pytest.mark.parametrize("scale_dtype", [np.float32, np.float16], ids=["f32", "f16"])
-@pytest.mark.parametrize("level", [0, 1, 4])
+@pytest.mark.parametrize("level", [0, 1, 4, "fma"])  # "fma": our IEEE fp32 FMA chains vs ORT's level 1
 def test_matmul_nbits_matches_onnxruntime(M, K, N, bs, zp, scale_dtype, level):
     rng = np.random.default_rng(M * 7919 + K * 31 + N + bs)
     B, s, z = random_matmul_nbits(rng, K=K, N=N, block_size=bs, zp=zp, scale_dtype=scale_dtype)
     A = rng.standard_normal((M, K)).astype(np.float32)
     bias = rng.standard_normal(N).astype(np.float32) if N % 2 else None
-    want = run_matmul_nbits(A, B, s, z, bias, K=K, N=N, bs=bs, level=level)
+    ort_level = 1 if level == "fma" else level
+    want = run_matmul_nbits(A, B, s, z, bias, K=K, N=N, bs=bs, level=ort_level)
     f16 = scale_dtype == np.float16
     A_used = A.astype(np.float16).astype(np.float32) if f16 else A  # what ORT multiplies
     bias_used = None if bias is None else bias.astype(scale_dtype).astype(np.float32)
-    packed = native.prepack_matmul_nbits(B, s, z, K=K, N=N, block_size=bs, accuracy_level=level)
+    packed = native.prepack_matmul_nbits(B, s, z, K=K, N=N, block_size=bs, accuracy_level=ort_level)
     mag = np.abs(A_used.astype(np.float64)) @ fold_weights(B, s, z, K=K, N=N, block_size=bs)
     mag = mag + (0 if bias is None else np.abs(bias_used))
     if level == 4:
@@ -85,7 +86,8 @@ def test_matmul_nbits_matches_onnxruntime(M, K, N, bs, zp, scale_dtype, level):
     if f16:
         tol += ORT_FP16_REL_TOL
     for isa in ISAS:
-        got = native.matmul_nbits(A_used, packed, bias=bias_used, isa=isa)
+        got = native.matmul_nbits(A_used, packed, bias=bias_used, isa=isa,
+                                  compute="fma" if level == "fma" else None)
         worst = float(np.max(np.abs(got - want) / (mag + 1e-30)))
         assert worst <= tol, f"{isa}: error {worst:.3g} of magnitude > {tol}"
 

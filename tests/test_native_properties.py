@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from onnx_prep import native
 from test_native_matmul_nbits import check_against_numpy
-from test_native_reference import FP32_UNIT_ROUNDOFF, assert_close_rel, random_matmul_nbits
+from test_native_reference import FP32_UNIT_ROUNDOFF, KERNEL_MODES, assert_close_rel, mm_mode, random_matmul_nbits
 
 ISAS = native.kernel_variants()
 
@@ -21,7 +21,7 @@ shapes = st.tuples(
 )
 
 
-@given(shape=shapes, zp=st.sampled_from(["none", "u4", "float"]), level=st.sampled_from([0, 1, 4]),
+@given(shape=shapes, zp=st.sampled_from(["none", "u4", "float"]), level=st.sampled_from(KERNEL_MODES),
        seed=st.integers(0, 2**32 - 1), bias=st.booleans())
 def test_matmul_nbits_properties(shape, zp, level, seed, bias):
     M, K, N, bs = shape
@@ -29,13 +29,14 @@ def test_matmul_nbits_properties(shape, zp, level, seed, bias):
     B, s, z = random_matmul_nbits(rng, K=K, N=N, block_size=bs, zp=zp)
     A = rng.standard_normal((M, K)).astype(np.float32)
     b = rng.standard_normal(N).astype(np.float32) if bias else None
-    packed = native.prepack_matmul_nbits(B, s, z, K=K, N=N, block_size=bs, accuracy_level=level)
+    packed_level = 1 if level == "fma" else level
+    packed = native.prepack_matmul_nbits(B, s, z, K=K, N=N, block_size=bs, accuracy_level=packed_level)
     assert packed.tobytes() == native.prepack_matmul_nbits(B, s, z, K=K, N=N, block_size=bs,
-                                                           accuracy_level=level).tobytes()
-    ref = native.matmul_nbits(A, packed, bias=b, isa="scalar")
+                                                           accuracy_level=packed_level).tobytes()
+    ref = mm_mode(A, packed, level, bias=b, isa="scalar")
     check_against_numpy(ref, A, B, s, z, b, K=K, N=N, bs=bs, level=level)
     for isa in ISAS[1:]:
-        np.testing.assert_array_equal(native.matmul_nbits(A, packed, bias=b, isa=isa), ref, err_msg=isa)
+        np.testing.assert_array_equal(mm_mode(A, packed, level, bias=b, isa=isa), ref, err_msg=isa)
 
 
 @given(shape=shapes, cuts=st.lists(st.integers(0, 70), max_size=4), seed=st.integers(0, 2**32 - 1))

@@ -91,13 +91,30 @@ def int8_error_bound(A, W, block_size) -> np.ndarray:
     return block_rounding_bound(A, W, block_size, INT8_HALF_STEP)
 
 
+# The three kernel families, as the tests name them: a level whose compute is block
+# floating point (0; levels 1-3 compute alike), the IEEE fp32 FMA chains ("fma", a
+# compute mode, not a level) and int8 (4).
+KERNEL_MODES = [0, "fma", 4]
+
+
+def mm_mode(A, packed, mode, **kw):
+    """native.matmul_nbits in one of KERNEL_MODES (or any level 0-4)."""
+    from onnx_prep import native
+
+    if mode == "fma":
+        return native.matmul_nbits(A, packed, compute="fma", **kw)
+    return native.matmul_nbits(A, packed, accuracy_level=mode, **kw)
+
+
 def level_bounds(A, W, fold_mag, *, K, block_size, level):
-    """(relative tolerance on the fold magnitude, extra absolute bound) per accuracy level."""
+    """(relative tolerance on the fold magnitude, extra absolute bound) per accuracy
+    level (0-4) or the "fma" compute mode."""
     nb = -(-K // block_size)
     if level == 4:  # exact integer sums; fp32 only in the per-block fold
         return (nb + 8) * FP32_UNIT_ROUNDOFF, int8_error_bound(A, W, block_size)
-    if level == 0:  # same, with A on a 24-bit grid
+    if level in (0, 1, 2, 3):  # same, with A on a 24-bit grid
         return (nb + 8) * FP32_UNIT_ROUNDOFF, block_rounding_bound(A, W, block_size, BFP_HALF_STEP)
+    assert level == "fma", level
     return fp32_rel_tol(K, block_size), 0.0
 
 
