@@ -8,10 +8,11 @@ floating point, 4 = int8; ONNX Runtime computes 0 and 1 alike, in fp32; "fma" in
 thread count (1, 2) it prints the kernel time (min / median / max),
 the effective bandwidth over the packed bytes the kernel streams, that bandwidth
 as a share of the machine's read bandwidth measured in the same run with the
-same thread count (the faster of two reads in each block: a 256 MiB buffer as 1, 2, 4
-or 8 sequential streams per thread, and the row's own weight copies read plainly in
-the same rotation; both on the weights' page kind), and the speedup against (a) numpy dequantize + matmul and
-(b) ONNX Runtime's MatMulNBits at the same accuracy level and thread count.
+same thread count (the faster of two reads in each block: a 256 MiB buffer as 1, 2,
+4 or 8 sequential streams per thread, and the row's own weight copies read plainly
+in the same rotation; both on the weights' page kind), and the speedup against
+(a) numpy dequantize + matmul and (b) ONNX Runtime's MatMulNBits at the same
+accuracy level and thread count.
 It also prints memcpy and read bandwidth (1 and 2 threads) and prepack GB/s.
 
 Method:
@@ -51,6 +52,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import mmap
 import os
 import platform
 import statistics
@@ -123,8 +125,6 @@ class Regions:
         self.bytes = 0
 
     def __call__(self, nbytes: int):
-        import mmap
-
         import numpy as np
 
         align = 2 << 20
@@ -313,8 +313,8 @@ def worker(args) -> dict:
                      for B in Bs]
             sessions = [ort_session(B, s0, K, N, onnx_level) for B in Bs] if ort else []
             # the same bytes read plainly, in the same rotation and split over the same
-            # threads (byte halves ~ the kernel's panel-aligned column halves): the
-            # reference for this group's "% of read bandwidth" (see same_bytes_reads)
+            # threads (byte halves ~ the kernel's panel-aligned column halves): with the
+            # 256 MiB probe, the reference for the rows' "% read BW" (same_bytes_reads)
             ptrs = [ffi.from_buffer("uint8_t[]", p) for p in packs]
             h = packed_bytes // 2 // 64 * 64
             spans = [(0, packed_bytes)] if T == 1 else [(0, h), (h, packed_bytes - h)]
