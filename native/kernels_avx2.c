@@ -367,8 +367,8 @@ static float block_amax_avx2(const float *a, size_t n, int *finite) {
 }
 
 /* Level 4's A bytes (op_kernel_table.i8_round), 8 values at a time, the steps of the
- * AVX-512 one; the low byte of each converted dword is stored (a shuffle, not a
- * saturating pack: a NaN's INT32_MIN must store 0, as the portable cast does). */
+ * AVX-512 one; the low byte of each converted dword (all in [-128, 127]) is stored
+ * through a shuffle. */
 static int32_t i8_round_avx2(const float *a, size_t n, float inv, int8_t *a8) {
     const __m256 vinv = _mm256_set1_ps(inv), magic = _mm256_set1_ps(12582912.0f);
     const __m256 top = _mm256_set1_ps(127.0f), bottom = _mm256_set1_ps(-128.0f);

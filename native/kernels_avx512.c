@@ -545,10 +545,10 @@ static float block_amax_avx512(const float *a, size_t n, int *finite) {
 }
 
 /* Level 4's A bytes (op_kernel_table.i8_round), 16 values at a time: the portable
- * loop's float steps (a * inv, then + and - 1.5 * 2^23), its clamp (compares, so a
- * NaN passes through as there), its truncating conversion (cvttps: a NaN becomes
- * INT32_MIN, whose low byte, 0, is what the portable (int8_t) cast stores too) and
- * its int32 sum. The tail goes through the portable loop. */
+ * loop's float steps (a * inv, then + and - 1.5 * 2^23), its clamp (as compares, in
+ * its order), its truncating conversion and its int32 sum. Only finite blocks come
+ * here (quantize_row gives a block holding inf or NaN no bytes). The tail goes
+ * through the portable loop. */
 static int32_t i8_round_avx512(const float *a, size_t n, float inv, int8_t *a8) {
     const __m512 vinv = _mm512_set1_ps(inv), magic = _mm512_set1_ps(12582912.0f);
     const __m512 top = _mm512_set1_ps(127.0f), bottom = _mm512_set1_ps(-128.0f);

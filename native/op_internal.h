@@ -138,10 +138,10 @@ typedef struct {
      * otherwise). NULL: the portable loop. A max is exact, so any order gives the
      * portable loop's value. */
     float (*block_amax)(const float *a, size_t n, int *finite);
-    /* Level 4's A bytes for one block: a8[i] = round_even(a[i] * inv) clamped to
-     * [-128, 127] (the portable loop's float steps, then its truncating conversion);
-     * returns their sum. NULL: the portable loop. Must give exactly its bytes and sum
-     * (tested through the ISA-vs-scalar matmul tests). */
+    /* Level 4's A bytes for one finite block: a8[i] = round_even(a[i] * inv) clamped
+     * to [-128, 127] (the portable loop's float steps, then its truncating
+     * conversion); returns their sum. NULL: the portable loop. Must give exactly its
+     * bytes and sum (tested through the ISA-vs-scalar matmul tests). */
     int32_t (*i8_round)(const float *a, size_t n, float inv, int8_t *a8);
 } op_kernel_table;
 
