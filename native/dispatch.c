@@ -69,12 +69,10 @@ int32_t op_i8_round_portable(const float *a, size_t n, float inv, int8_t *a8) {
  * (as at level 0), never finite values made from an undefined conversion. */
 static void quantize_row(const op_kernel_table *kt, const float *a, size_t K, uint32_t bs, uint32_t nb,
                          int8_t *a8, float *ascale, float *asum) {
-    float (*amax_of)(const float *, size_t, int *) = kt->block_amax ? kt->block_amax : op_block_amax_portable;
-    int32_t (*round_to)(const float *, size_t, float, int8_t *) = kt->i8_round ? kt->i8_round : op_i8_round_portable;
     for (uint32_t b = 0; b < nb; b++) {
         size_t k0 = (size_t)b * bs, n = K - k0 < bs ? K - k0 : bs;
         int finite = 1;
-        float amax = amax_of(a + k0, n, &finite);
+        float amax = kt->block_amax(a + k0, n, &finite);
         if (!finite) {
             memset(a8 + k0, 0, bs);
             ascale[b] = NAN;
@@ -83,7 +81,7 @@ static void quantize_row(const op_kernel_table *kt, const float *a, size_t K, ui
         }
         float scale = amax / 127.0f;
         float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
-        int32_t s = round_to(a + k0, n, inv, a8 + k0);
+        int32_t s = kt->i8_round(a + k0, n, inv, a8 + k0);
         for (size_t i = n; i < bs; i++) a8[k0 + i] = 0;
         ascale[b] = scale;
         asum[b] = (float)s;
@@ -150,13 +148,10 @@ static inline float pow2_float(int e) {
 
 static void bfp_row(const op_kernel_table *kt, const float *a, size_t K, uint32_t bs, uint32_t nb,
                     int8_t *d24, float *p2, float *msum) {
-    int64_t (*digits)(const float *, size_t, double, int8_t *) =
-        kt->bfp_digits ? kt->bfp_digits : op_bfp_digits_portable;
-    float (*amax_of)(const float *, size_t, int *) = kt->block_amax ? kt->block_amax : op_block_amax_portable;
     for (uint32_t b = 0; b < nb; b++) {
         size_t k0 = (size_t)b * bs, n = K - k0 < bs ? K - k0 : bs;
         int finite = 1;
-        float amax = amax_of(a + k0, n, &finite);
+        float amax = kt->block_amax(a + k0, n, &finite);
         int8_t *dst = d24 + k0 * 3;
         memset(dst, 0, (size_t)bs * 3);
         msum[b] = 0.0f;
@@ -169,7 +164,7 @@ static void bfp_row(const op_kernel_table *kt, const float *a, size_t K, uint32_
             continue;
         }
         const int e = bfp_exponent(amax);
-        int64_t sum = digits(a + k0, n, pow2_double(-e), dst);
+        int64_t sum = kt->bfp_digits(a + k0, n, pow2_double(-e), dst);
         p2[b] = pow2_float(e);
         msum[b] = (float)sum;
     }

@@ -394,6 +394,6 @@ static int32_t i8_round_avx2(const float *a, size_t n, float inv, int8_t *a8) {
     return s;
 }
 
-const op_kernel_table op_kernels_avx2 = {mm_f32_avx2, mm_bfp_avx2, mm_i8_avx2, gemm_avx2, NULL,
+const op_kernel_table op_kernels_avx2 = {mm_f32_avx2, mm_bfp_avx2, mm_i8_avx2, gemm_avx2, op_bfp_digits_portable,
                                          block_amax_avx2, i8_round_avx2};
 #endif

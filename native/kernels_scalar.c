@@ -144,5 +144,5 @@ static void gemm_scalar(const op_gemm_args *g) {
     }
 }
 
-const op_kernel_table op_kernels_scalar = {mm_f32_scalar, mm_bfp_scalar, mm_i8_scalar, gemm_scalar, NULL, NULL,
-                                           NULL};
+const op_kernel_table op_kernels_scalar = {mm_f32_scalar, mm_bfp_scalar, mm_i8_scalar, gemm_scalar,
+                                           op_bfp_digits_portable, op_block_amax_portable, op_i8_round_portable};

@@ -129,23 +129,21 @@ typedef struct {
     void (*gemm)(const op_gemm_args *);
     /* Level 0's A digits for one block (dispatch.c, bfp_row): for each of the block's
      * n values, m = round_even(a * inv) split into lo / mid / hi bytes at their group
-     * positions in dst (zeroed by the caller); returns sum m. NULL: the portable loop.
-     * Must give exactly the portable loop's bytes and sum (tested through the
-     * ISA-vs-scalar matmul tests). */
+     * positions in dst (zeroed by the caller); returns sum m. Must give exactly the
+     * portable loop's bytes and sum (tested through the ISA-vs-scalar matmul tests). */
     int64_t (*bfp_digits)(const float *a, size_t n, double inv, int8_t *dst);
     /* The per-block scan of levels 0 and 4: max |a[i]| over the n values, NaN ignored
      * (0 if there is none), and *finite = 0 if any value is inf or NaN (left as it is
-     * otherwise). NULL: the portable loop. A max is exact, so any order gives the
-     * portable loop's value. */
+     * otherwise). A max is exact, so any order gives the portable loop's value. */
     float (*block_amax)(const float *a, size_t n, int *finite);
     /* Level 4's A bytes for one finite block: a8[i] = round_even(a[i] * inv) clamped
      * to [-128, 127] (the portable loop's float steps, then its truncating
-     * conversion); returns their sum. NULL: the portable loop. Must give exactly its
-     * bytes and sum (tested through the ISA-vs-scalar matmul tests). */
+     * conversion); returns their sum. Must give exactly the portable loop's bytes and
+     * sum (tested through the ISA-vs-scalar matmul tests). */
     int32_t (*i8_round)(const float *a, size_t n, float inv, int8_t *a8);
 } op_kernel_table;
 
-/* The portable hooks (dispatch.c): the references, and the tails of the ISAs'. */
+/* The portable hooks (dispatch.c): the scalar table's, and the tails of the ISAs'. */
 int64_t op_bfp_digits_portable(const float *a, size_t n, double inv, int8_t *dst);
 float op_block_amax_portable(const float *a, size_t n, int *finite);
 int32_t op_i8_round_portable(const float *a, size_t n, float inv, int8_t *a8);
