@@ -46,7 +46,7 @@ def main(argv=None) -> int:
 
     from onnx_prep.core.external_data import ExternalDataReader
     from onnx_prep.core.machine_activity import MachineActivity, describe
-    from onnx_prep.core.ops.prepack import packed_size
+    from onnx_prep.core.plan import build_prepared_execution_plan
     from onnx_prep.core.resolution import resolve_model
     from onnx_prep.fixtures import FixtureConfig, ensure_cached
     from onnx_prep.native import StableSlot
@@ -55,13 +55,8 @@ def main(argv=None) -> int:
     from bench_load import _drop_cache  # the same page-cache drop as the load benchmark
 
     resolved = resolve_model(ensure_cached(FixtureConfig.preset(args.preset)))
-    sizes = []
-    seen = set()
-    for n in resolved.nodes:
-        for r in n.requirements:
-            if r.key not in seen:
-                seen.add(r.key)
-                sizes.append(packed_size(n.kernel, r, resolved))
+    # the slots Session construction opens: one per prepared requirement of the plan
+    sizes = [r.packed_bytes for r in build_prepared_execution_plan(resolved).requirements if r.packed_bytes > 0]
     print(f"{args.preset}: {resolved.manifest.total_bytes / 2**20:.0f} MiB to read, "
           f"{sum(sizes) / 2**20:.0f} MiB of slots in {len(sizes)} objects", file=sys.stderr)
 
