@@ -12,6 +12,13 @@ whole core for 15 minutes; the load benchmark run meanwhile came out 2.4x slower
 hot path, and nothing it printed said why. Every benchmark prints this now
 (docs/runtime.md, "Load benchmark").
 
+It also reads how much free memory the VM handed back to its host meanwhile (Linux free
+page reporting, ``/sys/module/page_reporting/parameters/reported_kib``, where the
+kernel has it). The host faults that memory in again on its next touch, billed to the
+vCPU that touches it, so a load that allocates it runs slower, by up to 3x for the
+medium fixture's cold loads on the VM of docs/runtime.md ("What swings a cold load
+here"). Benchmarks print it so that such runs are read with that in mind.
+
 Linux only (``/proc/stat``); elsewhere :meth:`MachineActivity.now` returns a snapshot
 whose :meth:`since` reports ``available: False``.
 """
@@ -23,6 +30,7 @@ import time
 from dataclasses import dataclass
 
 _PROC_STAT = "/proc/stat"
+_REPORTED_KIB = "/sys/module/page_reporting/parameters/reported_kib"
 
 
 def _ticks_per_s() -> float:
@@ -48,6 +56,16 @@ def _machine_ticks() -> tuple[int, int] | None:
     return user + nice + system + irq + softirq, steal
 
 
+def _reported_kib() -> int | None:
+    """KiB of free memory this kernel has reported to its host since boot; None where
+    it does not report (bare metal, or no free page reporting)."""
+    try:
+        with open(_REPORTED_KIB, "rb") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
 def _own_cpu_s() -> float:
     """CPU time of this process (all its threads) and of its children already reaped."""
     s = resource.getrusage(resource.RUSAGE_SELF)
@@ -63,11 +81,13 @@ class MachineActivity:
     own_cpu_s: float
     busy_ticks: int | None
     steal_ticks: int | None
+    reported_kib: int | None = None
 
     @classmethod
     def now(cls) -> "MachineActivity":
         t = _machine_ticks()
-        return cls(time.perf_counter(), _own_cpu_s(), t[0] if t else None, t[1] if t else None)
+        return cls(time.perf_counter(), _own_cpu_s(), t[0] if t else None, t[1] if t else None,
+                   _reported_kib())
 
     def since(self, earlier: "MachineActivity") -> dict:
         """The interval from ``earlier`` to this snapshot:
@@ -77,10 +97,15 @@ class MachineActivity:
           processes, unreaped children, the kernel's own threads), never below 0 (the
           two counters tick at different granularity: ~10 ms per CPU);
         - ``foreign_cores``: that over the wall time (0.5 = half a core taken all along);
-        - ``steal_s``: time the host ran something else on our vCPUs."""
+        - ``steal_s``: time the host ran something else on our vCPUs;
+        - ``returned_mib``: free memory the VM handed back to its host (None where the
+          kernel does not report it). Unlike the others, present even without
+          ``/proc/stat``."""
         wall = self.wall_s - earlier.wall_s
         own = self.own_cpu_s - earlier.own_cpu_s
         out = {"available": False, "wall_s": wall, "own_cpu_s": own}
+        if self.reported_kib is not None and earlier.reported_kib is not None:
+            out["returned_mib"] = (self.reported_kib - earlier.reported_kib) / 1024
         if self.busy_ticks is None or earlier.busy_ticks is None:
             return out
         hz = _ticks_per_s()
@@ -101,12 +126,16 @@ NOISE_CORES = 0.05
 def describe(activity: dict) -> str:
     """One line for a benchmark's output: how much other work ran, and whether that is
     enough to distort the figures."""
+    returned = activity.get("returned_mib")
+    tail = ("" if returned is None else
+            f"; free memory handed back to the host {returned:,.0f} MiB (memory a load gets"
+            " from there is faulted in again by the host: cold loads swing with it)")
     if not activity.get("available"):
-        return "other work on the machine: unknown (no /proc/stat)"
+        return "other work on the machine: unknown (no /proc/stat)" + tail
     wall = activity["wall_s"]
     f, st = activity["foreign_cpu_s"], activity["steal_s"]
     line = (f"other work on the machine during the run: {f:.2f} CPU-s in {wall:.1f} s "
-            f"({activity['foreign_cores']:.2f} cores), host steal {st:.2f} s")
+            f"({activity['foreign_cores']:.2f} cores), host steal {st:.2f} s" + tail)
     if activity["foreign_cores"] > NOISE_CORES or (wall > 0 and st / wall > NOISE_CORES):
         line += ("  ** WARNING: figures distorted: another process or the host took CPU from "
                  "this run; rerun on a quiet machine **")

@@ -48,3 +48,25 @@ def test_without_proc_stat_it_says_unknown():
     a = MachineActivity(1.0, 0.5, None, None).since(MachineActivity(0.0, 0.0, None, None))
     assert a == {"available": False, "wall_s": 1.0, "own_cpu_s": 0.5}
     assert "unknown" in describe(a)
+
+
+def test_memory_returned_to_the_host_is_the_reported_difference():
+    kib = 3 * 1024 * 1024  # 3 GiB reported in between
+    a = MachineActivity(2.0, 0.5, 200, 0, 1_000 + kib).since(MachineActivity(0.0, 0.0, 100, 0, 1_000))
+    assert a["returned_mib"] == 3072.0
+    assert "handed back to the host 3,072 MiB" in describe(a)
+    # only where both snapshots have the counter; without /proc/stat it is still told
+    b = MachineActivity(1.0, 0.5, None, None, 5_120).since(MachineActivity(0.0, 0.0, None, None, 1_024))
+    assert b["returned_mib"] == 4.0 and "unknown" in describe(b) and "4 MiB" in describe(b)
+    c = MachineActivity(1.0, 0.5, 200, 0, None).since(MachineActivity(0.0, 0.0, 100, 0, 1_024))
+    assert "returned_mib" not in c and "handed back" not in describe(c)
+
+
+def test_now_reads_the_kernels_page_reporting_counter_where_it_has_one():
+    snap = MachineActivity.now()
+    path = "/sys/module/page_reporting/parameters/reported_kib"
+    if os.path.exists(path):
+        assert isinstance(snap.reported_kib, int) and snap.reported_kib >= 0
+        assert "returned_mib" in MachineActivity.now().since(snap)
+    else:
+        assert snap.reported_kib is None
