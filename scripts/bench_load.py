@@ -117,6 +117,10 @@ def _task_profile(s, t0: int) -> dict:
             "read_tasks_ms": sum(e.end_ns - e.start_ns for e in reads) / 1e6}
 
 
+# where the VM's free page reporting stood when the last load ended (None: no reporting)
+_LAST_REPORTED_KIB: list = [None]
+
+
 def one_load(resolved, feeds, *, mode: str, warm: bool) -> dict:
     """One load in a fresh Session. Modes:
 
@@ -127,10 +131,12 @@ def one_load(resolved, feeds, *, mode: str, warm: bool) -> dict:
                 time to first output with loading and compute overlapped
     """
     from onnx_prep.core.arenas import Arena
+    from onnx_prep.core.machine_activity import MachineActivity
     from onnx_prep.core.session import RuntimeContext, Session
 
     if not warm:
         _drop_cache(resolved)
+    returned0 = _LAST_REPORTED_KIB[0]
     t_session = time.perf_counter_ns()
     s = Session(resolved, sequential=mode == "sequential", source_io=SOURCE_IO, io_workers=IO_WORKERS)
     try:
@@ -176,6 +182,11 @@ def one_load(resolved, feeds, *, mode: str, warm: bool) -> dict:
             "peak_io": budget.peak(Arena.IO),
             "max_in_flight": budget.max_in_flight_bytes,
         })
+        # free memory the VM handed back to its host since the previous load ended, and
+        # during this one: what it had to fault in again (docs/runtime.md)
+        _LAST_REPORTED_KIB[0] = MachineActivity.now().reported_kib
+        if returned0 is not None and _LAST_REPORTED_KIB[0] is not None:
+            out["host_returned_mib"] = (_LAST_REPORTED_KIB[0] - returned0) / 1024
         return out
     finally:
         s.close()
@@ -325,6 +336,7 @@ def main(argv=None) -> int:
     summary = {m: {k: _stats([x[k] for x in xs]) for k in xs[0] if k not in counter_keys}
                for m, xs in samples.items()}
     warmed = {m: summary[m].pop("slot_mib_warmed") for m in modes}
+    returned = {m: summary[m].pop("host_returned_mib") for m in modes if "host_returned_mib" in summary[m]}
 
     print("\ncounters (per load)    sequential          init          ttfo")
     for k in counter_keys:
@@ -335,6 +347,9 @@ def main(argv=None) -> int:
             print(f"  {m + '.' + k:28s} {_fmt(st)}")
     print("slot pages committed ahead by idle CPU (MiB, min/median/max): "
           + ", ".join(f"{m} {_fmt(st)}" for m, st in warmed.items()))
+    if returned:
+        print("free memory the VM handed back to its host since the previous load and during each "
+              "(MiB, min/median/max): " + ", ".join(f"{m} {_fmt(st)}" for m, st in returned.items()))
     print(f"\nstages alone (ms, min/median/max of {args.repeats}): "
           + ", ".join(f"{k} {_fmt(st)}" for k, st in stage_stats.items()))
     longest = max(stages.values())
@@ -394,7 +409,7 @@ def main(argv=None) -> int:
                                          "stage_runs": stage_runs, "ratios_paired": ratios_paired,
                                          "ratios_paired_runs": paired_runs, "targets": targets,
                                          "targets_met": met, "machine_activity": activity,
-                                         "slot_mib_warmed": warmed},
+                                         "slot_mib_warmed": warmed, "host_returned_mib": returned},
                                         indent=2))
     return 0
 

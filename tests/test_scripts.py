@@ -61,6 +61,12 @@ def test_bench_load_smoke(tmp_path):
     assert doc["slot_mib_warmed"]["sequential"]["max"] == 0 and doc["slot_mib_warmed"]["ttfo"]["max"] == 0
     assert doc["slot_mib_warmed"]["init"]["min"] >= 0
     _check_activity(doc["machine_activity"], p.stdout)
+    # per mode, the free memory the VM handed back to its host around each load, where
+    # the kernel reports it (a VM with free page reporting), else nothing
+    reporting = os.path.exists("/sys/module/page_reporting/parameters/reported_kib")
+    assert set(doc["host_returned_mib"]) == ({"sequential", "init", "ttfo"} if reporting else set())
+    assert all(st["min"] >= 0 for st in doc["host_returned_mib"].values())
+    assert ("handed back to its host since the previous load" in p.stdout) == reporting
 
 
 def test_bench_resolve_smoke(tmp_path):
