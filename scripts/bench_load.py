@@ -50,7 +50,9 @@ overhead <= 3%. Each load ratio is printed three ways:
 Pairing cancels drift slower than a repeat (a ratio of medians or minimums compares
 samples taken up to a minute apart). It cannot cancel swings within a repeat: on a VM
 whose host takes back free memory, the same load or stage can take 2x as long from one
-run to the next with the same counters (docs/runtime.md, "Huge pages for stable slots").
+run to the next with the same counters (docs/runtime.md, "What swings a cold load
+here"). Where the kernel reports free memory to its host, the run prints per mode how
+much it handed back since the previous load and during each (host_returned_mib).
 """
 from __future__ import annotations
 
