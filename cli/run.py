@@ -14,14 +14,15 @@ from onnx_prep.cli import output
 from onnx_prep.cli.app import app
 from onnx_prep.cli.errors import run_guarded
 from onnx_prep.core.errors import EXIT_FINDINGS, EXIT_OK, UsageError
+from onnx_prep.core.external_data import SOURCE_PAGES
 
 DEFAULT_PROMPT = "1,2,3,4"
 PROGRESS_MIN_TOKENS = 8  # shorter runs finish before a bar is worth drawing
 RUNTIMES = ("prepared", "ort")
-SCHEMA = "onnx-prep.run/3"
+SCHEMA = "onnx-prep.run/4"
 
 
-def _open_runtime_runner(path: Path, *, threads: int | None):
+def _open_runtime_runner(path: Path, *, threads: int | None, source_pages: str):
     """The prepared runtime as a ``Runner`` (core/generation.py) with ``close()``.
 
     NOTE: the one place the CLI obtains our runtime. ``--threads`` maps to the
@@ -34,15 +35,16 @@ def _open_runtime_runner(path: Path, *, threads: int | None):
             raise
         raise UsageError("the prepared runtime (onnx_prep.core.session) is not in this build",
                          hint="decode with --runtime ort") from exc
-    return Session.open(path) if threads is None else Session.open(path, cpu_workers=threads)
+    kw = {} if threads is None else {"cpu_workers": threads}
+    return Session.open(path, source_pages=source_pages, **kw)
 
 
-def _open_runner(kind: str, path: Path, threads: int | None):
+def _open_runner(kind: str, path: Path, threads: int | None, source_pages: str):
     if kind == "ort":
         from onnx_prep.core.ort_runner import OrtRunner
 
         return OrtRunner(path, threads=threads)
-    return _open_runtime_runner(path, threads=threads)
+    return _open_runtime_runner(path, threads=threads, source_pages=source_pages)
 
 
 def parse_prompts(prompt_ids: list[str] | None, batch: int | None) -> np.ndarray:
@@ -85,18 +87,20 @@ def _progress(label: str, total: int, enabled: bool) -> Iterator[Callable | None
 
 
 def _decode(kind: str, path: Path, io, prompt: np.ndarray, tokens: int, threads: int | None,
-            show_progress: bool) -> tuple[float, object]:
+            show_progress: bool, source_pages: str) -> tuple[float, object, str | None]:
+    """Open the runner, decode, close it: (open ms, the GenerationResult, the source
+    pages choice of our runtime, None for ONNX Runtime)."""
     from onnx_prep.core.generation import greedy_decode
 
     with ExitStack() as stack:
         t0 = time.perf_counter()
-        runner = _open_runner(kind, path, threads)
+        runner = _open_runner(kind, path, threads, source_pages)
         if hasattr(runner, "close"):
             stack.callback(runner.close)
         open_ms = (time.perf_counter() - t0) * 1e3
         on_step = stack.enter_context(_progress(f"{kind} decode", tokens, show_progress))
         result = greedy_decode(runner, io, prompt, tokens, on_step=on_step, model=str(path))
-    return open_ms, result
+    return open_ms, result, getattr(runner, "source_pages", None)
 
 
 @app.command()
@@ -114,6 +118,10 @@ def run(
                                                                  "(format: docs/run.md)."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON (schema: docs/run.md)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Intra-op threads."),
+    source_pages: str = typer.Option("auto", "--source-pages",
+                                     help="Prepared runtime: drop each source tensor from the page cache once "
+                                          "prepacked: keep, drop, or auto (drop when the payload is over a "
+                                          "quarter of the available memory)."),
 ) -> None:
     """Greedy-decode --tokens tokens per row; print the generated ids and timings.
 
@@ -133,6 +141,8 @@ def run(
             raise UsageError(f"--tokens must be at least 1, got {tokens}")
         if threads is not None and threads < 1:
             raise UsageError(f"--threads must be at least 1, got {threads}")
+        if source_pages not in SOURCE_PAGES:
+            raise UsageError(f"--source-pages must be one of {list(SOURCE_PAGES)}, got {source_pages!r}")
         prompt = parse_prompts(prompt_ids, batch)
         mapping = load_io_map(io_map) if io_map is not None else None
         if model is None:
@@ -144,15 +154,15 @@ def run(
         io = DecoderIO.from_model(path, mapping)
         # Only on a terminal: a redirected stderr would just collect blank frames.
         show = tokens >= PROGRESS_MIN_TOKENS and output.stderr.is_terminal
-        open_ms, result = _decode(runtime, path, io, prompt, tokens, threads, show)
+        open_ms, result, pages = _decode(runtime, path, io, prompt, tokens, threads, show, source_pages)
         doc = {"schema": SCHEMA, "model": str(path), "runtime": runtime,
                "prompt_ids": prompt.tolist(), "batch": int(prompt.shape[0]), "tokens_requested": tokens,
                "io": io.to_json(), "tokens": result.tokens.tolist(),
                "timings": {"open_ms": open_ms, **result.timings_json()},
-               "counters": result.counters_json(), "compare": None}
+               "counters": result.counters_json(), "source_pages": pages, "compare": None}
         code = EXIT_OK
         if compare is not None:
-            ref_open_ms, ref = _decode(compare, path, io, prompt, tokens, threads, show)
+            ref_open_ms, ref, _ = _decode(compare, path, io, prompt, tokens, threads, show, source_pages)
             cmp = compare_generations(result, ref)
             doc["compare"] = {"runtime": compare, "tokens": ref.tokens.tolist(), **cmp.to_json(),
                               "timings": {"open_ms": ref_open_ms, **ref.timings_json()}}

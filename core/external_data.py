@@ -38,7 +38,7 @@ from typing import Callable
 import numpy as np
 from onnx import TensorProto, helper
 
-from onnx_prep.core.errors import DigestError, ExternalDataError, UnsafePathError, Where
+from onnx_prep.core.errors import DigestError, ExternalDataError, UnsafePathError, UsageError, Where
 from onnx_prep.core.resolved_model import PayloadManifest
 from onnx_prep.core.weights import DigestSource, WeightDescriptor
 
@@ -203,6 +203,7 @@ class ReadCounters:
     per_tensor: dict[str, int] = field(default_factory=dict)
     bytes_mapped: int = 0
     maps: int = 0
+    bytes_dropped: int = 0  # tensor bytes advised out of the page cache (drop_cached)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def _add_read(self, name: str, n: int) -> None:
@@ -216,15 +217,20 @@ class ReadCounters:
             self.bytes_mapped += n
             self.maps += 1
 
+    def _add_dropped(self, n: int) -> None:
+        with self._lock:
+            self.bytes_dropped += n
+
     def snapshot(self) -> dict:
         with self._lock:
             return {"bytes_read": self.bytes_read, "reads": self.reads,
                     "per_tensor": dict(self.per_tensor),
-                    "bytes_mapped": self.bytes_mapped, "maps": self.maps}
+                    "bytes_mapped": self.bytes_mapped, "maps": self.maps,
+                    "bytes_dropped": self.bytes_dropped}
 
     def reset(self) -> None:
         with self._lock:
-            self.bytes_read = self.reads = self.bytes_mapped = self.maps = 0
+            self.bytes_read = self.reads = self.bytes_mapped = self.maps = self.bytes_dropped = 0
             self.per_tensor.clear()
 
 
@@ -270,6 +276,8 @@ class ExternalDataReader:
         self._shared: dict[str, mmap.mmap] = {}  # one mapping per data file (map_shared)
         self._shared_lock = threading.Lock()
         self._populating: dict[str, threading.Lock] = {}  # one populating thread per file
+        # per data file, for drop_cached: its tensors' [lo, hi) by offset, name -> index, dropped yet
+        self._file_order: dict[str, tuple[list[tuple[int, int]], dict[str, int], list[bool]]] = {}
 
     @classmethod
     def for_model(cls, resolved, *, trust_symlinks: bool = False) -> "ExternalDataReader":
@@ -352,6 +360,10 @@ class ExternalDataReader:
             self.hooks.before_read(desc)
         mm = self._shared_mapping(desc, where)
         check_bounds(desc.offset, desc.length, len(mm), where)
+        if desc.length:
+            with self._shared_lock:  # in use (again): neighbours' page work leaves it alone
+                spans, index, released = self._order(desc.file)
+                released[index[desc.name]] = False
         if populate:  # the file as it is now: one truncated after mapping fails here, clearly
             try:
                 now = os.stat(self.model_dir / desc.file).st_size
@@ -373,20 +385,93 @@ class ExternalDataReader:
         GLOBAL_COUNTERS._add_map(desc.length)
         return arr
 
-    def release_shared(self, desc: WeightDescriptor) -> None:
-        """Drop the tensor's whole pages from the shared mapping (MADV_DONTNEED; the page
-        cache keeps them). Safe even while a view is alive: a private read-only file
-        mapping refaults the same bytes from the file. Edge pages shared with a
-        neighbouring tensor stay mapped."""
+    def release_shared(self, desc: WeightDescriptor, *, drop: bool = False) -> None:
+        """Done with the tensor's view of the shared mapping: drop its pages from the
+        mapping (MADV_DONTNEED; the page cache keeps them), and with ``drop=True`` from
+        the page cache too (:meth:`drop_cached`). Safe even while a view is alive: a
+        private read-only file mapping refaults the same bytes from the file. A page
+        shared with a neighbouring tensor goes once that tensor is released too
+        (:meth:`_released_run`)."""
+        self._release(desc, drop=drop)
+
+    def drop_cached(self, desc: WeightDescriptor) -> bool:
+        """Done with the tensor's bytes (read by :meth:`read` / :meth:`read_into`, or
+        mapped): ask the kernel to drop them from the page cache (POSIX_FADV_DONTNEED),
+        after dropping them from the shared mapping if it maps them. Other readers of the
+        file simply read it from storage again; the bytes cannot change. Advice only:
+        where the file cannot be opened any more, or the OS has no such advice, nothing
+        happens and it returns False."""
+        return self._release(desc, drop=True)
+
+    def _release(self, desc: WeightDescriptor, *, drop: bool) -> bool:
+        """Mark the tensor released; unmap, and with ``drop`` advise out of the page
+        cache, the range around it that only released tensors (and padding) occupy.
+
+        NOTE: why around it. The page cache may hold a file in large folios (2 MiB on
+        the machine of docs/runtime.md), and the kernel drops only folios wholly inside
+        the advised range, and none a mapping still maps: populating a tensor also maps
+        its neighbours' cached pages (fault-around). So both reach ``_FOLIO_REACH``
+        either side of the tensor, inside its released run: a folio shared by two
+        tensors goes when the second is released, and the pages readahead brought in
+        for the next tensor stay."""
+        if desc.file is None or desc.length == 0:
+            return False
+        run_lo, run_hi = self._released_run(desc)
+        a = max(run_lo, desc.offset - _FOLIO_REACH)
+        b = min(run_hi, desc.offset + desc.length + _FOLIO_REACH)
         with self._shared_lock:
             mm = self._shared.get(desc.file)
-        if mm is None or desc.length == 0:
-            return
-        page = mmap.PAGESIZE
-        lo = -(-desc.offset // page) * page
-        hi = (desc.offset + desc.length) // page * page
-        if hi > lo and hasattr(mm, "madvise"):
-            mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        if mm is not None and hasattr(mm, "madvise") and len(mm) > 0:
+            page = mmap.PAGESIZE
+            lo = -(-a // page) * page
+            # whole pages only, but the file's last page, partial or not, when b reaches it
+            hi = len(mm) if b >= len(mm) else b // page * page
+            if hi > lo:
+                mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)  # the kernel rounds the length up
+        if not drop or not hasattr(os, "posix_fadvise"):
+            return False
+        where = Where(model=self.model, tensor=desc.name, file=desc.file, offset=desc.offset)
+        try:
+            fd = open_external_file(self.model_dir, desc.file, trust_symlinks=self.trust_symlinks, where=where)
+        except (ExternalDataError, UnsafePathError):
+            return False
+        try:
+            os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        self.counters._add_dropped(desc.length)
+        return True
+
+    def _released_run(self, desc: WeightDescriptor) -> tuple[int, int]:
+        """Mark the tensor released, and return the byte range of the run of released
+        tensors of its file around it, out to the tensors not released yet on either
+        side (the padding between included): page work on behalf of a released tensor
+        stays inside it, so a page or folio shared with a neighbour in use stays.
+        :meth:`map_shared` marks a tensor in use again."""
+        with self._shared_lock:
+            spans, index, released = self._order(desc.file)
+            i = index[desc.name]
+            released[i] = True
+            left = i
+            while left > 0 and released[left - 1]:
+                left -= 1
+            right = i
+            while right + 1 < len(spans) and released[right + 1]:
+                right += 1
+        run_lo = spans[left - 1][1] if left > 0 else 0
+        run_hi = spans[right + 1][0] if right + 1 < len(spans) else 1 << 62
+        return run_lo, run_hi
+
+    def _order(self, file: str):
+        """(caller holds _shared_lock) The file's tensors' [lo, hi) by offset, name ->
+        index, and which are released."""
+        order = self._file_order.get(file)
+        if order is None:
+            entries = sorted((d for d in self.manifest if d.file == file), key=lambda d: d.offset)
+            order = self._file_order[file] = ([(d.offset, d.offset + d.length) for d in entries],
+                                              {d.name: i for i, d in enumerate(entries)},
+                                              [False] * len(entries))
+        return order
 
     def close_shared(self) -> None:
         """Forget the shared mappings; each is unmapped once its last view is gone."""
@@ -440,6 +525,41 @@ class ExternalDataReader:
         if self.manifest.get(desc.name) != desc:
             raise ExternalDataError("read refused: tensor is not in the payload manifest", where)
         return where
+
+
+# How far around a dropped tensor the page-cache advice reaches (drop_cached): the
+# largest page-cache folio (PMD size on x86-64 and arm64 with 4 KiB pages).
+_FOLIO_REACH = 2 << 20
+
+SOURCE_PAGES = ("keep", "drop", "auto")
+
+
+def drop_source_pages(policy: str, payload_bytes: int, available_bytes: int | None) -> bool:
+    """Whether a load drops each source tensor from the page cache once it is prepacked
+    (``Session(source_pages=...)``): ``keep`` never, ``drop`` always; ``auto`` when the
+    payload is more than a quarter of the memory available (``available_bytes``, e.g.
+    :func:`available_memory_bytes`; None, unknown: keep). Past that point the cached
+    source and its packed copy together take half of what was free, and the kernel
+    would reclaim the source's pages anyway, on the allocations of the load and the
+    runs after it."""
+    if policy not in SOURCE_PAGES:
+        raise UsageError(f"unknown source pages policy {policy!r}", hint=f"choose one of {', '.join(SOURCE_PAGES)}")
+    if policy != "auto":
+        return policy == "drop"
+    return available_bytes is not None and payload_bytes * 4 > available_bytes
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux): memory that can be had without swapping,
+    the page cache's reclaimable part included; None where unknown."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _populate(arr: np.ndarray, offset: int, where: Where) -> None:

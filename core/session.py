@@ -9,8 +9,12 @@ compiled :class:`ActionProgram`.
 Contract
 --------
 ``Session(resolved, *, workspace=None, sequential=False, budget=None, io_workers=2,
-cpu_workers=None, residency_limit=None, lookahead=None, reader=None)``
+cpu_workers=None, residency_limit=None, lookahead=None, reader=None, source_pages="auto")``
     ``resolved`` must be a frozen ResolvedModel (``Session.open(path)`` resolves first).
+    ``source_pages``: whether each source tensor leaves the page cache once prepacked
+    ("keep", "drop", or "auto": drop when the payload is over a quarter of the memory
+    available; ``external_data.drop_source_pages``). ``Session.source_pages`` is the
+    choice made.
 ``prepare_async() -> ExecutionHandle`` submits every session task (reads, prepacks);
     ``prepare()`` is exactly ``prepare_async().wait()``.
 ``run_async(ctx: RuntimeContext) -> ExecutionHandle``; ``run(feeds) -> dict`` is exactly
@@ -219,11 +223,20 @@ class Session:
                  residency_limit: int | None = None, lookahead: LookaheadWindow | None = None,
                  reader: ExternalDataReader | None = None, trust_symlinks: bool = False,
                  source_io: str = "map", intra_op: bool = True, spin_helpers: bool | None = None,
-                 warm_slots: bool = True) -> None:
+                 warm_slots: bool = True, source_pages: str = "auto") -> None:
         if source_io not in SOURCE_IO:
             raise UsageError(f"unknown source_io {source_io!r}", hint=f"choose one of {', '.join(SOURCE_IO)}")
         self.source_io = source_io
         self.resolved = require_frozen(resolved)
+        from onnx_prep.core.external_data import available_memory_bytes, drop_source_pages
+
+        # NOTE: dropping a prepacked source from the page cache frees memory for what
+        # comes next and spares the kernel reclaiming it later; keeping it makes the next
+        # load of the same model warm. Measured, docs/runtime.md ("Source pages").
+        self._drop_sources = drop_source_pages(
+            source_pages, resolved.manifest.total_bytes,
+            available_memory_bytes() if source_pages == "auto" else None)
+        self.source_pages = "drop" if self._drop_sources else "keep"
         from onnx_prep.native import active_isa
 
         self.isa = active_isa()  # a bad ONNX_PREP_ISA or a stale build fails here, before any work
@@ -765,20 +778,25 @@ class Session:
 
             def materialize(nbytes: int, view: np.ndarray) -> None:
                 self.reader.read_into(wd, view)
+                if self._drop_sources:
+                    self.reader.drop_cached(wd)
 
             self._materialize(key, tctx, wd.length, materialize, typed_as=wd)
             return None
-        on_release = None
         if self.source_io == "map":
             # NOTE: zero copy: the source is the page cache itself, prefaulted here on the
             # I/O worker through the reader's one mapping of the data file; releasing it
             # drops its pages from the mapping. A pread into a fresh buffer costs a
             # zeroing and a copy of every source byte (memory-bound on small machines).
             buf = self.reader.map_shared(wd, populate=True)
-            on_release = lambda: self.reader.release_shared(wd)  # noqa: E731
+
+            on_release = lambda: self.reader.release_shared(wd, drop=self._drop_sources)  # noqa: E731
         else:
             buf = np.empty(wd.length, dtype=np.uint8)
             self.reader.read_into(wd, buf)
+            on_release = None
+            if self._drop_sources:  # the bytes are in the buffer now
+                self.reader.drop_cached(wd)
         reservation = tctx.detach(Arena.PREPARATION) if tctx.reservation is not None else None
         return _Source(as_array(wd, buf), reservation, on_release)
 

@@ -19,7 +19,8 @@ page cache before each (posix_fadvise DONTNEED; pass --warm-cache to keep it):
 
 Per load: plan_ms (plan construction) and session_ms (Session construction: the plan,
 the workers, every stable slot reserved and opened), both before the load's clock starts.
-Then counters: bytes_read / bytes_mapped (the one reader), session_tasks,
+Then counters: bytes_read / bytes_mapped (the one reader), bytes_dropped (source bytes
+dropped from the page cache once prepacked: --source-pages), session_tasks,
 peak_<arena> and max_in_flight (all arenas together); cpu_ms (process user + sys CPU over
 the load; cpu_user_ms + cpu_sys_ms) and task_wall_ms / task_cpu_ms (summed over the scheduler's tasks: the gap is
 time a running task was descheduled or blocked); reads_end_ms (when the last source read
@@ -99,6 +100,7 @@ def _feeds(resolved, prompt_len: int):
 
 SOURCE_IO = "map"
 IO_WORKERS = 2
+SOURCE_PAGES = "auto"
 
 
 def _cpu_ms() -> tuple[float, float]:
@@ -140,7 +142,8 @@ def one_load(resolved, feeds, *, mode: str, warm: bool) -> dict:
         _drop_cache(resolved)
     returned0 = _LAST_REPORTED_KIB[0]
     t_session = time.perf_counter_ns()
-    s = Session(resolved, sequential=mode == "sequential", source_io=SOURCE_IO, io_workers=IO_WORKERS)
+    s = Session(resolved, sequential=mode == "sequential", source_io=SOURCE_IO, io_workers=IO_WORKERS,
+                source_pages=SOURCE_PAGES)
     try:
         # session_ms: construction (plan, stable-slot reservations); not in the times below
         out = {"plan_ms": s.plan.build_ms, "session_ms": (time.perf_counter_ns() - t_session) / 1e6}
@@ -177,6 +180,7 @@ def one_load(resolved, feeds, *, mode: str, warm: bool) -> dict:
         out.update({
             "bytes_read": snap["bytes_read"],
             "bytes_mapped": snap["bytes_mapped"],
+            "bytes_dropped": snap["bytes_dropped"],
             "session_tasks": sum(1 for e in s.scheduler.events() if e.name.startswith("S.")),
             "peak_preparation": budget.peak(Arena.PREPARATION),
             "peak_prepared": budget.peak(Arena.PREPARED),
@@ -292,24 +296,35 @@ def main(argv=None) -> int:
     ap.add_argument("--io-workers", type=int, default=2, help="I/O workers of the parallel sessions")
     ap.add_argument("--source-io", choices=("map", "read"), default="map",
                     help="how sessions read prepack sources (Session(source_io=...))")
+    ap.add_argument("--source-pages", choices=("keep", "drop", "auto"), default="auto",
+                    help="whether sessions drop each source from the page cache once prepacked "
+                         "(Session(source_pages=...))")
     args = ap.parse_args(argv)
 
     from onnx_prep import __version__
+    from onnx_prep.core.external_data import available_memory_bytes, drop_source_pages
     from onnx_prep.core.machine_activity import MachineActivity, describe
     from onnx_prep.core.resolution import resolve_model
     from onnx_prep.fixtures import FixtureConfig, ensure_cached
     from onnx_prep.native import active_isa
 
-    global SOURCE_IO, IO_WORKERS
+    global SOURCE_IO, IO_WORKERS, SOURCE_PAGES
     SOURCE_IO = args.source_io
     IO_WORKERS = args.io_workers
+    SOURCE_PAGES = args.source_pages
     path = args.model or ensure_cached(FixtureConfig.preset(args.preset))
     resolved = resolve_model(path)
     feeds = _feeds(resolved, args.prompt_len)
     warm = args.warm_cache
+    pages = "drop" if drop_source_pages(SOURCE_PAGES, resolved.manifest.total_bytes,
+                                        available_memory_bytes()) else "keep"
+    if warm and pages == "drop":
+        ap.error(f"--warm-cache with --source-pages {SOURCE_PAGES} (drop here): every load would leave "
+                 "the file cold for the next")
     print(f"onnx-prep {__version__}  model {path}  payload {resolved.manifest.total_bytes / 2**20:.1f} MiB  "
           f"isa {active_isa()}  cpus {os.cpu_count()}  {platform.machine()}  "
-          f"page cache {'warm' if warm else 'dropped per repeat'}  source io {SOURCE_IO}", file=sys.stderr)
+          f"page cache {'warm' if warm else 'dropped per repeat'}  source io {SOURCE_IO}  "
+          f"source pages {pages} ({SOURCE_PAGES})", file=sys.stderr)
 
     activity0 = MachineActivity.now()
     # NOTE: one discarded warm-up load. On a VM the first touch of memory the host has not
@@ -329,11 +344,11 @@ def main(argv=None) -> int:
     hot = hot_vs_direct(resolved, feeds, args.hot_repeats)
     activity = MachineActivity.now().since(activity0)
 
-    counter_keys = ("bytes_read", "bytes_mapped", "session_tasks", "peak_preparation", "peak_prepared",
+    counter_keys = ("bytes_read", "bytes_mapped", "bytes_dropped", "session_tasks", "peak_preparation", "peak_prepared",
                     "peak_execution", "peak_io", "max_in_flight")
     counters = {m: {k: xs[0][k] for k in counter_keys} for m, xs in samples.items()}
     for m, xs in samples.items():  # counters must not vary across repeats
-        for k in ("bytes_read", "bytes_mapped", "session_tasks"):
+        for k in ("bytes_read", "bytes_mapped", "bytes_dropped", "session_tasks"):
             assert len({x[k] for x in xs}) == 1, f"{m} {k} varies across repeats"
     summary = {m: {k: _stats([x[k] for x in xs]) for k in xs[0] if k not in counter_keys}
                for m, xs in samples.items()}
@@ -404,6 +419,7 @@ def main(argv=None) -> int:
     print(describe(activity))
     if args.json:
         args.json.write_text(json.dumps({"model": str(path), "isa": active_isa(), "warm_cache": warm,
+                                         "source_pages": pages,
                                          "samples": samples, "summary": summary, "counters": counters,
                                          "stages_alone": stages, "stages_alone_stats": stage_stats,
                                          "hot_vs_direct": hot, "ratios": ratios,

@@ -187,7 +187,7 @@ def test_progress_bar_draws_on_stderr_for_long_runs(toy, monkeypatch):
 
 
 def test_compare_identical_when_the_runtime_matches_ort(toy, monkeypatch):
-    monkeypatch.setattr(run_cmd, "_open_runtime_runner", lambda path, threads: OrtRunner(path, threads=1))
+    monkeypatch.setattr(run_cmd, "_open_runtime_runner", lambda path, threads, source_pages: OrtRunner(path, threads=1))
     doc = _json([str(toy), "--compare", "ort", "--tokens", "6", "--batch", "2"])
     cmp = doc["compare"]
     assert doc["runtime"] == "prepared" and cmp["runtime"] == "ort"
@@ -200,7 +200,7 @@ def test_compare_identical_when_the_runtime_matches_ort(toy, monkeypatch):
 def test_compare_reports_a_real_divergence_with_exit_1(tmp_path, toy, monkeypatch):
     # Same I/O, other weights: the "runtime" is wrong on purpose.
     other = build_toy_decoder(tmp_path / "other.onnx", layout="bshd", kv_names="flat", seed=1)
-    monkeypatch.setattr(run_cmd, "_open_runtime_runner", lambda path, threads: OrtRunner(other))
+    monkeypatch.setattr(run_cmd, "_open_runtime_runner", lambda path, threads, source_pages: OrtRunner(other))
     result = cli.invoke(app, ["run", str(toy), "--compare", "ort", "--tokens", "4", "--json"])
     assert result.exit_code == EXIT_FINDINGS, result.output
     cmp = json.loads(result.stdout)["compare"]

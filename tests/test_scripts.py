@@ -67,6 +67,25 @@ def test_bench_load_smoke(tmp_path):
     assert set(doc["host_returned_mib"]) == ({"sequential", "init", "ttfo"} if reporting else set())
     assert all(st["min"] >= 0 for st in doc["host_returned_mib"].values())
     assert ("handed back to its host since the previous load" in p.stdout) == reporting
+    assert doc["source_pages"] == "keep" and all(doc["counters"][m]["bytes_dropped"] == 0 for m in doc["counters"])
+
+
+def test_bench_load_cold_with_sources_dropped(tmp_path):
+    """Cold page cache, --source-pages drop: every load drops every source once."""
+    from onnx_prep.core.resolution import resolve_model
+
+    out = tmp_path / "load.json"
+    p = _run(["scripts/bench_load.py", "--preset", "tiny-llm", "--repeats", "1", "--hot-repeats", "2",
+              "--source-pages", "drop", "--json", str(out)], tmp_path / "cache")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(out.read_text())
+    manifest = resolve_model(doc["model"]).manifest.total_bytes
+    assert doc["source_pages"] == "drop" and not doc["warm_cache"]
+    assert {m: c["bytes_dropped"] for m, c in doc["counters"].items()} == dict.fromkeys(doc["counters"], manifest)
+    # a warm page cache cannot stay warm when every load drops it: refused, one line
+    p = _run(["scripts/bench_load.py", "--preset", "tiny-llm", "--warm-cache", "--source-pages", "drop"],
+             tmp_path / "cache")
+    assert p.returncode == 2 and "every load would leave the file cold" in p.stderr.strip().splitlines()[-1]
 
 
 def test_bench_resolve_smoke(tmp_path):
