@@ -276,7 +276,8 @@ class ExternalDataReader:
         self._shared: dict[str, mmap.mmap] = {}  # one mapping per data file (map_shared)
         self._shared_lock = threading.Lock()
         self._populating: dict[str, threading.Lock] = {}  # one populating thread per file
-        # per data file, for drop_cached: its tensors' [lo, hi) by offset, name -> index, dropped yet
+        # per data file, for the releases (_released_run): its tensors' [lo, hi) by offset,
+        # name -> index, and which are released
         self._file_order: dict[str, tuple[list[tuple[int, int]], dict[str, int], list[bool]]] = {}
 
     @classmethod
@@ -416,6 +417,7 @@ class ExternalDataReader:
         for the next tensor stay."""
         if desc.file is None or desc.length == 0:
             return False
+        self._admit(desc)  # a tensor of the manifest, unchanged
         run_lo, run_hi = self._released_run(desc)
         a = max(run_lo, desc.offset - _FOLIO_REACH)
         b = min(run_hi, desc.offset + desc.length + _FOLIO_REACH)
@@ -527,8 +529,8 @@ class ExternalDataReader:
         return where
 
 
-# How far around a dropped tensor the page-cache advice reaches (drop_cached): the
-# largest page-cache folio (PMD size on x86-64 and arm64 with 4 KiB pages).
+# How far around a released tensor its page work reaches (ExternalDataReader._release):
+# the largest page-cache folio (PMD size on x86-64 and arm64 with 4 KiB pages).
 _FOLIO_REACH = 2 << 20
 
 SOURCE_PAGES = ("keep", "drop", "auto")

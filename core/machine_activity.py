@@ -98,9 +98,8 @@ class MachineActivity:
           two counters tick at different granularity: ~10 ms per CPU);
         - ``foreign_cores``: that over the wall time (0.5 = half a core taken all along);
         - ``steal_s``: time the host ran something else on our vCPUs;
-        - ``returned_mib``: free memory the VM handed back to its host (None where the
-          kernel does not report it). Unlike the others, present even without
-          ``/proc/stat``."""
+        - ``returned_mib``: free memory the VM handed back to its host; absent where
+          the kernel does not report it, present even without ``/proc/stat``."""
         wall = self.wall_s - earlier.wall_s
         own = self.own_cpu_s - earlier.own_cpu_s
         out = {"available": False, "wall_s": wall, "own_cpu_s": own}

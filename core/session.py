@@ -789,7 +789,6 @@ class Session:
             # drops its pages from the mapping. A pread into a fresh buffer costs a
             # zeroing and a copy of every source byte (memory-bound on small machines).
             buf = self.reader.map_shared(wd, populate=True)
-
             on_release = lambda: self.reader.release_shared(wd, drop=self._drop_sources)  # noqa: E731
         else:
             buf = np.empty(wd.length, dtype=np.uint8)
