@@ -6,8 +6,9 @@ parallel, in one run.
                                            [--json FILE] [--warm-cache]
 
 Per repeat, three loads, each in a fresh Session (fresh scheduler, store and arenas) over
-the same model, interleaved so drift hits them alike; the data file is dropped from the
-page cache before each (posix_fadvise DONTNEED; pass --warm-cache to keep it):
+the same model, interleaved (the order rotated each repeat) so drift and what the load
+before left behind hit them alike; the data file is dropped from the page cache before
+each (posix_fadvise DONTNEED; pass --warm-cache to keep it):
 
   sequential  one worker: prepare() runs every session task, then run() the first prefill
               (--prompt-len tokens). init_ms and first_run_ms are timed apart;
@@ -335,7 +336,12 @@ def main(argv=None) -> int:
     samples = {m: [] for m in modes}
     stage_runs = []
     for i in range(args.repeats):
-        for mode in modes:  # interleaved: drift hits every mode alike
+        # NOTE: interleaved, and the order rotated from repeat to repeat, so that drift
+        # and what the previous load left behind hit every mode alike. In a fixed order
+        # the sequential load always came right after the stages, the longest gap: in two
+        # cold runs it met 168 and 186 MiB (medians) of memory the VM had handed back to
+        # its host since the load before, the parallel loads 0 (docs/runtime.md).
+        for mode in modes[i % 3:] + modes[:i % 3]:
             samples[mode].append(one_load(resolved, feeds, mode=mode, warm=warm))
         stage_runs.append(stages_alone(resolved, feeds, warm=warm))  # and the stages, same repeat
         print(f"  repeat {i + 1}/{args.repeats} done", file=sys.stderr)
