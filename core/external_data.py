@@ -31,6 +31,7 @@ import os
 import re
 import stat
 import threading
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -279,6 +280,8 @@ class ExternalDataReader:
         # per data file, for the releases (_released_run): its tensors' [lo, hi) by offset,
         # name -> index, and which are released
         self._file_order: dict[str, tuple[list[tuple[int, int]], dict[str, int], list[bool]]] = {}
+        self._advice_fds: dict[str, int] = {}  # per data file, opened once for page-cache advice
+        weakref.finalize(self, _close_all, self._advice_fds)  # a reader dropped without close_shared
 
     @classmethod
     def for_model(cls, resolved, *, trust_symlinks: bool = False) -> "ExternalDataReader":
@@ -432,17 +435,32 @@ class ExternalDataReader:
                 mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)  # the kernel rounds the length up
         if not drop or not hasattr(os, "posix_fadvise"):
             return False
+        fd = self._advice_fd(desc)
+        if fd is None:
+            return False
+        os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_DONTNEED)
+        self.counters._add_dropped(desc.length)
+        return True
+
+    def _advice_fd(self, desc: WeightDescriptor) -> int | None:
+        """A descriptor of the tensor's data file for page-cache advice, opened (with the
+        path rules) on first use and kept until :meth:`close_shared`, as the shared
+        mapping is: one open per file, not one per dropped tensor. None where the file
+        cannot be opened any more."""
+        with self._shared_lock:
+            fd = self._advice_fds.get(desc.file)
+        if fd is not None:
+            return fd
         where = Where(model=self.model, tensor=desc.name, file=desc.file, offset=desc.offset)
         try:
             fd = open_external_file(self.model_dir, desc.file, trust_symlinks=self.trust_symlinks, where=where)
         except (ExternalDataError, UnsafePathError):
-            return False
-        try:
-            os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_DONTNEED)
-        finally:
+            return None
+        with self._shared_lock:
+            kept = self._advice_fds.setdefault(desc.file, fd)
+        if kept != fd:  # another thread opened it first
             os.close(fd)
-        self.counters._add_dropped(desc.length)
-        return True
+        return kept
 
     def _released_run(self, desc: WeightDescriptor) -> tuple[int, int]:
         """Mark the tensor released, and return the byte range of the run of released
@@ -476,9 +494,11 @@ class ExternalDataReader:
         return order
 
     def close_shared(self) -> None:
-        """Forget the shared mappings; each is unmapped once its last view is gone."""
+        """Forget the shared mappings (each is unmapped once its last view is gone) and
+        close the descriptors kept for page-cache advice."""
         with self._shared_lock:
             self._shared.clear()
+        _close_all(self._advice_fds)
 
     # -- internals
     def _shared_mapping(self, desc: WeightDescriptor, where: Where) -> mmap.mmap:
@@ -527,6 +547,16 @@ class ExternalDataReader:
         if self.manifest.get(desc.name) != desc:
             raise ExternalDataError("read refused: tensor is not in the payload manifest", where)
         return where
+
+
+def _close_all(fds: dict[str, int]) -> None:
+    """Close and forget every descriptor of ``fds`` (the reader's advice descriptors)."""
+    while fds:
+        try:
+            _, fd = fds.popitem()
+        except KeyError:  # emptied meanwhile by another closer
+            return
+        os.close(fd)
 
 
 # How far around a released tensor its page work reaches (ExternalDataReader._release):

@@ -236,7 +236,6 @@ class Session:
         self._drop_sources = drop_source_pages(
             source_pages, resolved.manifest.total_bytes,
             available_memory_bytes() if source_pages == "auto" else None)
-        self.source_pages = "drop" if self._drop_sources else "keep"
         from onnx_prep.native import active_isa
 
         self.isa = active_isa()  # a bad ONNX_PREP_ISA or a stale build fails here, before any work
@@ -320,6 +319,11 @@ class Session:
         self._warming: dict[PreparedKey, _Warming] = {}
         self._warmer: threading.Thread | None = None
         self._warm_cv = threading.Condition(self._lock)  # notified as slot_bytes_warmed grows
+
+    @property
+    def source_pages(self) -> str:
+        """The source-pages choice made at construction: "keep" or "drop"."""
+        return "drop" if self._drop_sources else "keep"
 
     # ----------------------------------------------------------------- construction
     @classmethod

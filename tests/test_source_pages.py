@@ -34,7 +34,8 @@ def test_policy():
 
 @linux
 def test_available_memory_is_meminfos():
-    total = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemTotal:"))
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
     got = available_memory_bytes()
     assert got is not None and 0 < got <= total
 
