@@ -32,7 +32,7 @@ def resolve(
     """Resolve a model without reading its weights: kept nodes, kernels, prepared requirements, payload."""
 
     def go() -> int:
-        from onnx_prep.core.resolution import resolution_report, resolve_model
+        from onnx_prep.core.model.resolution import resolution_report, resolve_model
 
         resolved = resolve_model(model if model is not None else _default_model(),
                                  trust_symlinks=trust_symlinks)

@@ -14,7 +14,7 @@ from onnx_prep.cli import output
 from onnx_prep.cli.app import app
 from onnx_prep.cli.errors import run_guarded
 from onnx_prep.core.errors import EXIT_FINDINGS, EXIT_OK, UsageError
-from onnx_prep.core.external_data import SOURCE_PAGES
+from onnx_prep.core.io.external_data import SOURCE_PAGES
 
 DEFAULT_PROMPT = "1,2,3,4"
 PROGRESS_MIN_TOKENS = 8  # shorter runs finish before a bar is worth drawing
@@ -23,17 +23,17 @@ SCHEMA = "onnx-prep.run/4"
 
 
 def _open_runtime_runner(path: Path, *, threads: int | None, source_pages: str):
-    """The prepared runtime as a ``Runner`` (core/generation.py) with ``close()``.
+    """The prepared runtime as a ``Runner`` (core/decode/generation.py) with ``close()``.
 
     NOTE: the one place the CLI obtains our runtime. ``--threads`` maps to the
     session's CPU workers (the pool that runs kernels); I/O workers keep their default.
     """
     try:
-        from onnx_prep.core.session import Session
+        from onnx_prep.core.runtime.session import Session
     except ModuleNotFoundError as exc:
-        if exc.name != "onnx_prep.core.session":
+        if exc.name != "onnx_prep.core.runtime.session":
             raise
-        raise UsageError("the prepared runtime (onnx_prep.core.session) is not in this build",
+        raise UsageError("the prepared runtime (onnx_prep.core.runtime.session) is not in this build",
                          hint="decode with --runtime ort") from exc
     kw = {} if threads is None else {"cpu_workers": threads}
     return Session.open(path, source_pages=source_pages, **kw)
@@ -41,7 +41,7 @@ def _open_runtime_runner(path: Path, *, threads: int | None, source_pages: str):
 
 def _open_runner(kind: str, path: Path, threads: int | None, source_pages: str):
     if kind == "ort":
-        from onnx_prep.core.ort_runner import OrtRunner
+        from onnx_prep.core.decode.ort_runner import OrtRunner
 
         return OrtRunner(path, threads=threads)
     return _open_runtime_runner(path, threads=threads, source_pages=source_pages)
@@ -90,7 +90,7 @@ def _decode(kind: str, path: Path, io, prompt: np.ndarray, tokens: int, threads:
             show_progress: bool, source_pages: str) -> tuple[float, object, str | None]:
     """Open the runner, decode, close it: (open ms, the GenerationResult, the source
     pages choice of our runtime, None for ONNX Runtime)."""
-    from onnx_prep.core.generation import greedy_decode
+    from onnx_prep.core.decode.generation import greedy_decode
 
     with ExitStack() as stack:
         t0 = time.perf_counter()
@@ -128,8 +128,8 @@ def run(
     Exit 0 on success (with --compare, also when the runtimes diverge only at a near tie), 1 when --compare finds a real divergence, 2 for unusable input."""
 
     def go() -> int:
-        from onnx_prep.core.decoder_io import DecoderIO, load_io_map
-        from onnx_prep.core.generation import compare_generations
+        from onnx_prep.core.decode.decoder_io import DecoderIO, load_io_map
+        from onnx_prep.core.decode.generation import compare_generations
 
         if runtime not in RUNTIMES:
             raise UsageError(f"--runtime must be one of {list(RUNTIMES)}, got {runtime!r}")

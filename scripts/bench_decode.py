@@ -37,14 +37,14 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
-    from onnx_prep.core.action_program import ActionProgram
-    from onnx_prep.core.decoder_io import DecoderIO
-    from onnx_prep.core.external_data import ExternalDataReader
-    from onnx_prep.core.generation import greedy_decode
-    from onnx_prep.core.machine_activity import MachineActivity, describe
+    from onnx_prep.core.runtime.action_program import ActionProgram
+    from onnx_prep.core.decode.decoder_io import DecoderIO
+    from onnx_prep.core.io.external_data import ExternalDataReader
+    from onnx_prep.core.decode.generation import greedy_decode
+    from onnx_prep.core.profile.machine_activity import MachineActivity, describe
     from onnx_prep.core.ops import append_buffer
     from onnx_prep.core.ops.prepack import prepack_all, source_loader
-    from onnx_prep.core.resolution import resolve_model
+    from onnx_prep.core.model.resolution import resolve_model
     from onnx_prep.fixtures import FixtureConfig, ensure_cached
     from onnx_prep.native import active_isa
 

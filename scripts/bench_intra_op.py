@@ -37,13 +37,13 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
-    from onnx_prep.core.decoder_io import DecoderIO
-    from onnx_prep.core.generation import next_past, step_feeds
-    from onnx_prep.core.machine_activity import MachineActivity, describe
+    from onnx_prep.core.decode.decoder_io import DecoderIO
+    from onnx_prep.core.decode.generation import next_past, step_feeds
+    from onnx_prep.core.profile.machine_activity import MachineActivity, describe
     from onnx_prep.core.ops import intra_op
     from onnx_prep.native.handoff import SPIN_NS_DEFAULT
-    from onnx_prep.core.resolution import resolve_model
-    from onnx_prep.core.session import Session
+    from onnx_prep.core.model.resolution import resolve_model
+    from onnx_prep.core.runtime.session import Session
     from onnx_prep.fixtures import FixtureConfig, ensure_cached
 
     r = resolve_model(ensure_cached(FixtureConfig.preset(args.preset)))

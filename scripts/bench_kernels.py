@@ -579,7 +579,7 @@ def main() -> int:
     if args.worker:
         json.dump(worker(args), sys.stdout)
         return 0
-    from onnx_prep.core.machine_activity import MachineActivity, describe
+    from onnx_prep.core.profile.machine_activity import MachineActivity, describe
 
     results = []
     for t in THREADS:

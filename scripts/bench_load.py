@@ -91,8 +91,8 @@ def _drop_cache(resolved) -> None:
 
 
 def _feeds(resolved, prompt_len: int):
-    from onnx_prep.core.decoder_io import DecoderIO
-    from onnx_prep.core.generation import step_feeds
+    from onnx_prep.core.decode.decoder_io import DecoderIO
+    from onnx_prep.core.decode.generation import step_feeds
 
     io = DecoderIO.discover(resolved.inputs, resolved.outputs)
     ids = np.arange(1, prompt_len + 1, dtype=np.int64)[None, :]
@@ -135,9 +135,9 @@ def one_load(resolved, feeds, *, mode: str, warm: bool) -> dict:
     ttfo        parallel workers, run_async() first and prepare_async() right behind it:
                 time to first output with loading and compute overlapped
     """
-    from onnx_prep.core.arenas import Arena
-    from onnx_prep.core.machine_activity import MachineActivity
-    from onnx_prep.core.session import RuntimeContext, Session
+    from onnx_prep.core.runtime.arenas import Arena
+    from onnx_prep.core.profile.machine_activity import MachineActivity
+    from onnx_prep.core.runtime.session import RuntimeContext, Session
 
     if not warm:
         _drop_cache(resolved)
@@ -201,9 +201,9 @@ def one_load(resolved, feeds, *, mode: str, warm: bool) -> dict:
 
 def stages_alone(resolved, feeds, *, warm: bool) -> dict:
     """Each stage alone, in this process: all reads, all prepacks, the first run."""
-    from onnx_prep.core.external_data import ExternalDataReader, as_array
+    from onnx_prep.core.io.external_data import ExternalDataReader, as_array
     from onnx_prep.core.ops.prepack import prepack
-    from onnx_prep.core.session import Session
+    from onnx_prep.core.runtime.session import Session
 
     if not warm:
         _drop_cache(resolved)
@@ -251,7 +251,7 @@ def stages_alone(resolved, feeds, *, warm: bool) -> dict:
 
 
 def hot_vs_direct(resolved, feeds, repeats: int) -> dict:
-    from onnx_prep.core.session import RuntimeContext, Session
+    from onnx_prep.core.runtime.session import RuntimeContext, Session
 
     with Session(resolved) as s:
         s.prepare()
@@ -303,9 +303,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from onnx_prep import __version__
-    from onnx_prep.core.external_data import available_memory_bytes, drop_source_pages
-    from onnx_prep.core.machine_activity import MachineActivity, describe
-    from onnx_prep.core.resolution import resolve_model
+    from onnx_prep.core.io.external_data import available_memory_bytes, drop_source_pages
+    from onnx_prep.core.profile.machine_activity import MachineActivity, describe
+    from onnx_prep.core.model.resolution import resolve_model
     from onnx_prep.fixtures import FixtureConfig, ensure_cached
     from onnx_prep.native import active_isa
 

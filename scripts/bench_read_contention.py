@@ -44,10 +44,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="also write the samples (ms) and the machine activity here")
     args = ap.parse_args(argv)
 
-    from onnx_prep.core.external_data import ExternalDataReader
-    from onnx_prep.core.machine_activity import MachineActivity, describe
-    from onnx_prep.core.plan import build_prepared_execution_plan
-    from onnx_prep.core.resolution import resolve_model
+    from onnx_prep.core.io.external_data import ExternalDataReader
+    from onnx_prep.core.profile.machine_activity import MachineActivity, describe
+    from onnx_prep.core.plan.execution_plan import build_prepared_execution_plan
+    from onnx_prep.core.model.resolution import resolve_model
     from onnx_prep.fixtures import FixtureConfig, ensure_cached
     from onnx_prep.native import StableSlot
 

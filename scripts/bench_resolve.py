@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["ONNX_PREP_CACHE"] = args.cache_dir
 
     from onnx_prep import __version__
-    from onnx_prep.core.external_data import GLOBAL_COUNTERS
-    from onnx_prep.core.resolution import resolve_model
+    from onnx_prep.core.io.external_data import GLOBAL_COUNTERS
+    from onnx_prep.core.model.resolution import resolve_model
     from onnx_prep.fixtures import FixtureConfig, cached_model_path, ensure_cached
 
     configs = {

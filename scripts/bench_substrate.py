@@ -13,10 +13,10 @@ import json
 import statistics
 import time
 
-from onnx_prep.core.arenas import Arena, MemoryBudget
-from onnx_prep.core.prepared_store import PreparedObjectStore
-from onnx_prep.core.scheduler import Scheduler, TaskGroup
-from onnx_prep.core.task import ResourceClass
+from onnx_prep.core.runtime.arenas import Arena, MemoryBudget
+from onnx_prep.core.runtime.prepared_store import PreparedObjectStore
+from onnx_prep.core.runtime.scheduler import Scheduler, TaskGroup
+from onnx_prep.core.plan.task import ResourceClass
 
 
 class _Buf:

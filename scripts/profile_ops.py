@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from onnx_prep.core.action_program import ActionProgram
-from onnx_prep.core.external_data import ExternalDataReader
+from onnx_prep.core.runtime.action_program import ActionProgram
+from onnx_prep.core.io.external_data import ExternalDataReader
 from onnx_prep.core.ops.prepack import prepack_all, source_loader
-from onnx_prep.core.resolution import resolve_model
+from onnx_prep.core.model.resolution import resolve_model
 from onnx_prep.fixtures import generate
 
 
@@ -53,7 +53,7 @@ def main() -> int:
     for v in kv:
         feeds[v.name] = rng.standard_normal((args.batch, heads, args.past, dim)).astype(np.float32)
 
-    from onnx_prep.core.decoder_io import DecoderIO
+    from onnx_prep.core.decode.decoder_io import DecoderIO
 
     io = DecoderIO.discover(resolved.inputs, resolved.outputs)
 

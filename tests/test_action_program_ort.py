@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from conftest import ort_or_skip
-from onnx_prep.core.action_program import ActionProgram
-from onnx_prep.core.external_data import ExternalDataReader
+from onnx_prep.core.runtime.action_program import ActionProgram
+from onnx_prep.core.io.external_data import ExternalDataReader
 from onnx_prep.core.ops.prepack import packed_size, prepack_all, source_loader
-from onnx_prep.core.resolution import resolve_model
+from onnx_prep.core.model.resolution import resolve_model
 
 LOGIT_RTOL = 1e-3
 PREFILL = 16

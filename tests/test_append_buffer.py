@@ -112,9 +112,9 @@ def test_concurrent_appends_to_one_past_get_one_winner():
 
 
 def test_only_past_to_present_concats_are_marked(tiny_llm_path):
-    from onnx_prep.core.action_program import ActionProgram
+    from onnx_prep.core.runtime.action_program import ActionProgram
     from onnx_prep.core.ops.attributes import APPEND_IN_PLACE
-    from onnx_prep.core.resolution import resolve_model
+    from onnx_prep.core.model.resolution import resolve_model
 
     resolved = resolve_model(tiny_llm_path)
     program = ActionProgram.compile(resolved)
@@ -133,13 +133,13 @@ def test_session_decode_appends_in_place_with_identical_logits(tiny_llm_path):
     """A real greedy decode through the prepared runtime: every decode step after the
     prefill extends its KV buffers in place, and the logits are bit-identical to the
     same program compiled without append buffers."""
-    from onnx_prep.core.action_program import ActionProgram
-    from onnx_prep.core.decoder_io import DecoderIO
-    from onnx_prep.core.external_data import ExternalDataReader
-    from onnx_prep.core.generation import greedy_decode
+    from onnx_prep.core.runtime.action_program import ActionProgram
+    from onnx_prep.core.decode.decoder_io import DecoderIO
+    from onnx_prep.core.io.external_data import ExternalDataReader
+    from onnx_prep.core.decode.generation import greedy_decode
     from onnx_prep.core.ops.prepack import prepack_all, source_loader
-    from onnx_prep.core.resolution import resolve_model
-    from onnx_prep.core.session import Session
+    from onnx_prep.core.model.resolution import resolve_model
+    from onnx_prep.core.runtime.session import Session
 
     resolved = resolve_model(tiny_llm_path)
     io = DecoderIO.from_model(tiny_llm_path)
@@ -184,10 +184,10 @@ def test_room_hint_sizes_fresh_buffers_and_resets():
 def test_session_carries_the_room_hint_to_its_worker_threads(tiny_llm_path):
     """The first run is cold (steps on worker threads), the second hot: both see the
     room announced on the caller's thread, through the RuntimeContext."""
-    from onnx_prep.core.decoder_io import DecoderIO
-    from onnx_prep.core.generation import step_feeds
-    from onnx_prep.core.resolution import resolve_model
-    from onnx_prep.core.session import RuntimeContext, Session
+    from onnx_prep.core.decode.decoder_io import DecoderIO
+    from onnx_prep.core.decode.generation import step_feeds
+    from onnx_prep.core.model.resolution import resolve_model
+    from onnx_prep.core.runtime.session import RuntimeContext, Session
 
     io = DecoderIO.from_model(tiny_llm_path)
     feeds = step_feeds(io, np.array([[1, 2, 3]]), io.empty_past(1), 0)
@@ -203,10 +203,10 @@ def test_session_carries_the_room_hint_to_its_worker_threads(tiny_llm_path):
 
 
 def test_greedy_decode_sizes_the_cache_once(tiny_llm_path):
-    from onnx_prep.core.decoder_io import DecoderIO
-    from onnx_prep.core.generation import greedy_decode
-    from onnx_prep.core.resolution import resolve_model
-    from onnx_prep.core.session import Session
+    from onnx_prep.core.decode.decoder_io import DecoderIO
+    from onnx_prep.core.decode.generation import greedy_decode
+    from onnx_prep.core.model.resolution import resolve_model
+    from onnx_prep.core.runtime.session import Session
 
     io = DecoderIO.from_model(tiny_llm_path)
     kv_concats = 2 * 4
@@ -219,11 +219,11 @@ def test_greedy_decode_sizes_the_cache_once(tiny_llm_path):
 
 
 def test_the_io_arena_counts_the_whole_kv_buffers(tiny_llm_path):
-    from onnx_prep.core.arenas import Arena
-    from onnx_prep.core.decoder_io import DecoderIO
-    from onnx_prep.core.generation import step_feeds
-    from onnx_prep.core.resolution import resolve_model
-    from onnx_prep.core.session import RuntimeContext, Session
+    from onnx_prep.core.runtime.arenas import Arena
+    from onnx_prep.core.decode.decoder_io import DecoderIO
+    from onnx_prep.core.decode.generation import step_feeds
+    from onnx_prep.core.model.resolution import resolve_model
+    from onnx_prep.core.runtime.session import RuntimeContext, Session
 
     io = DecoderIO.from_model(tiny_llm_path)
     feeds = step_feeds(io, np.array([[1, 2, 3]]), io.empty_past(1), 0)
@@ -247,10 +247,10 @@ def test_concurrent_session_runs_from_one_past_match_sequential_runs(tiny_llm_pa
     token: each shared buffer is extended by exactly one of them, the others copy, and
     every output equals a run made alone afterwards (whose past is then an older
     prefix: a copy)."""
-    from onnx_prep.core.decoder_io import DecoderIO
-    from onnx_prep.core.generation import step_feeds
-    from onnx_prep.core.resolution import resolve_model
-    from onnx_prep.core.session import RuntimeContext, Session
+    from onnx_prep.core.decode.decoder_io import DecoderIO
+    from onnx_prep.core.decode.generation import step_feeds
+    from onnx_prep.core.model.resolution import resolve_model
+    from onnx_prep.core.runtime.session import RuntimeContext, Session
 
     io = DecoderIO.from_model(tiny_llm_path)
     with Session(resolve_model(tiny_llm_path)) as s:
@@ -287,10 +287,10 @@ def test_without_a_hint_the_kv_buffers_grow_on_different_steps(tiny_llm_path):
     """A caller that announces no length (a step loop of its own): each KV buffer runs
     out of room on its own step, so no step copies more than one, and the values are
     those of the run that sized its buffers once."""
-    from onnx_prep.core.decoder_io import DecoderIO
-    from onnx_prep.core.generation import greedy_decode
-    from onnx_prep.core.resolution import resolve_model
-    from onnx_prep.core.session import Session
+    from onnx_prep.core.decode.decoder_io import DecoderIO
+    from onnx_prep.core.decode.generation import greedy_decode
+    from onnx_prep.core.model.resolution import resolve_model
+    from onnx_prep.core.runtime.session import Session
 
     io = DecoderIO.from_model(tiny_llm_path)
     prompt = np.array([[5, 6, 7, 8, 9]])

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from onnx_prep.core.arenas import Arena, MemoryBudget
+from onnx_prep.core.runtime.arenas import Arena, MemoryBudget
 from onnx_prep.core.errors import BudgetError
 
 

@@ -1,7 +1,7 @@
 """`onnx-prep run` through the real entry point (typer's CliRunner).
 
 Decoding with ONNX Runtime (``--runtime ort``) and every error path run now; the
-prepared-runtime paths skip, saying so, until ``onnx_prep.core.session`` exists.
+prepared-runtime paths skip, saying so, until ``onnx_prep.core.runtime.session`` exists.
 """
 from __future__ import annotations
 
@@ -21,16 +21,16 @@ from decoder_toys import KV_NAMES, build_toy_decoder
 from onnx_prep.cli import output
 from onnx_prep.cli import run as run_cmd
 from onnx_prep.cli.app import app
-from onnx_prep.core.decoder_io import DecoderIO
+from onnx_prep.core.decode.decoder_io import DecoderIO
 from onnx_prep.core.errors import EXIT_FINDINGS, EXIT_OK, EXIT_UNUSABLE
-from onnx_prep.core.generation import greedy_decode
+from onnx_prep.core.decode.generation import greedy_decode
 
 ort_or_skip()
-from onnx_prep.core.ort_runner import OrtRunner  # noqa: E402
+from onnx_prep.core.decode.ort_runner import OrtRunner  # noqa: E402
 
 cli = CliRunner()
-HAVE_SESSION = importlib.util.find_spec("onnx_prep.core.session") is not None
-needs_session = pytest.mark.skipif(not HAVE_SESSION, reason="onnx_prep.core.session (the prepared "
+HAVE_SESSION = importlib.util.find_spec("onnx_prep.core.runtime.session") is not None
+needs_session = pytest.mark.skipif(not HAVE_SESSION, reason="onnx_prep.core.runtime.session (the prepared "
                                    "runtime) is not written yet")
 
 
@@ -140,8 +140,8 @@ def test_bad_model_and_io_map_files_exit_2(tmp_path, toy):
 
 
 def test_missing_prepared_runtime_is_a_clear_error(toy, monkeypatch):
-    # A build without core/session.py: None in sys.modules makes its import fail.
-    monkeypatch.setitem(sys.modules, "onnx_prep.core.session", None)
+    # A build without core/runtime/session.py: None in sys.modules makes its import fail.
+    monkeypatch.setitem(sys.modules, "onnx_prep.core.runtime.session", None)
     line = _error([str(toy)])
     assert "prepared runtime" in line and "--runtime ort" in line
 
@@ -211,7 +211,7 @@ def test_compare_reports_a_real_divergence_with_exit_1(tmp_path, toy, monkeypatc
     assert "ort row 0:" in text.stdout
 
 
-# -- the prepared runtime (skipped until core/session.py lands)
+# -- the prepared runtime (skipped until core/runtime/session.py lands)
 
 
 @needs_session

@@ -11,12 +11,12 @@ import threading
 
 import pytest
 
-from onnx_prep.core.arenas import Arena, MemoryBudget
+from onnx_prep.core.runtime.arenas import Arena, MemoryBudget
 from onnx_prep.core.errors import CancelledError, ExternalDataError, TaskFailedError, Where
-from onnx_prep.core.execution_handle import ExecutionHandle, SubmissionState
-from onnx_prep.core.prepared_store import PreparedObjectStore, ResidencyState
-from onnx_prep.core.scheduler import Scheduler, TaskState
-from onnx_prep.core.task import Priority, ResourceClass
+from onnx_prep.core.runtime.execution_handle import ExecutionHandle, SubmissionState
+from onnx_prep.core.runtime.prepared_store import PreparedObjectStore, ResidencyState
+from onnx_prep.core.runtime.scheduler import Scheduler, TaskState
+from onnx_prep.core.plan.task import Priority, ResourceClass
 
 T = 30
 

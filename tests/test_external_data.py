@@ -1,4 +1,4 @@
-"""The one external-data reader (core/external_data.py): manifest-only reads, counters,
+"""The one external-data reader (core/io/external_data.py): manifest-only reads, counters,
 hooks, path containment checked on every open, bounds, mapping."""
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import onnx
 import pytest
 from hypothesis import given, strategies as st
 
-from onnx_prep.core import external_data
+from onnx_prep.core.io import external_data
 from onnx_prep.core.errors import DigestError, ExternalDataError, UnsafePathError, Where
-from onnx_prep.core.external_data import ExternalDataReader, check_location
-from onnx_prep.core.resolution import resolve_model
+from onnx_prep.core.io.external_data import ExternalDataReader, check_location
+from onnx_prep.core.model.resolution import resolve_model
 
 from test_resolve_models import DATA, qdq_matmul_model, single_weight_model, tied_int4_model
 

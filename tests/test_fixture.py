@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ort_or_skip
 from onnx_prep.core.errors import UsageError
-from onnx_prep.core.weights import TENSOR_DIGEST_KEY
+from onnx_prep.core.model.weights import TENSOR_DIGEST_KEY
 from onnx_prep.fixtures import PRESETS, FixtureConfig, generate, generate_fixture
 from onnx_prep.fixtures.data_file import ALIGNMENT
 

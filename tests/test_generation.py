@@ -7,13 +7,13 @@ import pytest
 
 from conftest import ort_or_skip
 from decoder_toys import build_toy_decoder, prefix_recompute_greedy, prefix_recompute_logits
-from onnx_prep.core.decoder_io import DecoderIO
+from onnx_prep.core.decode.decoder_io import DecoderIO
 from onnx_prep.core.errors import ModelFormatError, ModelIOError, UsageError
-from onnx_prep.core.generation import (GenerationResult, Runner, StepEvent, compare_generations,
+from onnx_prep.core.decode.generation import (GenerationResult, Runner, StepEvent, compare_generations,
                                        greedy_decode, step_feeds)
 
 ort_or_skip()
-from onnx_prep.core.ort_runner import OrtRunner  # noqa: E402  (after the skip)
+from onnx_prep.core.decode.ort_runner import OrtRunner  # noqa: E402  (after the skip)
 
 # Fixture tokens are compared with the prefix-recompute oracle while its top-2 margin
 # exceeds this (float reassociation between prefill and decode shapes is far smaller).

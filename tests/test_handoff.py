@@ -135,10 +135,10 @@ def test_hot_runs_lend_idle_workers_and_keep_every_bit(tiny_llm_path, monkeypatc
     """Three sessions: no split, fork_join hand-off (spin_helpers=False), and the default
     (helpers lent to each hot run, waiting in C). Equal outputs; only the default hands
     chunks over through a mailbox, and its lent workers come back after every run."""
-    from onnx_prep.core.decoder_io import DecoderIO
-    from onnx_prep.core.generation import step_feeds
-    from onnx_prep.core.resolution import resolve_model
-    from onnx_prep.core.session import Session
+    from onnx_prep.core.decode.decoder_io import DecoderIO
+    from onnx_prep.core.decode.generation import step_feeds
+    from onnx_prep.core.model.resolution import resolve_model
+    from onnx_prep.core.runtime.session import Session
 
     r = resolve_model(tiny_llm_path)
     io = DecoderIO.discover(r.inputs, r.outputs)
@@ -168,10 +168,10 @@ def test_a_run_that_splits_nothing_lends_nothing(tiny_llm_path, monkeypatch):
     """Helpers are lent at a run's first split (or at its start when the run before
     split): the tiny fixture's decode, which splits no matmul, never lends a worker;
     a prefill made to split lends, and the next run lends at its start."""
-    from onnx_prep.core.decoder_io import DecoderIO
-    from onnx_prep.core.generation import step_feeds
-    from onnx_prep.core.resolution import resolve_model
-    from onnx_prep.core.session import Session
+    from onnx_prep.core.decode.decoder_io import DecoderIO
+    from onnx_prep.core.decode.generation import step_feeds
+    from onnx_prep.core.model.resolution import resolve_model
+    from onnx_prep.core.runtime.session import Session
 
     r = resolve_model(tiny_llm_path)
     io = DecoderIO.discover(r.inputs, r.outputs)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from onnx_prep.core.ops import intra_op
-from onnx_prep.core.scheduler import Scheduler
-from onnx_prep.core.task import ResourceClass
+from onnx_prep.core.runtime.scheduler import Scheduler
+from onnx_prep.core.plan.task import ResourceClass
 
 T = 30
 
@@ -99,10 +99,10 @@ def test_column_ranges_cover_panels_exactly():
 def test_split_matmuls_equal_whole_ones_bit_for_bit(tiny_llm_path, monkeypatch):
     """The tiny fixture's matmuls are below the split threshold; lowered, every one
     splits, and a prefill's logits and KV equal the unsplit session's exactly."""
-    from onnx_prep.core.decoder_io import DecoderIO
-    from onnx_prep.core.generation import step_feeds
-    from onnx_prep.core.resolution import resolve_model
-    from onnx_prep.core.session import Session
+    from onnx_prep.core.decode.decoder_io import DecoderIO
+    from onnx_prep.core.decode.generation import step_feeds
+    from onnx_prep.core.model.resolution import resolve_model
+    from onnx_prep.core.runtime.session import Session
 
     r = resolve_model(tiny_llm_path)
     io = DecoderIO.discover(r.inputs, r.outputs)

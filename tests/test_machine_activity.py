@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from onnx_prep.core.machine_activity import MachineActivity, describe
+from onnx_prep.core.profile.machine_activity import MachineActivity, describe
 
 linux = pytest.mark.skipif(not os.path.exists("/proc/stat") or not hasattr(os, "waitid"),
                            reason="needs /proc/stat and waitid (Linux)")

@@ -13,7 +13,7 @@ from ops_oracle import check_against_ort, one_node_model, run_ort, run_ours
 from conftest import ort_or_skip
 from onnx_prep.core.ops import int4
 from onnx_prep.core.ops.prepack import dq_to_matmul_nbits, prepack
-from onnx_prep.core.prepared_key import PrepackRequest
+from onnx_prep.core.model.prepared_key import PrepackRequest
 
 ort_or_skip()
 

@@ -10,7 +10,7 @@ from ops_oracle import check_against_ort
 from conftest import ort_or_skip
 from onnx_prep.core import ops
 from onnx_prep.core.errors import UnsupportedOpError
-from onnx_prep.core.kernel_registry import NUMPY_OPS
+from onnx_prep.core.kernels.registry import NUMPY_OPS
 from onnx_prep.core.ops import ReferenceOp, get_op
 
 R = np.random.default_rng(99)

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from onnx_prep.core.errors import OnnxPrepError
-from onnx_prep.core.plan import RAW_LAYOUT, build_prepared_execution_plan
-from onnx_prep.core.resolution import resolve_model
-from onnx_prep.core.session import Session
-from onnx_prep.core.task import TaskKind, TaskScope
+from onnx_prep.core.plan.execution_plan import RAW_LAYOUT, build_prepared_execution_plan
+from onnx_prep.core.model.resolution import resolve_model
+from onnx_prep.core.runtime.session import Session
+from onnx_prep.core.plan.task import TaskKind, TaskScope
 from tests.conftest import ort_or_skip
 from tests.test_resolve_models import gemm_model
 

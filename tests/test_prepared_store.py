@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from onnx_prep.core.errors import CancelledError
-from onnx_prep.core.prepared_store import (
+from onnx_prep.core.runtime.prepared_store import (
     PreparedObjectStore,
     PreparedStateError,
     ResidencyState,

@@ -1,4 +1,4 @@
-"""Model resolution (core/resolution.py, transforms.py, kernel_registry.py): real ONNX
+"""Model resolution (core/model/resolution.py, transforms.py, kernel_registry.py): real ONNX
 files with real external data; ONNX Runtime and onnx's own loader as oracles."""
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ import onnx
 import pytest
 from onnx import helper
 
-from onnx_prep.core import external_data
+from onnx_prep.core.io import external_data
 from onnx_prep.core.errors import DigestError, ModelFormatError, UnsafePathError, UsageError
-from onnx_prep.core.external_data import ExternalDataReader
-from onnx_prep.core.kernel_registry import NUMPY_OPS
-from onnx_prep.core.resolution import resolve_model
-from onnx_prep.core.resolved_model import require_frozen
-from onnx_prep.core.weights import DigestSource
+from onnx_prep.core.io.external_data import ExternalDataReader
+from onnx_prep.core.kernels.registry import NUMPY_OPS
+from onnx_prep.core.model.resolution import resolve_model
+from onnx_prep.core.model.resolved_model import require_frozen
+from onnx_prep.core.model.weights import DigestSource
 from onnx_prep.native.layouts import gemm_b_layout, matmul_nbits_layout
 
 from test_resolve_models import (

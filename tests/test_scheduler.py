@@ -10,10 +10,10 @@ import threading
 
 import pytest
 
-from onnx_prep.core.arenas import Arena, MemoryBudget
+from onnx_prep.core.runtime.arenas import Arena, MemoryBudget
 from onnx_prep.core.errors import BudgetError, CancelledError, UsageError
-from onnx_prep.core.scheduler import Scheduler, TaskGroup, TaskState
-from onnx_prep.core.task import Priority, ResourceClass
+from onnx_prep.core.runtime.scheduler import Scheduler, TaskGroup, TaskState
+from onnx_prep.core.plan.task import Priority, ResourceClass
 
 T = 30  # generous timeout for waits that must succeed
 
@@ -220,7 +220,7 @@ def test_demanded_work_may_use_the_reserved_worker_but_queues_after_critical(mak
     the same time still goes first."""
     from collections import defaultdict
 
-    from onnx_prep.core.execution_handle import ExecutionHandle
+    from onnx_prep.core.runtime.execution_handle import ExecutionHandle
 
     s = make_sched(io_workers=1, cpu_workers=2)
     started = threading.Semaphore(0)

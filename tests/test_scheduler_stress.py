@@ -15,9 +15,9 @@ import threading
 
 import pytest
 
-from onnx_prep.core.arenas import Arena, MemoryBudget
-from onnx_prep.core.scheduler import Scheduler, TaskGroup, TaskState
-from onnx_prep.core.task import Priority, ResourceClass
+from onnx_prep.core.runtime.arenas import Arena, MemoryBudget
+from onnx_prep.core.runtime.scheduler import Scheduler, TaskGroup, TaskState
+from onnx_prep.core.plan.task import Priority, ResourceClass
 
 T = 60
 RESOURCES = [ResourceClass.IO, ResourceClass.CPU, ResourceClass.CPU, ResourceClass.INLINE]

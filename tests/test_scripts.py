@@ -27,7 +27,7 @@ def _check_activity(a: dict, stdout: str) -> None:
 
 
 def test_bench_load_smoke(tmp_path):
-    from onnx_prep.core.resolution import resolve_model
+    from onnx_prep.core.model.resolution import resolve_model
 
     out = tmp_path / "load.json"
     p = _run(["scripts/bench_load.py", "--preset", "tiny-llm", "--repeats", "2", "--hot-repeats", "2",
@@ -72,7 +72,7 @@ def test_bench_load_smoke(tmp_path):
 
 def test_bench_load_cold_with_sources_dropped(tmp_path):
     """Cold page cache, --source-pages drop: every load drops every source once."""
-    from onnx_prep.core.resolution import resolve_model
+    from onnx_prep.core.model.resolution import resolve_model
 
     out = tmp_path / "load.json"
     p = _run(["scripts/bench_load.py", "--preset", "tiny-llm", "--repeats", "1", "--hot-repeats", "2",

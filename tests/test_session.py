@@ -8,15 +8,15 @@ import threading
 import numpy as np
 import pytest
 
-from onnx_prep.core.arenas import Arena, MemoryBudget
-from onnx_prep.core.decoder_io import DecoderIO
+from onnx_prep.core.runtime.arenas import Arena, MemoryBudget
+from onnx_prep.core.decode.decoder_io import DecoderIO
 from onnx_prep.core.errors import BudgetError, CancelledError, OnnxPrepError, TaskFailedError
-from onnx_prep.core.execution_handle import SubmissionState
-from onnx_prep.core.generation import compare_generations, greedy_decode, step_feeds
+from onnx_prep.core.runtime.execution_handle import SubmissionState
+from onnx_prep.core.decode.generation import compare_generations, greedy_decode, step_feeds
 from onnx_prep.core.ops import append_buffer
-from onnx_prep.core.resolution import resolve_model
-from onnx_prep.core.session import RuntimeContext, Session, Workspace
-from onnx_prep.core.task import Priority
+from onnx_prep.core.model.resolution import resolve_model
+from onnx_prep.core.runtime.session import RuntimeContext, Session, Workspace
+from onnx_prep.core.plan.task import Priority
 from tests.conftest import ort_or_skip
 
 # Logits tolerance against ONNX Runtime, relative to the logit range (fp32 compute).
@@ -58,7 +58,7 @@ def tiny_session(tiny_llm_path):
 @pytest.mark.parametrize("batch", [1, 4])
 def test_logits_match_onnxruntime_prefill16_decode16(tiny_llm_path, tiny_session, batch):
     ort_or_skip()
-    from onnx_prep.core.ort_runner import OrtRunner
+    from onnx_prep.core.decode.ort_runner import OrtRunner
 
     io = _io(tiny_llm_path)
     rng = np.random.default_rng(batch)
@@ -75,7 +75,7 @@ def test_logits_match_onnxruntime_prefill16_decode16(tiny_llm_path, tiny_session
 
 def test_greedy_tokens_match_onnxruntime_32(tiny_llm_path, tiny_session):
     ort_or_skip()
-    from onnx_prep.core.ort_runner import OrtRunner
+    from onnx_prep.core.decode.ort_runner import OrtRunner
 
     io = _io(tiny_llm_path)
     prompt = np.array([[1, 2, 3, 4, 5, 6, 7, 8]])

@@ -10,12 +10,12 @@ import shutil
 import numpy as np
 import pytest
 
-from onnx_prep.core.decoder_io import DecoderIO
+from onnx_prep.core.decode.decoder_io import DecoderIO
 from onnx_prep.core.errors import UsageError
-from onnx_prep.core.external_data import (ExternalDataReader, available_memory_bytes, drop_source_pages)
-from onnx_prep.core.generation import step_feeds
-from onnx_prep.core.resolution import resolve_model
-from onnx_prep.core.session import Session
+from onnx_prep.core.io.external_data import (ExternalDataReader, available_memory_bytes, drop_source_pages)
+from onnx_prep.core.decode.generation import step_feeds
+from onnx_prep.core.model.resolution import resolve_model
+from onnx_prep.core.runtime.session import Session
 
 linux = pytest.mark.skipif(not hasattr(os, "posix_fadvise") or not os.path.exists("/proc/meminfo"),
                            reason="page-cache advice and residency need Linux (posix_fadvise, mincore)")

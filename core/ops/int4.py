@@ -124,7 +124,7 @@ def matmul_nbits(inputs, attrs, prepared):
 
 def _raw_weight(inputs, attrs, K: int, N: int, block_size: int) -> np.ndarray:
     if attrs.get("weight_layout", "NKb") == "KN":
-        # A fused DequantizeLinear(int4 [K, N]) + MatMul node (core/transforms.py).
+        # A fused DequantizeLinear(int4 [K, N]) + MatMul node (core/model/transforms.py).
         from onnx_prep.core.ops.prepack import matmul_nbits_sources
 
         b, s, z = matmul_nbits_sources([x for x in inputs[1:4] if x is not None], attrs)

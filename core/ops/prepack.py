@@ -2,7 +2,7 @@
 
 ``prepack(kernel_id, request, sources, node_attrs, backend=)`` is what the session's
 prepack tasks call. Sources are found by the request's lineage, whose order the kernel
-registry fixes (core/kernel_registry.py): ``int4_matmul`` (B, scales[, zero_points]),
+registry fixes (core/kernels/registry.py): ``int4_matmul`` (B, scales[, zero_points]),
 ``int4_gather`` (data, scales[, zero_points]), ``gemm_packed`` (B,). ``node_attrs`` are
 the attributes of (any) consumer node; equal layout keys guarantee any consumer gives
 the same bytes.
@@ -25,12 +25,12 @@ import numpy as np
 from onnx_prep.core.errors import OnnxPrepError, Where
 from onnx_prep.core.ops import int4
 from onnx_prep.core.ops.attributes import normalize_attributes
-from onnx_prep.core.prepared_key import PrepackRequest
+from onnx_prep.core.model.prepared_key import PrepackRequest
 
 NATIVE = "native"
 REFERENCE = "reference"
 
-# Fused DequantizeLinear+MatMul nodes carry the source layout (core/transforms.py).
+# Fused DequantizeLinear+MatMul nodes carry the source layout (core/model/transforms.py).
 _QDQ_LAYOUT = "KN"
 
 

@@ -12,7 +12,7 @@ prepared buffer replacing it (native packed ``uint8`` or the float32 reference f
 It returns one array per declared output, in order (extra trailing outputs, e.g.
 LayerNormalization's optional Mean, are ignored by the caller).
 
-Kernel ids are the kernel registry's (core/kernel_registry.py): ``int4_matmul``,
+Kernel ids are the kernel registry's (core/kernels/registry.py): ``int4_matmul``,
 ``int4_gather``, ``gemm_packed``, ``numpy``, ``reference``.
 """
 from __future__ import annotations

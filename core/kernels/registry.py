@@ -33,9 +33,9 @@ from typing import Mapping
 
 from onnx import TensorProto
 
-from onnx_prep.core.prepared_key import PrepackRequest, PreparedKey
-from onnx_prep.core.transforms import GraphNode
-from onnx_prep.core.weights import WeightDescriptor
+from onnx_prep.core.model.prepared_key import PrepackRequest, PreparedKey
+from onnx_prep.core.model.transforms import GraphNode
+from onnx_prep.core.model.weights import WeightDescriptor
 from onnx_prep.native.layouts import (
     gather_block_quantized_layout,
     gemm_b_layout,

@@ -1,6 +1,6 @@
 """Task descriptors: the immutable vocabulary of the prepared execution plan.
 
-The plan (``core/plan.py``) is ONE immutable graph of :class:`TaskDescriptor`\\ s. A
+The plan (``core/plan/execution_plan.py``) is ONE immutable graph of :class:`TaskDescriptor`\\ s. A
 descriptor says *what* a task is (kind, scope, resource class, dependencies, the
 prepared objects it consumes and publishes, its byte estimates); it holds no mutable
 state. Runtime state (completion, errors, residency, allocations) lives in the
@@ -24,8 +24,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from onnx_prep.core.arenas import Arena
-from onnx_prep.core.prepared_key import PreparedKey
+from onnx_prep.core.runtime.arenas import Arena
+from onnx_prep.core.model.prepared_key import PreparedKey
 
 __all__ = ["TaskId", "TaskScope", "TaskKind", "ResourceClass", "Priority", "TaskDescriptor"]
 

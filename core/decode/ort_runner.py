@@ -1,4 +1,4 @@
-"""ONNX Runtime as a ``Runner`` (core/generation.py): the external oracle for the
+"""ONNX Runtime as a ``Runner`` (core/decode/generation.py): the external oracle for the
 prepared runtime, and the way to decode models whose ops the runtime lacks.
 
 onnxruntime is an optional dependency (the ``test`` extra): it is imported when a
@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from onnx_prep.core.errors import ModelFormatError, ModelIOError, UsageError, Where
-from onnx_prep.core.resolved_model import ValueInfo
+from onnx_prep.core.model.resolved_model import ValueInfo
 
 
 def import_onnxruntime() -> Any:
@@ -50,7 +50,7 @@ class OrtRunner:
         self.output_names = [o.name for o in self.session.get_outputs()]
 
     def value_infos(self) -> tuple[tuple[ValueInfo, ...], tuple[ValueInfo, ...]]:
-        from onnx_prep.core.decoder_io import value_infos_from_ort
+        from onnx_prep.core.decode.decoder_io import value_infos_from_ort
 
         return value_infos_from_ort(self.session)
 

@@ -23,7 +23,7 @@ from typing import Any, Iterable, Mapping
 
 from onnx import TensorProto
 
-from onnx_prep.core.weights import WeightDescriptor
+from onnx_prep.core.model.weights import WeightDescriptor
 
 # Attribute names/values the fused INT4 matmul node carries (MatMulNBits' own names where
 # they exist). ``weight_layout`` tells the prepack step how to read the source:

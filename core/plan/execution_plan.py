@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping, Protocol
 
-from onnx_prep.core.arenas import Arena
+from onnx_prep.core.runtime.arenas import Arena
 from onnx_prep.core.errors import OnnxPrepError
-from onnx_prep.core.prepared_key import PrepackRequest, PreparedKey
-from onnx_prep.core.resolved_model import NodeKernel, ResolvedModel, require_frozen
-from onnx_prep.core.task import ResourceClass, TaskDescriptor, TaskId, TaskKind, TaskScope
-from onnx_prep.core.weights import WeightDescriptor
+from onnx_prep.core.model.prepared_key import PrepackRequest, PreparedKey
+from onnx_prep.core.model.resolved_model import NodeKernel, ResolvedModel, require_frozen
+from onnx_prep.core.plan.task import ResourceClass, TaskDescriptor, TaskId, TaskKind, TaskScope
+from onnx_prep.core.model.weights import WeightDescriptor
 
 # Recipe kinds, cheapest first.
 READ_PACKED_PAYLOAD = "read_packed_payload"

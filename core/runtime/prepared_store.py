@@ -75,7 +75,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from onnx_prep.core.errors import EXIT_INTERNAL, CancelledError, OnnxPrepError, Where
-from onnx_prep.core.prepared_key import PreparedKey
+from onnx_prep.core.model.prepared_key import PreparedKey
 
 _log = logging.getLogger(__name__)
 

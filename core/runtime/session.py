@@ -58,24 +58,24 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from onnx_prep.core.action_program import ActionProgram
-from onnx_prep.core.arenas import Arena, MemoryBudget
+from onnx_prep.core.runtime.action_program import ActionProgram
+from onnx_prep.core.runtime.arenas import Arena, MemoryBudget
 from onnx_prep.core.errors import BudgetError, OnnxPrepError, UsageError, Where
-from onnx_prep.core.execution_handle import ExecutionHandle
-from onnx_prep.core.external_data import ExternalDataReader, as_array
+from onnx_prep.core.runtime.execution_handle import ExecutionHandle
+from onnx_prep.core.io.external_data import ExternalDataReader, as_array
 from onnx_prep.core.ops import append_buffer, intra_op
 from onnx_prep.core.ops.intra_op import spin_helpers_default
-from onnx_prep.core.plan import (
+from onnx_prep.core.plan.execution_plan import (
     RAW_LAYOUT,
     LookaheadWindow,
     PreparedExecutionPlan,
     build_prepared_execution_plan,
 )
-from onnx_prep.core.prepared_key import PreparedKey
-from onnx_prep.core.prepared_store import PreparedObjectStore
-from onnx_prep.core.resolved_model import ResolvedModel, require_frozen
-from onnx_prep.core.scheduler import Scheduler, TaskContext, TaskHandle, TaskState
-from onnx_prep.core.task import Priority, ResourceClass, TaskDescriptor, TaskId, TaskKind
+from onnx_prep.core.model.prepared_key import PreparedKey
+from onnx_prep.core.runtime.prepared_store import PreparedObjectStore
+from onnx_prep.core.model.resolved_model import ResolvedModel, require_frozen
+from onnx_prep.core.runtime.scheduler import Scheduler, TaskContext, TaskHandle, TaskState
+from onnx_prep.core.plan.task import Priority, ResourceClass, TaskDescriptor, TaskId, TaskKind
 
 _DEAD = (TaskState.FAILED, TaskState.CANCELLED)
 
@@ -228,7 +228,7 @@ class Session:
             raise UsageError(f"unknown source_io {source_io!r}", hint=f"choose one of {', '.join(SOURCE_IO)}")
         self.source_io = source_io
         self.resolved = require_frozen(resolved)
-        from onnx_prep.core.external_data import available_memory_bytes, drop_source_pages
+        from onnx_prep.core.io.external_data import available_memory_bytes, drop_source_pages
 
         # NOTE: dropping a prepacked source from the page cache frees memory for what
         # comes next and spares the kernel reclaiming it later; keeping it makes the next
@@ -328,7 +328,7 @@ class Session:
     # ----------------------------------------------------------------- construction
     @classmethod
     def open(cls, model_path: str | Path, *, trust_symlinks: bool = False, **kw) -> Session:
-        from onnx_prep.core.resolution import resolve_model
+        from onnx_prep.core.model.resolution import resolve_model
 
         resolved = resolve_model(Path(model_path), trust_symlinks=trust_symlinks)
         return cls(resolved, trust_symlinks=trust_symlinks, **kw)

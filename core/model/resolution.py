@@ -13,7 +13,7 @@ Steps:
    in it), else NONE. A digest of the wrong form is a DigestError;
 3. ``transforms.run_transforms``: DequantizeLinear(int4)+MatMul fusion, dead-node and
    unused-initializer pruning;
-4. ``kernel_registry.choose_kernel`` per node; identical PrepackRequests are one;
+4. ``kernels_registry.choose_kernel`` per node; identical PrepackRequests are one;
 5. validate the active external entries (path rules of ``external_data`` and bounds
    from the file size) and freeze the manifest (active external entries, first-use
    order).
@@ -31,7 +31,7 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
-from onnx_prep.core import kernel_registry
+from onnx_prep.core.kernels import registry as kernels_registry
 from onnx_prep.core.errors import (
     DigestError,
     ExternalDataError,
@@ -39,9 +39,9 @@ from onnx_prep.core.errors import (
     UsageError,
     Where,
 )
-from onnx_prep.core.external_data import PACKED_BITS, check_bounds, stat_external_file
-from onnx_prep.core.prepared_key import PrepackRequest, PreparedKey
-from onnx_prep.core.resolved_model import (
+from onnx_prep.core.io.external_data import PACKED_BITS, check_bounds, stat_external_file
+from onnx_prep.core.model.prepared_key import PrepackRequest, PreparedKey
+from onnx_prep.core.model.resolved_model import (
     NodeKernel,
     PayloadManifest,
     ResolutionStats,
@@ -51,8 +51,8 @@ from onnx_prep.core.resolved_model import (
     frozen_mapping,
     readonly_array,
 )
-from onnx_prep.core.transforms import GraphNode, run_transforms
-from onnx_prep.core.weights import TENSOR_DIGEST_KEY, DigestSource, WeightDescriptor
+from onnx_prep.core.model.transforms import GraphNode, run_transforms
+from onnx_prep.core.model.weights import TENSOR_DIGEST_KEY, DigestSource, WeightDescriptor
 
 ISAS = ("scalar", "avx2", "avx512")
 
@@ -142,7 +142,7 @@ def resolve_model(path: str | os.PathLike, *, trust_symlinks: bool = False,
     kernels: list[NodeKernel] = []
     unsupported: dict[tuple[str, str], list[str]] = {}
     for index, node in enumerate(result.nodes):
-        choice = kernel_registry.choose_kernel(node, constants, opsets=opsets,
+        choice = kernels_registry.choose_kernel(node, constants, opsets=opsets,
                                                local_functions=local_functions)
         for req in choice.requirements:
             requests.setdefault(req.key, req)
@@ -320,7 +320,7 @@ def _inline_value(t: TensorProto, d: WeightDescriptor, ctx: _Context) -> np.ndar
                 raw = np.asarray(t.int32_data, dtype=np.int64).astype(np.uint8)
             if raw.size != d.length:
                 raise ValueError(f"{raw.size} packed bytes, expected {d.length}")
-            from onnx_prep.core.external_data import as_array
+            from onnx_prep.core.io.external_data import as_array
 
             return readonly_array(as_array(d, raw))
         arr = numpy_helper.to_array(t)
@@ -469,7 +469,7 @@ RESOLVE_SCHEMA_VERSION = 1
 
 def schema_path() -> Path:
     """The JSON Schema (draft 2020-12) of ``resolution_report``'s document."""
-    return Path(__file__).with_name("schemas") / "resolve.schema.json"
+    return Path(__file__).parents[1] / "schemas" / "resolve.schema.json"
 
 
 def resolution_report(resolved: ResolvedModel) -> dict:
@@ -495,7 +495,7 @@ def resolution_report(resolved: ResolvedModel) -> dict:
     for n in nodes:
         kernel_nodes.setdefault(n.kernel, []).append(n)
     kernels = []
-    for k in (*kernel_registry.KERNELS, None):
+    for k in (*kernels_registry.KERNELS, None):
         ns = kernel_nodes.get(k)
         if ns:
             layouts = sorted({r.layout for n in ns for r in n.requirements})

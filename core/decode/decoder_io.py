@@ -43,7 +43,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from onnx_prep.core.errors import ModelFormatError, ModelIOError, UsageError, Where
-from onnx_prep.core.resolved_model import ValueInfo
+from onnx_prep.core.model.resolved_model import ValueInfo
 
 KV_LAYOUTS = ("bhsd", "bshd")
 

@@ -37,8 +37,8 @@ import numpy as np
 from onnx_prep.core.errors import ModelIOError, OnnxPrepError, TaskFailedError, Where
 from onnx_prep.core.ops.attributes import APPEND_IN_PLACE
 from onnx_prep.core.ops.registry import PREPARED_POSITION, bind_node
-from onnx_prep.core.prepared_key import PreparedKey
-from onnx_prep.core.resolved_model import ResolvedModel, require_frozen
+from onnx_prep.core.model.prepared_key import PreparedKey
+from onnx_prep.core.model.resolved_model import ResolvedModel, require_frozen
 
 NONE_SLOT = 0
 DISCARD_SLOT = 1

@@ -40,8 +40,8 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from onnx_prep.core.errors import DigestError, ExternalDataError, UnsafePathError, UsageError, Where
-from onnx_prep.core.resolved_model import PayloadManifest
-from onnx_prep.core.weights import DigestSource, WeightDescriptor
+from onnx_prep.core.model.resolved_model import PayloadManifest
+from onnx_prep.core.model.weights import DigestSource, WeightDescriptor
 
 # Sub-byte element types: their payload is packed (two int4 per byte, low nibble first;
 # four int2 per byte); read_array hands them out as packed uint8.

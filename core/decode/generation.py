@@ -18,7 +18,7 @@ from typing import Callable, Mapping, Protocol, runtime_checkable
 
 import numpy as np
 
-from onnx_prep.core.decoder_io import DecoderIO
+from onnx_prep.core.decode.decoder_io import DecoderIO
 from onnx_prep.core.errors import ModelIOError, UsageError, Where
 from onnx_prep.core.ops import append_buffer, intra_op
 

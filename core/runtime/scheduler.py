@@ -93,9 +93,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from onnx_prep.core.arenas import Arena, MemoryBudget, Reservation
+from onnx_prep.core.runtime.arenas import Arena, MemoryBudget, Reservation
 from onnx_prep.core.errors import BudgetError, CancelledError, UsageError
-from onnx_prep.core.task import Priority, ResourceClass
+from onnx_prep.core.plan.task import Priority, ResourceClass
 
 _log = logging.getLogger(__name__)
 

@@ -69,7 +69,7 @@ from onnx_prep.core.errors import (
     UsageError,
     Where,
 )
-from onnx_prep.core.scheduler import TaskHandle, TaskState, _call
+from onnx_prep.core.runtime.scheduler import TaskHandle, TaskState, _call
 
 __all__ = ["ExecutionHandle", "ExecutionStatus", "SubmissionState"]
 
@@ -225,7 +225,7 @@ class ExecutionHandle:
     def _inherit_priority(self) -> None:
         """Priority inheritance for a blocked caller: what this handle still waits for
         (and its producers) runs at least at DEMANDED, so it may use every worker."""
-        from onnx_prep.core.task import Priority
+        from onnx_prep.core.plan.task import Priority
 
         for t in self._tracker.tasks():
             if not t.state.terminal and t.priority > Priority.DEMANDED:

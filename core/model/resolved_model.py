@@ -15,8 +15,8 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from onnx_prep.core.errors import OnnxPrepError
-from onnx_prep.core.prepared_key import PrepackRequest, PreparedKey
-from onnx_prep.core.weights import WeightDescriptor
+from onnx_prep.core.model.prepared_key import PrepackRequest, PreparedKey
+from onnx_prep.core.model.weights import WeightDescriptor
 
 
 def frozen_mapping(d: Mapping) -> Mapping:
@@ -145,6 +145,6 @@ def require_frozen(resolved: object) -> ResolvedModel:
     if not isinstance(resolved, ResolvedModel) or not isinstance(resolved.manifest, PayloadManifest):
         raise OnnxPrepError(
             f"expected a frozen ResolvedModel, got {type(resolved).__name__}",
-            hint="resolve the model with onnx_prep.core.resolution.resolve_model()",
+            hint="resolve the model with onnx_prep.core.model.resolution.resolve_model()",
         )
     return resolved

@@ -1,0 +1,13 @@
+"""The one reader of external data (and later of cache payloads)."""
+from onnx_prep.core.lazy_exports import lazy_exports
+
+__all__, __getattr__, __dir__ = lazy_exports(__name__, {
+    "ExternalDataReader": "external_data",
+    "ReadCounters": "external_data",
+    "ReadHooks": "external_data",
+    "check_location": "external_data",
+    "check_bounds": "external_data",
+    "verify_tensor_digest": "external_data",
+    "drop_source_pages": "external_data",
+    "SOURCE_PAGES": "external_data",
+})

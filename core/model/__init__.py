@@ -1,0 +1,24 @@
+"""Model resolution: metadata-only parse, transforms, weights, prepared keys."""
+from onnx_prep.core.lazy_exports import lazy_exports
+
+__all__, __getattr__, __dir__ = lazy_exports(__name__, {
+    "resolve_model": "resolution",
+    "resolution_report": "resolution",
+    "schema_path": "resolution",
+    "RESOLVE_SCHEMA_VERSION": "resolution",
+    "ResolvedModel": "resolved_model",
+    "NodeKernel": "resolved_model",
+    "PayloadManifest": "resolved_model",
+    "ValueInfo": "resolved_model",
+    "UnsupportedOp": "resolved_model",
+    "ResolutionStats": "resolved_model",
+    "require_frozen": "resolved_model",
+    "WeightDescriptor": "weights",
+    "DigestSource": "weights",
+    "TENSOR_DIGEST_KEY": "weights",
+    "PrepackRequest": "prepared_key",
+    "PreparedKey": "prepared_key",
+    "GraphNode": "transforms",
+    "TransformResult": "transforms",
+    "run_transforms": "transforms",
+})
