@@ -2,6 +2,7 @@
 from onnx_prep.core.lazy_exports import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
+    "Arena": "task",
     "TaskDescriptor": "task",
     "TaskId": "task",
     "TaskScope": "task",

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping, Protocol
 
-from onnx_prep.core.runtime.arenas import Arena
+from onnx_prep.core.plan.task import Arena
 from onnx_prep.core.errors import OnnxPrepError
 from onnx_prep.core.model.prepared_key import PrepackRequest, PreparedKey
 from onnx_prep.core.model.resolved_model import NodeKernel, ResolvedModel, require_frozen

@@ -24,12 +24,20 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from onnx_prep.core.runtime.arenas import Arena
 from onnx_prep.core.model.prepared_key import PreparedKey
 
-__all__ = ["TaskId", "TaskScope", "TaskKind", "ResourceClass", "Priority", "TaskDescriptor"]
+__all__ = ["Arena", "TaskId", "TaskScope", "TaskKind", "ResourceClass", "Priority", "TaskDescriptor"]
 
 TaskId = str
+
+
+class Arena(enum.Enum):
+    """The memory arenas a task's bytes are admitted against (the runtime's budget keeps them)."""
+
+    PREPARATION = "preparation"
+    PREPARED = "prepared"
+    EXECUTION = "execution"
+    IO = "io"
 
 
 class TaskScope(enum.Enum):

@@ -52,22 +52,15 @@ large for its non-critical ceiling (but within the limit) is admitted when the a
 """
 from __future__ import annotations
 
-import enum
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from onnx_prep.core.errors import BudgetError
+from onnx_prep.core.plan.task import Arena  # the plan's vocabulary; budgets are kept here
 
 __all__ = ["Arena", "ArenaStats", "BudgetSnapshot", "MemoryBudget", "Reservation"]
-
-
-class Arena(enum.Enum):
-    PREPARATION = "preparation"
-    PREPARED = "prepared"
-    EXECUTION = "execution"
-    IO = "io"
 
 
 def _fmt(n: int | None) -> str:
