@@ -1,5 +1,6 @@
 """Shared test fixtures. Generated models are cached in a session temp dir, never
-committed. Hypothesis runs under named profiles (HYPOTHESIS_PROFILE=ci|dev|thorough)."""
+committed. Hypothesis runs under named profiles (HYPOTHESIS_PROFILE=ci|dev|thorough).
+Every test has a timeout (pyproject.toml: 120 s; SLOW_TIMEOUT_S for tests marked slow)."""
 from __future__ import annotations
 
 import os
@@ -17,6 +18,18 @@ try:
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 except ImportError:  # pragma: no cover - hypothesis is in the test extra
     pass
+
+
+# Tests marked slow (a benchmark smoke run, a stress loop) get this timeout instead of
+# the suite's 120 s: each takes up to ~60 s alone on 2 vCPUs, more beside other work.
+SLOW_TIMEOUT_S = 600
+
+
+def pytest_collection_modifyitems(config, items):
+    """A slow test without a timeout of its own gets SLOW_TIMEOUT_S."""
+    for item in items:
+        if item.get_closest_marker("slow") is not None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
 
 
 @pytest.fixture(scope="session")
