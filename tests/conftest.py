@@ -50,6 +50,18 @@ def small_llm_path(tmp_path_factory) -> Path:
     return generate(cfg, tmp_path_factory.mktemp("small-llm"))
 
 
+@pytest.fixture(scope="session")
+def tiny_zp_llm_path(tmp_path_factory) -> Path:
+    """The tiny LLM with stored zero points: its greedy output does not collapse onto a
+    few tokens (23-31 distinct of 32 on the prompts of test_greedy_tokens_ort.py, where
+    the plain tiny-llm repeats one token 20 times in 32), so a token comparison
+    discriminates; it runs the zero-point kernels end to end as well."""
+    from onnx_prep.fixtures import FixtureConfig, generate
+
+    cfg = FixtureConfig.preset("tiny-llm").replace(zero_points=True)
+    return generate(cfg, tmp_path_factory.mktemp("tiny-zp-llm"))
+
+
 def ort_or_skip():
     """ONNX Runtime is the external oracle; tests that need it skip, saying so, where absent."""
     return pytest.importorskip("onnxruntime", reason="onnxruntime not installed: oracle comparison skipped")
