@@ -1,5 +1,6 @@
 """Shared test fixtures. Generated models are cached in a session temp dir, never
-committed. Hypothesis runs under named profiles (HYPOTHESIS_PROFILE=ci|dev|thorough)."""
+committed. Hypothesis runs under named profiles (HYPOTHESIS_PROFILE=ci|dev|thorough).
+Every test has a timeout (pyproject.toml: 120 s; SLOW_TIMEOUT_S for tests marked slow)."""
 from __future__ import annotations
 
 import os
@@ -19,6 +20,18 @@ except ImportError:  # pragma: no cover - hypothesis is in the test extra
     pass
 
 
+# Tests marked slow (a benchmark smoke run, a stress loop) get this timeout instead of
+# the suite's 120 s: each takes up to ~60 s alone on 2 vCPUs, more beside other work.
+SLOW_TIMEOUT_S = 600
+
+
+def pytest_collection_modifyitems(config, items):
+    """A slow test without a timeout of its own gets SLOW_TIMEOUT_S."""
+    for item in items:
+        if item.get_closest_marker("slow") is not None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
+
+
 @pytest.fixture(scope="session")
 def tiny_llm_path(tmp_path_factory) -> Path:
     """The seed's tiny INT4 LLM (4 blocks, hidden 512, vocab 8192), generated once per session."""
@@ -35,6 +48,18 @@ def small_llm_path(tmp_path_factory) -> Path:
     cfg = FixtureConfig.preset("tiny-llm").replace(layers=2, hidden=128, intermediate=256,
                                                    heads=4, vocab=512)
     return generate(cfg, tmp_path_factory.mktemp("small-llm"))
+
+
+@pytest.fixture(scope="session")
+def tiny_zp_llm_path(tmp_path_factory) -> Path:
+    """The tiny LLM with stored zero points: its greedy output does not collapse onto a
+    few tokens (23-31 distinct of 32 on the prompts of test_greedy_tokens_ort.py, where
+    the plain tiny-llm repeats one token 20 times in 32), so a token comparison
+    discriminates; it runs the zero-point kernels end to end as well."""
+    from onnx_prep.fixtures import FixtureConfig, generate
+
+    cfg = FixtureConfig.preset("tiny-llm").replace(zero_points=True)
+    return generate(cfg, tmp_path_factory.mktemp("tiny-zp-llm"))
 
 
 def ort_or_skip():

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 from onnx_prep.core.io import external_data
 from onnx_prep.core.errors import DigestError, ExternalDataError, UnsafePathError, Where
@@ -275,18 +275,59 @@ def test_fifo_is_refused_without_blocking(tmp_path):
         resolve_model(r.model_path)
 
 
-@pytest.mark.parametrize("how", ["read", "map_shared"])
+def _read_by(reader, how: str, d):
+    """One of the reader's ways to get a tensor's bytes, by name."""
+    if how == "read_into":
+        return reader.read_into(d, np.empty(d.length, np.uint8))
+    if how.startswith("map_shared"):
+        return reader.map_shared(d, populate=how.endswith("populate"))
+    return getattr(reader, how)(d)
+
+
+READ_PATHS = ["read", "read_into", "read_array", "map", "map_shared", "map_shared_populate"]
+
+
+@pytest.mark.parametrize("how", READ_PATHS)
 def test_file_truncated_after_resolution_fails_the_read_with_bounds(tmp_path, how):
+    """Every read path checks the tensor's range against the file as opened: one byte
+    short gives the bounds error, naming model, tensor, file and offset and the size the
+    file has now (not pread's short read, mmap's ValueError or a SIGBUS on touch)."""
     r, reader, d = _resolved_single(tmp_path / "m")
-    os.truncate(tmp_path / "m" / DATA, d.offset + d.length - 1)
+    size = d.offset + d.length - 1
+    os.truncate(tmp_path / "m" / DATA, size)
+    with pytest.raises(ExternalDataError, match=rf"run past the end of the file \({size} bytes\)") as e:
+        _read_by(reader, how, d)
+    assert (e.value.where.tensor, e.value.where.file, e.value.where.offset) == ("W", DATA, d.offset)
+    assert f"tensor 'W', file {DATA}, offset {d.offset}" in str(e.value)
+    c = reader.counters.snapshot()
+    assert (c["reads"], c["maps"]) == (0, 0)  # nothing counted for a refused read
+
+
+@pytest.mark.parametrize("how", ["map_shared", "map_shared_populate"])
+def test_mapped_tensor_past_the_end_of_a_file_cut_after_resolution(tmp_path, how):
+    """The shared mapping is made from the file as it is at the first map: a later
+    tensor whose range runs past the (truncated) end is refused with the bounds error,
+    while the tensors still inside the file map and read as before."""
+    src = resolve_model(tied_int4_model(tmp_path / "m"))
+    ref = {d.name: ExternalDataReader.for_model(src).read(d) for d in src.manifest}
+    r = resolve_model(src.model_path)
+    reader = ExternalDataReader.for_model(r)
+    descs = sorted((d for d in r.manifest if d.length), key=lambda d: d.offset)
+    first, last = descs[0], descs[-1]
+    assert first.offset + first.length < last.offset
+    os.truncate(tmp_path / "m" / last.file, last.offset + last.length // 2)
+    np.testing.assert_array_equal(_read_by(reader, how, first), ref[first.name])
     with pytest.raises(ExternalDataError, match="run past the end of the file") as e:
-        getattr(reader, how)(d)  # map_shared checks bounds per tensor against its mapping
-    assert e.value.where.offset == d.offset
+        _read_by(reader, how, last)
+    assert (e.value.where.tensor, e.value.where.file, e.value.where.offset) == (last.name, last.file, last.offset)
+    assert reader.counters.snapshot()["maps"] == 1
 
 
-def test_file_truncated_after_it_was_mapped_fails_with_bounds_not_a_crash(tiny_llm_path, tmp_path):
+@pytest.mark.parametrize("populate", [True, False], ids=["populate", "lazy"])
+def test_file_truncated_after_it_was_mapped_fails_with_bounds_not_a_crash(tiny_llm_path, tmp_path, populate):
     """The shared mapping outlives single reads: a data file cut short afterwards gives
-    the bounds error (and no SIGBUS) on the next populating read."""
+    the bounds error (and no SIGBUS) on the next map of a tensor past its new end,
+    populating or not (a lazy view would fault on its first touch)."""
     shutil.copytree(tiny_llm_path.parent, tmp_path / "m")
     r = resolve_model(tmp_path / "m" / tiny_llm_path.name)
     reader = ExternalDataReader.for_model(r)
@@ -295,8 +336,8 @@ def test_file_truncated_after_it_was_mapped_fails_with_bounds_not_a_crash(tiny_l
     last = descs[-1]
     os.truncate(tmp_path / "m" / last.file, descs[len(descs) // 2].offset)
     with pytest.raises(ExternalDataError, match="run past the end of the file") as e:
-        reader.map_shared(last, populate=True)
-    assert e.value.where.offset == last.offset
+        reader.map_shared(last, populate=populate)
+    assert (e.value.where.tensor, e.value.where.offset) == (last.name, last.offset)
 
 
 def test_reader_accepts_only_a_payload_manifest(tmp_path):
@@ -307,6 +348,18 @@ def test_reader_accepts_only_a_payload_manifest(tmp_path):
 _component = st.sampled_from(["a", "b.bin", ".", "..", "", "x y", "..."])
 
 
+# The '..' forms a path check most often gets wrong, always tried (a random draw of
+# components finds some of them only now and then): alone, inside, after '.', repeated.
+@example([".."], "/", "")
+@example(["a", "..", "b"], "/", "")
+@example([".", ".."], "/", "")
+@example(["a", ".", "..", ".."], "/", "")
+@example(["a", ".."], "/", "")
+@example(["..", "a"], "/", "")
+@example(["a", "", "..", "b"], "/", "")
+@example(["a", "..", "b"], "\\", "")
+@example([".", "..", "b.bin"], "\\", "")
+@example(["a", "b", "..", "..", ".."], "/", "")
 @given(st.lists(_component, min_size=1, max_size=6), st.sampled_from(["/", "\\"]),
        st.sampled_from(["", "/", "\\", "C:", "c:\\"]))
 def test_check_location_refuses_exactly_absolute_and_dotdot(parts, sep, prefix):

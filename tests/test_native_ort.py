@@ -8,21 +8,27 @@ import pytest
 
 from conftest import ort_or_skip
 from onnx_prep import native
-from test_native_reference import fold_weights, random_matmul_nbits
+from test_native_reference import dequantize_matmul_nbits, fold_weights, int8_rounded, random_matmul_nbits
 
 ort = ort_or_skip()
 onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
-# Tolerances, as a fraction of the fold magnitude sum_k |a_k| (|q| + |z|) |s| per output
-# (see test_native_reference.py).
-# Measured worst cases (ORT 1.32, this suite) are in brackets.
-ORT_FP32_REL_TOL = 1e-6   # fp32 A and scales; only the summation order differs [1.1e-7]
-ORT_INT8_REL_TOL = 1e-6   # level 4: both sides quantize A per block to int8 alike [5.6e-8]
-# Level 4 with float zero points: ORT falls back to fp32 compute while we stay int8;
-# bound = A's int8 rounding, <= (max|a| / 254) per element, about 3/254 of the sum [1.5e-3].
-ORT_INT8_FALLBACK_REL_TOL = 1.2e-2
-ORT_FP16_REL_TOL = 1e-3   # fp16 scales: ORT rounds Y to fp16 (2^-11 relative) [1.7e-4]
+# Tolerance: |ours - ORT| <= ORT_REL_TOL x the fold magnitude sum_k |a_k| (|q| + |z|) |s|
+# per output (see test_native_reference.py), + FP16_ROUNDING x |ORT's Y| with fp16 scales.
+# Measured worst cases (ORT 1.32, this suite) are in brackets; the negative controls
+# in test_matmul_nbits_matches_onnxruntime show each bound fails a zero point off by one
+# in one block, or scales 1% off (the smallest of them 2.8x over the bound).
+# Every level, level 4 included: only the fp32 summation order differs (level 4's int8
+# sums are exact on both sides) [1.1e-7 fp32; 6.8e-8 level 4].
+ORT_REL_TOL = 1e-6
+# fp16 scales: ORT rounds Y to fp16 once, |error| <= 2^-11 |Y| [0.97 of it].
+FP16_ROUNDING = 2.0 ** -11
+# Level 4 with float zero points: ORT falls back to fp32 compute (A as given) while we stay
+# int8 (A rounded per block): the difference that rounding makes, (A8 - A) @ W, is
+# computed exactly in float64 (int8_rounded) and taken off before the same ORT_REL_TOL
+# applies [6.8e-8]. (Without it the bound must cover A's rounding itself, ~1e-2 of the
+# magnitude, and a zero point off by one passed in 3 of 6 cases, scales 1% off in 6 of 6.)
 ISAS = native.kernel_variants()
 
 
@@ -62,6 +68,24 @@ CASES = [  # (M, K, N, block_size): odd N, K not a multiple of the block, every 
 ]
 
 
+def _one_zero_point_off(z, zp: str, A, *, K: int, N: int, bs: int):
+    """The zero points with ONE wrong by one: output 0's, in the block where it changes
+    the output least (the smallest |sum of a| over the block, across rows)."""
+    kb = -(-K // bs)
+    sums = np.abs(np.add.reduceat(A.astype(np.float64), np.arange(0, K, bs), axis=1)).max(axis=0)
+    b = int(np.argmin(sums))
+    if zp == "float":
+        bad = z.copy()
+        bad[b] = bad[b] + 1  # [N * kb], output 0's blocks first
+        return bad
+    bad = np.full((N, (kb + 1) // 2), 0x88, np.uint8) if z is None else z.copy()  # none: 8 explicit
+    shift = 4 * (b % 2)
+    code = (int(bad[0, b // 2]) >> shift) & 0xF
+    code = code + 1 if code < 15 else code - 1
+    bad[0, b // 2] = (int(bad[0, b // 2]) & (0xFF ^ (0xF << shift))) | (code << shift)
+    return bad
+
+
 @pytest.mark.parametrize("M,K,N,bs", CASES)
 @pytest.mark.parametrize("zp", ["none", "u4", "float"])
 @pytest.mark.parametrize("scale_dtype", [np.float32, np.float16], ids=["f32", "f16"])
@@ -79,17 +103,25 @@ def test_matmul_nbits_matches_onnxruntime(M, K, N, bs, zp, scale_dtype, level):
     packed = native.prepack_matmul_nbits(B, s, z, K=K, N=N, block_size=bs, accuracy_level=ort_level)
     mag = np.abs(A_used.astype(np.float64)) @ fold_weights(B, s, z, K=K, N=N, block_size=bs)
     mag = mag + (0 if bias is None else np.abs(bias_used))
-    if level == 4:
-        tol = ORT_INT8_FALLBACK_REL_TOL if zp == "float" else ORT_INT8_REL_TOL
-    else:
-        tol = ORT_FP32_REL_TOL
-    if f16:
-        tol += ORT_FP16_REL_TOL
+    offset = 0.0  # what ours computes differently from ORT, by design
+    if level == 4 and zp == "float":
+        W = dequantize_matmul_nbits(B, s, z, K=K, N=N, block_size=bs)
+        offset = (int8_rounded(A_used, bs).astype(np.float64) - A_used) @ W
+
+    def worst(got, ref):
+        bound = ORT_REL_TOL * mag + (FP16_ROUNDING * np.abs(ref) if f16 else 0.0) + 1e-30
+        return float(np.max(np.abs(got - ref - offset) / bound))
+
     for isa in ISAS:
         got = native.matmul_nbits(A_used, packed, bias=bias_used, isa=isa,
                                   compute="fma" if level == "fma" else None)
-        worst = float(np.max(np.abs(got - want) / (mag + 1e-30)))
-        assert worst <= tol, f"{isa}: error {worst:.3g} of magnitude > {tol}"
+        assert worst(got, want) <= 1, f"{isa}: error {worst(got, want):.3g}x the tolerance"
+    # Negative controls: ORT on sources with one zero point off by one, or every scale 1%
+    # off, must fail the same check against our (right) result.
+    for what, zs, ss in (("one zero point off by one", _one_zero_point_off(z, zp, A_used, K=K, N=N, bs=bs), s),
+                         ("scales 1% off", z, (s.astype(np.float64) * 1.01).astype(scale_dtype))):
+        wrong = run_matmul_nbits(A, B, ss, zs, bias, K=K, N=N, bs=bs, level=ort_level)
+        assert worst(got, wrong) > 1, f"{what}: within the tolerance ({worst(got, wrong):.3g}x)"
 
 
 def run_gather_block_quantized(data, scales, zp, indices, bs):

@@ -18,9 +18,17 @@ from onnx_prep.core.model.prepared_key import PrepackRequest
 ort_or_skip()
 
 MS = "com.microsoft"
-# INT4 reference vs ORT: both dequantize exactly; the difference is fp32 summation order.
-INT4_RTOL = 1e-4
-INT4_ATOL = 1e-4
+# INT4 reference and native kernels vs ORT: both dequantize exactly; the difference is
+# fp32 summation order (measured: 0 in most cases, 1e-6 of |y| with float zero points).
+# 1e-5 leaves 10x; outputs here are O(1), so the absolute part keeps near-zero outputs
+# from failing on their own rounding. The negative controls (_assert_faults_fail) show a
+# zero point off by one in one block, or scales 1% off, fail each tolerance.
+INT4_RTOL = 1e-5
+INT4_ATOL = 1e-5
+# fp16: both sides round an fp32 sum to fp16 once; a different summation order can move
+# it one fp16 step (2^-10 relative; measured: none). It was 2e-2, which passed scales 1% off.
+FP16_RTOL = 2.0 ** -10
+FP16_ATOL = 1e-6
 
 
 def _native_has(name: str) -> bool:
@@ -49,6 +57,34 @@ def matmul_nbits_case(rng, M, K, N, bs, *, zp=None, scale_dtype=np.float32, bias
     return inputs, attrs
 
 
+def _faulted_sources(inputs, kw):
+    """(what, inputs) pairs: scales 1% off; one zero point off by one (output 0, block 0;
+    without stored zero points, explicit ones: all 8, that one 9)."""
+    scales = inputs[2]
+    yield "scales 1% off", [*inputs[:2], (scales.astype(np.float64) * 1.01).astype(scales.dtype), *inputs[3:]]
+    kb = -(-kw["K"] // kw["bs"])
+    z = inputs[3] if len(inputs) > 3 else None
+    if kw.get("zp") == "float":
+        bad = z.copy()
+        bad[0] += 1
+    else:
+        bad = np.full((kw["N"], -(-kb // 2)), 0x88, np.uint8) if z is None else z.copy()
+        code = int(bad[0, 0]) & 0xF
+        bad[0, 0] = (int(bad[0, 0]) & 0xF0) | (code + 1 if code < 15 else code - 1)
+    rest = list(inputs[4:]) if len(inputs) > 4 else []
+    yield "one zero point off by one", [*inputs[:3], bad, *rest]
+
+
+def _assert_faults_fail(ours, inputs, attrs, kw, *, rtol, atol):
+    """Negative control: ORT on faulted sources must fail the same tolerance against our
+    (right) result."""
+    for what, bad in _faulted_sources(inputs, kw):
+        model = one_node_model("MatMulNBits", bad, attrs, opset=17, domain=MS, constant_inputs={1, 2, 3, 5})
+        (wrong,) = run_ort(model, bad, frozenset({1, 2, 3, 5}))
+        with pytest.raises(AssertionError):
+            np.testing.assert_allclose(ours, wrong, rtol=rtol, atol=atol, err_msg=what)
+
+
 MATMUL_CASES = [
     ("no-zp", dict(M=3, K=64, N=24, bs=32)),
     ("u4-zp-odd-blocks", dict(M=2, K=96, N=8, bs=32, zp="u4")),
@@ -64,8 +100,9 @@ def test_matmul_nbits_reference_matches_ort(name, kw):
     rng = np.random.default_rng(7)
     inputs, attrs = matmul_nbits_case(rng, **kw)
     fp16 = kw.get("scale_dtype") is np.float16
-    check_against_ort("MatMulNBits", inputs, attrs, domain=MS, constant_inputs={1, 2, 3, 5},
-                      rtol=2e-2 if fp16 else INT4_RTOL, atol=2e-2 if fp16 else INT4_ATOL)
+    tol = dict(rtol=FP16_RTOL, atol=FP16_ATOL) if fp16 else dict(rtol=INT4_RTOL, atol=INT4_ATOL)
+    ours = check_against_ort("MatMulNBits", inputs, attrs, domain=MS, constant_inputs={1, 2, 3, 5}, **tol)
+    _assert_faults_fail(ours[0], inputs, attrs, kw, **tol)
 
 
 @pytest.mark.parametrize("name,kw", MATMUL_CASES, ids=[c[0] for c in MATMUL_CASES])
@@ -98,6 +135,7 @@ def test_matmul_nbits_native_matches_ort(name, kw):
     got = run_ours("MatMulNBits", stripped, attrs, opset=17, domain=MS, kernel="int4_matmul",
                    prepared={1: packed})[0]
     np.testing.assert_allclose(got, want, rtol=INT4_RTOL, atol=INT4_ATOL)
+    _assert_faults_fail(got, inputs, attrs, kw, rtol=INT4_RTOL, atol=INT4_ATOL)
 
 
 def gbq_case(rng, V, K, bs, *, zp=False, rank3=True, scale_dtype=np.float32, idx_shape=(2, 3)):
@@ -212,6 +250,9 @@ def test_dequantize_linear_int4_to_matmul_nbits_matches_ort(signed, with_zp):
     attrs = {"K": K, "N": N, "bits": 4, "block_size": bs}
     got = run_ours("MatMulNBits", [a, b, s, z], attrs, opset=17, domain=MS)[0]
     np.testing.assert_allclose(got, want, rtol=INT4_RTOL, atol=INT4_ATOL)
+    srcs = [a, b, s] + ([] if z is None else [z])
+    _assert_faults_fail(got, srcs, attrs, dict(K=K, N=N, bs=bs, zp=None if z is None else "u4"),
+                        rtol=INT4_RTOL, atol=INT4_ATOL)
 
 
 def test_nibble_pack_roundtrip():

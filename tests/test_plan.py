@@ -85,7 +85,14 @@ def test_precomputed_positions(tiny):
     assert lm.first_step == len(plan.steps) - 1  # prefetch distance: the last step
     norm = next(r for r in plan.requirements if r.request.layout == RAW_LAYOUT)
     assert plan.by_id[norm.publisher].kind is TaskKind.READ_SOURCE  # raw weight: the read publishes
-    assert plan.activation_last_use["input_ids"] >= 0
+    # input_ids: read by the embedding (action 0) and last by the mask's Shape; the graph
+    # outputs outlive every action
+    readers = [n.index for n in plan.resolved.nodes if "input_ids" in n.inputs]
+    assert readers[0] == 0 and plan.resolved.nodes[readers[-1]].op_type == "Shape"
+    assert plan.activation_last_use["input_ids"] == readers[-1] > 0
+    n_actions = len(plan.resolved.nodes)
+    assert {o.name: plan.activation_last_use[o.name] for o in plan.resolved.outputs} == \
+        dict.fromkeys((o.name for o in plan.resolved.outputs), n_actions)
 
 
 def test_identical_requests_share_one_task(tmp_path):

@@ -89,9 +89,17 @@ def test_bench_load_cold_with_sources_dropped(tmp_path):
 
 
 def test_bench_resolve_smoke(tmp_path):
+    from onnx_prep.core.model.resolution import resolve_model
+
     p = _run(["scripts/bench_resolve.py", "--models", "tiny-llm", "--repeats", "3", "--json"], tmp_path / "cache")
     assert p.returncode == 0, p.stderr
-    assert "tiny-llm" in p.stdout
+    (rec,) = json.loads(p.stdout)["records"]
+    # the figure the benchmark exists for: three resolutions, 0 payload bytes read or mapped
+    assert rec["model"] == "tiny-llm" and rec["repeats"] == 3 and len(rec["samples_ms"]) == 3
+    assert (rec["payload_bytes_read"], rec["payload_bytes_mapped"]) == (0, 0)
+    resolved = resolve_model(rec["path"])
+    assert rec["payload_bytes"] == resolved.manifest.total_bytes > 0
+    assert rec["nodes"] == resolved.stats.nodes_total
 
 
 @pytest.mark.slow

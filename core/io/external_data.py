@@ -368,12 +368,13 @@ class ExternalDataReader:
             with self._shared_lock:  # in use (again): neighbours' page work leaves it alone
                 spans, index, released = self._order(desc.file)
                 released[index[desc.name]] = False
-        if populate:  # the file as it is now: one truncated after mapping fails here, clearly
-            try:
-                now = os.stat(self.model_dir / desc.file).st_size
-            except OSError as exc:
-                raise ExternalDataError(f"cannot read external data: {exc.strerror}", where) from None
-            check_bounds(desc.offset, desc.length, now, where)
+        # The file as it is now: one truncated after mapping fails here, clearly, not
+        # with a SIGBUS when the view (populated now or lazily) touches a page past its end.
+        try:
+            now = os.stat(self.model_dir / desc.file).st_size
+        except OSError as exc:
+            raise ExternalDataError(f"cannot read external data: {exc.strerror}", where) from None
+        check_bounds(desc.offset, desc.length, now, where)
         if desc.length == 0:
             arr = np.empty(0, dtype=np.uint8)
         else:
