@@ -168,17 +168,21 @@ def test_compare_generations_reports_divergence_and_near_ties(tmp_path):
 
 # ---------------------------------------------------------------- the INT4 fixture
 
-def test_fixture_decode_is_deterministic_and_matches_prefix_recompute(small_llm_path):
-    runner, io = OrtRunner(small_llm_path), DecoderIO.from_model(small_llm_path)
+@pytest.mark.parametrize("fixture", ["small_llm_path", "tiny_zp_llm_path"])
+def test_fixture_decode_is_deterministic_and_matches_prefix_recompute(request, fixture):
+    # small_llm_path's row 0 settles on one token; tiny_zp_llm_path's output does not
+    # collapse (conftest), so the comparison also sees many distinct tokens.
+    path = request.getfixturevalue(fixture)
+    runner, io = OrtRunner(path), DecoderIO.from_model(path)
     tokens = 12
     first = greedy_decode(runner, io, PROMPTS, tokens)
-    again = greedy_decode(OrtRunner(small_llm_path), io, PROMPTS, tokens)
+    again = greedy_decode(OrtRunner(path), io, PROMPTS, tokens)
     np.testing.assert_array_equal(first.tokens, again.tokens)
     ref, margins = prefix_recompute_greedy(runner, io, PROMPTS, tokens)
-    for row in range(len(PROMPTS)):
-        decisive = np.cumprod(margins[row] > MARGIN).astype(bool)  # up to the first near tie
-        assert decisive[:4].all(), "the fixture's first steps should not be near ties"
-        np.testing.assert_array_equal(first.tokens[row][decisive], ref[row][decisive])
+    # every step is decided (smallest margins: 5.7e-2 and 1.2e-2 of a logit), so every
+    # token must be equal; a near tie is reported with its margin
+    assert margins.min() > MARGIN, f"near ties at (row, step) {np.argwhere(margins <= MARGIN).tolist()}"
+    np.testing.assert_array_equal(first.tokens, ref)
 
 
 def test_fixture_batch_two_rows_equal_batch_one(small_llm_path):
