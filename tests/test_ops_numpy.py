@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from onnx import TensorProto, numpy_helper
-from ops_oracle import check_against_ort, run_ours
+from ops_oracle import assert_same, check_against_ort, one_node_model, run_ort, run_ours
 
 from conftest import ort_or_skip
 
@@ -131,6 +131,25 @@ CASES = [
 def test_numpy_op_matches_ort(case):
     _, op_type, inputs, attrs, opset, kw = case
     check_against_ort(op_type, inputs, attrs, opset=opset, **kw)
+
+
+# The float ops whose results are computed (not moved): the F32 tolerance of ops_oracle
+# (rtol 1e-5, atol 1e-6) must fail ORT's result on one input off by 1e-4 relative (the
+# first; LayerNormalization's scale, as the op is blind to scaling its input).
+CONTROLS = {"div-float": 0, "pow-same": 0, "sqrt": 0, "exp": 0, "log": 0, "tanh": 0, "cos": 0, "erf": 0,
+            "softmax-13": 0, "reduce-mean-attr": 0, "matmul-2d": 0, "gemm-trans": 0, "layer-norm": 1}
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] in CONTROLS], ids=lambda c: c[0])
+def test_tolerance_fails_an_input_off_by_1e4(case):
+    """Negative control of test_numpy_op_matches_ort's tolerance."""
+    name, op_type, inputs, attrs, opset, kw = case
+    ours = run_ours(op_type, inputs, attrs, opset=opset, **kw)
+    i = CONTROLS[name]
+    bad = [*inputs[:i], inputs[i] * np.float32(1 + 1e-4), *inputs[i + 1:]]
+    wrong = run_ort(one_node_model(op_type, bad, attrs, opset=opset, **kw), bad)
+    with pytest.raises(AssertionError):
+        assert_same(ours, wrong)
 
 
 def test_constant_node_variants():
