@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,9 +15,19 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(args: list[str], env_cache: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run a script to its end. On a timeout (its own or the test's) the script is killed
+    with every process it started (bench_kernels measures in worker processes), so a
+    failed smoke run leaves nothing behind burning CPU."""
     env = dict(os.environ, ONNX_PREP_CACHE=str(env_cache))
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    p = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except BaseException:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
 def _check_activity(a: dict, stdout: str) -> None:
