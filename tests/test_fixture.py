@@ -336,10 +336,23 @@ def test_ort_matches_an_independent_numpy_forward(tmp_path, encoding):
     dec = _Decoder(path)
     ids = np.random.default_rng(2).integers(0, cfg.vocab, size=(2, 7), dtype=np.int64)
     got, _ = dec(ids, dec.empty_cache(2), 0)
-    want = _reference_logits(cfg, {k: v.astype(np.float64) if v.dtype.kind == "f" else v
-                                   for k, v in _read_initializers(path).items()}, ids)
-    err = np.abs(got - want).max() / np.abs(want).max()
-    assert err < 1e-4, err
+    weights = {k: v.astype(np.float64) if v.dtype.kind == "f" else v for k, v in _read_initializers(path).items()}
+
+    def err(w) -> float:
+        want = _reference_logits(cfg, w, ids)
+        return float(np.abs(got - want).max() / np.abs(want).max())
+
+    tol = 1e-5  # of the largest logit: ORT in fp32 vs float64 (measured 6-8e-7)
+    assert err(weights) < tol, err(weights)
+    # Negative controls: the reference with one projection's scales 1% off, or one of
+    # its zero points off by one, must fail the same bound.
+    name = "layers.1.mlp.down"
+    scaled = dict(weights, **{f"{name}.scales": weights[f"{name}.scales"] * 1.01})
+    assert err(scaled) >= tol, err(scaled)  # measured 4.4e-3
+    if cfg.zero_points:
+        zp = weights[f"{name}.zero_points"].copy()
+        zp[0, 0] ^= 1  # low nibble, block 0 of output 0: 7 -> 6 or 8 -> 9
+        assert err(dict(weights, **{f"{name}.zero_points": zp})) >= tol  # measured 2.7e-3
 
 
 @pytest.mark.slow
