@@ -89,6 +89,14 @@ def test_program_matches_ort(mixed_model, backend):
     assert set(ours) == {"y", "z"}
     for k in theirs:
         np.testing.assert_allclose(ours[k], theirs[k], rtol=1e-5, atol=1e-5)
+    # Negative control: the Gemm's weight 0.1% off (prepacked wrong) fails the tolerance.
+    def wrong_load(name):
+        return load(name) * np.float32(1.001) if name == "B" else load(name)
+
+    wrong = program.run(feeds, prepack_all(resolved, wrong_load, backend=backend), weights=_weights(program, load))
+    for k in theirs:
+        with pytest.raises(AssertionError):
+            np.testing.assert_allclose(wrong[k], theirs[k], rtol=1e-5, atol=1e-5)
 
 
 def test_action_i_is_node_i_and_slots_are_ints(mixed_model):
