@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     from onnx_prep.core.decode.generation import greedy_decode
     from onnx_prep.core.profile.machine_activity import MachineActivity, describe
     from onnx_prep.core.ops import append_buffer
-    from onnx_prep.core.ops.prepack import prepack_all, source_loader
+    from onnx_prep.core.kernels.prepack import prepack_all, source_loader
     from onnx_prep.core.model.resolution import resolve_model
     from onnx_prep.fixtures import FixtureConfig, ensure_cached
     from onnx_prep.native import active_isa

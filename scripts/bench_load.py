@@ -202,7 +202,7 @@ def one_load(resolved, feeds, *, mode: str, warm: bool) -> dict:
 def stages_alone(resolved, feeds, *, warm: bool) -> dict:
     """Each stage alone, in this process: all reads, all prepacks, the first run."""
     from onnx_prep.core.io.external_data import ExternalDataReader, as_array
-    from onnx_prep.core.ops.prepack import prepack
+    from onnx_prep.core.kernels.prepack import prepack
     from onnx_prep.core.runtime.session import Session
 
     if not warm:
@@ -220,7 +220,7 @@ def stages_alone(resolved, feeds, *, warm: bool) -> dict:
             nodes.setdefault(r.key, (n, r))
     # Like for like: the runtime packs into a freshly committed stable slot per key, so
     # the stage alone does the same (commit + pack in place), not a pack into np.empty.
-    from onnx_prep.core.ops.prepack import packed_size
+    from onnx_prep.core.kernels.prepack import packed_size
     from onnx_prep.native import StableSlot
 
     # Slots reserved and opened first, untimed, as Session construction does.

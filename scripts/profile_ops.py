@@ -21,7 +21,7 @@ import numpy as np
 
 from onnx_prep.core.runtime.action_program import ActionProgram
 from onnx_prep.core.io.external_data import ExternalDataReader
-from onnx_prep.core.ops.prepack import prepack_all, source_loader
+from onnx_prep.core.kernels.prepack import prepack_all, source_loader
 from onnx_prep.core.model.resolution import resolve_model
 from onnx_prep.fixtures import generate
 

@@ -5,7 +5,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from onnx_prep.core.ops import get_op
+from onnx_prep.core.kernels.binding import get_op
 from onnx_prep.core.ops.attributes import N_OUTPUTS, normalize_attributes
 
 # Named tolerances per precision (float32 transcendental ops differ in the last bits

@@ -13,7 +13,7 @@ from conftest import ort_or_skip
 from onnx_prep.core.runtime.action_program import DISCARD_SLOT, NONE_SLOT, ActionProgram, PreparedBinding, direct_replay
 from onnx_prep.core.errors import ModelIOError, OnnxPrepError, TaskFailedError, UnsupportedOpError
 from onnx_prep.core.io.external_data import ExternalDataReader
-from onnx_prep.core.ops.prepack import prepack_all, source_loader
+from onnx_prep.core.kernels.prepack import prepack_all, source_loader
 from onnx_prep.core.model.resolution import resolve_model
 
 R = np.random.default_rng(5)

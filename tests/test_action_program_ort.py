@@ -28,7 +28,7 @@ import pytest
 from conftest import ort_or_skip
 from onnx_prep.core.runtime.action_program import ActionProgram
 from onnx_prep.core.io.external_data import ExternalDataReader
-from onnx_prep.core.ops.prepack import packed_size, prepack_all, source_loader
+from onnx_prep.core.kernels.prepack import packed_size, prepack_all, source_loader
 from onnx_prep.core.model.resolution import resolve_model
 
 LOGIT_RTOL = 1e-5

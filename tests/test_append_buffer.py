@@ -137,7 +137,7 @@ def test_session_decode_appends_in_place_with_identical_logits(tiny_llm_path):
     from onnx_prep.core.decode.decoder_io import DecoderIO
     from onnx_prep.core.io.external_data import ExternalDataReader
     from onnx_prep.core.decode.generation import greedy_decode
-    from onnx_prep.core.ops.prepack import prepack_all, source_loader
+    from onnx_prep.core.kernels.prepack import prepack_all, source_loader
     from onnx_prep.core.model.resolution import resolve_model
     from onnx_prep.core.runtime.session import Session
 

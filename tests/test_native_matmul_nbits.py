@@ -313,7 +313,7 @@ def test_int8_quantization_edge_values():
 def test_layout_key_names_everything_that_changes_the_bytes():
     """Equal keys over equal sources give equal bytes; every parameter that changes
     the packed bytes (level, zero-point kind, scale dtype, block size) changes the key."""
-    from onnx_prep.native.layouts import matmul_nbits_layout
+    from onnx_prep.core.kernels.int4_matmul import matmul_nbits_layout
 
     rng = np.random.default_rng(12)
     K, N = 128, 20

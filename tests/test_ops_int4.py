@@ -12,7 +12,7 @@ from ops_oracle import check_against_ort, one_node_model, run_ort, run_ours
 
 from conftest import ort_or_skip
 from onnx_prep.core.ops import int4
-from onnx_prep.core.ops.prepack import dq_to_matmul_nbits, prepack
+from onnx_prep.core.kernels.prepack import prepack
 from onnx_prep.core.model.prepared_key import PrepackRequest
 
 ort_or_skip()
@@ -200,7 +200,7 @@ def test_gather_block_quantized_native_matches_ort(name, kw):
     packed = prepack("int4_gather", PrepackRequest("d", lineage, "native"),
                      {names[i]: inputs[i] for i in (0, 2, 3) if len(inputs) > i}, attrs)
     from onnx_prep.core.ops.attributes import ROW_SHAPE
-    from onnx_prep.core.ops.registry import get_op
+    from onnx_prep.core.kernels.binding import get_op
 
     a = dict(attrs)
     a[ROW_SHAPE] = (inputs[0].shape[1], inputs[0].shape[2] * 2)
@@ -246,7 +246,7 @@ def test_dequantize_linear_int4_to_matmul_nbits_matches_ort(signed, with_zp):
     # Sources as the external-data reader hands out int4: packed uint8, low nibble first.
     packed_w = int4.pack_nibbles((codes & 15).astype(np.uint8).reshape(-1))
     packed_z = int4.pack_nibbles((zps & 15).astype(np.uint8).reshape(-1)) if with_zp else None
-    b, s, z = dq_to_matmul_nbits(packed_w, scales, packed_z, K=K, N=N, block_size=bs, signed=signed)
+    b, s, z = int4.dq_to_matmul_nbits(packed_w, scales, packed_z, K=K, N=N, block_size=bs, signed=signed)
     attrs = {"K": K, "N": N, "bits": 4, "block_size": bs}
     got = run_ours("MatMulNBits", [a, b, s, z], attrs, opset=17, domain=MS)[0]
     np.testing.assert_allclose(got, want, rtol=INT4_RTOL, atol=INT4_ATOL)

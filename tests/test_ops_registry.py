@@ -1,5 +1,5 @@
-"""The op registry: coverage of the kernel registry's numpy set, the onnx.reference
-fallback against ORT, and typed errors for ops nothing can run."""
+"""The op table: coverage of the numpy kernel's op set, the onnx.reference fallback
+against ORT, and typed errors for ops nothing can run."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,23 +10,25 @@ from ops_oracle import check_against_ort
 from conftest import ort_or_skip
 from onnx_prep.core import ops
 from onnx_prep.core.errors import UnsupportedOpError
-from onnx_prep.core.kernels.registry import NUMPY_OPS
-from onnx_prep.core.ops import ReferenceOp, get_op
+from onnx_prep.core.kernels.binding import get_op
+from onnx_prep.core.kernels.numpy_ops import NUMPY_OPS
+from onnx_prep.core.ops import ReferenceOp
 
 R = np.random.default_rng(99)
 
 
 def test_every_numpy_op_of_the_kernel_registry_has_a_numpy_implementation():
     missing = NUMPY_OPS - ops.NUMPY_OP_TYPES
-    assert not missing, f"kernel_registry sends these to numpy but core/ops lacks them: {sorted(missing)}"
+    assert not missing, f"the numpy kernel takes these but core/ops lacks them: {sorted(missing)}"
     for op_type in NUMPY_OPS:
         fn = get_op(op_type, "", "numpy", 17)
         assert not fn.__name__.startswith("reference_"), op_type
 
 
 def test_public_surface():
-    assert set(ops.__all__) == {"NATIVE", "NUMPY_OP_TYPES", "OpImpl", "REFERENCE", "ReferenceOp", "bind_node",
-                                "get_op", "packed_size", "prepack"}
+    assert set(ops.__all__) == {"MS_DOMAIN", "NUMPY_OP_TYPES", "OpImpl", "ReferenceOp", "numpy_op"}
+    for name in ops.__all__:
+        assert getattr(ops, name) is not None, name
 
 
 def test_softmax_variant_follows_opset():
@@ -44,7 +46,7 @@ def test_unknown_kernel_and_domain_raise_typed_errors():
         ReferenceOp("NoSuchOp", "", {}, 17, node_name="n1")
 
 
-# Ops outside NUMPY_OPS: the kernel registry sends them to ``reference``.
+# Ops outside NUMPY_OPS: the kernel choice sends them to ``reference``.
 FALLBACK_CASES = [
     ("pad", "Pad", [R.standard_normal((2, 3)).astype(np.float32), np.array([0, 1, 1, 0], np.int64)],
      {"mode": "reflect"}),

@@ -18,11 +18,12 @@ from onnx import helper
 from onnx_prep.core.io import external_data
 from onnx_prep.core.errors import DigestError, ModelFormatError, UnsafePathError, UsageError
 from onnx_prep.core.io.external_data import ExternalDataReader
-from onnx_prep.core.kernels.registry import NUMPY_OPS
+from onnx_prep.core.kernels.numpy_ops import NUMPY_OPS
 from onnx_prep.core.model.resolution import resolve_model
 from onnx_prep.core.model.resolved_model import require_frozen
 from onnx_prep.core.model.weights import DigestSource
-from onnx_prep.native.layouts import gemm_b_layout, matmul_nbits_layout
+from onnx_prep.core.kernels.gemm_packed import gemm_b_layout
+from onnx_prep.core.kernels.int4_matmul import matmul_nbits_layout
 
 from test_resolve_models import (
     DATA,

@@ -29,8 +29,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from onnx_prep.core.model.transforms import MATMUL_NBITS_WEIGHT_LAYOUT, QDQ_WEIGHT_LAYOUT
 from onnx_prep.core.ops import intra_op
-
 from onnx_prep.core.ops.attributes import ROW_SHAPE, axis_index
 
 _I4_TYPES = ("int4", "uint4")
@@ -123,14 +123,61 @@ def matmul_nbits(inputs, attrs, prepared):
 
 
 def _raw_weight(inputs, attrs, K: int, N: int, block_size: int) -> np.ndarray:
-    if attrs.get("weight_layout", "NKb") == "KN":
+    if attrs.get("weight_layout", MATMUL_NBITS_WEIGHT_LAYOUT) == QDQ_WEIGHT_LAYOUT:
         # A fused DequantizeLinear(int4 [K, N]) + MatMul node (core/model/transforms.py).
-        from onnx_prep.core.ops.prepack import matmul_nbits_sources
-
         b, s, z = matmul_nbits_sources([x for x in inputs[1:4] if x is not None], attrs)
     else:
         b, s, z = inputs[1], inputs[2], inputs[3] if len(inputs) > 3 else None
     return dequantize_matmul_nbits(b, s, z, K=K, N=N, block_size=block_size)
+
+
+# ------------------------------------- fused DequantizeLinear sources -> MatMulNBits form
+
+def matmul_nbits_sources(src: list[np.ndarray], attrs: Mapping[str, Any]
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(B uint8 [N, kb, bs/2], scales [N*kb], zero points or None) in MatMulNBits' form,
+    converting a fused DequantizeLinear source (``weight_layout == "KN"``) on the way."""
+    K, N, bs = int(attrs["K"]), int(attrs["N"]), int(attrs["block_size"])
+    kb = -(-K // bs)
+    b, scales = src[0], src[1]
+    zp = src[2] if len(src) > 2 else None
+    if attrs.get("weight_layout", MATMUL_NBITS_WEIGHT_LAYOUT) != QDQ_WEIGHT_LAYOUT:
+        return b.reshape(N, kb, bs // 2), scales.reshape(-1), zp
+    return dq_to_matmul_nbits(b, scales, zp, K=K, N=N, block_size=bs,
+                              signed=str(attrs.get("weight_dtype", "int4")) == "int4")
+
+
+def _codes(packed: np.ndarray, count: int, signed: bool) -> np.ndarray:
+    """Unsigned 4-bit codes (offset binary) of ``count`` packed int4/uint4 elements."""
+    c = unpack_nibbles(np.asarray(packed, dtype=np.uint8).reshape(-1))[:count]
+    # Two's complement int4 -> offset binary (code + 8): flip the sign bit.
+    return c ^ np.uint8(8) if signed else c
+
+
+def dq_to_matmul_nbits(w: np.ndarray, scales: np.ndarray, zp: np.ndarray | None, *, K: int, N: int,
+                       block_size: int, signed: bool
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """DequantizeLinear(int4|uint4 [K, N], axis 0, block_size) sources -> MatMulNBits form.
+
+    int4 codes become offset-binary uint4 (code + 8) with zero point zp + 8, so
+    ``(code - zp) * scale`` is unchanged; int4 without zero points maps to the
+    implicit 8; uint4 without zero points needs an explicit 0 (the int4_matmul kernel
+    gives that layout ``zp-u4``).
+    """
+    kb = -(-K // block_size)
+    codes = _codes(w, K * N, signed).reshape(K, N).T  # [N, K]
+    if kb * block_size != K:
+        pad = np.full((N, kb * block_size - K), 8, dtype=np.uint8)
+        codes = np.concatenate([codes, pad], axis=1)
+    b = pack_nibbles(codes.reshape(N, kb, block_size), -1)  # [N, kb, bs/2]
+    s = np.ascontiguousarray(np.asarray(scales).reshape(kb, N).T).reshape(-1)
+    if zp is not None:
+        z = _codes(zp, kb * N, signed).reshape(kb, N).T  # [N, kb]
+    elif not signed:
+        z = np.zeros((N, kb), dtype=np.uint8)
+    else:
+        return b, s, None
+    return b, s, pack_nibbles(z, -1)
 
 
 # ---------------------------------------------------- GatherBlockQuantized reference

@@ -232,7 +232,7 @@ DEFAULT_LOOKAHEAD_BYTES = 256 << 20
 def _packed_size_estimate(req: PrepackRequest, node: NodeKernel, resolved: ResolvedModel) -> int:
     """Packed bytes of a request. Uses the op registry's exact size where it has one;
     otherwise the source bytes (INT4 packs to about its source size)."""
-    from onnx_prep.core.ops.prepack import packed_size
+    from onnx_prep.core.kernels.prepack import packed_size
 
     size = packed_size(node.kernel, req, resolved)
     if size is not None:

@@ -36,7 +36,8 @@ import numpy as np
 
 from onnx_prep.core.errors import ModelIOError, OnnxPrepError, TaskFailedError, Where
 from onnx_prep.core.ops.attributes import APPEND_IN_PLACE
-from onnx_prep.core.ops.registry import PREPARED_POSITION, bind_node
+from onnx_prep.core.kernels.binding import bind_node
+from onnx_prep.core.kernels.registry import prepared_position
 from onnx_prep.core.model.prepared_key import PreparedKey
 from onnx_prep.core.model.resolved_model import ResolvedModel, require_frozen
 
@@ -179,7 +180,7 @@ class ActionProgram:
             # it there), whichever of the replaced inputs that is.
             bindings: tuple[tuple[int, PreparedKey], ...] = ()
             if replaced:
-                pos = PREPARED_POSITION.get(node.kernel or "")
+                pos = prepared_position(node.kernel)
                 bindings = tuple(sorted({(pos if pos is not None else p, k) for p, k in replaced.items()}))
             compiled.append((node, fn, attrs, tuple(in_slots), out_slots, bindings))
 

@@ -806,7 +806,7 @@ class Session:
     def _prepack(self, desc: TaskDescriptor, tctx: TaskContext):
         """Prepack straight into the key's stable slot: the packed bytes are written once,
         in place (no temporary packed buffer, no copy)."""
-        from onnx_prep.core.ops.prepack import packed_size, prepack
+        from onnx_prep.core.kernels.prepack import packed_size, prepack
 
         key = desc.publishes
         req = self.plan.by_key[key]

@@ -1,0 +1,123 @@
+"""The ``int4_gather`` kernel: com.microsoft GatherBlockQuantized gathering rows of a
+packed INT4 table (an embedding).
+
+Takes bits 4, uint8 data of rank >= 2, gather_axis 0, quantize_axis last, constant data
+and scales (fp16 / fp32), constant zero points when present. Requirement: lineage (data,
+scales[, zero points]), layout ``gather_block_quantized_layout``, read at input 0 in
+place of data, scales and zero points.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+from onnx import TensorProto
+
+from onnx_prep.core.kernels.int4_weights import SCALE_DTYPES, zero_point_kind, zero_points_of
+from onnx_prep.core.kernels.spec import (REFERENCE, KernelChoice, KernelSpec, MatchContext, PreparedForm,
+                                         node_input, prepared_choice)
+from onnx_prep.core.model.prepared_key import PrepackRequest
+from onnx_prep.core.model.transforms import GraphNode
+from onnx_prep.core.model.weights import WeightDescriptor
+from onnx_prep.core.ops import int4
+from onnx_prep.core.ops.attributes import ROW_SHAPE
+from onnx_prep.core.ops.registry import MS_DOMAIN, OpImpl
+from onnx_prep.native.layouts import PACK_FORMAT_VERSION
+
+ID = "int4_gather"
+LAYOUT_NAME = "int4gather"
+DEFAULT_BLOCK_SIZE = 128  # the op's default
+
+
+def gather_block_quantized_layout(
+    *, block_size: int, bits: int = 4, zero_points: str, scale_dtype: str
+) -> str:
+    """Layout of the INT4 row gather (GatherBlockQuantized, quantize_axis = last).
+    zero_points: "none" | "u4" | "float"; scale_dtype as for the matmul."""
+    if bits != 4:
+        raise ValueError(f"only 4-bit weights are supported, got bits={bits}")
+    return f"{LAYOUT_NAME}.v{PACK_FORMAT_VERSION}.bs{block_size}.zp-{zero_points}.sc-{scale_dtype}"
+
+
+def match(node: GraphNode, ctx: MatchContext) -> KernelChoice | None:
+    a = node.attributes
+    data, s = ctx.constant(node, 0), ctx.constant(node, 2)
+    zp = ctx.constant(node, 3)
+    if data is None or s is None or (node_input(node, 3) and zp is None) or s.dtype not in SCALE_DTYPES:
+        return None
+    rank = len(data.dims)
+    quantize_axis = int(a.get("quantize_axis", 1))
+    if int(a.get("bits", 4)) != 4 or data.onnx_type != TensorProto.UINT8 or rank < 2:
+        return None
+    if int(a.get("gather_axis", 0)) not in (0, -rank) or quantize_axis not in (rank - 1, -1):
+        return None
+    zk = zero_point_kind(zp)
+    if zk is None:
+        return None
+    layout = gather_block_quantized_layout(block_size=int(a.get("block_size", DEFAULT_BLOCK_SIZE)),
+                                           zero_points=zk, scale_dtype=s.dtype)
+    lineage = (data.name, s.name) + ((zp.name,) if zp else ())
+    return prepared_choice(ID, PrepackRequest(data.name, lineage, layout, ctx.device), lineage)
+
+
+def prepack(sources: list[np.ndarray], attrs: Mapping[str, Any], backend: str,
+            out: np.ndarray | None) -> np.ndarray:
+    """Sources (data, scales[, zero points]) as the op reads them."""
+    data, scales = sources[0], sources[1]
+    zp = sources[2] if len(sources) > 2 else None
+    bs = int(attrs.get("block_size", DEFAULT_BLOCK_SIZE))
+    if backend == REFERENCE:
+        return int4.dequantize_block_quantized(data, scales, zp, quantize_axis=int(attrs.get("quantize_axis", 1)),
+                                               block_size=bs, bits=int(attrs.get("bits", 4)))
+    from onnx_prep import native
+
+    v = data.shape[0]
+    kb = scales.size // v
+    return native.prepack_gather_block_quantized(
+        np.ascontiguousarray(data).reshape(v, kb, bs // 2),
+        np.ascontiguousarray(scales).reshape(v, kb, 1),
+        None if zp is None else np.ascontiguousarray(zp), block_size=bs, out=out)
+
+
+def packed_size(request: PrepackRequest, attrs: Mapping[str, Any],
+                weights: Mapping[str, WeightDescriptor], backend: str) -> int:
+    d = weights[request.source_lineage[0]].dims
+    v, elems = d[0], int(np.prod(d)) * 2  # two codes per byte
+    if backend == REFERENCE:
+        return elems * 4  # the float32 table
+    bs = int(attrs.get("block_size", DEFAULT_BLOCK_SIZE))
+    from onnx_prep import native
+
+    return int(native.gather_packed_size(V=v, n_blocks=elems // v // bs, block_size=bs,
+                                         zero_points=zero_points_of(request.layout)))
+
+
+def bind_attrs(node: Any, attrs: dict, weights: Mapping[str, WeightDescriptor]) -> None:
+    """The shape of one gathered row (``ROW_SHAPE``): the native gather returns
+    ``[..., row elements]``; ORT's output keeps data's trailing dimensions."""
+    desc = weights.get(node.inputs[0]) if weights is not None else None
+    if desc is None:
+        return
+    dims = list(desc.dims)
+    qa = int(attrs.get("quantize_axis", 1))
+    qa = qa + len(dims) if qa < 0 else qa
+    if desc.dtype == "uint8":
+        dims[qa] *= 2  # two 4-bit codes per byte along the quantized axis
+    ga = int(attrs.get("gather_axis", 0))
+    ga = ga + len(dims) if ga < 0 else ga
+    attrs[ROW_SHAPE] = tuple(dims[ga + 1:])
+
+
+def implementation(op_type: str, domain: str, opset: int | None) -> OpImpl | None:
+    return int4.gather_block_quantized if (domain, op_type) in SPEC.op_types else None
+
+
+SPEC = KernelSpec(
+    id=ID,
+    op_types=frozenset({(MS_DOMAIN, "GatherBlockQuantized")}),
+    match=match,
+    implementation=implementation,
+    prepared=PreparedForm(position=0, layout_name=LAYOUT_NAME, layout=gather_block_quantized_layout,
+                          prepack=prepack, packed_size=packed_size),
+    bind_attrs=bind_attrs,
+)

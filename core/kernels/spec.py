@@ -1,0 +1,118 @@
+"""What a kernel is: the one spec each kernel module declares.
+
+A ``KernelSpec`` holds everything about one kernel, so adding an op is one module under
+``core/kernels/`` and one line in ``registry.KERNEL_SPECS``:
+
+- which nodes it takes: ``op_types`` (the ``(domain, op_type)`` pairs it may take, None:
+  any) and ``match`` (the checks on the node's attributes and constant inputs; it
+  returns the ``KernelChoice``, with the prepared objects the node needs, or None to
+  leave the node to the next kernel);
+- how a node runs: ``implementation(op_type, domain, opset)`` (an ``OpImpl``,
+  core/ops/registry.py); a generic kernel (``numpy``, ``reference``) runs what it has no
+  implementation for through ``onnx.reference``, any other kernel implements exactly
+  its op types; ``bind_attrs`` adds reserved attributes at compile time;
+- for a kernel that reads a prepared object, its ``PreparedForm``: the layout key
+  (``layout_name`` is its first field), ``prepack``, the exact ``packed_size`` and the
+  input ``position`` the op reads the object at.
+
+Pure Python: resolution calls ``match`` without the native module and without I/O.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from onnx_prep.core.model.prepared_key import PrepackRequest, PreparedKey
+from onnx_prep.core.model.transforms import GraphNode
+from onnx_prep.core.model.weights import WeightDescriptor
+from onnx_prep.core.ops.registry import OpImpl
+
+# Prepack backends: the native packed uint8 buffer (what the layout key names and the
+# cache persists) or the float32 reference form the numpy ops read (tests, and
+# machines without the native module; never persisted).
+NATIVE = "native"
+REFERENCE = "reference"
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """A node's kernel id (None: no kernel) and the prepared objects it consumes;
+    ``prepared_inputs`` maps each one's key to the input names it replaces."""
+
+    kernel: str | None
+    requirements: tuple[PrepackRequest, ...] = ()
+    prepared_inputs: Mapping[PreparedKey, tuple[str, ...]] = field(
+        default_factory=lambda: MappingProxyType({}))
+
+
+UNSUPPORTED = KernelChoice(None)
+
+
+@dataclass(frozen=True)
+class MatchContext:
+    """What a kernel's ``match`` may read besides the node: the constant initializers'
+    descriptors (an initializer that is also a graph input is not constant: it is only
+    a default the caller may override), the model's opsets, its local functions, and
+    the device the prepared objects are for."""
+
+    constants: Mapping[str, WeightDescriptor]
+    opsets: Mapping[str, int]
+    local_functions: frozenset[tuple[str, str]] = frozenset()
+    device: str = "cpu"
+
+    def constant(self, node: GraphNode, i: int) -> WeightDescriptor | None:
+        """The descriptor of input ``i`` when it is present and constant."""
+        name = node_input(node, i)
+        return self.constants.get(name) if name else None
+
+
+# prepack(sources in lineage order, normalized node attributes, backend, out) -> array
+Prepack = Callable[[list[np.ndarray], Mapping[str, Any], str, "np.ndarray | None"], np.ndarray]
+# packed_size(request, normalized node attributes, weight descriptors, backend) -> bytes
+PackedSize = Callable[[PrepackRequest, Mapping[str, Any], Mapping[str, WeightDescriptor], str], int]
+
+
+@dataclass(frozen=True)
+class PreparedForm:
+    """The prepared object a kernel reads instead of some of its constant inputs.
+
+    ``prepack`` gets the sources in the lineage order ``match`` put in the request and
+    writes into ``out`` (native backend only: a uint8 buffer of exactly ``packed_size``
+    bytes, e.g. a stable-VA slot's view) when given. ``packed_size`` is exact and reads
+    descriptors only. ``layout`` builds the layout key from keyword parameters; every
+    key starts with ``layout_name`` (unique per kernel: two kernels never share a key).
+    """
+
+    position: int
+    layout_name: str
+    layout: Callable[..., str]
+    prepack: Prepack
+    packed_size: PackedSize
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    id: str
+    op_types: frozenset[tuple[str, str]] | None
+    match: Callable[[GraphNode, MatchContext], KernelChoice | None]
+    implementation: Callable[[str, str, "int | None"], OpImpl | None]
+    generic: bool = False
+    prepared: PreparedForm | None = None
+    # bind_attrs(node, attrs, weights): reserved attributes the op reads, set at compile time.
+    bind_attrs: Callable[[Any, dict, Mapping[str, WeightDescriptor]], None] | None = None
+
+    def takes(self, node: GraphNode) -> bool:
+        return self.op_types is None or (node.domain, node.op_type) in self.op_types
+
+
+def node_input(node: GraphNode, i: int) -> str | None:
+    """Input ``i``'s name, None when absent (past the end, or an empty name)."""
+    return node.inputs[i] if len(node.inputs) > i and node.inputs[i] else None
+
+
+def prepared_choice(kernel_id: str, request: PrepackRequest, replaces: tuple[str, ...]) -> KernelChoice:
+    """The choice of a kernel reading one prepared object in place of ``replaces``."""
+    return KernelChoice(kernel_id, (request,), MappingProxyType({request.key: replaces}))
