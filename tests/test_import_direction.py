@@ -18,7 +18,7 @@ FORBIDDEN = {
     "core.model": {"core.plan", "core.runtime", "core.decode", "core.profile", "core.ops"},
     "core.io": {"core.plan", "core.runtime", "core.decode", "core.kernels", "core.ops"},
     "core.kernels": {"core.plan", "core.runtime", "core.decode", "core.profile"},
-    "core.ops": {"core.plan", "core.runtime", "core.decode", "core.profile"},
+    "core.ops": {"core.plan", "core.runtime", "core.decode", "core.profile", "core.kernels"},
     "core.plan": {"core.runtime", "core.decode", "core.profile"},
     "core.runtime": {"core.decode", "core.profile"},
 }
