@@ -17,7 +17,7 @@ from onnx_prep.core.ops import ReferenceOp
 R = np.random.default_rng(99)
 
 
-def test_every_numpy_op_of_the_kernel_registry_has_a_numpy_implementation():
+def test_every_op_the_numpy_kernel_takes_has_a_numpy_implementation():
     missing = NUMPY_OPS - ops.NUMPY_OP_TYPES
     assert not missing, f"the numpy kernel takes these but core/ops lacks them: {sorted(missing)}"
     for op_type in NUMPY_OPS:

@@ -1,4 +1,4 @@
-"""Model resolution (core/model/resolution.py, transforms.py, kernel_registry.py): real ONNX
+"""Model resolution (core/model/resolution.py, transforms.py, core/kernels): real ONNX
 files with real external data; ONNX Runtime and onnx's own loader as oracles."""
 from __future__ import annotations
 

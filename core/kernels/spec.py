@@ -95,6 +95,9 @@ class PreparedForm:
 
 @dataclass(frozen=True)
 class KernelSpec:
+    """One kernel: its id (``NodeKernel.kernel``), the nodes it takes, how they run, and
+    the prepared object it reads (None for a generic kernel). See the module docstring."""
+
     id: str
     op_types: frozenset[tuple[str, str]] | None
     match: Callable[[GraphNode, MatchContext], KernelChoice | None]
