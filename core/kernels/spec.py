@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
 
@@ -51,12 +51,11 @@ class KernelChoice:
 UNSUPPORTED = KernelChoice(None)
 
 
-@dataclass(frozen=True)
-class MatchContext:
+class MatchContext(NamedTuple):
     """What a kernel's ``match`` may read besides the node: the constant initializers'
     descriptors (an initializer that is also a graph input is not constant: it is only
     a default the caller may override), the model's opsets, its local functions, and
-    the device the prepared objects are for."""
+    the device the prepared objects are for. (A NamedTuple: one is built per node.)"""
 
     constants: Mapping[str, WeightDescriptor]
     opsets: Mapping[str, int]
