@@ -1,31 +1,56 @@
-"""Errors decided centrally: library errors become one line on stderr and a named
-exit code; a traceback only with --debug. Unknown exceptions are bugs: they keep
-their traceback and exit with EXIT_INTERNAL."""
+"""Errors decided centrally (exit codes: docs/cli.md).
+
+- a library error (``OnnxPrepError``): one line on stderr and its exit code (2 for
+  unusable input); the traceback too with ``--debug``;
+- Ctrl-C: ``interrupted`` on stderr, exit 130, no traceback;
+- any other exception is a bug: its traceback, one line asking to report it, exit 3.
+"""
 from __future__ import annotations
 
 import traceback
 from typing import Callable, TypeVar
 
+import typer
+
 from onnx_prep.cli import output
-from onnx_prep.core.errors import EXIT_INTERNAL, OnnxPrepError
+from onnx_prep.core.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, OnnxPrepError
 
 T = TypeVar("T")
 
 DEBUG = False
 
+REPORT_REQUEST = ("internal error: this is a bug in onnx-prep; please report it with the command line "
+                  "and the traceback above")
+
 
 def run_guarded(fn: Callable[[], T]) -> T | int:
+    """``fn()``'s result, or the exit code of what it raised."""
     try:
         return fn()
     except OnnxPrepError as exc:
         if DEBUG:
-            output.stderr.print(traceback.format_exc(), markup=False, highlight=False)
-        output.stderr.print(f"error: {exc.one_line()}", markup=False, highlight=False)
+            _print(traceback.format_exc())
+        _print(f"error: {exc.one_line()}")
         return exc.exit_code
     except KeyboardInterrupt:
-        output.stderr.print("interrupted", markup=False)
-        return 130
+        return interrupted()
+    except (BrokenPipeError, typer.Exit, typer.Abort):
+        raise  # a closed stdout (`| head`) and typer's own exits: typer handles them
+    except Exception:  # noqa: BLE001 - whatever else escaped is a bug
+        return internal_error()
 
 
-def internal_error_exit() -> int:
+def interrupted() -> int:
+    _print("interrupted")
+    return EXIT_INTERRUPTED
+
+
+def internal_error() -> int:
+    """Report the exception being handled as a bug: its traceback, then the request."""
+    _print(traceback.format_exc())
+    _print(REPORT_REQUEST)
     return EXIT_INTERNAL
+
+
+def _print(text: str) -> None:
+    output.stderr.print(text, markup=False, highlight=False)

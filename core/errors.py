@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# Named exit codes, shared with the CLI.
+# Named exit codes, shared with the CLI (docs/cli.md, "Exit codes").
 EXIT_OK = 0
-EXIT_FINDINGS = 1  # a check ran and found problems (preflight)
+EXIT_FINDINGS = 1  # a check ran and found problems (preflight; run --compare: a real divergence)
 EXIT_UNUSABLE = 2  # the input cannot be used: bad model, bad option, missing file
 EXIT_INTERNAL = 3  # a bug: unexpected exception (shown with traceback)
+EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), the shell's 128 + 2
 
 
 @dataclass(frozen=True)
