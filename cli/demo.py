@@ -11,10 +11,8 @@ import importlib.util
 import time
 
 import typer
-from typer.main import get_command
 
 from onnx_prep.cli import output
-from onnx_prep.cli.app import app
 from onnx_prep.core.errors import EXIT_OK
 
 
@@ -25,12 +23,14 @@ def demo_steps(tokens: int) -> list[tuple[str, list[str]]]:
     return [("resolve", ["resolve"]), ("run", run)]
 
 
-@app.command()
 def demo(
     tokens: int = typer.Option(16, "--tokens", min=1, help="Tokens to generate in the run step."),
 ) -> None:
     """Run the main job on the embedded default model: resolve, then run (vs ONNX Runtime)."""
+    from typer.main import get_command
+
     from onnx_prep.cli import errors
+    from onnx_prep.cli.app import app
 
     cmd = get_command(app)
     if importlib.util.find_spec("onnxruntime") is None:

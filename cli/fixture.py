@@ -5,14 +5,11 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.table import Table
 
 from onnx_prep.cli import output
-from onnx_prep.cli.app import app
 from onnx_prep.cli.errors import run_guarded
 
 
-@app.command()
 def fixture(
     name: str = typer.Argument(..., help="Preset: tiny-llm or medium."),
     out_dir: Path = typer.Argument(..., help="Folder to write <name>.onnx and <name>.onnx.data into."),
@@ -52,6 +49,8 @@ def fixture(
 
 
 def _render(doc: dict) -> None:
+    from rich.table import Table
+
     table = Table(title=f"fixture {doc['name']}", show_header=False)
     table.add_column("field", style="bold")
     table.add_column("value")

@@ -1,6 +1,6 @@
 """``onnx-prep resolve [MODEL] [--json] [--trust-symlinks]``: what a model will load,
-before loading it. One core call (``resolve_model``), one record
-(``resolution_report``), rendered as rich tables or as JSON (docs/resolve.md).
+before loading it. One core call (``resolution_report(resolve_model(...))``), one
+record, rendered as rich tables or as JSON (docs/resolve.md).
 
 Exit codes: 0 resolved and every node has a kernel; 2 the model is unusable (one line
 on stderr), including when some op has no kernel: then the full summary / JSON is
@@ -12,15 +12,13 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.table import Table
 
 from onnx_prep.cli import output
-from onnx_prep.cli.app import app
 from onnx_prep.cli.errors import run_guarded
+from onnx_prep.cli.model_argument import model_path
 from onnx_prep.core.errors import EXIT_OK, UnsupportedOpError, Where
 
 
-@app.command()
 def resolve(
     model: Optional[Path] = typer.Argument(
         None, help="Model .onnx file (or a folder holding one). Default: the embedded tiny INT4 LLM."),
@@ -34,29 +32,16 @@ def resolve(
     def go() -> int:
         from onnx_prep.core.model.resolution import resolution_report, resolve_model
 
-        resolved = resolve_model(model if model is not None else _default_model(),
-                                 trust_symlinks=trust_symlinks)
-        doc = resolution_report(resolved)
+        doc = resolution_report(resolve_model(model_path(model), trust_symlinks=trust_symlinks))
         if json_out:
             output.emit_json(doc)
         else:
             render(doc)
-        if resolved.unsupported:
+        if doc["unsupported"]:
             raise _unsupported_error(doc)
         return EXIT_OK
 
     raise typer.Exit(run_guarded(go))
-
-
-def _default_model() -> Path:
-    from onnx_prep.fixtures import FixtureConfig, cached_model_path, default_model_path
-    from onnx_prep.fixtures.cache import DEFAULT_FIXTURE
-
-    target = cached_model_path(FixtureConfig.preset(DEFAULT_FIXTURE))
-    if not target.is_file():
-        output.stderr.print(f"note: generating the default model ({DEFAULT_FIXTURE}) into {target.parent}",
-                            markup=False, highlight=False)
-    return default_model_path()
 
 
 def _unsupported_error(doc: dict) -> UnsupportedOpError:
@@ -81,6 +66,8 @@ def _bytes(n: int) -> str:
 
 def render(doc: dict) -> None:
     """The resolution record as rich tables on stdout."""
+    from rich.table import Table
+
     nodes, inits, payload, digests = doc["nodes"], doc["initializers"], doc["payload"], doc["digests"]
     summary = Table(title=f"resolve {doc['model']['path']}", show_header=False, title_justify="left")
     summary.add_column("what", style="bold")

@@ -1,60 +1,35 @@
 """``onnx-prep run [MODEL]``: greedy decoding with the prepared runtime (or ONNX
-Runtime), optionally compared with ONNX Runtime. Output schema: docs/run.md."""
+Runtime), optionally compared with ONNX Runtime. One core call
+(``core/decode/run_record.record_run``), its record rendered as text or JSON (schema:
+docs/run.md).
+
+Exit codes: 0 success (with ``--compare``, also when the runtimes diverge only at a
+near tie); 1 ``--compare`` found a real divergence; 2 unusable input."""
 from __future__ import annotations
 
-import time
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, List, Optional
 
-import numpy as np
 import typer
 
 from onnx_prep.cli import output
-from onnx_prep.cli.app import app
 from onnx_prep.cli.errors import run_guarded
+from onnx_prep.cli.model_argument import model_path
 from onnx_prep.core.errors import EXIT_FINDINGS, EXIT_OK, UsageError
-from onnx_prep.core.io.external_data import SOURCE_PAGES
 
 DEFAULT_PROMPT = "1,2,3,4"
 PROGRESS_MIN_TOKENS = 8  # shorter runs finish before a bar is worth drawing
-RUNTIMES = ("prepared", "ort")
-SCHEMA = "onnx-prep.run/4"
 
 
-def _open_runtime_runner(path: Path, *, threads: int | None, source_pages: str):
-    """The prepared runtime as a ``Runner`` (core/decode/generation.py) with ``close()``.
-
-    NOTE: the one place the CLI obtains our runtime. ``--threads`` maps to the
-    session's CPU workers (the pool that runs kernels); I/O workers keep their default.
-    """
-    try:
-        from onnx_prep.core.runtime.session import Session
-    except ModuleNotFoundError as exc:
-        if exc.name != "onnx_prep.core.runtime.session":
-            raise
-        raise UsageError("the prepared runtime (onnx_prep.core.runtime.session) is not in this build",
-                         hint="decode with --runtime ort") from exc
-    kw = {} if threads is None else {"cpu_workers": threads}
-    return Session.open(path, source_pages=source_pages, **kw)
-
-
-def _open_runner(kind: str, path: Path, threads: int | None, source_pages: str):
-    if kind == "ort":
-        from onnx_prep.core.decode.ort_runner import OrtRunner
-
-        return OrtRunner(path, threads=threads)
-    return _open_runtime_runner(path, threads=threads, source_pages=source_pages)
-
-
-def parse_prompts(prompt_ids: list[str] | None, batch: int | None) -> np.ndarray:
-    """Rows [batch, prompt_len]: one ``--prompt-ids`` repeated ``batch`` times, or one
+def parse_prompts(prompt_ids: list[str] | None, batch: int | None) -> tuple[tuple[int, ...], ...]:
+    """Rows [batch][prompt_len]: one ``--prompt-ids`` repeated ``batch`` times, or one
     row per repeated ``--prompt-ids`` (then ``--batch``, if given, must match)."""
     texts = prompt_ids or [DEFAULT_PROMPT]
     rows = []
     for text in texts:
         try:
-            row = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+            row = tuple(int(t) for t in text.replace(" ", "").split(",") if t != "")
         except ValueError:
             row = None
         if not row or any(t < 0 for t in row):
@@ -70,14 +45,12 @@ def parse_prompts(prompt_ids: list[str] | None, batch: int | None) -> np.ndarray
                          hint="omit --batch, or give --prompt-ids once to repeat it")
     if len(rows) == 1:
         rows = rows * (batch or 1)
-    return np.array(rows, dtype=np.int64)
+    return tuple(rows)
 
 
 @contextmanager
-def _progress(label: str, total: int, enabled: bool) -> Iterator[Callable | None]:
-    if not enabled:
-        yield None
-        return
+def _progress(label: str, total: int) -> Iterator[Callable]:
+    """A bar on stderr that advances once per decode step (core's ``Progress``)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -86,24 +59,6 @@ def _progress(label: str, total: int, enabled: bool) -> Iterator[Callable | None
         yield lambda event: bar.advance(task)
 
 
-def _decode(kind: str, path: Path, io, prompt: np.ndarray, tokens: int, threads: int | None,
-            show_progress: bool, source_pages: str) -> tuple[float, object, str | None]:
-    """Open the runner, decode, close it: (open ms, the GenerationResult, the source
-    pages choice of our runtime, None for ONNX Runtime)."""
-    from onnx_prep.core.decode.generation import greedy_decode
-
-    with ExitStack() as stack:
-        t0 = time.perf_counter()
-        runner = _open_runner(kind, path, threads, source_pages)
-        if hasattr(runner, "close"):
-            stack.callback(runner.close)
-        open_ms = (time.perf_counter() - t0) * 1e3
-        on_step = stack.enter_context(_progress(f"{kind} decode", tokens, show_progress))
-        result = greedy_decode(runner, io, prompt, tokens, on_step=on_step, model=str(path))
-    return open_ms, result, getattr(runner, "source_pages", None)
-
-
-@app.command()
 def run(
     model: Optional[Path] = typer.Argument(None, help="ONNX decoder model (default: the embedded tiny model)."),
     prompt_ids: Optional[List[str]] = typer.Option(
@@ -128,50 +83,18 @@ def run(
     Exit 0 on success (with --compare, also when the runtimes diverge only at a near tie), 1 when --compare finds a real divergence, 2 for unusable input."""
 
     def go() -> int:
-        from onnx_prep.core.decode.decoder_io import DecoderIO, load_io_map
-        from onnx_prep.core.decode.generation import compare_generations
+        from onnx_prep.core.decode.run_record import RunOptions, record_run
 
-        if runtime not in RUNTIMES:
-            raise UsageError(f"--runtime must be one of {list(RUNTIMES)}, got {runtime!r}")
-        if compare is not None and compare != "ort":
-            raise UsageError(f"--compare supports only 'ort', got {compare!r}")
-        if compare == runtime:
-            raise UsageError("--compare ort with --runtime ort compares ONNX Runtime with itself")
-        if tokens < 1:
-            raise UsageError(f"--tokens must be at least 1, got {tokens}")
-        if threads is not None and threads < 1:
-            raise UsageError(f"--threads must be at least 1, got {threads}")
-        if source_pages not in SOURCE_PAGES:
-            raise UsageError(f"--source-pages must be one of {list(SOURCE_PAGES)}, got {source_pages!r}")
-        prompt = parse_prompts(prompt_ids, batch)
-        mapping = load_io_map(io_map) if io_map is not None else None
-        if model is None:
-            from onnx_prep.fixtures import default_model_path
-
-            path = Path(default_model_path())
-        else:
-            path = model
-        io = DecoderIO.from_model(path, mapping)
+        options = RunOptions(prompt_ids=parse_prompts(prompt_ids, batch), tokens=tokens, runtime=runtime,
+                             compare=compare, io_map=io_map, threads=threads, source_pages=source_pages)
         # Only on a terminal: a redirected stderr would just collect blank frames.
         show = tokens >= PROGRESS_MIN_TOKENS and output.stderr.is_terminal
-        open_ms, result, pages = _decode(runtime, path, io, prompt, tokens, threads, show, source_pages)
-        doc = {"schema": SCHEMA, "model": str(path), "runtime": runtime,
-               "prompt_ids": prompt.tolist(), "batch": int(prompt.shape[0]), "tokens_requested": tokens,
-               "io": io.to_json(), "tokens": result.tokens.tolist(),
-               "timings": {"open_ms": open_ms, **result.timings_json()},
-               "counters": result.counters_json(), "source_pages": pages, "compare": None}
-        code = EXIT_OK
-        if compare is not None:
-            ref_open_ms, ref, _ = _decode(compare, path, io, prompt, tokens, threads, show, source_pages)
-            cmp = compare_generations(result, ref)
-            doc["compare"] = {"runtime": compare, "tokens": ref.tokens.tolist(), **cmp.to_json(),
-                              "timings": {"open_ms": ref_open_ms, **ref.timings_json()}}
-            code = EXIT_OK if cmp.agrees else EXIT_FINDINGS
+        doc = record_run(model_path(model), options, progress=_progress if show else None)
         if json_out:
             output.emit_json(doc)
         else:
             _render(doc)
-        return code
+        return EXIT_FINDINGS if doc["compare"] is not None and not doc["compare"]["agrees"] else EXIT_OK
 
     raise typer.Exit(run_guarded(go))
 

@@ -21,6 +21,7 @@ from decoder_toys import KV_NAMES, build_toy_decoder
 from onnx_prep.cli import output
 from onnx_prep.cli import run as run_cmd
 from onnx_prep.cli.app import app
+from onnx_prep.core.decode import run_record
 from onnx_prep.core.decode.decoder_io import DecoderIO
 from onnx_prep.core.errors import EXIT_FINDINGS, EXIT_OK, EXIT_UNUSABLE
 from onnx_prep.core.decode.generation import greedy_decode
@@ -204,7 +205,7 @@ def test_compare_identical_when_the_runtime_matches_ort(toy):
 def test_compare_reports_a_real_divergence_with_exit_1(tmp_path, toy, monkeypatch):
     # Same I/O, other weights: the "runtime" is wrong on purpose.
     other = build_toy_decoder(tmp_path / "other.onnx", layout="bshd", kv_names="flat", seed=1)
-    monkeypatch.setattr(run_cmd, "_open_runtime_runner", lambda path, threads, source_pages: OrtRunner(other))
+    monkeypatch.setattr(run_record, "open_prepared_runner", lambda resolved, threads, source_pages: OrtRunner(other))
     result = cli.invoke(app, ["run", str(toy), "--compare", "ort", "--tokens", "4", "--json"])
     assert result.exit_code == EXIT_FINDINGS, result.output
     cmp = json.loads(result.stdout)["compare"]
@@ -262,3 +263,36 @@ def test_prepared_runtime_text_output(toy):
     result = cli.invoke(app, ["run", str(toy), "--tokens", "4"])
     assert result.exit_code == EXIT_OK, result.output
     assert "runtime prepared" in result.stdout and "row 0:" in result.stdout
+
+
+# -- the model is parsed once per run
+
+# ``main()`` of the console script in a fresh interpreter whose audit hook counts the
+# opens of the model file (sys.argv[1]); ONNX Runtime reads it in C++, unseen.
+COUNT_OPENS = """
+import os, sys
+model = os.path.realpath(sys.argv[1])
+opens = []
+def hook(event, args):
+    if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)) and os.path.realpath(args[0]) == model:
+        opens.append(event)
+sys.addaudithook(hook)
+sys.argv = ["onnx-prep", "run", *sys.argv[1:]]
+from onnx_prep.cli.app import main
+try:
+    main()
+finally:
+    sys.stderr.write(f"\\nmodel opens: {len(opens)}\\n")
+"""
+
+
+@pytest.mark.parametrize("args", [["--compare", "ort"], ["--runtime", "ort"]], ids=["prepared+ort", "ort"])
+def test_run_parses_the_model_once(small_llm_path, args):
+    import subprocess
+
+    p = subprocess.run([sys.executable, "-c", COUNT_OPENS, str(small_llm_path), *args, "--tokens", "2", "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == EXIT_OK, p.stderr
+    assert p.stderr.strip().splitlines()[-1] == "model opens: 1"
+    doc = json.loads(p.stdout)
+    assert doc["tokens"] and (doc["compare"] is None or doc["compare"]["identical"])

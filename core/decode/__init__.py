@@ -1,4 +1,4 @@
-"""Decoder I/O discovery, greedy generation, ONNX Runtime as a runner."""
+"""Decoder I/O discovery, greedy generation, ONNX Runtime as a runner, the record of a run."""
 from onnx_prep.core.lazy_exports import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
@@ -14,4 +14,6 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     "compare_generations": "generation",
     "OrtRunner": "ort_runner",
     "import_onnxruntime": "ort_runner",
+    "RunOptions": "run_record",
+    "record_run": "run_record",
 })

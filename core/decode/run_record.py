@@ -1,0 +1,152 @@
+"""The record of one greedy-decode run: ``record_run(model, options) -> dict`` decodes
+and returns the ``onnx-prep.run/4`` document (docs/run.md, pinned by
+``core/schemas/run.schema.json``).
+
+``RunOptions`` holds what to decode and how and checks its values on construction,
+each before any module of the load path (numpy, onnx) is imported, except the
+source-pages policy, checked last against the reader's list. ``record_run`` parses the
+model once:
+
+- the prepared runtime (``runtime="prepared"``): ``resolve_model`` parses it, the decoder
+  I/O is discovered from the resolved inputs and outputs, and the session is built on
+  that same ``ResolvedModel``; ONNX Runtime, when compared, is given the file path (it
+  parses the file itself);
+- ONNX Runtime alone (``runtime="ort"``, for models the prepared runtime cannot run):
+  the decoder I/O comes from the protobuf's inputs and outputs only
+  (``value_infos_from_model``), without resolution's checks.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Optional
+
+from onnx_prep.core.errors import UsageError
+
+SCHEMA = "onnx-prep.run/4"
+RUNTIMES = ("prepared", "ort")
+COMPARE_WITH = ("ort",)
+DEFAULT_PROMPT = (1, 2, 3, 4)
+
+# ``progress(label, total)``: a context manager around one decode that gives the
+# ``on_step`` callback of ``greedy_decode`` (or None). The CLI draws a bar with it.
+Progress = Callable[[str, int], ContextManager[Optional[Callable[[Any], None]]]]
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What to decode and how. ``prompt_ids`` holds the rows (equal lengths); ``io_map``
+    is a JSON file naming the decoder I/O (docs/run.md); ``threads`` is ONNX Runtime's
+    intra-op threads and the prepared session's CPU workers (None: their defaults)."""
+
+    prompt_ids: tuple[tuple[int, ...], ...] = (DEFAULT_PROMPT,)
+    tokens: int = 16
+    runtime: str = "prepared"
+    compare: str | None = None
+    io_map: Path | None = None
+    threads: int | None = None
+    source_pages: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.runtime not in RUNTIMES:
+            raise UsageError(f"--runtime must be one of {list(RUNTIMES)}, got {self.runtime!r}")
+        if self.compare is not None and self.compare not in COMPARE_WITH:
+            raise UsageError(f"--compare supports only 'ort', got {self.compare!r}")
+        if self.compare == self.runtime:
+            raise UsageError("--compare ort with --runtime ort compares ONNX Runtime with itself")
+        if self.tokens < 1:
+            raise UsageError(f"--tokens must be at least 1, got {self.tokens}")
+        if self.threads is not None and self.threads < 1:
+            raise UsageError(f"--threads must be at least 1, got {self.threads}")
+        rows = self.prompt_ids
+        if not rows or any(not row or any(t < 0 for t in row) for row in rows):
+            raise UsageError(f"prompt ids must be non-empty rows of non-negative integers, got {rows!r}")
+        if len({len(row) for row in rows}) > 1:
+            raise UsageError(f"all --prompt-ids rows must have the same length, got {[len(r) for r in rows]}",
+                             hint="padding is not supported: give prompts of equal length")
+        # Last: the policy names live beside the reader, which imports numpy and onnx.
+        from onnx_prep.core.io.external_data import SOURCE_PAGES
+
+        if self.source_pages not in SOURCE_PAGES:
+            raise UsageError(f"--source-pages must be one of {list(SOURCE_PAGES)}, got {self.source_pages!r}")
+
+
+def open_prepared_runner(resolved, *, threads: int | None, source_pages: str):
+    """The prepared runtime on a resolved model, as a ``Runner`` with ``close()``.
+
+    NOTE: the one place a run obtains our runtime. ``threads`` maps to the session's CPU
+    workers (the pool that runs kernels); I/O workers keep their default."""
+    try:
+        from onnx_prep.core.runtime.session import Session
+    except ModuleNotFoundError as exc:
+        if exc.name != "onnx_prep.core.runtime.session":
+            raise
+        raise UsageError("the prepared runtime (onnx_prep.core.runtime.session) is not in this build",
+                         hint="decode with --runtime ort") from exc
+    kw = {} if threads is None else {"cpu_workers": threads}
+    return Session(resolved, source_pages=source_pages, **kw)
+
+
+def record_run(model: str | Path, options: RunOptions, *, progress: Progress | None = None) -> dict:
+    """Decode with ``options.runtime`` (and again with ``options.compare``, compared) and
+    return the ``onnx-prep.run/4`` record. ``compare.agrees`` false is a finding, not an
+    error. Raises the typed errors of ``core/errors.py`` for unusable input."""
+    import numpy as np
+
+    from onnx_prep.core.decode.decoder_io import DecoderIO, load_io_map, value_infos_from_model
+    from onnx_prep.core.decode.generation import compare_generations
+
+    path = Path(model)
+    prompt = np.array(options.prompt_ids, dtype=np.int64)
+    mapping = load_io_map(options.io_map) if options.io_map is not None else None
+    opened: dict[str, Callable[[], Any]] = {}
+    if options.runtime == "prepared":
+        from onnx_prep.core.model.resolution import resolve_model
+
+        t0 = time.perf_counter()
+        resolved = resolve_model(path)
+        resolve_ms = (time.perf_counter() - t0) * 1e3
+        inputs, outputs = resolved.inputs, resolved.outputs
+        # open_ms of the prepared runtime counts its parse too, as ONNX Runtime's does
+        opened["prepared"] = lambda: (resolve_ms, open_prepared_runner(
+            resolved, threads=options.threads, source_pages=options.source_pages))
+    else:
+        inputs, outputs = value_infos_from_model(path)
+    opened["ort"] = lambda: (0.0, _open_ort(path, options.threads))
+    io = DecoderIO.discover(inputs, outputs, mapping, model=str(path))
+
+    def decode(kind: str):
+        """(open ms, the GenerationResult, the prepared runtime's source-pages choice or None)."""
+        from onnx_prep.core.decode.generation import greedy_decode
+
+        with ExitStack() as stack:
+            t0 = time.perf_counter()
+            parsed_ms, runner = opened[kind]()
+            if hasattr(runner, "close"):
+                stack.callback(runner.close)
+            open_ms = parsed_ms + (time.perf_counter() - t0) * 1e3
+            on_step = stack.enter_context(progress(f"{kind} decode", options.tokens) if progress
+                                          else nullcontext())
+            result = greedy_decode(runner, io, prompt, options.tokens, on_step=on_step, model=str(path))
+        return open_ms, result, getattr(runner, "source_pages", None)
+
+    open_ms, result, pages = decode(options.runtime)
+    doc = {"schema": SCHEMA, "model": str(path), "runtime": options.runtime,
+           "prompt_ids": prompt.tolist(), "batch": int(prompt.shape[0]), "tokens_requested": options.tokens,
+           "io": io.to_json(), "tokens": result.tokens.tolist(),
+           "timings": {"open_ms": open_ms, **result.timings_json()},
+           "counters": result.counters_json(), "source_pages": pages, "compare": None}
+    if options.compare is not None:
+        ref_open_ms, ref, _ = decode(options.compare)
+        cmp = compare_generations(result, ref)
+        doc["compare"] = {"runtime": options.compare, "tokens": ref.tokens.tolist(), **cmp.to_json(),
+                          "timings": {"open_ms": ref_open_ms, **ref.timings_json()}}
+    return doc
+
+
+def _open_ort(path: Path, threads: int | None):
+    from onnx_prep.core.decode.ort_runner import OrtRunner
+
+    return OrtRunner(path, threads=threads)
