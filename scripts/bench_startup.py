@@ -35,18 +35,11 @@ def _entry_point() -> list[str]:
 
 
 def _cpu() -> dict:
+    from onnx_prep.core.profile.machine import cpu_model
     from onnx_prep.native import active_isa
 
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"model": model, "isa": active_isa(), "cores": os.cpu_count() or 1, "usable_cores": usable}
+    return {"model": cpu_model(), "isa": active_isa(), "cores": os.cpu_count() or 1, "usable_cores": usable}
 
 
 def _wall(argv: list[str], spawns: int) -> dict:
@@ -60,8 +53,9 @@ def _wall(argv: list[str], spawns: int) -> dict:
     return {"runs": runs, "min": min(runs), "median": statistics.median(runs), "max": max(runs)}
 
 
-def _imports(argv: list[str], top: int) -> tuple[float, list[dict]]:
-    """(total ms, the ``top`` entries by cumulative time) of one ``-X importtime`` spawn."""
+def _imports(argv: list[str], top: int) -> tuple[float, list[dict], list[str]]:
+    """(total ms, the ``top`` entries by cumulative time, every module imported) of one
+    ``-X importtime`` spawn (the JSON keeps them all)."""
     p = subprocess.run([sys.executable, "-X", "importtime", *_entry_point(), *argv],
                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=True)
     rows = []
@@ -74,7 +68,7 @@ def _imports(argv: list[str], top: int) -> tuple[float, list[dict]]:
                      "cumulative_ms": int(cum_us) / 1e3, "order": len(rows)})
     total = sum(r["cumulative_ms"] for r in rows if r["depth"] == 0)
     chosen = sorted(sorted(rows, key=lambda r: -r["cumulative_ms"])[:top], key=lambda r: r["order"])
-    return total, [{k: v for k, v in r.items() if k != "order"} for r in chosen]
+    return total, [{k: v for k, v in r.items() if k != "order"} for r in chosen], sorted(r["module"] for r in rows)
 
 
 def _version(name: str) -> str | None:
@@ -91,21 +85,23 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args(argv)
 
+    from onnx_prep.core.profile.machine import describe_machine
     from onnx_prep.core.profile.machine_activity import MachineActivity, describe
     from onnx_prep.fixtures import default_model_path
 
     default_model_path()  # generated outside the timing
     cpu = _cpu()
     versions = {n: _version(n) for n in ("onnx-prep", "numpy", "onnx", "ml_dtypes", "typer", "rich")}
-    print(f"onnx-prep {versions['onnx-prep']} start-up on {cpu['model']} (kernels {cpu['isa']}, "
-          f"{cpu['cores']} cores, {cpu['usable_cores']} usable), Python {platform.python_version()}; "
-          + ", ".join(f"{n} {v}" for n, v in versions.items() if n != "onnx-prep"))
+    print(f"onnx-prep {versions['onnx-prep']} start-up; {describe_machine()}, {cpu['usable_cores']} usable; "
+          f"Python {platform.python_version()}, " + ", ".join(f"{n} {v}" for n, v in versions.items()
+                                                            if n != "onnx-prep"))
     before = MachineActivity.now()
     results = []
     for cmd in COMMANDS:
         wall = _wall(cmd, args.spawns)
-        total, imports = _imports(cmd, args.top)
-        results.append({"argv": cmd, "wall_s": wall, "import_total_ms": total, "imports": imports})
+        total, imports, modules = _imports(cmd, args.top)
+        results.append({"argv": cmd, "wall_s": wall, "import_total_ms": total, "imports": imports,
+                        "modules": modules})
         print(f"\nonnx-prep {' '.join(cmd)}: wall {wall['min']:.3f} / {wall['median']:.3f} / "
               f"{wall['max']:.3f} s (min / median / max of {args.spawns}); imports {total:.0f} ms, the top "
               f"{len(imports)}:")
