@@ -24,7 +24,8 @@ PROGRESS_MIN_TOKENS = 8  # shorter runs finish before a bar is worth drawing
 
 def parse_prompts(prompt_ids: list[str] | None, batch: int | None) -> tuple[tuple[int, ...], ...]:
     """Rows [batch][prompt_len]: one ``--prompt-ids`` repeated ``batch`` times, or one
-    row per repeated ``--prompt-ids`` (then ``--batch``, if given, must match)."""
+    row per repeated ``--prompt-ids`` (then ``--batch``, if given, must match; equal
+    lengths are ``RunOptions``' check)."""
     texts = prompt_ids or [DEFAULT_PROMPT]
     rows = []
     for text in texts:
@@ -35,9 +36,6 @@ def parse_prompts(prompt_ids: list[str] | None, batch: int | None) -> tuple[tupl
         if not row or any(t < 0 for t in row):
             raise UsageError(f"--prompt-ids must be comma-separated non-negative integers, got {text!r}")
         rows.append(row)
-    if len({len(r) for r in rows}) > 1:
-        raise UsageError(f"all --prompt-ids rows must have the same length, got {[len(r) for r in rows]}",
-                         hint="padding is not supported: give prompts of equal length")
     if batch is not None and batch < 1:
         raise UsageError(f"--batch must be at least 1, got {batch}")
     if len(rows) > 1 and batch is not None and batch != len(rows):
