@@ -206,3 +206,11 @@ def test_debug_shows_the_traceback(tmp_path):
     result = run("--debug", "resolve", str(path))
     assert result.exit_code == 2
     assert "Traceback" in result.stderr and "negative external data offset" in result.stderr
+
+
+def test_names_print_as_they_are(tmp_path):
+    """Rich would turn ``:smile:`` in a path into an emoji; the output keeps the name."""
+    path = tied_int4_model(tmp_path / "m:smile:")
+    result = run("resolve", str(path))
+    assert result.exit_code == 0, result.stderr
+    assert f"resolve {path}" in result.stdout
