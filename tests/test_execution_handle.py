@@ -280,6 +280,12 @@ def test_prepare_cancel_keeps_what_a_run_needs_and_last_consumer_cancels(env):
 
 
 def test_destroying_a_live_handle_waits(env):
+    """The last reference is dropped on another thread while step 3 is held. The step is
+    released only once that thread blocks inside the handle's destructor (seen through
+    its profile hook, at the wait's lock acquire), so a destructor that returns without
+    waiting always finds the run unfinished: no race decides the outcome."""
+    import sys
+
     started, gate = threading.Event(), threading.Event()
 
     def hold(ctx):
@@ -289,20 +295,30 @@ def test_destroying_a_live_handle_waits(env):
     env.step_hooks[3] = hold
     box = [env.run_async()]
     tasks = box[0].tasks
-    about_to_drop = threading.Event()
     seen = []
 
+    def blocking_in_del(frame, event, arg):
+        # a C-level lock acquire from Condition.wait, called (through wait_for) by __del__
+        if event == "c_call" and getattr(arg, "__name__", "") == "acquire" and frame.f_code.co_name == "wait":
+            f = frame
+            while f is not None and f.f_code.co_name != "__del__":
+                f = f.f_back
+            if f is not None:
+                gate.set()
+
     def dropper():
-        about_to_drop.set()
-        box.clear()  # the last reference: __del__ runs here and must wait
+        sys.setprofile(blocking_in_del)  # this thread only
+        try:
+            box.clear()  # the last reference: __del__ runs here and must wait
+        finally:
+            sys.setprofile(None)
         seen.append(all(t.state.terminal for t in tasks))
 
-    th = threading.Thread(target=dropper)
     assert started.wait(T)
+    th = threading.Thread(target=dropper)
     th.start()
-    assert about_to_drop.wait(T)
-    gate.set()
     th.join(T)
+    gate.set()  # a destructor that did not wait left the step held
     assert seen == [True]
 
 

@@ -116,9 +116,12 @@ class RuntimeContext:
     "hot" or "cold". Output bytes stay reserved in the IO arena until ``release()``.
     """
 
-    def __init__(self, feeds: Mapping[str, np.ndarray], *, on_step=None) -> None:
+    def __init__(self, feeds: Mapping[str, np.ndarray], *, on_step=None, before_step=None) -> None:
         self.feeds = dict(feeds)
         self.on_step = on_step  # called as on_step(step_index) after each cold-path step
+        # called as before_step(step_index) on the worker running a cold-path step, with
+        # the step's prepared objects pinned and bound, right before its actions execute
+        self.before_step = before_step
         self.outputs: dict[str, np.ndarray] | None = None
         self.step_log: list[tuple[int, int, int, str]] = []
         self.mode: str | None = None
@@ -613,6 +616,8 @@ class Session:
                 for slot, k in self._step_raw[si]:
                     values[slot] = res[k].view
                 prepared = {k: res[k].view for k in keys}
+                if ctx.before_step is not None:
+                    ctx.before_step(si)
                 begin, end = steps[si].action_range
                 t0 = time.perf_counter_ns()
                 if ctx.first_step_ns is None:
