@@ -486,11 +486,11 @@ def test_idle_cpu_commits_slots_ahead_and_prepacks_use_those_slots(small_llm_pat
     gate = threading.Event()
     s = Session.open(small_llm_path)
     try:
-        reserved = {k: slot.address for k, slot in s._spare_slots.items()}
+        reserved = s.slots.reserved()
         s.reader.hooks.before_read = lambda desc: gate.wait(HOOK_TIMEOUT_S)
         h = s.prepare_async()
-        with s._warm_cv:  # the condition the warmer notifies, not a timed wait
-            assert s._warm_cv.wait_for(lambda: s.counters.slot_bytes_warmed > 0, HOOK_TIMEOUT_S)
+        assert s.slots.wait_warmed(1, HOOK_TIMEOUT_S)  # the condition the warmer notifies
+        assert s.counters.slot_bytes_warmed > 0
         gate.set()
         h.wait()
         assert {k: s.prepared_view(k).ctypes.data for k in reserved} == reserved

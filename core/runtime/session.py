@@ -8,13 +8,13 @@ compiled :class:`ActionProgram`.
 
 Contract
 --------
-``Session(resolved, *, workspace=None, sequential=False, budget=None, io_workers=2,
-cpu_workers=None, residency_limit=None, lookahead=None, reader=None, source_pages="auto")``
+``Session(resolved, options: SessionOptions | None = None, **kw)``
     ``resolved`` must be a frozen ResolvedModel (``Session.open(path)`` resolves first).
-    ``source_pages``: whether each source tensor leaves the page cache once prepacked
-    ("keep", "drop", or "auto": drop when the payload is over a quarter of the memory
-    available; ``external_data.drop_source_pages``). ``Session.source_pages`` is the
-    choice made.
+    ``options`` is the one configuration record; keyword arguments of its field names
+    override it. ``source_pages``: whether each source tensor leaves the page cache
+    once prepacked ("keep", "drop", or "auto": drop when the payload is over a quarter
+    of the memory available; ``external_data.drop_source_pages``).
+    ``Session.source_pages`` is the choice made.
 ``prepare_async() -> ExecutionHandle`` submits every session task (reads, prepacks);
     ``prepare()`` is exactly ``prepare_async().wait()``.
 ``run_async(ctx: RuntimeContext) -> ExecutionHandle``; ``run(feeds) -> dict`` is exactly
@@ -52,7 +52,7 @@ import os
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -73,6 +73,7 @@ from onnx_prep.core.plan.execution_plan import (
 )
 from onnx_prep.core.model.prepared_key import PreparedKey
 from onnx_prep.core.runtime.prepared_store import PreparedObjectStore
+from onnx_prep.core.runtime.slot_pool import HostSlotPool, to_idle_priority
 from onnx_prep.core.model.resolved_model import ResolvedModel, require_frozen
 from onnx_prep.core.runtime.scheduler import Scheduler, TaskContext, TaskHandle, TaskState
 from onnx_prep.core.plan.task import Priority, ResourceClass, TaskDescriptor, TaskId, TaskKind
@@ -140,59 +141,6 @@ class RuntimeContext:
             self._io_reservation = None
 
 
-class _SlotBuffer:
-    """The store's buffer for one resident generation: committed pages of the key's
-    stable slot plus the PREPARED-arena reservation that pays for them."""
-
-    __slots__ = ("slot", "nbytes", "reservation")
-
-    def __init__(self, slot, nbytes: int, reservation) -> None:
-        self.slot = slot
-        self.nbytes = nbytes
-        self.reservation = reservation
-
-    def release(self) -> None:
-        self.slot.decommit()
-        if self.reservation is not None:
-            self.reservation.release()
-
-
-@dataclass
-class _Residency:
-    """Per key: its stable slot, and the views made once over it (stable addresses)."""
-
-    slot: Any
-    nbytes: int
-    view: np.ndarray  # what kernels consume: uint8 packed bytes or the typed raw weight
-
-
-class _Warming:
-    """A spare slot the warmer is committing: ``lock`` is held for each step of it, and
-    a prepack that wants the slot sets ``wanted`` (under the session lock) and then
-    takes ``lock`` once, after which the warmer commits no more of it."""
-
-    __slots__ = ("lock", "wanted")
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.wanted = False
-
-
-# The warmer commits a slot in steps of this size, so a prepack that wants the slot
-# waits for at most one step (~1 ms) before it commits the rest itself.
-WARM_STEP_BYTES = 4 << 20
-
-
-def _to_idle_priority() -> bool:
-    """Put the calling thread in the OS's idle class (it runs only on a CPU that would
-    otherwise idle). False where the OS has no such per-thread class (not Linux)."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread (Linux)
-        return True
-    except (AttributeError, OSError):
-        return False
-
-
 @dataclass
 class _Run:
     ctx: RuntimeContext
@@ -219,17 +167,40 @@ class SessionCounters:
     slot_bytes_warmed: int = 0  # stable-slot bytes committed ahead of their prepack by idle CPU
 
 
+@dataclass(frozen=True)
+class SessionOptions:
+    """How a session is configured: ``Session(resolved, options)``. Keyword arguments of
+    the same names also work (``Session(resolved, sequential=True)``) and override
+    ``options``. ``sequential``, ``budget``, ``io_workers`` and ``cpu_workers`` make the
+    session's own workspace; with ``workspace`` they are not used."""
+
+    workspace: Workspace | None = None  # a scheduler and budget shared with other sessions
+    sequential: bool = False  # every task on the calling thread, in order (tests, baselines)
+    budget: MemoryBudget | None = None
+    io_workers: int = 2
+    cpu_workers: int | None = None
+    residency_limit: int | None = None
+    lookahead: LookaheadWindow | None = None  # the plan's default when None
+    reader: ExternalDataReader | None = None  # the model's own reader when None
+    trust_symlinks: bool = False
+    source_io: str = "map"  # SOURCE_IO: how prepack sources are read
+    intra_op: bool = True  # split large matmuls across the CPU workers
+    spin_helpers: bool | None = None  # None: ONNX_PREP_SPIN_HELPERS (see _executing)
+    warm_slots: bool = True  # commit reserved slots from idle CPU during prepare
+    source_pages: str = "auto"  # keep / drop / auto (see the module docstring)
+
+    def __post_init__(self) -> None:
+        if self.source_io not in SOURCE_IO:
+            raise UsageError(f"unknown source_io {self.source_io!r}",
+                             hint=f"choose one of {', '.join(SOURCE_IO)}")
+
+
 class Session:
-    def __init__(self, resolved: ResolvedModel, *, workspace: Workspace | None = None,
-                 sequential: bool = False, budget: MemoryBudget | None = None,
-                 io_workers: int = 2, cpu_workers: int | None = None,
-                 residency_limit: int | None = None, lookahead: LookaheadWindow | None = None,
-                 reader: ExternalDataReader | None = None, trust_symlinks: bool = False,
-                 source_io: str = "map", intra_op: bool = True, spin_helpers: bool | None = None,
-                 warm_slots: bool = True, source_pages: str = "auto") -> None:
-        if source_io not in SOURCE_IO:
-            raise UsageError(f"unknown source_io {source_io!r}", hint=f"choose one of {', '.join(SOURCE_IO)}")
-        self.source_io = source_io
+    def __init__(self, resolved: ResolvedModel, options: SessionOptions | None = None, **kw) -> None:
+        opts = self.options = replace(options or SessionOptions(), **kw) if kw else (options or SessionOptions())
+        workspace, budget, lookahead = opts.workspace, opts.budget, opts.lookahead
+        source_pages, residency_limit = opts.source_pages, opts.residency_limit
+        self.source_io = opts.source_io
         self.resolved = require_frozen(resolved)
         from onnx_prep.core.io.external_data import available_memory_bytes, drop_source_pages
 
@@ -244,22 +215,22 @@ class Session:
         self.isa = active_isa()  # a bad ONNX_PREP_ISA or a stale build fails here, before any work
         self.plan: PreparedExecutionPlan = build_prepared_execution_plan(resolved, lookahead=lookahead)
         self.program = ActionProgram.compile(resolved)
-        self.reader = reader or ExternalDataReader.for_model(resolved, trust_symlinks=trust_symlinks)
+        self.reader = opts.reader or ExternalDataReader.for_model(resolved, trust_symlinks=opts.trust_symlinks)
         self._own_workspace = workspace is None
-        self.workspace = workspace or Workspace(budget=budget, io_workers=io_workers,
-                                                cpu_workers=cpu_workers, sequential=sequential)
+        self.workspace = workspace or Workspace(budget=budget, io_workers=opts.io_workers,
+                                                cpu_workers=opts.cpu_workers, sequential=opts.sequential)
         self.scheduler: Scheduler = self.workspace.scheduler
         # Intra-op parts (core/ops/intra_op.py): the hot path runs on the caller's thread,
         # so its parts are the caller plus the CPU workers; a cold step runs on a worker.
         cores = os.cpu_count() or 1
-        cpu = 0 if (self.scheduler.sequential or not intra_op) else self.scheduler.workers(ResourceClass.CPU)
+        cpu = 0 if (self.scheduler.sequential or not opts.intra_op) else self.scheduler.workers(ResourceClass.CPU)
         self._parts_hot = min(cores, cpu + 1) if cpu else 1
         self._parts_cold = min(cores, cpu) if cpu else 1
         # Hot runs borrow idle CPU workers as helpers that wait in C, spinning, for the
         # chunks of each split matmul (Session._executing); False: chunks go through
         # Scheduler.fork_join, to workers that sleep between them (no core spent waiting).
         # None: ONNX_PREP_SPIN_HELPERS (default on).
-        self._spin_helpers = spin_helpers_default() if spin_helpers is None else bool(spin_helpers)
+        self._spin_helpers = spin_helpers_default() if opts.spin_helpers is None else bool(opts.spin_helpers)
         self._lend_at_start = False  # see _executing
         self.budget: MemoryBudget = self.workspace.budget
         self.store = PreparedObjectStore(residency_limit=residency_limit)
@@ -267,7 +238,7 @@ class Session:
         self._lock = threading.RLock()
         self._closed = False
         self._handles: dict[TaskId, TaskHandle] = {}  # current generation of each session task
-        self._residency: dict[PreparedKey, _Residency] = {}
+        self.slots = HostSlotPool()
         self._run_ids = itertools.count(1)
 
         plan = self.plan
@@ -300,28 +271,18 @@ class Session:
         self._hot_weights: dict[str, np.ndarray] | None = None
         self._out_estimator = _OutputBytes(resolved)
         self._nodes_by_name = {n.name: n for n in resolved.nodes}
-        # NOTE: every requirement's stable slot is reserved and opened here, before any
-        # worker runs, so materializing only populates pages. Reserving and opening
-        # change the process's memory map, which waits for and blocks every other
-        # thread's page population: done per key by the workers, two CPU workers
-        # committing slots spent ~40% of that time asleep (docs/runtime.md).
-        from onnx_prep.native import StableSlot
-
-        self._spare_slots: dict[PreparedKey, Any] = {}
+        # Every requirement's stable slot is reserved here, before any worker runs, so
+        # materializing only populates pages (HostSlotPool.reserve says why).
         for r in plan.requirements:
             if r.packed_bytes > 0:
-                slot = StableSlot(r.packed_bytes)
-                slot.open()
-                self._spare_slots[r.key] = slot
+                self.slots.reserve(r.key, r.packed_bytes)
         # Slot warming (_warm_slots_loop): while a parallel prepare runs and no run does, a
         # thread in the OS's idle class commits the spare slots' pages ahead of their
         # prepacks, on CPU time the workers leave idle (waiting for reads, at the tail).
         # Only without memory limits: it commits pages before their admission.
-        self._warm_slots = (warm_slots and not self.scheduler.sequential and residency_limit is None
+        self._warm_slots = (opts.warm_slots and not self.scheduler.sequential and residency_limit is None
                             and self.budget.global_limit is None and self.budget.limit(Arena.PREPARED) is None)
-        self._warming: dict[PreparedKey, _Warming] = {}
         self._warmer: threading.Thread | None = None
-        self._warm_cv = threading.Condition(self._lock)  # notified as slot_bytes_warmed grows
 
     @property
     def source_pages(self) -> str:
@@ -330,11 +291,12 @@ class Session:
 
     # ----------------------------------------------------------------- construction
     @classmethod
-    def open(cls, model_path: str | Path, *, trust_symlinks: bool = False, **kw) -> Session:
+    def open(cls, model_path: str | Path, options: SessionOptions | None = None, **kw) -> Session:
         from onnx_prep.core.model.resolution import resolve_model
 
-        resolved = resolve_model(Path(model_path), trust_symlinks=trust_symlinks)
-        return cls(resolved, trust_symlinks=trust_symlinks, **kw)
+        opts = replace(options or SessionOptions(), **kw)
+        resolved = resolve_model(Path(model_path), trust_symlinks=opts.trust_symlinks)
+        return cls(resolved, opts)
 
     def close(self) -> None:
         """Cancel outstanding session work, release every resident object, and stop
@@ -357,8 +319,7 @@ class Session:
         if self._own_workspace:
             self.workspace.close()
         self.store.clear()
-        with self._lock:
-            self._spare_slots.clear()  # never used: their address ranges go back now
+        self.slots.close()  # reserved slots never used: their address ranges go back now
         self.reader.close_shared()
 
     def __enter__(self) -> Session:
@@ -396,7 +357,7 @@ class Session:
 
     def _start_warmer(self, prepare: ExecutionHandle) -> None:
         with self._lock:
-            if (not self._warm_slots or not self._spare_slots or self._closed or self._runs_started()
+            if (not self._warm_slots or not self.slots.has_reserved() or self._closed or self._runs_started()
                     or (self._warmer is not None and self._warmer.is_alive())):
                 return  # (a run started: its steps need the memory bandwidth)
             self._warmer = threading.Thread(target=self._warm_slots_loop, args=(prepare,),
@@ -413,37 +374,15 @@ class Session:
         (pages zeroed early leave the cache before their prepack writes them, and the
         zeroing takes bandwidth the run's GEMVs need; docs/runtime.md). It also stops
         when the prepare ends or is cancelled, and when the session closes."""
-        if not _to_idle_priority():
+        if not to_idle_priority():
             return  # at normal priority it would take CPU from the workers instead
-        for r in self.plan.requirements:  # in order of first use
-            key = r.key
-            if prepare.is_ready():  # done, failed or cancelled (outside the session lock)
-                return
-            with self._lock:
-                if self._closed or self._runs_started():
-                    return
-                slot = self._spare_slots.get(key)
-                if slot is None or slot.committed_bytes >= r.packed_bytes:
-                    continue  # its prepack took it, or nothing to do
-                w = self._warming[key] = _Warming()
-            try:
-                n = slot.committed_bytes
-                while n < r.packed_bytes:
-                    n = min(r.packed_bytes, n + WARM_STEP_BYTES)
-                    with w.lock:
-                        if w.wanted or self._closed or self._runs_started():
-                            break
-                        before = slot.committed_bytes
-                        slot.commit(n)
-                        added = slot.committed_bytes - before
-                    with self._lock:
-                        self.counters.slot_bytes_warmed += added
-                        self._warm_cv.notify_all()
-            except MemoryError:
-                return  # the prepack commits (and reports) it itself
-            finally:
-                with self._lock:
-                    self._warming.pop(key, None)
+
+        def stop() -> bool:
+            # prepare.is_ready(): done, failed or cancelled (asked outside the session lock)
+            return prepare.is_ready() or self._closed or self._runs_started()
+
+        self.slots.warm(((r.key, r.packed_bytes) for r in self.plan.requirements),  # in order of first use
+                        stop, on_warmed=lambda n: self._count("slot_bytes_warmed", n))
 
     def prepare(self) -> None:
         self.prepare_async().wait()
@@ -481,7 +420,7 @@ class Session:
     # ------------------------------------------------------------ residency helpers
     def prepared_view(self, key: PreparedKey) -> np.ndarray:
         """The stable view of a resident object (tests: address identity)."""
-        return self._residency[key].view
+        return self.slots.view(key)
 
     def evict(self, key: PreparedKey) -> bool:
         """Evict one unpinned object (its slot keeps its address). False if pinned."""
@@ -546,11 +485,11 @@ class Session:
         self._count("hot_runs")
         try:
             if self._hot_binding is None:
-                res = self._residency
-                packed = {k: res[k].view for k in self.program.requirements}
+                view = self.slots.view
+                packed = {k: view(k) for k in self.program.requirements}
                 self._hot_binding = self.program.bind_prepared(packed)
                 self._hot_weights = {
-                    self.plan.by_key[k].request.logical_value: res[k].view
+                    self.plan.by_key[k].request.logical_value: view(k)
                     for k in self._all_keys if self.plan.by_key[k].request.layout == RAW_LAYOUT}
             run = _Run(ctx=ctx, name=f"run-{run_id}")
             self._reserve_run_memory(run)
@@ -612,10 +551,10 @@ class Session:
                     return
                 continue  # published between the checks: pin again
             try:
-                res = self._residency
+                view = self.slots.view
                 for slot, k in self._step_raw[si]:
-                    values[slot] = res[k].view
-                prepared = {k: res[k].view for k in keys}
+                    values[slot] = view(k)
+                prepared = {k: view(k) for k in keys}
                 if ctx.before_step is not None:
                     ctx.before_step(si)
                 begin, end = steps[si].action_range
@@ -846,8 +785,6 @@ class Session:
     def _materialize(self, key: PreparedKey, tctx: TaskContext, nbytes: int, fill,
                      typed_as=None) -> None:
         """Publish ``key``: commit its stable slot, fill it, hand the store the buffer."""
-        from onnx_prep.native import StableSlot
-
         store = self.store
         mat, owner = store.begin_load(key)
         if not owner:  # another generation is loading it: share that one
@@ -855,39 +792,16 @@ class Session:
             return
         gen = mat.generation
         try:
-            # NOTE: committing (page allocation and zeroing, up to tens of MiB) runs outside
-            # the session lock: this thread owns the key's load (begin_load), so nothing
-            # else creates, fills or evicts this key's slot until publish. Under the lock,
-            # a 33 MB commit held every other task's bookkeeping up for ~15 ms.
-            with self._lock:
-                r = self._residency.get(key)
-                spare = self._spare_slots.pop(key, None) if r is None else None
-                warming = self._warming.get(key) if spare is not None else None
-                if warming is not None:
-                    warming.wanted = True
-            if warming is not None:
-                with warming.lock:  # the warmer's current step ends; it commits no more
-                    pass
-            if r is None:
-                slot = spare if spare is not None and spare.capacity >= nbytes else StableSlot(max(nbytes, 1))
-                slot.commit(nbytes)
-                raw = slot.view(nbytes)
-                view = as_array(typed_as, raw) if typed_as is not None else raw
-                with self._lock:
-                    r = self._residency[key] = _Residency(slot, nbytes, view)
-            elif r.nbytes != nbytes:
-                raise OnnxPrepError(f"prepared object changed size ({r.nbytes} -> {nbytes})",
-                                    Where(tensor=key))
-            else:
-                r.slot.commit(nbytes)
+            # This thread owns the key's load (begin_load): nothing else creates, fills
+            # or evicts the key's slot until publish.
+            raw_view = self.slots.commit(key, nbytes, typed_as)
             store.mark_preparing(key, gen)
-            raw_view = r.slot.view(nbytes)
             fill(nbytes, raw_view)
             reservation = None
             if tctx.reservation is not None and Arena.PREPARED in tctx.reservation.amounts:
                 reservation = tctx.detach(Arena.PREPARED)
             first = store.generation(key) <= 1
-            store.publish(key, gen, _SlotBuffer(r.slot, nbytes, reservation))
+            store.publish(key, gen, self.slots.buffer(key, nbytes, reservation))
             self._count("materializations")
             if not first:
                 self._count("rematerializations")
@@ -942,7 +856,7 @@ class Session:
             for k in cands:
                 if free >= needed:
                     break
-                nbytes = self._residency[k].nbytes
+                nbytes = self.slots.nbytes(k)
                 if self.store.evict(k):
                     free += nbytes
                     evicted += 1
