@@ -37,6 +37,7 @@ class MiniSession:
         self.step_hooks: dict[int, object] = {}  # step index -> fn(ctx)
         self.session_tasks: dict[str, object] = {}
         self.step_log: list[int] = []
+        self.settle_lock = threading.Lock()
 
     def _read(self, key):
         def fn(ctx):
@@ -93,7 +94,14 @@ class MiniSession:
         gen, source = read.result()
         source.release()
         cause = prepack.cause if prepack.cause is not None else prepack
-        self.store.settle_unfinished(key, gen, cause.exception(0) if cause.state is TaskState.FAILED else None)
+        error = cause.exception(0) if cause.state is TaskState.FAILED else None
+        with self.settle_lock:  # both callbacks may get here; the first settles the load
+            if self.store.generation(key) == gen and self.store.state(key) in (
+                    ResidencyState.LOADING, ResidencyState.PREPARING):
+                if error is None:
+                    self.store.abandon(key, gen)
+                else:
+                    self.store.fail(key, gen, error)
 
     def prepare_async(self) -> ExecutionHandle:
         return ExecutionHandle(shared=[self.session_task(k) for k in self.weights], name="prepare")
@@ -103,16 +111,15 @@ class MiniSession:
         steps, prev = [], None
         for i, key in enumerate(self.weights):
             def step(ctx, i=i, key=key):
-                obj = self.store.pin(key)  # pinned from dispatch until the step completes
-                try:
+                pins = self.store.pin_many([key])  # pinned from dispatch until the step completes
+                assert pins is not None, f"step {i} found {key} not resident"
+                with pins:
                     hook = self.step_hooks.get(i)
                     if hook is not None:
                         hook(ctx)
                     ctx.raise_if_cancelled()
                     self.step_log.append(i)
-                    return obj.generation
-                finally:
-                    self.store.unpin(key)
+                    return pins[key].generation
             deps = [shared[i]] + ([prev] if prev is not None else [])
             prev = self.sched.submit(step, deps=deps, priority=Priority.CRITICAL, name=f"step {i}",
                                      mem={Arena.EXECUTION: 8}, promote_deps=True)

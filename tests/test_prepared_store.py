@@ -1,5 +1,6 @@
 """PreparedObjectStore: state machine, generations, shared in-flight loads, pins,
-eviction, residency limit, readiness epoch."""
+eviction, readiness epoch. (What to evict is the session's eviction policy:
+tests/test_eviction_policy.py.)"""
 from __future__ import annotations
 
 import random
@@ -68,45 +69,38 @@ def test_illegal_transitions_raise():
         st.mark_preparing(k, 1)
     with pytest.raises(PreparedStateError, match="not loading"):
         st.fail(k, 1, RuntimeError("x"))
-    with pytest.raises(PreparedStateError):
-        st.unpin(k)
     st.evict(k)
-    with pytest.raises(PreparedStateError, match="cannot pin"):
-        st.pin(k)
+    assert st.pin_many([k]) is None  # not resident: nothing to pin
     fut, _ = st.begin_load(k)
     with pytest.raises(PreparedStateError, match="generation 1"):
         st.publish(k, fut.generation - 1, Buf(1))  # a stale generation's publish
     assert not st.evict("P:never|l|cpu")
 
 
-def test_concurrent_acquires_share_one_materialization():
+def test_concurrent_loads_share_one_materialization():
+    """A second requester of a key being loaded gets the same generation's future (not
+    ownership) and sees the owner's buffer once it is published."""
     st = PreparedObjectStore()
     k = "P:w1|int4|cpu"
-    started, release = threading.Event(), threading.Event()
-    calls = []
-
-    def materialize(ctx):
-        calls.append(ctx.generation)
-        ctx.mark_preparing()
-        started.set()
-        assert release.wait(T)
-        return Buf(64)
-
-    results = []
-    t1 = threading.Thread(target=lambda: results.append(st.acquire(k, materialize)))
-    t1.start()
-    assert started.wait(T)
     fut, owner = st.begin_load(k)
-    assert not owner and not fut.done()
-    t2 = threading.Thread(target=lambda: results.append(st.acquire(k, materialize, pin=True)))
-    t2.start()
-    assert fut.wait_for_waiters(1, T)  # t2 is blocked on the in-flight load
-    release.set()
-    t1.join(T)
-    t2.join(T)
-    assert calls == [1] and st.materializations == 1
-    assert len(results) == 2 and results[0].buffer is results[1].buffer
-    assert st.pins(k) == 1
+    assert owner
+    results, errors = [], []
+
+    def waiter():
+        f, own = st.begin_load(k)
+        if own:
+            errors.append("a second owner")
+            return
+        results.append(f.result(T))
+
+    th = threading.Thread(target=waiter)
+    th.start()
+    assert fut.wait_for_waiters(1, T)  # the waiter is blocked on the in-flight load
+    buf = Buf(64)
+    published = st.publish(k, fut.generation, buf)
+    th.join(T)
+    assert not errors and st.materializations == 1
+    assert len(results) == 1 and results[0].buffer is buf and results[0] == published
 
 
 def test_failed_load_reaches_every_waiter_and_can_be_retried():
@@ -117,8 +111,10 @@ def test_failed_load_reaches_every_waiter_and_can_be_retried():
     errors = []
 
     def waiter():
+        f, own = st.begin_load(k)
+        assert not own
         try:
-            st.acquire(k, lambda ctx: pytest.fail("waiter must not materialize"))
+            f.result(T)
         except OSError as e:
             errors.append(e)
 
@@ -129,19 +125,8 @@ def test_failed_load_reaches_every_waiter_and_can_be_retried():
     th.join(T)
     assert len(errors) == 1 and "read failed" in str(errors[0])
     assert st.state(k) is S.FAILED and isinstance(st.info(k).error, OSError)
-    obj = st.acquire(k, lambda ctx: Buf(4))
+    obj = _load(st, k, 4)
     assert obj.generation == 2 and st.state(k) is S.RESIDENT and st.info(k).error is None
-
-
-def test_materializer_error_marks_failed_and_propagates():
-    st = PreparedObjectStore()
-
-    def boom(ctx):
-        raise ValueError("bad layout")
-
-    with pytest.raises(ValueError, match="bad layout"):
-        st.acquire("P:x|l|cpu", boom)
-    assert st.state("P:x|l|cpu") is S.FAILED
 
 
 def test_abandoned_load_returns_to_origin_and_waiters_see_cancellation():
@@ -155,13 +140,9 @@ def test_abandoned_load_returns_to_origin_and_waiters_see_cancellation():
     assert st.state(k) is S.PERSISTED
     with pytest.raises(CancelledError):
         fut.result(0)
-
-    def cancelled(ctx):
-        assert ctx.previous_state is S.PERSISTED and ctx.persisted
-        raise CancelledError("stop")
-
-    with pytest.raises(CancelledError):
-        st.acquire(k, cancelled)
+    fut, owner = st.begin_load(k)  # again, from where it rests
+    assert owner and fut.generation == 3
+    st.abandon(k, fut.generation)
     assert st.state(k) is S.PERSISTED
 
 
@@ -171,23 +152,19 @@ def test_pinned_objects_are_never_evicted():
     buf = Buf(32)
     fut, _ = st.begin_load(k)
     st.publish(k, fut.generation, buf)
-    obj = st.pin(k, generation=1)
-    st.pin(k)
-    assert obj.nbytes == 32 and st.pins(k) == 2 and st.total_pins == 2
+    one, two = st.pin_many([k]), st.pin_many([k])
+    assert one[k].nbytes == 32 and one[k].generation == 1
+    assert st.pins(k) == 2 and st.total_pins == 2 and st.info(k).pins == 2
     assert not st.evict(k) and buf.released == 0 and st.state(k) is S.RESIDENT
-    with pytest.raises(PreparedStateError, match="generation 7"):
-        st.pin(k, generation=7)
-    st.unpin(k)
+    one.release()
     assert not st.evict(k)
-    st.unpin(k)
+    two.release()
     assert st.evict(k) and buf.released == 1
-    with pytest.raises(PreparedStateError, match="cannot pin"):
-        st.pin("P:none|l|cpu")
     _load(st, "P:z|l|cpu", 4)
-    st.pin("P:z|l|cpu")
+    held = st.pin_many(["P:z|l|cpu"])
     with pytest.raises(PreparedStateError, match="pinned or loading"):
         st.clear()
-    st.unpin("P:z|l|cpu")
+    held.release()
     st.clear()
     assert st.resident_bytes == 0 and not st.is_resident("P:z|l|cpu")
 
@@ -224,43 +201,24 @@ def test_readiness_epoch_changes_only_when_residency_is_lost():
     assert view.is_ready() and st.generation(keys[1]) == 2
 
 
-def test_residency_limit_evicts_unpinned_persisted_lru():
-    st = PreparedObjectStore(residency_limit=100)
-    bufs = {}
-    for name, persisted in [("a", True), ("b", True), ("c", False), ("d", True)]:
-        fut, _ = st.begin_load(name)
-        bufs[name] = Buf(30)
-        st.publish(name, fut.generation, bufs[name], persisted=persisted)
-    # 120 > 100 after d: 'a' (oldest, persisted, unpinned) goes.
-    assert st.state("a") is S.PERSISTED and bufs["a"].released == 1 and st.resident_bytes == 90
-    st.pin("b")
-    st.pin("d")  # touches d, b
-    fut, _ = st.begin_load("e")
-    st.publish("e", fut.generation, Buf(40), persisted=True)
-    # 130: b and d pinned, c not persisted, e just published: nothing evictable.
-    assert st.resident_bytes == 130 and all(st.is_resident(k) for k in "bcde")
-    st.unpin("b")
-    st.unpin("d")
-    lease = st.pin_many(["b"])  # a run-level lease protects b, the least recently used
-    fut, _ = st.begin_load("f")
-    st.publish("f", fut.generation, Buf(10), persisted=True)
-    # 140: b is leased, so d then e (LRU order) go until 70 <= 100.
-    assert st.is_resident("b") and st.state("d") is S.PERSISTED and st.state("e") is S.PERSISTED
-    assert st.resident_bytes == 70
-    lease.release()
-
-
-def test_concurrent_acquire_pin_evict_keeps_invariants():
+def test_concurrent_load_pin_evict_keeps_invariants():
+    """Loads (the runtime's protocol: begin_load, then publish or wait), pins and
+    evictions from four threads: one materialization per generation, nothing pinned
+    ever evicted, the resident bytes exact."""
     st = PreparedObjectStore()
     keys = [f"P:k{i}|l|cpu" for i in range(6)]
     calls = {k: 0 for k in keys}
     lock = threading.Lock()
     errors = []
 
-    def materialize(ctx):
-        with lock:
-            calls[ctx.key] += 1
-        return Buf(16)
+    def load(k):
+        fut, owner = st.begin_load(k)
+        if owner:
+            with lock:
+                calls[k] += 1
+            st.publish(k, fut.generation, Buf(16))
+        else:
+            fut.wait(T)
 
     def worker(seed):
         rng = random.Random(seed)
@@ -269,9 +227,12 @@ def test_concurrent_acquire_pin_evict_keeps_invariants():
                 k = rng.choice(keys)
                 op = rng.random()
                 if op < 0.5:
-                    obj = st.acquire(k, materialize, pin=True)
-                    assert st.state(k) is S.RESIDENT and obj.nbytes == 16
-                    st.unpin(k)
+                    load(k)
+                    pins = st.pin_many([k])  # None when evicted since
+                    if pins is not None:
+                        assert st.state(k) is S.RESIDENT and pins[k].nbytes == 16
+                        assert not st.evict(k)
+                        pins.release()
                 elif op < 0.8:
                     st.evict(k)
                 else:

@@ -7,6 +7,8 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     "Workspace": "session",
     "SessionCounters": "session",
     "SessionOptions": "session",
+    "Materializer": "materializer",
+    "EvictionPolicy": "eviction_policy",
     "SlotPool": "slot_pool",
     "HostSlotPool": "slot_pool",
     "SlotBuffer": "slot_pool",

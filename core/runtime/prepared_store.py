@@ -19,11 +19,10 @@ tests use plain objects. ``evict`` calls ``buffer.release()`` exactly once.
 Contract (stable)
 -----------------
 
-``PreparedObjectStore(*, residency_limit=None)``
-    ``residency_limit`` (bytes) is a *retention policy*: after a publish pushes
-    ``resident_bytes`` over it, unpinned objects whose payload is ``persisted`` are evicted,
-    least recently used first. The hard memory limit is the PREPARED arena of the
-    ``MemoryBudget``, not this.
+``PreparedObjectStore()``
+    The store keeps residency, pins and generations; it never decides what to evict.
+    Its owner does (a session: ``eviction_policy.EvictionPolicy``, by the plan's next
+    uses, under the PREPARED arena's limit) and calls ``evict``.
 
 Queries: ``state(key)``, ``generation(key)`` (0 = never materialized), ``info(key) -> EntryInfo``,
 ``is_resident(key)``, ``resident_bytes``, ``epoch``, ``keys()``, ``pins(key)``, ``total_pins``.
@@ -36,24 +35,15 @@ Load protocol (what a session's READ/PREPACK tasks call):
     ``publish(key, gen, buffer, *, persisted=False, location=None) -> ResidentObject``, or
     ``fail(key, gen, error)``, or ``abandon(key, gen)`` (cancelled). Waiters see the outcome
     through the :class:`Materialization` (``wait``, ``result``, ``add_done_callback``).
-    ``settle_unfinished(key, gen, error=None) -> bool`` ends a load whose task chain stopped
-    early (fail or abandon; idempotent) — call it once both the read and the publishing task
-    are terminal (a read may finish after its prepack was cancelled).
 
-``acquire(key, materialize, *, pin=False, timeout=None) -> ResidentObject``
-    Blocking convenience: returns the resident object, materializing it with
-    ``materialize(LoadContext) -> buffer`` on this thread if nobody is loading it, else
-    waiting for the in-flight load. Two concurrent acquires -> one materialization.
-
-Pins: ``pin(key, generation=None) -> ResidentObject`` (must be resident), ``unpin(key)``
-(per-key, for a cold-path step from dispatch to completion); ``pin_many(keys) -> PinSet | None``
-(run-level, atomically all-or-nothing). An object with pins is never evicted: ``evict``
-refuses (returns ``False``).
+Pins: ``pin_many(keys) -> PinSet | None`` (a cold-path step's objects, atomically
+all-or-nothing), ``ReadinessView.pin_if_ready()`` (the hot path's run-level lease).
+An object with pins is never evicted: ``evict`` refuses (returns ``False``).
 
 Eviction: ``evict(key) -> bool`` removes residency, never identity: the entry keeps its
 key, generation count and persisted location; the next consumer re-materializes
-(new generation). ``mark_persisted(key, location=None)`` records that a packed copy exists
-in the cache tier (eviction then goes to ``persisted``).
+(new generation). A publish with ``persisted=True`` records that a packed copy exists in
+the cache tier (eviction then goes to ``persisted``, and the next load starts there).
 
 Readiness epoch: ``epoch`` increments whenever any key leaves residency. ``readiness(keys)``
 returns a :class:`ReadinessView` whose ``is_ready()`` is O(1) while nothing has been evicted
@@ -66,10 +56,8 @@ Thread-safe: one lock; buffer ``release()`` and done-callbacks run outside it.
 from __future__ import annotations
 
 import enum
-import itertools
 import logging
 import threading
-import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -81,7 +69,7 @@ _log = logging.getLogger(__name__)
 
 __all__ = [
     "PreparedObjectStore", "ResidencyState", "ResidentObject", "EntryInfo", "Materialization",
-    "LoadContext", "PinSet", "ReadinessView", "PreparedBuffer", "PreparedStateError",
+    "PinSet", "ReadinessView", "PreparedBuffer", "PreparedStateError",
 ]
 
 
@@ -221,27 +209,9 @@ class Materialization:
         fn(self)
 
 
-class LoadContext:
-    """Passed to ``acquire``'s materializer. ``previous_state`` tells the recipe where the
-    bytes can come from (PERSISTED: read the packed payload; else rebuild from source).
-    Set ``persisted``/``location`` when the payload also exists in the cache tier."""
-
-    def __init__(self, store: PreparedObjectStore, key: PreparedKey, generation: int,
-                 previous_state: ResidencyState, persisted: bool, location: str | None) -> None:
-        self.store = store
-        self.key = key
-        self.generation = generation
-        self.previous_state = previous_state
-        self.persisted = persisted
-        self.location = location
-
-    def mark_preparing(self) -> None:
-        self.store.mark_preparing(self.key, self.generation)
-
-
 class _Entry:
-    __slots__ = ("key", "state", "generation", "buffer", "nbytes", "pins", "persisted", "location",
-                 "last_use", "error", "future", "device", "origin")
+    __slots__ = ("key", "state", "generation", "buffer", "nbytes", "persisted", "location",
+                 "error", "future", "device", "origin")
 
     def __init__(self, key: PreparedKey) -> None:
         self.key = key
@@ -249,10 +219,8 @@ class _Entry:
         self.generation = 0
         self.buffer: Any = None
         self.nbytes = 0
-        self.pins = 0
         self.persisted = False
         self.location: str | None = None
-        self.last_use = 0
         self.error: BaseException | None = None
         self.future: Materialization | None = None
         self.device = "cpu"
@@ -302,7 +270,6 @@ class ReadinessView:
         self.keyset = frozenset(self.keys)
         self._ready_epoch = -1
         self._objects: dict[PreparedKey, ResidentObject] = {}
-        self.last_use = 0  # LRU tick of the latest lease (leased keys count as used)
 
     def is_ready(self) -> bool:
         store = self._store
@@ -336,24 +303,20 @@ class ReadinessView:
             if self._ready_epoch != store._epoch and not self._recheck_locked():
                 return None
             store._leases[self] = store._leases.get(self, 0) + 1
-            self.last_use = next(store._tick)
             return PinSet(store, self, self._objects)
 
 
 class PreparedObjectStore:
     """See the module docstring for the contract."""
 
-    def __init__(self, *, residency_limit: int | None = None) -> None:
-        self.residency_limit = residency_limit
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._entries: dict[PreparedKey, _Entry] = {}
         self._resident_bytes = 0
         self._epoch = 0
-        self._tick = itertools.count(1)
         self.materializations = 0  # loads started (generations created), for tests and stats
         self._leases: dict[ReadinessView, int] = {}  # active run-level pins per view
-        self._views: weakref.WeakSet[ReadinessView] = weakref.WeakSet()
 
     # -- queries ---------------------------------------------------------------------
 
@@ -381,16 +344,15 @@ class PreparedObjectStore:
         return self.state(key) is _S.RESIDENT
 
     def pins(self, key: PreparedKey) -> int:
-        """Pins on ``key``: per-key pins plus active leases of views that contain it."""
+        """Pins on ``key``: the active leases of views that contain it."""
         with self._lock:
-            e = self._entries.get(key)
-            return (0 if e is None else e.pins) + self._leased_locked(key)
+            return self._leased_locked(key)
 
     @property
     def total_pins(self) -> int:
-        """Per-key pins plus active run-level leases (each lease counts once)."""
+        """Active leases (each counts once, whatever its number of keys)."""
         with self._lock:
-            return sum(e.pins for e in self._entries.values()) + sum(self._leases.values())
+            return sum(self._leases.values())
 
     def _leased_locked(self, key: PreparedKey) -> int:
         return sum(n for v, n in self._leases.items() if key in v.keyset)
@@ -406,14 +368,11 @@ class PreparedObjectStore:
     def info(self, key: PreparedKey) -> EntryInfo:
         with self._lock:
             e = self._entries.get(key) or _Entry(key)
-            return EntryInfo(key, e.state, e.generation, e.nbytes, e.pins, e.persisted, e.location,
+            return EntryInfo(key, e.state, e.generation, e.nbytes, self._leased_locked(key), e.persisted, e.location,
                              e.device, e.error)
 
     def readiness(self, keys: Iterable[PreparedKey]) -> ReadinessView:
-        view = ReadinessView(self, keys)
-        with self._lock:
-            self._views.add(view)
-        return view
+        return ReadinessView(self, keys)
 
     # -- state machine -----------------------------------------------------------------
 
@@ -478,13 +437,11 @@ class PreparedObjectStore:
             e.persisted = e.persisted or persisted
             if location is not None:
                 e.location = location
-            e.last_use = next(self._tick)
             self._resident_bytes += nbytes
             obj = self._resident_obj(e)
             fut = e.future
         assert fut is not None
         fut._settle(obj, None)
-        self._enforce_residency_limit(exclude=key)
         return obj
 
     def fail(self, key: PreparedKey, generation: int, error: BaseException) -> None:
@@ -505,86 +462,7 @@ class PreparedObjectStore:
         assert fut is not None
         fut._settle(None, CancelledError(f"load of prepared object {key!r} was cancelled"))
 
-    def settle_unfinished(self, key: PreparedKey, generation: int, error: BaseException | None = None) -> bool:
-        """If ``generation`` of ``key`` is still loading, end it: ``fail`` with ``error`` or
-        ``abandon`` when ``error`` is None. Idempotent; ``False`` when nothing was in flight.
-
-        A load usually spans several tasks (read -> prepack); when the chain stops early the
-        session calls this from the publishing task's done-callback so the entry never
-        stays ``loading`` and waiters are released."""
-        with self._lock:
-            e = self._entries.get(key)
-            if e is None or e.generation != generation or e.state not in _IN_FLIGHT:
-                return False
-        try:
-            if error is None:
-                self.abandon(key, generation)
-            else:
-                self.fail(key, generation, error)
-        except PreparedStateError:  # settled concurrently by its owner
-            return False
-        return True
-
-    def mark_persisted(self, key: PreparedKey, location: str | None = None) -> None:
-        with self._lock:
-            e = self._entry(key)
-            e.persisted = True
-            if location is not None:
-                e.location = location
-
-    # -- convenience --------------------------------------------------------------------
-
-    def acquire(self, key: PreparedKey, materialize: Callable[[LoadContext], Any], *, pin: bool = False,
-                timeout: float | None = None, device: str = "cpu") -> ResidentObject:
-        while True:
-            with self._lock:
-                e = self._entries.get(key)
-                if e is not None and e.state is _S.RESIDENT:
-                    if pin:
-                        return self._pin_locked(e, None)
-                    e.last_use = next(self._tick)
-                    return self._resident_obj(e)
-                previous = e.state if e is not None else _S.ABSENT
-                persisted = bool(e and e.persisted)
-                location = e.location if e is not None else None
-            fut, owner = self.begin_load(key, device=device)
-            if owner:
-                ctx = LoadContext(self, key, fut.generation, previous, persisted, location)
-                try:
-                    buffer = materialize(ctx)
-                except CancelledError:
-                    self.abandon(key, fut.generation)
-                    raise
-                except BaseException as exc:
-                    self.fail(key, fut.generation, exc)
-                    raise
-                self.publish(key, fut.generation, buffer, persisted=ctx.persisted, location=ctx.location)
-            else:
-                fut.result(timeout)
-            # Loop: pin (or return) under the lock; if it was evicted meanwhile, load again.
-
     # -- pins -------------------------------------------------------------------------------
-
-    def _pin_locked(self, e: _Entry, generation: int | None) -> ResidentObject:
-        if e.state is not _S.RESIDENT:
-            raise PreparedStateError(f"cannot pin prepared object {e.key!r}: it is {e.state.value}", e.key)
-        if generation is not None and generation != e.generation:
-            raise PreparedStateError(f"cannot pin prepared object {e.key!r} generation {generation}: "
-                                     f"resident generation is {e.generation}", e.key)
-        e.pins += 1
-        e.last_use = next(self._tick)
-        return self._resident_obj(e)
-
-    def pin(self, key: PreparedKey, generation: int | None = None) -> ResidentObject:
-        with self._lock:
-            return self._pin_locked(self._entry(key), generation)
-
-    def unpin(self, key: PreparedKey) -> None:
-        with self._lock:
-            e = self._entries.get(key)
-            if e is None or e.pins == 0:
-                raise PreparedStateError(f"unpin of prepared object {key!r} that is not pinned", key)
-            e.pins -= 1
 
     def pin_many(self, keys: Iterable[PreparedKey]) -> PinSet | None:
         """One-off run-level pin of ``keys`` (builds a view; keep a view to reuse the epoch)."""
@@ -596,7 +474,7 @@ class PreparedObjectStore:
         """Drop residency of ``key``. ``False`` (nothing done) when it is pinned or not resident."""
         with self._lock:
             e = self._entries.get(key)
-            if e is None or e.state is not _S.RESIDENT or e.pins or self._leased_locked(key):
+            if e is None or e.state is not _S.RESIDENT or self._leased_locked(key):
                 return False
             self._move(e, _S.EVICTING)
             buffer, e.buffer = e.buffer, None
@@ -608,35 +486,11 @@ class PreparedObjectStore:
                 self._move(e, _S.PERSISTED if e.persisted else _S.ABSENT)
         return True
 
-    def _enforce_residency_limit(self, exclude: PreparedKey | None = None) -> int:
-        """Evict unpinned persisted objects, least recently used first, until under the limit."""
-        if self.residency_limit is None:
-            return 0
-        freed = 0
-        while True:
-            with self._lock:
-                if self._resident_bytes <= self.residency_limit:
-                    return freed
-                candidates = [e for e in self._entries.values()
-                              if e.state is _S.RESIDENT and not e.pins and e.persisted and e.key != exclude
-                              and not self._leased_locked(e.key)]
-                if not candidates:
-                    return freed  # NOTE: over the retention target; the arena limit is the hard one
-                views = list(self._views)
-
-                def lru(e: _Entry, views: list[ReadinessView] = views) -> int:
-                    # a lease on a view counts as a use of its keys
-                    return max([e.last_use] + [v.last_use for v in views if e.key in v.keyset])
-
-                victim = min(candidates, key=lru)
-                n = victim.nbytes
-            if self.evict(victim.key):
-                freed += n
-
     def clear(self) -> None:
         """Evict everything (session close). Raises if anything is still pinned or loading."""
         with self._lock:
-            busy = [e.key for e in self._entries.values() if e.pins or e.state in _IN_FLIGHT]
+            busy = [e.key for e in self._entries.values()
+                    if e.state in _IN_FLIGHT or self._leased_locked(e.key)]
         if busy:
             raise PreparedStateError(f"cannot clear the store: {len(busy)} objects pinned or loading "
                                      f"(first: {busy[0]!r})", busy[0])

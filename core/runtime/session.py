@@ -62,7 +62,7 @@ from onnx_prep.core.runtime.action_program import ActionProgram
 from onnx_prep.core.runtime.arenas import Arena, MemoryBudget
 from onnx_prep.core.errors import BudgetError, OnnxPrepError, UsageError, Where
 from onnx_prep.core.runtime.execution_handle import ExecutionHandle
-from onnx_prep.core.io.external_data import ExternalDataReader, as_array
+from onnx_prep.core.io.external_data import ExternalDataReader
 from onnx_prep.core.ops import append_buffer, intra_op
 from onnx_prep.core.ops.intra_op import spin_helpers_default
 from onnx_prep.core.plan.execution_plan import (
@@ -74,16 +74,13 @@ from onnx_prep.core.plan.execution_plan import (
 from onnx_prep.core.model.prepared_key import PreparedKey
 from onnx_prep.core.runtime.prepared_store import PreparedObjectStore
 from onnx_prep.core.runtime.slot_pool import HostSlotPool, to_idle_priority
+from onnx_prep.core.runtime.materializer import SOURCE_IO, Materializer, release_source
+from onnx_prep.core.runtime.eviction_policy import EvictionPolicy
 from onnx_prep.core.model.resolved_model import ResolvedModel, require_frozen
 from onnx_prep.core.runtime.scheduler import Scheduler, TaskContext, TaskHandle, TaskState
 from onnx_prep.core.plan.task import Priority, ResourceClass, TaskDescriptor, TaskId, TaskKind
 
 _DEAD = (TaskState.FAILED, TaskState.CANCELLED)
-
-# How prepack sources are read: "map" (zero-copy file mapping, prefaulted by the I/O
-# worker; the default) or "read" (pread into a fresh buffer, e.g. for network filesystems).
-SOURCE_IO = ("map", "read")
-
 
 class Workspace:
     """A scheduler and a memory budget shared by several sessions in one process.
@@ -179,7 +176,6 @@ class SessionOptions:
     budget: MemoryBudget | None = None
     io_workers: int = 2
     cpu_workers: int | None = None
-    residency_limit: int | None = None
     lookahead: LookaheadWindow | None = None  # the plan's default when None
     reader: ExternalDataReader | None = None  # the model's own reader when None
     trust_symlinks: bool = False
@@ -199,7 +195,7 @@ class Session:
     def __init__(self, resolved: ResolvedModel, options: SessionOptions | None = None, **kw) -> None:
         opts = self.options = replace(options or SessionOptions(), **kw) if kw else (options or SessionOptions())
         workspace, budget, lookahead = opts.workspace, opts.budget, opts.lookahead
-        source_pages, residency_limit = opts.source_pages, opts.residency_limit
+        source_pages = opts.source_pages
         self.source_io = opts.source_io
         self.resolved = require_frozen(resolved)
         from onnx_prep.core.io.external_data import available_memory_bytes, drop_source_pages
@@ -233,7 +229,7 @@ class Session:
         self._spin_helpers = spin_helpers_default() if opts.spin_helpers is None else bool(opts.spin_helpers)
         self._lend_at_start = False  # see _executing
         self.budget: MemoryBudget = self.workspace.budget
-        self.store = PreparedObjectStore(residency_limit=residency_limit)
+        self.store = PreparedObjectStore()
         self.counters = SessionCounters()
         self._lock = threading.RLock()
         self._closed = False
@@ -258,10 +254,7 @@ class Session:
                   and plan.by_key[k].request.logical_value in slot_of)
             for keys in self._step_keys)
         self._all_keys = tuple(r.key for r in plan.requirements)
-        self._use_steps: dict[PreparedKey, tuple[int, ...]] = {}
-        for si, keys in enumerate(self._step_keys):
-            for k in keys:
-                self._use_steps[k] = self._use_steps.get(k, ()) + (si,)
+        self.eviction = EvictionPolicy(plan)
         # Keys a yielded run is waiting for, with the step it waits at: after every publish
         # the session retries making room for them (see _make_room).
         self._critical_wait: dict[PreparedKey, int] = {}
@@ -270,7 +263,10 @@ class Session:
         self._hot_binding = None
         self._hot_weights: dict[str, np.ndarray] | None = None
         self._out_estimator = _OutputBytes(resolved)
-        self._nodes_by_name = {n.name: n for n in resolved.nodes}
+        self.materializer = Materializer(
+            resolved, plan, self.reader, self.store, self.slots, source_io=self.source_io,
+            drop_sources=self._drop_sources, count=self._count, published=self._published,
+            sources_used=self._sources_used)
         # Every requirement's stable slot is reserved here, before any worker runs, so
         # materializing only populates pages (HostSlotPool.reserve says why).
         for r in plan.requirements:
@@ -280,7 +276,7 @@ class Session:
         # thread in the OS's idle class commits the spare slots' pages ahead of their
         # prepacks, on CPU time the workers leave idle (waiting for reads, at the tail).
         # Only without memory limits: it commits pages before their admission.
-        self._warm_slots = (opts.warm_slots and not self.scheduler.sequential and residency_limit is None
+        self._warm_slots = (opts.warm_slots and not self.scheduler.sequential
                             and self.budget.global_limit is None and self.budget.limit(Arena.PREPARED) is None)
         self._warmer: threading.Thread | None = None
 
@@ -312,7 +308,7 @@ class Session:
         for h in handles:
             h.wait()
         for h in handles:
-            self._release_source(h)
+            release_source(h)
         warmer = self._warmer
         if warmer is not None:
             warmer.join()  # it sees _closed at its next step
@@ -667,7 +663,7 @@ class Session:
                 dh = self._ensure(d, priority)
                 if dh is not None:
                     deps.append(dh)
-            h = self.scheduler.submit(self._task_fn(desc), resource=desc.resource, priority=priority,
+            h = self.scheduler.submit(self.materializer.task_fn(desc), resource=desc.resource, priority=priority,
                                       deps=tuple(deps), mem=desc.memory_request(), name=desc.id,
                                       meta=desc)
             self._handles[tid] = h
@@ -705,120 +701,18 @@ class Session:
                 if ch is None or not ch.state.terminal:
                     self._ensure(c, sib)
 
-    def _task_fn(self, desc: TaskDescriptor):
-        if desc.kind is TaskKind.READ_SOURCE:
-            return lambda tctx: self._read_source(desc, tctx)
-        if desc.kind is TaskKind.PREPACK:
-            return lambda tctx: self._prepack(desc, tctx)
-        raise OnnxPrepError(f"task kind {desc.kind.value} is not supported by this runtime yet",
-                            Where(model=str(self.resolved.model_path)),
-                            hint="prepared-cache reads arrive with the prepared cache")
+    def _published(self, key: PreparedKey) -> None:
+        """After every publish: while runs wait for objects, make room for them."""
+        with self._lock:
+            self._critical_wait.pop(key, None)
+            pending = bool(self._critical_wait)
+        if pending:
+            self._make_room()
 
-    def _read_source(self, desc: TaskDescriptor, tctx: TaskContext):
-        """Read one source weight through the one reader. A read that publishes a RAW
-        requirement writes straight into the key's stable slot."""
-        name = desc.id.split(":", 1)[1]
-        wd = self.resolved.weights[name]
-        tctx.raise_if_cancelled()
-        self._count("source_reads")
-        if desc.publishes is not None:
-            key = desc.publishes
-
-            def materialize(nbytes: int, view: np.ndarray) -> None:
-                self.reader.read_into(wd, view)
-                if self._drop_sources:
-                    self.reader.drop_cached(wd)
-
-            self._materialize(key, tctx, wd.length, materialize, typed_as=wd)
-            return None
-        if self.source_io == "map":
-            # NOTE: zero copy: the source is the page cache itself, prefaulted here on the
-            # I/O worker through the reader's one mapping of the data file; releasing it
-            # drops its pages from the mapping. A pread into a fresh buffer costs a
-            # zeroing and a copy of every source byte (memory-bound on small machines).
-            buf = self.reader.map_shared(wd, populate=True)
-            on_release = lambda: self.reader.release_shared(wd, drop=self._drop_sources)  # noqa: E731
-        else:
-            buf = np.empty(wd.length, dtype=np.uint8)
-            self.reader.read_into(wd, buf)
-            on_release = None
-            if self._drop_sources:  # the bytes are in the buffer now
-                self.reader.drop_cached(wd)
-        reservation = tctx.detach(Arena.PREPARATION) if tctx.reservation is not None else None
-        return _Source(as_array(wd, buf), reservation, on_release)
-
-    def _prepack(self, desc: TaskDescriptor, tctx: TaskContext):
-        """Prepack straight into the key's stable slot: the packed bytes are written once,
-        in place (no temporary packed buffer, no copy)."""
-        from onnx_prep.core.kernels.prepack import packed_size, prepack
-
-        key = desc.publishes
-        req = self.plan.by_key[key]
-        node = self._nodes_by_name[req.node]
-        sources: dict[str, np.ndarray] = {}
-        for dep_id, src in zip(desc.dependencies, tctx.inputs):
-            sources[dep_id.split(":", 1)[1]] = src.array
-        for n in req.request.source_lineage:
-            if n not in sources and n in self.resolved.inline_values:
-                sources[n] = self.resolved.inline_values[n]
-        try:
-            tctx.raise_if_cancelled()
-            size = packed_size(node.kernel, req.request, self.resolved)
-            if size is None:  # no exact size query for this kernel: pack, then copy
-                packed = np.ascontiguousarray(
-                    prepack(node.kernel, req.request, sources, node.attributes)).view(np.uint8).reshape(-1)
-
-                def fill(nbytes: int, view: np.ndarray) -> None:
-                    view[:] = packed
-
-                size = packed.nbytes
-            else:
-                def fill(nbytes: int, view: np.ndarray) -> None:
-                    prepack(node.kernel, req.request, sources, node.attributes, out=view)
-
-            self._materialize(key, tctx, size, fill)
-        finally:
-            with self._lock:
-                for dep_id in desc.dependencies:
-                    self._maybe_release_read(dep_id)
-
-    def _materialize(self, key: PreparedKey, tctx: TaskContext, nbytes: int, fill,
-                     typed_as=None) -> None:
-        """Publish ``key``: commit its stable slot, fill it, hand the store the buffer."""
-        store = self.store
-        mat, owner = store.begin_load(key)
-        if not owner:  # another generation is loading it: share that one
-            mat.wait()
-            return
-        gen = mat.generation
-        try:
-            # This thread owns the key's load (begin_load): nothing else creates, fills
-            # or evicts the key's slot until publish.
-            raw_view = self.slots.commit(key, nbytes, typed_as)
-            store.mark_preparing(key, gen)
-            fill(nbytes, raw_view)
-            reservation = None
-            if tctx.reservation is not None and Arena.PREPARED in tctx.reservation.amounts:
-                reservation = tctx.detach(Arena.PREPARED)
-            first = store.generation(key) <= 1
-            store.publish(key, gen, self.slots.buffer(key, nbytes, reservation))
-            self._count("materializations")
-            if not first:
-                self._count("rematerializations")
-            with self._lock:
-                self._critical_wait.pop(key, None)
-                pending = bool(self._critical_wait)
-            if pending:
-                self._make_room()
-        except BaseException as e:
-            store.fail(key, gen, e)
-            raise
-
-    def _next_use(self, key: PreparedKey, step: int) -> int:
-        """Steps until ``key`` is next needed by a run at ``step`` (wrapping to the next run)."""
-        uses = self._use_steps.get(key, ())
-        n = len(self.plan.steps)
-        return min(((u - step) % n for u in uses), default=n)
+    def _sources_used(self, read_ids) -> None:
+        with self._lock:
+            for dep_id in read_ids:
+                self._maybe_release_read(dep_id)
 
     def _make_room(self) -> int:
         """Drop-and-rebuild eviction under a PREPARED arena limit: while the objects runs
@@ -849,17 +743,7 @@ class Session:
             free = limit - budget.live(Arena.PREPARED)
             if free >= needed:
                 return 0
-            cands = [k for k in self._all_keys
-                     if k not in keep and self.store.is_resident(k) and self.store.pins(k) == 0]
-            cands.sort(key=lambda k: -self._next_use(k, at))
-            evicted = 0
-            for k in cands:
-                if free >= needed:
-                    break
-                nbytes = self.slots.nbytes(k)
-                if self.store.evict(k):
-                    free += nbytes
-                    evicted += 1
+            evicted = self.eviction.make_room(self.store, needed, free, at, keep, self.slots.nbytes)
             self._count("evictions", evicted)
             return evicted
 
@@ -911,34 +795,8 @@ class Session:
                 if ch is None or ch.state not in _DEAD:
                     return  # still needed by a consumer that has not published
         del self._handles[read_tid]
-        self._release_source(h)
+        release_source(h)
 
-    @staticmethod
-    def _release_source(h: TaskHandle) -> None:
-        if h.state is TaskState.DONE:
-            src = h.result()
-            if isinstance(src, _Source):
-                src.release()
-            h.discard_result()
-
-
-class _Source:
-    """A source buffer read for prepacking, with its PREPARATION reservation."""
-
-    __slots__ = ("array", "reservation", "on_release")
-
-    def __init__(self, array: np.ndarray, reservation, on_release=None) -> None:
-        self.array = array
-        self.reservation = reservation
-        self.on_release = on_release
-
-    def release(self) -> None:
-        self.array = None
-        if self.on_release is not None:
-            self.on_release()
-            self.on_release = None
-        _release(self.reservation)
-        self.reservation = None
 
 
 class _Joined:

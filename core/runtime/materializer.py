@@ -1,0 +1,204 @@
+"""Materializer: what each session task of the plan does, by the recipe it serves.
+
+The plan selects one :class:`MaterializationRecipe` per prepared key
+(``core/plan/execution_plan.py``); this module turns the session task that publishes
+the key into the function the scheduler runs, through ONE table keyed by the recipe
+kind (:attr:`Materializer.recipes`): a raw read straight into the key's slot, and a
+prepack of sources already read. A recipe without an entry (today: reading a persisted
+packed payload) is refused when its task is first submitted.
+Source reads that publish nothing feed prepacks (one read serves every prepack of a
+tied source) and return a :class:`Source`.
+
+Publishing goes through the store's load protocol (``begin_load`` ... ``publish``) into
+the slot pool: the bytes are written once, in place, at the key's stable address.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+from onnx_prep.core.errors import OnnxPrepError, Where
+from onnx_prep.core.io.external_data import ExternalDataReader, as_array
+from onnx_prep.core.model.prepared_key import PreparedKey
+from onnx_prep.core.model.resolved_model import ResolvedModel
+from onnx_prep.core.plan.execution_plan import (
+    READ_SOURCE,
+    READ_SOURCE_AND_PREPACK,
+    PreparedExecutionPlan,
+)
+from onnx_prep.core.plan.task import TaskDescriptor, TaskId, TaskKind
+from onnx_prep.core.runtime.arenas import Arena
+from onnx_prep.core.runtime.prepared_store import PreparedObjectStore
+from onnx_prep.core.runtime.scheduler import TaskContext, TaskHandle, TaskState
+from onnx_prep.core.runtime.slot_pool import SlotPool
+
+__all__ = ["Materializer", "Source", "release_source", "SOURCE_IO"]
+
+# How prepack sources are read: "map" (zero-copy file mapping, prefaulted by the I/O
+# worker; the default) or "read" (pread into a fresh buffer, e.g. for network filesystems).
+SOURCE_IO = ("map", "read")
+
+
+class Materializer:
+    """Task functions for a plan's session tasks. ``count(name, n=1)`` bumps a session
+    counter; ``published(key)`` runs after each publish; ``sources_used(read_ids)`` after
+    each prepack, published or not (its source reads may be released)."""
+
+    def __init__(self, resolved: ResolvedModel, plan: PreparedExecutionPlan, reader: ExternalDataReader,
+                 store: PreparedObjectStore, slots: SlotPool, *, source_io: str, drop_sources: bool,
+                 count: Callable[..., None], published: Callable[[PreparedKey], None],
+                 sources_used: Callable[[Iterable[TaskId]], None]) -> None:
+        self.resolved, self.plan, self.reader = resolved, plan, reader
+        self.store, self.slots = store, slots
+        self.source_io, self.drop_sources = source_io, drop_sources
+        self._count, self._published, self._sources_used = count, published, sources_used
+        self._nodes_by_name = {n.name: n for n in resolved.nodes}
+        # The one dispatch: recipe kind -> the publishing task's body.
+        self.recipes: dict[str, Callable[[TaskDescriptor, TaskContext], None]] = {
+            READ_SOURCE: self._read_raw,
+            READ_SOURCE_AND_PREPACK: self._prepack,
+        }
+
+    def task_fn(self, desc: TaskDescriptor) -> Callable[[TaskContext], object]:
+        if desc.publishes is None:
+            if desc.kind is not TaskKind.READ_SOURCE:
+                self._unsupported(desc.kind.value)
+            return lambda tctx: self._read_source(desc, tctx)  # feeds prepacks
+        kind = self.plan.by_key[desc.publishes].selected.kind
+        body = self.recipes.get(kind)
+        if body is None:
+            self._unsupported(desc.kind.value)
+        return lambda tctx: body(desc, tctx)
+
+    def _unsupported(self, what: str) -> None:
+        raise OnnxPrepError(f"task kind {what} is not supported by this runtime yet",
+                            Where(model=str(self.resolved.model_path)),
+                            hint="prepared-cache reads arrive with the prepared cache")
+
+    # ------------------------------------------------------------------ recipes
+    def _read_raw(self, desc: TaskDescriptor, tctx: TaskContext) -> None:
+        """READ_SOURCE: the source bytes are the prepared object; read them straight
+        into the key's stable slot through the one reader."""
+        wd = self.resolved.weights[desc.id.split(":", 1)[1]]
+        tctx.raise_if_cancelled()
+        self._count("source_reads")
+
+        def fill(nbytes: int, view: np.ndarray) -> None:
+            self.reader.read_into(wd, view)
+            if self.drop_sources:
+                self.reader.drop_cached(wd)
+
+        self._materialize(desc.publishes, tctx, wd.length, fill, typed_as=wd)
+
+    def _read_source(self, desc: TaskDescriptor, tctx: TaskContext) -> Source:
+        """A source weight for prepacks, through the one reader."""
+        wd = self.resolved.weights[desc.id.split(":", 1)[1]]
+        tctx.raise_if_cancelled()
+        self._count("source_reads")
+        if self.source_io == "map":
+            # NOTE: zero copy: the source is the page cache itself, prefaulted here on the
+            # I/O worker through the reader's one mapping of the data file; releasing it
+            # drops its pages from the mapping. A pread into a fresh buffer costs a
+            # zeroing and a copy of every source byte (memory-bound on small machines).
+            buf = self.reader.map_shared(wd, populate=True)
+            on_release = lambda: self.reader.release_shared(wd, drop=self.drop_sources)  # noqa: E731
+        else:
+            buf = np.empty(wd.length, dtype=np.uint8)
+            self.reader.read_into(wd, buf)
+            on_release = None
+            if self.drop_sources:  # the bytes are in the buffer now
+                self.reader.drop_cached(wd)
+        reservation = tctx.detach(Arena.PREPARATION) if tctx.reservation is not None else None
+        return Source(as_array(wd, buf), reservation, on_release)
+
+    def _prepack(self, desc: TaskDescriptor, tctx: TaskContext) -> None:
+        """READ_SOURCE_AND_PREPACK: prepack straight into the key's stable slot: the
+        packed bytes are written once, in place (no temporary packed buffer, no copy)."""
+        from onnx_prep.core.kernels.prepack import packed_size, prepack
+
+        key = desc.publishes
+        req = self.plan.by_key[key]
+        node = self._nodes_by_name[req.node]
+        sources: dict[str, np.ndarray] = {}
+        for dep_id, src in zip(desc.dependencies, tctx.inputs):
+            sources[dep_id.split(":", 1)[1]] = src.array
+        for n in req.request.source_lineage:
+            if n not in sources and n in self.resolved.inline_values:
+                sources[n] = self.resolved.inline_values[n]
+        try:
+            tctx.raise_if_cancelled()
+            size = packed_size(node.kernel, req.request, self.resolved)
+            if size is None:  # no exact size query for this kernel: pack, then copy
+                packed = np.ascontiguousarray(
+                    prepack(node.kernel, req.request, sources, node.attributes)).view(np.uint8).reshape(-1)
+
+                def fill(nbytes: int, view: np.ndarray) -> None:
+                    view[:] = packed
+
+                size = packed.nbytes
+            else:
+                def fill(nbytes: int, view: np.ndarray) -> None:
+                    prepack(node.kernel, req.request, sources, node.attributes, out=view)
+
+            self._materialize(key, tctx, size, fill)
+        finally:
+            self._sources_used(desc.dependencies)
+
+    # ----------------------------------------------------------------- publishing
+    def _materialize(self, key: PreparedKey, tctx: TaskContext, nbytes: int, fill,
+                     typed_as=None) -> None:
+        """Publish ``key``: commit its stable slot, fill it, hand the store the buffer."""
+        store = self.store
+        mat, owner = store.begin_load(key)
+        if not owner:  # another generation is loading it: share that one
+            mat.wait()
+            return
+        gen = mat.generation
+        try:
+            # This thread owns the key's load (begin_load): nothing else creates, fills
+            # or evicts the key's slot until publish.
+            raw_view = self.slots.commit(key, nbytes, typed_as)
+            store.mark_preparing(key, gen)
+            fill(nbytes, raw_view)
+            reservation = None
+            if tctx.reservation is not None and Arena.PREPARED in tctx.reservation.amounts:
+                reservation = tctx.detach(Arena.PREPARED)
+            first = store.generation(key) <= 1
+            store.publish(key, gen, self.slots.buffer(key, nbytes, reservation))
+            self._count("materializations")
+            if not first:
+                self._count("rematerializations")
+            self._published(key)
+        except BaseException as e:
+            store.fail(key, gen, e)
+            raise
+
+
+class Source:
+    """A source buffer read for prepacking, with its PREPARATION reservation."""
+
+    __slots__ = ("array", "reservation", "on_release")
+
+    def __init__(self, array: np.ndarray, reservation, on_release=None) -> None:
+        self.array = array
+        self.reservation = reservation
+        self.on_release = on_release
+
+    def release(self) -> None:
+        self.array = None
+        if self.on_release is not None:
+            self.on_release()
+            self.on_release = None
+        if self.reservation is not None:
+            self.reservation.release()
+        self.reservation = None
+
+
+def release_source(h: TaskHandle) -> None:
+    """Free what a finished source read holds (its buffer and reservation)."""
+    if h.state is TaskState.DONE:
+        src = h.result()
+        if isinstance(src, Source):
+            src.release()
+        h.discard_result()
