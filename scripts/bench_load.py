@@ -258,7 +258,7 @@ def hot_vs_direct(resolved, feeds, repeats: int) -> dict:
         s.run(feeds)
         s.run(feeds)
         subs = s.scheduler.submissions
-        prog, binding, weights = s.program, s._hot_binding, s._hot_weights
+        prog, binding, weights = s.program, s.runs._hot_binding, s.runs._hot_weights
         def run_hot():
             t = time.perf_counter()
             s.run(feeds)
@@ -267,7 +267,7 @@ def hot_vs_direct(resolved, feeds, repeats: int) -> dict:
         def run_direct():
             t = time.perf_counter()
             # the same kernel splits, with the same helpers lent for the run
-            with s._executing(RuntimeContext(feeds), s._parts_hot, lend_helpers=True):
+            with s.runs._executing(RuntimeContext(feeds), s.runs._parts_hot, lend_helpers=True):
                 prog.run(feeds, binding, weights=weights)
             direct.append((time.perf_counter() - t) * 1e3)
 

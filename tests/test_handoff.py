@@ -184,19 +184,19 @@ def test_a_run_that_splits_nothing_lends_nothing(tiny_llm_path, monkeypatch):
         decode = step_feeds(io, np.array([[5]], dtype=np.int64), past, 8)
         monkeypatch.setattr(intra_op, "MIN_SPLIT_WORK", 1 << 40)  # nothing splits
         s.run(decode)  # may lend at its start: the prefill before it split
-        assert not s._lend_at_start  # it split nothing: the next runs lend only if they split
+        assert not s.runs._lend_at_start  # it split nothing: the next runs lend only if they split
         lent0, splits0 = intra_op.COUNTERS.runs_lending, intra_op.COUNTERS.splits
         for _ in range(5):
             s.run(decode)
         assert intra_op.COUNTERS.splits == splits0
         assert intra_op.COUNTERS.runs_lending == lent0  # no worker was lent
-        assert not s._lend_at_start
+        assert not s.runs._lend_at_start
 
         monkeypatch.setattr(intra_op, "MIN_SPLIT_WORK", 1)  # every matmul splits
         ref = s.run(prefill)
         if intra_op.COUNTERS.runs_lending == lent0:  # no worker was idle at that split
             pytest.skip("no idle CPU worker to lend on this machine")
-        assert s._lend_at_start  # it split: the next run lends at its start
+        assert s.runs._lend_at_start  # it split: the next run lends at its start
         out = s.run(prefill)
         assert all(np.array_equal(out[k], ref[k]) for k in ref)
         assert intra_op.COUNTERS.runs_lending >= lent0 + 2

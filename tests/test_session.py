@@ -209,15 +209,15 @@ def test_tied_consumer_is_raised_when_its_sibling_is_promoted(tiny_llm_path):
                 consumers.setdefault(d, []).append(r)
         (first, last), = [sorted(rs, key=lambda r: r.first_step) for rs in consumers.values() if len(rs) > 1]
         h = s.prepare_async()
-        head = s._handles[last.publisher]
-        own_reads = [s._handles[d] for d in plan.by_id[last.publisher].dependencies
+        head = s.tasks.handles[last.publisher]
+        own_reads = [s.tasks.handles[d] for d in plan.by_id[last.publisher].dependencies
                      if d not in plan.by_id[first.publisher].dependencies]
         assert own_reads, "the LM head has a read of its own (its scales)"
         assert head.priority > Priority.DEMANDED and all(r.priority > Priority.DEMANDED for r in own_reads)
-        s._ensure(first.publisher, Priority.CRITICAL)  # a run's first step waiting for the embedding
+        s.tasks.ensure(first.publisher, Priority.CRITICAL)  # a run's first step waiting for the embedding
         assert head.priority is Priority.DEMANDED
         assert all(r.priority is Priority.DEMANDED for r in own_reads)
-        assert s._handles[first.publisher].priority is Priority.CRITICAL
+        assert s.tasks.handles[first.publisher].priority is Priority.CRITICAL
         gate.set()
         h.wait()
         assert s.is_prepared()
@@ -435,7 +435,7 @@ def test_cancelled_run_keeps_shared_tasks_another_run_needs(small_llm_path):
         try:
             for h in (ha, hb):  # each run's first continuation has yielded, holding step 0's producers
                 assert h.tasks[0].wait(HOOK_TIMEOUT_S)
-            emb = s._handles[s.plan.requirements[0].publisher]  # step 0's producer (the gather prepack)
+            emb = s.tasks.handles[s.plan.requirements[0].publisher]  # step 0's producer (the gather prepack)
             assert emb.consumers == 2  # both runs hold it as a shared task
             ha.cancel()
             assert emb.consumers == 1 and not emb.done()  # still wanted by run b: not cancelled

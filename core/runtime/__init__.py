@@ -3,7 +3,9 @@ from onnx_prep.core.lazy_exports import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     "Session": "session",
-    "RuntimeContext": "session",
+    "RuntimeContext": "run_loop",
+    "RunLoop": "run_loop",
+    "SessionTasks": "session_tasks",
     "Workspace": "session",
     "SessionCounters": "session",
     "SessionOptions": "session",

@@ -1,0 +1,403 @@
+"""RunLoop: how a session executes runs: the hot path and the cold path.
+
+Cold path: ONE continuation per run (not one task per node) walks the plan's invocation
+steps. Before a step it pins exactly the prepared objects that step consumes; if one is
+missing it asks for its producer chain at CRITICAL priority (priority inheritance
+promotes a queued prefetch; ``SessionTasks.wait_for``) and yields: the continuation is
+resubmitted with those producers as dependencies. It never waits for an initialization
+barrier. The step's objects stay pinned until its actions have executed. While it runs
+it keeps a bounded look-ahead window of later steps' producers in flight at DEMANDED
+(the run will consume them: they may use every worker, queued after CRITICAL work).
+NOTE: with PREFETCH here, two CPU workers left one idle for critical work while the
+run's own next weights queued behind one worker (medium fixture, warm page cache:
+TTFO median 900 ms at PREFETCH vs 535 ms at DEMANDED, 5 loads each, back to back).
+
+Hot path: when every requirement is resident (the store's readiness epoch unchanged), a
+run pins the whole set once, replays the action list with a binding built once, and
+releases the pin: zero scheduler submissions, no per-node lookups. ``run_async`` then
+executes on the calling thread and returns an already-completed handle.
+
+Mutable caller state (the KV cache) arrives in ``RuntimeContext.feeds``; nothing of a run
+is stored here. Concurrent runs share resident objects and own the rest.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+
+from onnx_prep.core.errors import BudgetError, OnnxPrepError, Where
+from onnx_prep.core.model.prepared_key import PreparedKey
+from onnx_prep.core.model.resolved_model import ResolvedModel
+from onnx_prep.core.ops import append_buffer, intra_op
+from onnx_prep.core.plan.execution_plan import RAW_LAYOUT, PreparedExecutionPlan
+from onnx_prep.core.plan.task import Priority
+from onnx_prep.core.runtime.action_program import ActionProgram
+from onnx_prep.core.runtime.arenas import Arena, MemoryBudget
+from onnx_prep.core.runtime.execution_handle import ExecutionHandle
+from onnx_prep.core.runtime.prepared_store import PreparedObjectStore
+from onnx_prep.core.runtime.scheduler import Scheduler, TaskContext, TaskHandle
+from onnx_prep.core.runtime.session_tasks import SessionTasks
+from onnx_prep.core.runtime.slot_pool import SlotPool
+
+__all__ = ["RunLoop", "RuntimeContext"]
+
+
+class RuntimeContext:
+    """Per-run caller state: the feeds (KV cache included) in, the outputs out.
+
+    ``step_log`` records ``(step index, start_ns, end_ns, worker)`` per executed step
+    (cold path) so tests and profiles can see the order of events; ``mode`` is
+    "hot" or "cold". Output bytes stay reserved in the IO arena until ``release()``.
+    """
+
+    def __init__(self, feeds: Mapping[str, np.ndarray], *, on_step=None, before_step=None) -> None:
+        self.feeds = dict(feeds)
+        self.on_step = on_step  # called as on_step(step_index) after each cold-path step
+        # called as before_step(step_index) on the worker running a cold-path step, with
+        # the step's prepared objects pinned and bound, right before its actions execute
+        self.before_step = before_step
+        self.outputs: dict[str, np.ndarray] | None = None
+        self.step_log: list[tuple[int, int, int, str]] = []
+        self.mode: str | None = None
+        self.submit_ns = time.perf_counter_ns()
+        # KV room the caller announced on its thread (append_buffer.room_for); the run
+        # may execute on a worker thread, which does not see the caller's context.
+        self.append_room = append_buffer.room_hint()
+        self.first_step_ns: int | None = None
+        self.done_ns: int | None = None
+        self._io_reservation = None
+
+    def release(self) -> None:
+        """Give the outputs' IO-arena bytes back (the caller keeps the arrays)."""
+        if self._io_reservation is not None:
+            self._io_reservation.release()
+            self._io_reservation = None
+
+
+@dataclass
+class _Run:
+    ctx: RuntimeContext
+    name: str
+    handle: ExecutionHandle | None = None
+    handle_ready: threading.Event = field(default_factory=threading.Event)
+    values: list | None = None
+    step: int = 0
+    io_bytes: int = 0
+    exec_bytes: int = 0
+    exec_reservation: Any = None
+
+
+
+class RunLoop:
+    """Runs of one session. ``parts_hot`` / ``parts_cold``: intra-op split of a hot run
+    (the caller plus the CPU workers) and of a cold step (on a worker);
+    ``spin_helpers``: hot runs lend idle CPU workers that wait in C for split chunks
+    (see :meth:`_executing`); ``count(name, n=1)`` bumps a session counter."""
+
+    def __init__(self, resolved: ResolvedModel, plan: PreparedExecutionPlan, program: ActionProgram,
+                 store: PreparedObjectStore, slots: SlotPool, scheduler: Scheduler, budget: MemoryBudget,
+                 tasks: SessionTasks, *, parts_hot: int, parts_cold: int, spin_helpers: bool,
+                 count: Callable[..., None]) -> None:
+        self.resolved, self.plan, self.program = resolved, plan, program
+        self.store, self.slots, self.scheduler, self.budget = store, slots, scheduler, budget
+        self.tasks = tasks
+        self._parts_hot, self._parts_cold = parts_hot, parts_cold
+        self._spin_helpers = spin_helpers
+        self._lend_at_start = False  # see _executing
+        self._count = count
+        self._run_ids = itertools.count(1)
+        self._step_keys: tuple[tuple[PreparedKey, ...], ...] = tuple(
+            plan.by_id[s.task_id].prepared_requirements for s in plan.steps)
+        slot_of = program.slot_of
+        self._step_raw: tuple[tuple[tuple[int, PreparedKey], ...], ...] = tuple(
+            tuple((slot_of[plan.by_key[k].request.logical_value], k) for k in keys
+                  if plan.by_key[k].request.layout == RAW_LAYOUT
+                  and plan.by_key[k].request.logical_value in slot_of)
+            for keys in self._step_keys)
+        self.readiness = store.readiness(r.key for r in plan.requirements)
+        self._raw_placeholder = {n: None for n in program.weight_names}
+        self._hot_binding = None
+        self._hot_weights: dict[str, np.ndarray] | None = None
+        self._out_estimator = _OutputBytes(resolved)
+
+    def run_async(self, ctx: RuntimeContext) -> ExecutionHandle:
+        """A hot run when every requirement is resident (on this thread, already
+        complete), else a cold run (a continuation on the scheduler)."""
+        run_id = next(self._run_ids)
+        pins = self.readiness.pin_if_ready()
+        if pins is not None:
+            return self._run_hot(ctx, pins, run_id)
+        run = _Run(ctx=ctx, name=f"run-{run_id}")
+        ctx.mode = "cold"
+        self._count("cold_runs")
+        try:
+            self._reserve_run_memory(run)
+        except BudgetError as e:
+            return ExecutionHandle.completed(name=run.name, error=e)
+        first = self._submit_continuation(run, deps=())
+        # NOTE: the handle is built around the first continuation; the continuation
+        # touches run.handle only after handle_ready is set (a race of a few microseconds).
+        run.handle = ExecutionHandle(owned=(first,), name=run.name, keepalive=ctx)
+        run.handle_ready.set()
+        run.handle.add_finalizer(lambda r=run: _release(r.exec_reservation))
+        return run.handle
+
+    @contextmanager
+    def _executing(self, ctx: RuntimeContext, parts: int, *, lend_helpers: bool = False) -> Iterator[None]:
+        """What a run's actions execute under, on whichever thread runs them: the
+        intra-op split (``parts`` ways) and the KV room the caller announced.
+
+        ``lend_helpers`` (the hot path): the CPU workers idle at the start are lent to
+        the run, waiting in C on the run's mailbox for the chunks of each split matmul
+        (native/handoff.py): at the start if the session's previous hot run split a
+        matmul, else at the run's first split (``intra_op.LazyMailbox``: a run that
+        splits nothing lends nothing). NOTE: lending at the first split costs that
+        split its helper (the worker wakes while the caller runs the chunks); a medium
+        decode token took 27.05 ms against 26.17 lending at the start in one A/B
+        (medians of 40, interleaved), within the noise in another. So a run lends at
+        its start when the one before split (decode steps look like the step before),
+        and a session whose runs split nothing (the tiny fixture's decode) never lends.
+        Lent helpers spin between batches, so each costs a core while the run publishes
+        them, and sleep after 1 ms without one. Without an idle worker, or on the cold
+        path (where the other workers pack weights), splits go through ``fork_join``."""
+        lazy, opened = None, []
+        if lend_helpers and self._spin_helpers and parts >= 2:
+            def open_mailbox():
+                from onnx_prep import native
+
+                box = native.Mailbox()
+                lent = self.scheduler.lend(box.serve, parts - 1)
+                if not lent:
+                    return None
+                opened.append((box, lent))
+                return box
+
+            lazy = intra_op.LazyMailbox(open_mailbox)
+            if self._lend_at_start:
+                lazy.open_now()
+        try:
+            with intra_op.using(self.scheduler.fork_join, parts, mailbox=lazy), \
+                    append_buffer.room_for(ctx.append_room):
+                yield
+        finally:
+            for box, lent in opened:
+                box.stop()
+                self.scheduler.reclaim(lent)
+                intra_op.COUNTERS.add_handed_off(box.chunks_by_helpers, box.sleeps, box.wakes)
+            if lazy is not None:  # the next hot run lends at its start if this one split
+                self._lend_at_start = lazy.asked
+
+    def _run_hot(self, ctx: RuntimeContext, pins, run_id: int) -> ExecutionHandle:
+        ctx.mode = "hot"
+        self._count("hot_runs")
+        try:
+            if self._hot_binding is None:
+                view = self.slots.view
+                packed = {k: view(k) for k in self.program.requirements}
+                self._hot_binding = self.program.bind_prepared(packed)
+                self._hot_weights = {
+                    self.plan.by_key[k].request.logical_value: view(k)
+                    for k in self.plan.by_key if self.plan.by_key[k].request.layout == RAW_LAYOUT}
+            run = _Run(ctx=ctx, name=f"run-{run_id}")
+            self._reserve_run_memory(run)
+            try:
+                values = self.program.new_values(ctx.feeds, self._hot_weights)
+                ctx.first_step_ns = time.perf_counter_ns()
+                with self._executing(ctx, self._parts_hot, lend_helpers=True):
+                    self.program.execute(values, self._hot_binding)
+                ctx.outputs = self.program.fetch(values)
+                ctx.done_ns = time.perf_counter_ns()
+                self._settle_outputs(ctx)
+            finally:
+                _release(run.exec_reservation)
+        except OnnxPrepError as e:
+            return ExecutionHandle.completed(name=f"run-{run_id}", error=e)
+        finally:
+            pins.release()
+        return ExecutionHandle.completed(name=f"run-{run_id}")
+
+    # ------------------------------------------------------------------- cold path
+    def _submit_continuation(self, run: _Run, deps) -> TaskHandle:
+        return self.scheduler.submit(lambda tctx, r=run: self._continue(r, tctx),
+                                     priority=Priority.CRITICAL, deps=tuple(deps),
+                                     name=f"{run.name}:step{run.step}", promote_deps=True)
+
+    def _continue(self, run: _Run, tctx: TaskContext) -> None:
+        ctx = run.ctx
+        program = self.program
+        steps = self.plan.steps
+        store = self.store
+        if run.values is None:
+            run.values = program.new_values(ctx.feeds, self._raw_placeholder)
+        values = run.values
+        self._prefetch(run.step)
+        while run.step < len(steps):
+            tctx.raise_if_cancelled()
+            si = run.step
+            keys = self._step_keys[si]
+            pins = store.pin_many(keys) if keys else None
+            if keys and pins is None:
+                waiting = self.tasks.wait_for(keys, si)
+                if waiting:
+                    self._count("yields")
+                    nxt = self._submit_continuation(run, deps=waiting)  # yield until they publish
+                    run.handle_ready.wait()
+                    for h in waiting:
+                        run.handle.add(h, shared=True)
+                    run.handle.add(nxt)
+                    return
+                continue  # published between the checks: pin again
+            try:
+                view = self.slots.view
+                for slot, k in self._step_raw[si]:
+                    values[slot] = view(k)
+                prepared = {k: view(k) for k in keys}
+                if ctx.before_step is not None:
+                    ctx.before_step(si)
+                begin, end = steps[si].action_range
+                t0 = time.perf_counter_ns()
+                if ctx.first_step_ns is None:
+                    ctx.first_step_ns = t0
+                with self._executing(ctx, self._parts_cold):
+                    program.execute(values, prepared, begin, end)
+                ctx.step_log.append((si, t0, time.perf_counter_ns(), tctx.worker))
+            finally:
+                if pins is not None:
+                    pins.release()
+            if ctx.on_step is not None:
+                ctx.on_step(si)
+            run.step += 1
+            self._prefetch(run.step)
+        ctx.outputs = program.fetch(values)
+        ctx.done_ns = time.perf_counter_ns()
+        run.values = None
+        self._settle_outputs(ctx)
+
+    def _prefetch(self, from_step: int) -> None:
+        """Keep the producers of the next ``lookahead.steps`` steps in flight, bounded
+        by ``lookahead.bytes`` of not-yet-resident objects."""
+        win = self.plan.lookahead
+        budget = win.bytes
+        store = self.store
+        for si in range(from_step, min(from_step + win.steps, len(self.plan.steps))):
+            for k in self._step_keys[si]:
+                if store.is_resident(k):
+                    continue
+                req = self.plan.by_key[k]
+                if req.read_bytes + req.packed_bytes > budget:
+                    return
+                budget -= req.read_bytes + req.packed_bytes
+                self.tasks.ensure(req.publisher, Priority.DEMANDED)  # the run will consume it
+
+    def _reserve_run_memory(self, run: _Run) -> None:
+        """Execution-arena working set and IO-arena outputs, admitted before the run.
+
+        NOTE: an estimate: output bytes from the declared output shapes with symbolic
+        dims bound by the feeds, and a working set of twice the larger of inputs and
+        outputs. A run that cannot fit fails with BudgetError naming the arena."""
+        feeds_bytes = sum(int(np.asarray(v).nbytes) for v in run.ctx.feeds.values())
+        out_bytes = self._out_estimator.estimate(run.ctx.feeds)
+        run.exec_bytes = 2 * max(feeds_bytes, out_bytes)
+        run.io_bytes = out_bytes
+        req = {a: b for a, b in ((Arena.EXECUTION, run.exec_bytes), (Arena.IO, run.io_bytes)) if b}
+        if not req:
+            return
+        self.budget.check_fits(req, label=f"run of {self.resolved.model_path.name}")
+        res = self.budget.try_reserve_many(req, critical=True, label="run")
+        if res is None:
+            raise BudgetError(
+                "not enough memory for the run now: "
+                + ", ".join(f"{a.value} arena needs {b} bytes, {self.budget.live(a)} in use of "
+                            f"{self.budget.limit(a)}" for a, b in req.items()),
+                Where(model=str(self.resolved.model_path)),
+                hint="retry when other runs finish, or raise the budget")
+        io = res.detach(Arena.IO) if Arena.IO in res.amounts else None
+        run.exec_reservation = res
+        run.ctx._io_reservation = io
+
+    def _settle_outputs(self, ctx: RuntimeContext) -> None:
+        """True the IO-arena reservation up to the real output bytes: shrink it, or
+        reserve the difference (a BudgetError if it cannot fit: the outputs are dropped).
+        A KV output that is a view of an append buffer holds the whole buffer."""
+        actual = append_buffer.held_bytes((ctx.outputs or {}).values())
+        res = ctx._io_reservation
+        held = res.amounts.get(Arena.IO, 0) if res is not None else 0
+        if actual <= held:
+            if res is not None:
+                res.shrink(Arena.IO, actual)
+            return
+        self.budget.check_fits({Arena.IO: actual}, label="run outputs")
+        extra = self.budget.try_reserve(Arena.IO, actual - held, critical=True, label="run outputs")
+        if extra is None:
+            ctx.outputs = None
+            raise BudgetError(
+                f"not enough memory for the run's outputs now: io arena needs {actual} bytes, "
+                f"{self.budget.live(Arena.IO)} in use of {self.budget.limit(Arena.IO)}",
+                Where(model=str(self.resolved.model_path)),
+                hint="release earlier outputs (RuntimeContext.release) or raise the budget")
+        ctx._io_reservation = _Joined(res, extra)
+
+
+class _Joined:
+    """Two reservations released together."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, *parts) -> None:
+        self.parts = parts
+
+    @property
+    def amounts(self) -> dict:
+        out: dict = {}
+        for p in self.parts:
+            if p is not None:
+                for a, n in p.amounts.items():
+                    out[a] = out.get(a, 0) + n
+        return out
+
+    def release(self) -> None:
+        for p in self.parts:
+            _release(p)
+
+
+def _release(reservation) -> None:
+    if reservation is not None:
+        reservation.release()
+
+
+class _OutputBytes:
+    """Output bytes of a run from declared output shapes, symbolic dims bound by the
+    feeds' shapes (same symbol name = same size); unknown dims count as 1."""
+
+    def __init__(self, resolved: ResolvedModel) -> None:
+        self.inputs = {v.name: v.shape for v in resolved.inputs}
+        self.outputs = [(v.shape, v.elem_type) for v in resolved.outputs]
+
+    def estimate(self, feeds: Mapping[str, np.ndarray]) -> int:
+        sym: dict[str, int] = {}
+        for name, arr in feeds.items():
+            shape = self.inputs.get(name)
+            if shape is None:
+                continue
+            for d, n in zip(shape, np.shape(arr)):
+                if isinstance(d, str):
+                    sym[d] = max(sym.get(d, 0), int(n))
+        total = 0
+        for shape, elem in self.outputs:
+            if shape is None:
+                continue
+            dims = [d if isinstance(d, int) else sym.get(d, 1) if isinstance(d, str) else 1
+                    for d in shape]
+            total += int(math.prod(dims)) * _ELEM_BYTES.get(elem, 4)
+        return total
+
+
+_ELEM_BYTES = {1: 4, 2: 1, 3: 1, 4: 2, 5: 2, 6: 4, 7: 8, 9: 1, 10: 2, 11: 8, 12: 4, 13: 8, 16: 2}

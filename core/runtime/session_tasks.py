@@ -1,0 +1,261 @@
+"""SessionTasks: the current generation of each session task (source reads, prepacks).
+
+A session's prepared objects are produced by the plan's session tasks; each has at most
+one live scheduler task (a *generation*) at a time. This module submits them on demand
+(:meth:`SessionTasks.ensure`: a run's producer chain at CRITICAL, its look-ahead at
+DEMANDED, a prepare at PREFETCH/BACKGROUND), resubmits one whose object was evicted or
+whose last generation failed or was cancelled, follows a tied source's consumers
+together, frees each source buffer once every prepack of it has published, sheds
+speculative work that holds memory a run needs, and asks the eviction policy for room
+while runs wait (:meth:`SessionTasks.wait_for`).
+
+One lock (the session's) guards the generations and the waits.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+
+from onnx_prep.core.model.prepared_key import PreparedKey
+from onnx_prep.core.plan.execution_plan import PreparedExecutionPlan
+from onnx_prep.core.plan.task import Priority, TaskDescriptor, TaskId, TaskKind
+from onnx_prep.core.runtime.arenas import Arena, MemoryBudget
+from onnx_prep.core.runtime.eviction_policy import EvictionPolicy
+from onnx_prep.core.runtime.materializer import release_source
+from onnx_prep.core.runtime.prepared_store import PreparedObjectStore
+from onnx_prep.core.runtime.scheduler import Scheduler, TaskHandle, TaskState
+
+__all__ = ["SessionTasks"]
+
+_DEAD = (TaskState.FAILED, TaskState.CANCELLED)
+
+
+class SessionTasks:
+    """``task_fn(desc)`` makes a task's body (the materializer's); ``nbytes(key)`` is what
+    evicting a resident key gives back; ``count(name, n=1)`` bumps a session counter."""
+
+    def __init__(self, plan: PreparedExecutionPlan, scheduler: Scheduler, store: PreparedObjectStore,
+                 budget: MemoryBudget, eviction: EvictionPolicy, *, task_fn: Callable,
+                 nbytes: Callable[[PreparedKey], int], count: Callable[..., None],
+                 lock: threading.RLock) -> None:
+        self.plan, self.scheduler, self.store, self.budget = plan, scheduler, store, budget
+        self.eviction = eviction
+        self._task_fn, self._nbytes, self._count = task_fn, nbytes, count
+        self._lock = lock
+        self.handles: dict[TaskId, TaskHandle] = {}  # current generation of each session task
+        self.keys = tuple(r.key for r in plan.requirements)
+        self._publisher: dict[PreparedKey, TaskDescriptor] = {
+            r.key: plan.by_id[r.publisher] for r in plan.requirements}
+        # Plan consumers of each non-publishing read (a tied source feeds two prepacks).
+        self._read_consumers: dict[TaskId, tuple[TaskId, ...]] = {}
+        for t in plan.session_tasks:
+            for d in t.dependencies:
+                self._read_consumers[d] = self._read_consumers.get(d, ()) + (t.id,)
+        self._step_keys = tuple(plan.by_id[s.task_id].prepared_requirements for s in plan.steps)
+        # Keys a yielded run is waiting for, with the step it waits at: after every publish
+        # the session retries making room for them (see make_room).
+        self._critical_wait: dict[PreparedKey, int] = {}
+
+    def prepare(self) -> list[TaskHandle]:
+        """Submit every session task eagerly: producers of the first look-ahead window
+        at PREFETCH, the rest at BACKGROUND; the live tasks (reads too, so a failing
+        read is named in a status). Already-resident objects submit nothing."""
+        window = self.plan.lookahead.steps
+        shared: list[TaskHandle] = []
+        with self._lock:  # NOTE: one lock hold: a tied source counts both consumers
+            for r in self.plan.requirements:
+                prio = Priority.PREFETCH if r.first_step < window else Priority.BACKGROUND
+                h = self.ensure(r.publisher, prio)
+                if h is not None:
+                    shared.append(h)
+            closure = {t.id for t in self.plan.session_closure(self.keys)}
+            for tid in closure:
+                h = self.handles.get(tid)
+                if h is not None and h not in shared:
+                    shared.append(h)
+        return shared
+
+    def wait_for(self, keys, step: int) -> list[TaskHandle]:
+        """A run at ``step`` needs ``keys``: the producers of those not resident, asked
+        for at CRITICAL; while it waits for them, room is made for them."""
+        waiting = []
+        for k in keys:
+            if not self.store.is_resident(k):
+                h = self.ensure(self._publisher[k].id, Priority.CRITICAL)
+                if h is not None:
+                    waiting.append(h)
+        if waiting:
+            with self._lock:
+                for k in keys:
+                    if not self.store.is_resident(k):
+                        self._critical_wait[k] = step
+            self.make_room()
+        return waiting
+
+    def close(self) -> None:
+        """Cancel every live generation, wait for it, free what reads hold."""
+        with self._lock:
+            handles = list(self.handles.values())
+            self.handles.clear()
+        for h in handles:
+            h.cancel()
+        for h in handles:
+            h.wait()
+        for h in handles:
+            release_source(h)
+
+    def ensure(self, tid: TaskId, priority: Priority) -> TaskHandle | None:
+        """The live handle of session task ``tid`` (submitting a new generation if it
+        has none, or if its last one failed or its object was evicted); None when its
+        object is already resident."""
+        with self._lock:
+            desc = self.plan.by_id[tid]
+            if desc.publishes is not None and self.store.is_resident(desc.publishes):
+                return None
+            h = self.handles.get(tid)
+            if h is not None:
+                st = h.state
+                if st not in _DEAD and not (st is TaskState.DONE and desc.publishes is not None):
+                    if priority < h.priority:
+                        self.scheduler.promote(h, priority)
+                        if desc.kind is TaskKind.PREPACK:
+                            self._ensure_tied(tid, desc, priority)
+                    return h
+            deps = []
+            for d in desc.dependencies:
+                dh = self.ensure(d, priority)
+                if dh is not None:
+                    deps.append(dh)
+            h = self.scheduler.submit(self._task_fn(desc), resource=desc.resource, priority=priority,
+                                      deps=tuple(deps), mem=desc.memory_request(), name=desc.id,
+                                      meta=desc)
+            self.handles[tid] = h
+            if desc.kind is TaskKind.READ_SOURCE and desc.publishes is None:
+                # A read can finish after its consumers were cancelled (shed): free it then.
+                h.add_done_callback(lambda _h, t=tid: self._on_read_done(t))
+            elif desc.kind is TaskKind.PREPACK:
+                self._ensure_tied(tid, desc, priority)
+            return h
+
+    def _ensure_tied(self, tid: TaskId, desc: TaskDescriptor, priority: Priority) -> None:
+        """A source shared with other prepacks (a tied embedding / LM head) is read once;
+        its other consumers follow at the same priority but no more than DEMANDED, so the
+        source buffer is freed early and the last consumer (the LM head, at the end of
+        the graph) does not become the load's serial tail. Applies when the prepack is
+        submitted and again when it is promoted. Caller holds the lock.
+
+        NOTE: why on promotion too: with run_async() first and prepare_async() right
+        behind it (time to first output), prepare_async() submits the embedding and the
+        LM head at PREFETCH before the run's first step asks for the embedding at
+        CRITICAL. Raising only the embedding then left the LM head and its scales (at
+        the end of the data file) behind every DEMANDED read: in cold loads of the medium
+        fixture they were read at 114-636 ms and packed in the last 25-35 ms before the
+        first output. Raised with the embedding, they are read at ~35-47 ms; cold time to
+        first output 469 -> 429 and 505 -> 422 ms (medians of 12 alternating loads),
+        warm 352 -> 344 (docs/runtime.md)."""
+        sib = Priority(max(priority, Priority.DEMANDED))
+        for d in desc.dependencies:
+            for c in self._read_consumers.get(d, ()):
+                if c == tid:
+                    continue
+                ch = self.handles.get(c)
+                # a new sibling, or a live one to raise; never resubmit one that finished
+                # or was cancelled (it comes back when its own consumer asks for it)
+                if ch is None or not ch.state.terminal:
+                    self.ensure(c, sib)
+
+    def published(self, key: PreparedKey) -> None:
+        """After every publish: while runs wait for objects, make room for them."""
+        with self._lock:
+            self._critical_wait.pop(key, None)
+            pending = bool(self._critical_wait)
+        if pending:
+            self.make_room()
+
+    def sources_used(self, read_ids) -> None:
+        with self._lock:
+            for dep_id in read_ids:
+                self._maybe_release_read(dep_id)
+
+    def make_room(self) -> int:
+        """Drop-and-rebuild eviction under a PREPARED arena limit: while the objects runs
+        are waiting for do not fit, evict unpinned resident objects, furthest next use
+        first. Evicted objects are rebuilt through their recipe when next needed.
+        Returns the number evicted."""
+        budget = self.budget
+        limit = budget.limit(Arena.PREPARED)
+        with self._lock:
+            for k in list(self._critical_wait):  # a failed or cancelled producer: nobody waits
+                h = self.handles.get(self._publisher[k].id)
+                if h is None or h.state in _DEAD:
+                    del self._critical_wait[k]
+            waits = dict(self._critical_wait)
+            if limit is None:
+                if waits:
+                    self._shed_speculative_if_blocked(waits)
+                return 0
+            if not waits:
+                return 0
+            needed = sum(self.plan.by_key[k].packed_bytes for k in waits
+                         if self.store.state(k).value not in ("resident",))
+            keep = set(waits)
+            at = min(waits.values())
+            for si in set(waits.values()):
+                keep.update(self._step_keys[si])
+            self._shed_speculative_if_blocked(waits)
+            free = limit - budget.live(Arena.PREPARED)
+            if free >= needed:
+                return 0
+            evicted = self.eviction.make_room(self.store, needed, free, at, keep, self._nbytes)
+            self._count("evictions", evicted)
+            return evicted
+
+    def _shed_speculative_if_blocked(self, waits: Mapping[PreparedKey, int]) -> int:
+        """Speculative work must not hold memory an active run needs: when a producer a
+        run waits for is queued but cannot be admitted (its memory does not fit now),
+        cancel every not-yet-running non-CRITICAL session task (the look-ahead too: it is
+        resubmitted when the run gets there) and free the source
+        buffers only they still needed. They are resubmitted when next wanted.
+        Caller holds the lock. Returns the number cancelled."""
+        budget = self.budget
+        blocked = False
+        for k in waits:
+            for t in self.plan.session_closure((k,)):
+                h = self.handles.get(t.id)
+                if h is None or h.state is not TaskState.READY:
+                    continue
+                for arena, n in t.memory_request().items():
+                    lim = budget.limit(arena)
+                    if lim is not None and budget.live(arena) + n > lim:
+                        blocked = True
+        if not blocked:
+            return 0
+        shed = 0
+        for tid, h in list(self.handles.items()):
+            if h.priority is not Priority.CRITICAL and h.state in (TaskState.PENDING, TaskState.READY):
+                if h.cancel():
+                    shed += 1
+        for tid in list(self.handles):
+            if self.plan.by_id[tid].kind is TaskKind.READ_SOURCE and self.plan.by_id[tid].publishes is None:
+                self._maybe_release_read(tid)
+        self._count("shed", shed)
+        return shed
+
+    def _on_read_done(self, read_tid: TaskId) -> None:
+        with self._lock:
+            self._maybe_release_read(read_tid)
+
+    def _maybe_release_read(self, read_tid: TaskId) -> None:
+        """Free a source buffer once every plan consumer of it is resident (a tied
+        source is held until both of its prepacks have published)."""
+        h = self.handles.get(read_tid)
+        if h is None or h.state is not TaskState.DONE:
+            return
+        for c in self._read_consumers.get(read_tid, ()):
+            key = self.plan.by_id[c].publishes
+            if key is not None and not self.store.is_resident(key):
+                ch = self.handles.get(c)
+                if ch is None or ch.state not in _DEAD:
+                    return  # still needed by a consumer that has not published
+        del self.handles[read_tid]
+        release_source(h)
