@@ -10,15 +10,7 @@ from onnx_prep.core.model.resolution import resolve_model
 from onnx_prep.core.plan.execution_plan import build_prepared_execution_plan
 from onnx_prep.core.runtime.eviction_policy import EvictionPolicy
 from onnx_prep.core.runtime.prepared_store import PreparedObjectStore
-
-
-class Buf:
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self.released = 0
-
-    def release(self) -> None:
-        self.released += 1
+from tests.test_prepared_store import Buf
 
 
 @pytest.fixture(scope="module")
