@@ -224,7 +224,7 @@ def test_prepared_reservations_are_the_plan_sizes_and_cover_the_slots(tiny_llm_p
             planned = s.plan.by_key[k].packed_bytes
             assert buf.nbytes == planned, k
             assert buf.reservation.amounts == {Arena.PREPARED: planned}, k
-            assert buf.slot.committed_bytes == -(-planned // GRANULE) * GRANULE, k
+            assert buf.committed_bytes == -(-planned // GRANULE) * GRANULE, k
         real = sum(b.nbytes for b in bufs.values())
         assert s.store.resident_bytes == real
         assert budget.live(Arena.PREPARED) == real

@@ -13,8 +13,10 @@ device virtual addresses, implements the same):
     (a reserved range if it is large enough, else a new one) and return its stable
     view: uint8 bytes, or the typed weight ``typed_as`` describes (a raw weight).
     The same key always commits the same size (a different one raises).
+``decommit(key)``  give the key's pages back; its range (and views) keep their address,
+    and touching them faults until the next commit.
 ``buffer(key, nbytes, reservation) -> SlotBuffer``  the store's buffer for one resident
-    generation: ``release()`` decommits the pages and returns the reservation.
+    generation: ``release()`` decommits the key and returns the reservation.
 ``view(key)``  the stable view made at the key's first commit.
 ``committed_bytes(key=None)``  pages committed under one key's range, or all of them.
 
@@ -47,6 +49,8 @@ class SlotPool(Protocol):
 
     def commit(self, key: PreparedKey, nbytes: int, typed_as: Any = None) -> np.ndarray: ...
 
+    def decommit(self, key: PreparedKey) -> None: ...
+
     def buffer(self, key: PreparedKey, nbytes: int, reservation: Any) -> SlotBuffer: ...
 
     def view(self, key: PreparedKey) -> np.ndarray: ...
@@ -56,17 +60,22 @@ class SlotPool(Protocol):
 
 class SlotBuffer:
     """The store's buffer for one resident generation: committed pages of the key's
-    stable slot plus the PREPARED-arena reservation that pays for them."""
+    slot in ``pool`` plus the PREPARED-arena reservation that pays for them."""
 
-    __slots__ = ("slot", "nbytes", "reservation")
+    __slots__ = ("pool", "key", "nbytes", "reservation")
 
-    def __init__(self, slot, nbytes: int, reservation) -> None:
-        self.slot = slot
+    def __init__(self, pool: SlotPool, key: PreparedKey, nbytes: int, reservation) -> None:
+        self.pool = pool
+        self.key = key
         self.nbytes = nbytes
         self.reservation = reservation
 
+    @property
+    def committed_bytes(self) -> int:
+        return self.pool.committed_bytes(self.key)
+
     def release(self) -> None:
-        self.slot.decommit()
+        self.pool.decommit(self.key)
         if self.reservation is not None:
             self.reservation.release()
 
@@ -161,8 +170,11 @@ class HostSlotPool:
         r.slot.commit(nbytes)
         return r.slot.view(nbytes)
 
+    def decommit(self, key: PreparedKey) -> None:
+        self._residency[key].slot.decommit()
+
     def buffer(self, key: PreparedKey, nbytes: int, reservation: Any) -> SlotBuffer:
-        return SlotBuffer(self._residency[key].slot, nbytes, reservation)
+        return SlotBuffer(self, key, nbytes, reservation)
 
     def view(self, key: PreparedKey) -> np.ndarray:
         return self._residency[key].view
