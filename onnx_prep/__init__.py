@@ -30,6 +30,7 @@ __all__, _getattr, __dir__ = lazy_exports(__name__, {
     "PreparedExecutionPlan": "core.plan.execution_plan",
     # the runtime
     "Session": "core.runtime.session",
+    "SessionOptions": "core.runtime.session",
     "RuntimeContext": "core.runtime.session",
     "Workspace": "core.runtime.session",
     "MemoryBudget": "core.runtime.arenas",

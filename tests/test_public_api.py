@@ -9,7 +9,8 @@ import onnx_prep
 
 API = {
     "__version__", "resolve_model", "ResolvedModel", "WeightDescriptor", "PrepackRequest",
-    "build_prepared_execution_plan", "PreparedExecutionPlan", "Session", "RuntimeContext",
+    "build_prepared_execution_plan", "PreparedExecutionPlan", "Session", "SessionOptions",
+    "RuntimeContext",
     "Workspace", "MemoryBudget", "ExecutionHandle", "ExecutionStatus", "greedy_decode",
     "DecoderIO", "default_model_path", "generate", "OnnxPrepError", "ModelFormatError",
     "ExternalDataError", "UnsafePathError", "DigestError", "UnsupportedOpError",
