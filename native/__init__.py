@@ -21,7 +21,15 @@ try:
         prepack_gather_block_quantized,
     )
     from onnx_prep.native.gemm import gemm, gemm_b_packed_size, prepack_gemm_b
-    from onnx_prep.native.isa import ENV_VAR, active_isa, available_isas, cpu_features, kernel_variants
+    from onnx_prep.native.isa import (
+        ENV_VAR,
+        active_isa,
+        available_isas,
+        cpu_features,
+        kernel_variants,
+        last_kernel,
+        unavailable_reason,
+    )
     from onnx_prep.native.matmul_nbits import (
         PANEL_N,
         matmul_nbits,
@@ -57,6 +65,7 @@ __all__ = [
     "gemm",
     "gemm_b_packed_size",
     "kernel_variants",
+    "last_kernel",
     "matmul_nbits",
     "matmul_nbits_batch",
     "matmul_nbits_packed_size",
@@ -65,4 +74,5 @@ __all__ = [
     "prepack_gather_block_quantized",
     "prepack_gemm_b",
     "prepack_matmul_nbits",
+    "unavailable_reason",
 ]

@@ -14,6 +14,11 @@
 #include <string.h>
 #include "op_internal.h"
 
+_Thread_local int op_last_kernel_code = OP_KERNEL_NONE;
+int op_last_kernel(void) { return op_last_kernel_code; }
+
+/* NOTE: this maps an ISA to a table and writes nothing to op_last_kernel_code: the
+ * tables' kernels record what ran, so a wrong entry here is visible to the tests. */
 static const op_kernel_table *kernels_for(int isa, int *status) {
     if (!op_isa_supported(isa)) {
         *status = OP_E_ISA;
@@ -173,6 +178,7 @@ static void bfp_row(const op_kernel_table *kt, const float *a, size_t K, uint32_
 int op_matmul_nbits(int isa, const float *A, size_t M, size_t lda, const uint8_t *packed,
                     size_t packed_size, const float *bias, float *Y, size_t ldy,
                     size_t col_begin, size_t col_end, int accuracy_level) {
+    op_ran(OP_KERNEL_NONE);
     op_packed_header h;
     int st = op_packed_header_read(packed, packed_size, OP_KIND_INT4_MATMUL, &h);
     if (st) return st;
@@ -260,6 +266,7 @@ int op_matmul_nbits(int isa, const float *A, size_t M, size_t lda, const uint8_t
 int op_gemm(int isa, const float *A, size_t M, size_t lda, const uint8_t *packed,
             size_t packed_size, const float *bias, ptrdiff_t bias_rs, ptrdiff_t bias_cs,
             float alpha, float beta, float *Y, size_t ldy, size_t col_begin, size_t col_end) {
+    op_ran(OP_KERNEL_NONE);
     op_packed_header h;
     int st = op_packed_header_read(packed, packed_size, OP_KIND_GEMM_B, &h);
     if (st) return st;
@@ -278,6 +285,7 @@ int op_gemm(int isa, const float *A, size_t M, size_t lda, const uint8_t *packed
  * out = (code - zero) * scale, in that order, as the op's reference does. */
 int op_gather_block_quantized(const int64_t *indices, size_t n_indices, const uint8_t *packed,
                               size_t packed_size, float *out, size_t *bad_position) {
+    op_ran(OP_KERNEL_NONE);
     op_packed_header h;
     int st = op_packed_header_read(packed, packed_size, OP_KIND_INT4_GATHER, &h);
     if (st) return st;
@@ -288,6 +296,7 @@ int op_gather_block_quantized(const int64_t *indices, size_t n_indices, const ui
             if (bad_position) *bad_position = i;
             return OP_E_INDEX;
         }
+    op_ran(OP_KERNEL_SCALAR); /* one portable implementation for every ISA */
     const uint32_t nb = h.n_blocks, bs = h.block_size;
     const size_t codes = (size_t)nb * bs / 2u;
     const int zk = (int)(h.flags & OP_FLAG_ZP_MASK);

@@ -7,8 +7,9 @@
  * op's output does not change, only its speed. The scalar loop is its own reference. */
 #include <math.h>
 
-#include "onnx_prep_native.h"
+#include "op_internal.h"
 
 void op_erf_f64(const double *x, double *y, size_t n) {
+    op_ran(OP_KERNEL_SCALAR);
     for (size_t i = 0; i < n; i++) y[i] = erf(x[i]);
 }

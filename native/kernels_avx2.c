@@ -21,6 +21,8 @@
 #include <immintrin.h>
 
 #define AI static inline __attribute__((always_inline))
+/* What every driver below records as the code that ran (op_last_kernel). */
+#define KERNEL_CODE OP_KERNEL_AVX2
 
 /* Lanes of half `hf` of tile t inside [cb, ce), as a vector mask for maskstore. */
 AI __m256i half_mask(size_t cb, size_t ce, size_t t, int hf) {
@@ -260,6 +262,7 @@ AI void bfp_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP,
  * at a time (16 YMM registers are the limit). */
 #define DEFINE_DRIVER(NAME, PANEL)                                                     \
     static void NAME(const op_mm_args *a) {                                            \
+        op_ran(KERNEL_CODE);                                                           \
         OP_FOR_PANELS(a, p, tb, te) {                                                  \
             if (a->M < 2) {                                                            \
                 OP_PANEL_WITH_TILES(PANEL, a, p, tb, te - tb, 0, 1)                    \
@@ -280,6 +283,7 @@ DEFINE_DRIVER(mm_i8_avx2, i8_panel)
  * spill to L1 at four tiles, which measured faster than a second pass over the
  * panel: the stream stays sequential). */
 static void mm_bfp_avx2(const op_mm_args *a) {
+    op_ran(KERNEL_CODE);
     OP_FOR_PANELS(a, p, tb, te)
         for (size_t m = 0; m < a->M; m++) OP_PANEL_WITH_TILES(bfp_panel, a, p, tb, te - tb, m, 1)
 }
@@ -324,6 +328,7 @@ AI void gemm_panel(const op_gemm_args *g, size_t t, size_t m, const int TP, cons
 }
 
 static void gemm_avx2(const op_gemm_args *g) {
+    op_ran(KERNEL_CODE);
     const size_t t0 = g->col_begin / OP_TILE_N, t1 = (g->col_end + OP_TILE_N - 1) / OP_TILE_N;
     if (g->M < 4) {
         for (size_t m = 0; m < g->M; m++) {

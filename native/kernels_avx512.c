@@ -24,6 +24,9 @@
 #include <immintrin.h>
 
 #define AI static inline __attribute__((always_inline))
+/* What every driver below records as the code that ran (op_last_kernel); the VNNI
+ * section at the end redefines it for its drivers. */
+#define KERNEL_CODE OP_KERNEL_AVX512
 
 /* Columns of tile t inside [col_begin, col_end), as a lane mask. */
 AI __mmask16 col_mask(size_t cb, size_t ce, size_t t) {
@@ -377,6 +380,7 @@ DEFINE_BFP_PANEL(bfp_panel_bw, dot_bw)
 
 #define DEFINE_DRIVER(NAME, PANEL, BIG)                                               \
     static void NAME(const op_mm_args *a) {                                           \
+        op_ran(KERNEL_CODE);                                                          \
         OP_FOR_PANELS(a, p, tb, te) {                                                 \
             size_t m = 0;                                                             \
             if (BIG == 8)                                                             \
@@ -396,6 +400,7 @@ DEFINE_DRIVER(mm_f32_avx512, f32_panel, 8)
  * the last 1-3 rows as in DEFINE_DRIVER. */
 #define DEFINE_I8_DRIVER(NAME, PANEL, PANEL4)                                         \
     static void NAME(const op_mm_args *a) {                                           \
+        op_ran(KERNEL_CODE);                                                          \
         OP_FOR_PANELS(a, p, tb, te) {                                                 \
             size_t m = 0;                                                             \
             for (; m + 4 <= a->M; m += 4) PANEL4(a, p, tb, te, m);                    \
@@ -423,6 +428,7 @@ AI uint32_t chunk_blocks(const op_packed_header *h) {
 }
 #define DEFINE_BFP_DRIVER(NAME, PANEL)                                                \
     static void NAME(const op_mm_args *a) {                                           \
+        op_ran(KERNEL_CODE);                                                          \
         __m512 st[OP_PANEL_TILES * 4];                                                \
         OP_FOR_PANELS(a, p, tb, te) {                                                 \
             size_t m = 0;                                                             \
@@ -472,6 +478,7 @@ AI void gemm_panel(const op_gemm_args *g, size_t t, size_t m, const int TP, cons
 }
 
 static void gemm_avx512(const op_gemm_args *g) {
+    op_ran(KERNEL_CODE);
     const size_t t0 = g->col_begin / OP_TILE_N, t1 = (g->col_end + OP_TILE_N - 1) / OP_TILE_N;
     if (g->M < 4) {
         for (size_t m = 0; m < g->M; m++) {
@@ -573,6 +580,8 @@ const op_kernel_table op_kernels_avx512 = {mm_f32_avx512, mm_bfp_avx512_bw, mm_i
 /* ---- VNNI variant of the int8 path ------------------------------------------------ */
 #pragma GCC push_options
 #pragma GCC target("avx512vnni")
+#undef KERNEL_CODE
+#define KERNEL_CODE OP_KERNEL_AVX512_VNNI
 AI __m512i dot_vnni(__m512i acc, __m512i u, __m512i s) { return _mm512_dpbusd_epi32(acc, u, s); }
 DEFINE_I8_PANEL(i8_panel_vnni, dot_vnni)
 DEFINE_I8_PANEL4(i8_panel4_vnni, dot_vnni)

@@ -30,6 +30,7 @@ typedef void (*block_fn)(const op_mm_args *a, size_t m, int i, uint32_t b, const
                          float out[OP_TILE_N]);
 
 static void mm_walk(const op_mm_args *a, block_fn block) {
+    op_ran(OP_KERNEL_SCALAR);
     const op_packed_header *h = a->h;
     for (size_t t = op_tile_begin(a), t1 = op_tile_end(a); t < t1; t++) {
         const size_t p = t / OP_PANEL_TILES;
@@ -122,6 +123,7 @@ static void mm_i8_scalar(const op_mm_args *a) { mm_walk(a, i8_block); }
 static void mm_bfp_scalar(const op_mm_args *a) { mm_walk(a, bfp_block); }
 
 static void gemm_scalar(const op_gemm_args *g) {
+    op_ran(OP_KERNEL_SCALAR);
     const op_packed_header *h = g->h;
     const size_t K = (size_t)h->K;
     const size_t t0 = g->col_begin / OP_TILE_N, t1 = (g->col_end + OP_TILE_N - 1) / OP_TILE_N;

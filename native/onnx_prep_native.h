@@ -53,6 +53,22 @@ int op_isa_compiled(int isa);       /* 1 if this build contains code for `isa` *
 int op_isa_supported(int isa);      /* compiled in and the CPU/OS can run it */
 uint32_t op_packed_panel_n(void);   /* columns per int4 matmul panel (64): split ranges on it */
 
+/* ---- which kernel code ran ------------------------------------------------------ */
+/* What computed the last kernel call (matmul, gemm, gather, prepack, erf) made on the
+ * calling thread. Each call's entry point first resets it to OP_KERNEL_NONE; then the
+ * code that computes the result writes its own id (each SIMD driver its ISA, every
+ * portable loop OP_KERNEL_SCALAR), never the dispatcher, so an ISA mapped to another
+ * kernel table shows here. NONE: nothing was computed (an error, an empty column
+ * range, or no call yet on this thread). For tests and benchmarks. */
+typedef enum {
+    OP_KERNEL_NONE = 0,
+    OP_KERNEL_SCALAR = 1,        /* portable C */
+    OP_KERNEL_AVX2 = 2,          /* AVX2 + FMA */
+    OP_KERNEL_AVX512 = 3,        /* AVX-512 F/BW/VL/DQ, no VNNI instruction */
+    OP_KERNEL_AVX512_VNNI = 4    /* AVX-512 with VNNI dot products (integer paths) */
+} op_kernel_code;
+int op_last_kernel(void);
+
 /* ---- packed buffer header (64 bytes) ---------------------------------------- */
 typedef struct {
     uint32_t magic;          /* OP_PACK_MAGIC */

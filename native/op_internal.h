@@ -148,6 +148,11 @@ int64_t op_bfp_digits_portable(const float *a, size_t n, double inv, int8_t *dst
 float op_block_amax_portable(const float *a, size_t n, int *finite);
 int32_t op_i8_round_portable(const float *a, size_t n, float inv, int8_t *a8);
 
+/* The calling thread's op_last_kernel() (dispatch.c). Entry points reset it with
+ * op_ran(OP_KERNEL_NONE); the code that computes writes its own id with op_ran. */
+extern _Thread_local int op_last_kernel_code;
+static inline void op_ran(int code) { op_last_kernel_code = code; }
+
 /* Per-ISA tables. */
 extern const op_kernel_table op_kernels_scalar;
 #if OP_SIMD

@@ -128,10 +128,12 @@ int op_prepack_matmul_nbits(const uint8_t *B, const float *scales, const uint8_t
                             const float *zp_f32, uint64_t K, uint64_t N, uint32_t bs,
                             int zp_kind, int accuracy_level, int scales_were_f16,
                             uint8_t *out, size_t out_size) {
+    op_ran(OP_KERNEL_NONE);
     size_t need = op_matmul_nbits_packed_size(K, N, bs, zp_kind);
     if (!need || out_size != need || !B || !scales || !out) return OP_E_ARG;
     if (accuracy_level < 0 || accuracy_level > 4) return OP_E_ARG;
     if ((zp_kind == OP_ZP_U4 && !zp_u4) || (zp_kind == OP_ZP_FLOAT && !zp_f32)) return OP_E_ARG;
+    op_ran(OP_KERNEL_SCALAR); /* packing is portable C on every ISA */
     const uint32_t nb = (uint32_t)((K + bs - 1) / bs);
     const size_t blob = bs / 2, stride = mm_panel_stride(K, bs, zp_kind);
     const size_t blk_bytes = op_mm_block_bytes(bs, zp_kind);
@@ -252,9 +254,11 @@ size_t op_gather_packed_size(uint64_t V, uint32_t nb, uint32_t bs, int zp_kind) 
 int op_prepack_gather(const uint8_t *data, const float *scales, const uint8_t *zp_u4,
                       const float *zp_f32, uint64_t V, uint32_t nb, uint32_t bs, int zp_kind,
                       int scales_were_f16, uint8_t *out, size_t out_size) {
+    op_ran(OP_KERNEL_NONE);
     size_t need = op_gather_packed_size(V, nb, bs, zp_kind);
     if (!need || out_size != need || !data || !scales || !out) return OP_E_ARG;
     if ((zp_kind == OP_ZP_U4 && !zp_u4) || (zp_kind == OP_ZP_FLOAT && !zp_f32)) return OP_E_ARG;
+    op_ran(OP_KERNEL_SCALAR);
     const size_t stride = gather_row_stride(nb, bs, zp_kind), codes = (size_t)nb * bs / 2u;
     uint32_t flags = (uint32_t)zp_kind | (scales_were_f16 ? OP_FLAG_SCALES_F16 : 0u);
     write_header(out, OP_KIND_INT4_GATHER, flags, bs, (uint64_t)nb * bs, V, nb, 0, stride, need);
@@ -286,8 +290,10 @@ size_t op_gemm_b_packed_size(uint64_t K, uint64_t N) {
 
 int op_prepack_gemm_b(const float *B, uint64_t K, uint64_t N, int trans_b, uint8_t *out,
                       size_t out_size) {
+    op_ran(OP_KERNEL_NONE);
     size_t need = op_gemm_b_packed_size(K, N);
     if (!need || out_size != need || !B || !out) return OP_E_ARG;
+    op_ran(OP_KERNEL_SCALAR);
     const size_t stride = (size_t)K * OP_TILE_N * 4u, tiles = (size_t)((N + OP_TILE_N - 1) / OP_TILE_N);
     write_header(out, OP_KIND_GEMM_B, trans_b ? OP_FLAG_TRANS_B : 0u, 0, K, N, 0, OP_TILE_N,
                  stride, need);

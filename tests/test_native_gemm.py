@@ -7,8 +7,11 @@ import pytest
 
 from onnx_prep import native
 
-from test_native_reference import FP32_UNIT_ROUNDOFF  # noqa: E402
-SIMD = list(native.kernel_variants()[1:])
+from test_native_reference import FP32_UNIT_ROUNDOFF, SIMD_ISAS, expected_kernel
+
+TRANS_B = [False, True]
+SHAPES = [(1, 1, 1), (1, 300, 17), (5, 64, 48), (33, 129, 70)]
+BIAS_SHAPES = [None, "N", "1N", "MN", "M1", "scalar"]
 
 
 def _ref(A, B, bias, alpha, beta):
@@ -20,10 +23,7 @@ def _ref(A, B, bias, alpha, beta):
     return y, mag
 
 
-@pytest.mark.parametrize("trans_b", [False, True])
-@pytest.mark.parametrize("M,K,N", [(1, 1, 1), (1, 300, 17), (5, 64, 48), (33, 129, 70)])
-@pytest.mark.parametrize("bias_shape", [None, "N", "1N", "MN", "M1", "scalar"])
-def test_gemm_matches_numpy(trans_b, M, K, N, bias_shape):
+def _case(trans_b, M, K, N, bias_shape):
     rng = np.random.default_rng(M * 1000 + K + N)
     A = rng.standard_normal((M, K)).astype(np.float32)
     B = rng.standard_normal((K, N)).astype(np.float32)
@@ -32,15 +32,33 @@ def test_gemm_matches_numpy(trans_b, M, K, N, bias_shape):
             "scalar": np.float32(0.75)}[bias_shape]
     bias = None if bias is None else np.asarray(bias, np.float32)
     packed = native.prepack_gemm_b(np.ascontiguousarray(B.T) if trans_b else B, trans_b=trans_b)
+    return A, B, bias, packed
+
+
+@pytest.mark.parametrize("trans_b", TRANS_B)
+@pytest.mark.parametrize("M,K,N", SHAPES)
+@pytest.mark.parametrize("bias_shape", BIAS_SHAPES)
+def test_gemm_matches_numpy(trans_b, M, K, N, bias_shape):
+    A, B, bias, packed = _case(trans_b, M, K, N, bias_shape)
     assert native.packed_header(packed).trans_b == trans_b
     want, mag = _ref(A, B, bias, 0.5, 2.0)
     got = native.gemm(A, packed, bias=bias, alpha=0.5, beta=2.0, isa="scalar")
     # one rounding per term of the k chain, then alpha, beta * bias
     err = np.abs(got - want) / ((K + 4) * FP32_UNIT_ROUNDOFF * mag + 1e-30)
     assert err.max() <= 1.0
-    for isa in SIMD:
-        np.testing.assert_array_equal(native.gemm(A, packed, bias=bias, alpha=0.5, beta=2.0, isa=isa), got,
-                                      err_msg=isa)
+
+
+@pytest.mark.parametrize("isa", SIMD_ISAS)
+def test_gemm_isa_paths_equal_scalar_bit_for_bit(isa):
+    for trans_b in TRANS_B:
+        for M, K, N in SHAPES:
+            for bias_shape in BIAS_SHAPES:
+                A, _, bias, packed = _case(trans_b, M, K, N, bias_shape)
+                ref = native.gemm(A, packed, bias=bias, alpha=0.5, beta=2.0, isa="scalar")
+                got = native.gemm(A, packed, bias=bias, alpha=0.5, beta=2.0, isa=isa)
+                what = f"{isa} trans_b={trans_b} {(M, K, N)} bias {bias_shape}"
+                assert native.last_kernel() == expected_kernel(isa, "fp32"), what
+                np.testing.assert_array_equal(got, ref, err_msg=what)
 
 
 def test_gemm_packing_is_deterministic_and_trans_b_packs_the_same_matrix_alike_but_flagged():

@@ -86,3 +86,37 @@ def test_kernel_variants_are_not_env_values(monkeypatch):
     monkeypatch.setenv("ONNX_PREP_ISA", "avx512-novnni")
     with pytest.raises(NativeError, match="not an ISA name"):
         native.active_isa()
+
+
+def test_unavailable_reason_is_none_exactly_for_the_paths_that_run():
+    for name in isa_mod.ISAS + isa_mod.VARIANTS:
+        reason = native.unavailable_reason(name)
+        assert (reason is None) == (name in native.kernel_variants()), (name, reason)
+        if reason:  # on a CPU without it: the features it lacks, and what it has
+            assert reason.startswith(f"{name}: ") and ("lacks" in reason or "no code" in reason)
+    with pytest.raises(ValueError, match="not an ISA"):
+        native.unavailable_reason("sse9")
+
+
+def test_a_missing_isa_is_a_visible_skip_with_its_reason(monkeypatch):
+    # This CPU may run every path; stand in a CPU without AVX-512 for the question.
+    from test_native_reference import isa_params
+    lacks = "avx512: CPU lacks avx512f/avx512bw/avx512vl/avx512dq; it has: avx2_fma"
+    monkeypatch.setattr(native, "unavailable_reason", lambda n: lacks if n.startswith("avx512") else None)
+    params = isa_params(isa_mod.ISAS + isa_mod.VARIANTS)
+    assert [p if isinstance(p, str) else p.values[0] for p in params] == list(isa_mod.ISAS + isa_mod.VARIANTS)
+    skipped = {p.values[0]: [m.kwargs["reason"] for m in p.marks] for p in params if not isinstance(p, str)}
+    assert skipped == {"avx512": [lacks], "avx512-novnni": [lacks]}
+
+
+def test_isa_names_import_without_the_compiled_module():
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['onnx_prep.native._native'] = None\n"
+            "from onnx_prep.native.isa import ISAS, VARIANTS, KERNEL_CODES\n"
+            "from onnx_prep.native.layouts import PACK_FORMAT_VERSION\n"
+            "print(ISAS, VARIANTS, KERNEL_CODES)\n"
+            "import onnx_prep.native as n\n"
+            "try:\n    n.active_isa()\nexcept Exception as e:\n    print(type(e).__name__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == [f"{isa_mod.ISAS} {isa_mod.VARIANTS} {isa_mod.KERNEL_CODES}", "NativeError"]

@@ -11,8 +11,10 @@ from onnx_prep import native
 from onnx_prep.core.errors import NativeError
 from test_native_reference import (
     KERNEL_MODES,
+    SIMD_ISAS,
     assert_close_rel,
     dequantize_matmul_nbits,
+    expected_kernel,
     fold_weights,
     level_bounds,
     matmul_reference,
@@ -65,11 +67,11 @@ def test_scalar_matches_numpy_dequantize_then_matmul(M, K, N, bs, zp):
         check_against_numpy(got, A, B, s, z, b, K=K, N=N, bs=bs, level=level)
 
 
-@pytest.mark.parametrize("isa", [i for i in native.kernel_variants() if i != "scalar"] or
-                         [pytest.param("avx2", marks=pytest.mark.skip(reason="no SIMD ISA on this CPU/build"))])
+@pytest.mark.parametrize("isa", SIMD_ISAS)
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("zp", ZPS)
 def test_isa_paths_equal_scalar_bit_for_bit(isa, level, zp):
+    want_kernel = expected_kernel(isa, "fp32" if level == "fma" else "int")
     # the last two: four-row chunks over panels of several ~16 KiB block chunks
     # (the chunked and single-pass multi-row drivers), plus leftover rows
     extra = [(16, 256, 64, 32), (7, 96, 200, 32), (6, 1100, 100, 16), (9, 800, 70, 32)]
@@ -77,7 +79,10 @@ def test_isa_paths_equal_scalar_bit_for_bit(isa, level, zp):
         A, packed, _, b = _case(10 + i, M, K, N, bs, zp, level=level, bias=i % 2 == 0)
         kw = {"compute": "fma"} if level == "fma" else {}  # else: the packed buffer's level
         ref = native.matmul_nbits(A, packed, bias=b, isa="scalar", **kw)
+        assert native.last_kernel() == "scalar"
         got = native.matmul_nbits(A, packed, bias=b, isa=isa, **kw)
+        # equal bytes cannot tell which code made them: the kernel says what ran
+        assert native.last_kernel() == want_kernel, f"{isa} level {level} shape {(M, K, N, bs)}"
         np.testing.assert_array_equal(got, ref, err_msg=f"{isa} level {level} shape {(M, K, N, bs)}")
 
 

@@ -3,12 +3,14 @@ MatMulNBits and GatherBlockQuantized models built in memory and run by ORT's CPU
 provider, compared with the native result on the same sources."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
 from conftest import ort_or_skip
 from onnx_prep import native
-from test_native_reference import dequantize_matmul_nbits, fold_weights, int8_rounded, random_matmul_nbits
+from test_native_reference import ALL_ISAS, dequantize_matmul_nbits, fold_weights, int8_rounded, random_matmul_nbits
 
 ort = ort_or_skip()
 onnx = pytest.importorskip("onnx")
@@ -29,7 +31,6 @@ FP16_ROUNDING = 2.0 ** -11
 # computed exactly in float64 (int8_rounded) and taken off before the same ORT_REL_TOL
 # applies [6.8e-8]. (Without it the bound must cover A's rounding itself, ~1e-2 of the
 # magnitude, and a zero point off by one passed in 3 of 6 cases, scales 1% off in 6 of 6.)
-ISAS = native.kernel_variants()
 
 
 def run_matmul_nbits(A, B, s, z, bias, *, K, N, bs, level):
@@ -86,18 +87,17 @@ def _one_zero_point_off(z, zp: str, A, *, K: int, N: int, bs: int):
     return bad
 
 
-@pytest.mark.parametrize("M,K,N,bs", CASES)
-@pytest.mark.parametrize("zp", ["none", "u4", "float"])
-@pytest.mark.parametrize("scale_dtype", [np.float32, np.float16], ids=["f32", "f16"])
-@pytest.mark.parametrize("level", [0, 1, 4, "fma"])  # "fma": our IEEE fp32 FMA chains vs ORT's level 1
-def test_matmul_nbits_matches_onnxruntime(M, K, N, bs, zp, scale_dtype, level):
+@functools.lru_cache(maxsize=None)
+def _matmul_case(M, K, N, bs, zp, f16, level):
+    """One case's native inputs, ORT's output on the right sources and on the negative
+    controls' wrong ones, and the check, made once for all the ISA paths compared."""
+    scale_dtype = np.float16 if f16 else np.float32
     rng = np.random.default_rng(M * 7919 + K * 31 + N + bs)
     B, s, z = random_matmul_nbits(rng, K=K, N=N, block_size=bs, zp=zp, scale_dtype=scale_dtype)
     A = rng.standard_normal((M, K)).astype(np.float32)
     bias = rng.standard_normal(N).astype(np.float32) if N % 2 else None
     ort_level = 1 if level == "fma" else level
     want = run_matmul_nbits(A, B, s, z, bias, K=K, N=N, bs=bs, level=ort_level)
-    f16 = scale_dtype == np.float16
     A_used = A.astype(np.float16).astype(np.float32) if f16 else A  # what ORT multiplies
     bias_used = None if bias is None else bias.astype(scale_dtype).astype(np.float32)
     packed = native.prepack_matmul_nbits(B, s, z, K=K, N=N, block_size=bs, accuracy_level=ort_level)
@@ -112,16 +112,25 @@ def test_matmul_nbits_matches_onnxruntime(M, K, N, bs, zp, scale_dtype, level):
         bound = ORT_REL_TOL * mag + (FP16_ROUNDING * np.abs(ref) if f16 else 0.0) + 1e-30
         return float(np.max(np.abs(got - ref - offset) / bound))
 
-    for isa in ISAS:
-        got = native.matmul_nbits(A_used, packed, bias=bias_used, isa=isa,
-                                  compute="fma" if level == "fma" else None)
-        assert worst(got, want) <= 1, f"{isa}: error {worst(got, want):.3g}x the tolerance"
     # Negative controls: ORT on sources with one zero point off by one, or every scale 1%
     # off, must fail the same check against our (right) result.
-    for what, zs, ss in (("one zero point off by one", _one_zero_point_off(z, zp, A_used, K=K, N=N, bs=bs), s),
-                         ("scales 1% off", z, (s.astype(np.float64) * 1.01).astype(scale_dtype))):
-        wrong = run_matmul_nbits(A, B, ss, zs, bias, K=K, N=N, bs=bs, level=ort_level)
-        assert worst(got, wrong) > 1, f"{what}: within the tolerance ({worst(got, wrong):.3g}x)"
+    wrong = {what: run_matmul_nbits(A, B, ss, zs, bias, K=K, N=N, bs=bs, level=ort_level)
+             for what, zs, ss in (("one zero point off by one", _one_zero_point_off(z, zp, A_used, K=K, N=N, bs=bs), s),
+                                  ("scales 1% off", z, (s.astype(np.float64) * 1.01).astype(scale_dtype)))}
+    return A_used, packed, bias_used, want, wrong, worst
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize("M,K,N,bs", CASES)
+@pytest.mark.parametrize("zp", ["none", "u4", "float"])
+@pytest.mark.parametrize("scale_dtype", [np.float32, np.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("level", [0, 1, 4, "fma"])  # "fma": our IEEE fp32 FMA chains vs ORT's level 1
+def test_matmul_nbits_matches_onnxruntime(M, K, N, bs, zp, scale_dtype, level, isa):
+    A_used, packed, bias_used, want, wrong, worst = _matmul_case(M, K, N, bs, zp, scale_dtype == np.float16, level)
+    got = native.matmul_nbits(A_used, packed, bias=bias_used, isa=isa, compute="fma" if level == "fma" else None)
+    assert worst(got, want) <= 1, f"{isa}: error {worst(got, want):.3g}x the tolerance"
+    for what, ref in wrong.items():
+        assert worst(got, ref) > 1, f"{what}: within the tolerance ({worst(got, ref):.3g}x)"
 
 
 def run_gather_block_quantized(data, scales, zp, indices, bs):

@@ -6,6 +6,41 @@ kernels' folding of scales and zero points."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
+
+from onnx_prep.native.isa import ISAS, VARIANTS
+
+
+def isa_params(names) -> list:
+    """``names`` as pytest parameters, each path this CPU or build lacks marked to skip
+    with its reason: a missing ISA shows as a skip, never as a shorter list."""
+    from onnx_prep import native
+
+    params = []
+    for name in names:
+        reason = native.unavailable_reason(name)
+        params.append(pytest.param(name, marks=pytest.mark.skip(reason=reason)) if reason else name)
+    return params
+
+
+# Every kernel path by name, whether or not it runs here (see isa_params).
+ALL_ISAS = isa_params(ISAS + VARIANTS)
+SIMD_ISAS = isa_params((ISAS + VARIANTS)[1:])
+
+
+def expected_kernel(isa: str, path: str) -> str:
+    """The kernel code (native.last_kernel()) a call with ``isa`` must report, written
+    out here independently of the C dispatcher: ``path`` "int" for the integer paths
+    (accuracy levels 0-4), "fp32" for the FMA chains and gemm. VNNI serves "avx512"
+    on the integer paths where the CPU has it; "avx512-novnni" never uses it."""
+    from onnx_prep import native
+
+    if isa == "avx512-novnni":
+        return "avx512"
+    if isa == "avx512" and path == "int" and native.cpu_features()["avx512_vnni"]:
+        return "avx512-vnni"
+    return isa
+
 
 # Tolerances. The kernels compute per block s * (sum a*q - z * sum a) in fp32, so
 # their rounding error is bounded relative to the FOLD MAGNITUDE
