@@ -12,4 +12,8 @@ per ISA.
 """
 from __future__ import annotations
 
+# The format version every packed header carries: OP_PACK_FORMAT_VERSION of
+# onnx_prep_native.h, which the C module reports as op_pack_format_version(). Kept here
+# as a literal so resolution needs no compiled module; tests/test_native_format_version.py
+# holds the two (and the bytes the packers write) equal.
 PACK_FORMAT_VERSION = 1

@@ -105,6 +105,9 @@ enum {
 /* Reads and validates the header of a packed buffer of `size` bytes. */
 int op_packed_header_read(const uint8_t *packed, size_t size, int expected_kind,
                           op_packed_header *out);
+/* OP_PACK_FORMAT_VERSION, the version every packed header this build writes carries
+ * (and the only one it reads); part of the prepared cache's compatibility key. */
+uint32_t op_pack_format_version(void);
 
 /* ---- INT4 matmul (com.microsoft MatMulNBits, bits = 4) ----------------------- */
 size_t op_matmul_nbits_packed_size(uint64_t K, uint64_t N, uint32_t block_size, int zp_kind);

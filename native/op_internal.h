@@ -1,7 +1,7 @@
 /* Internal declarations shared by the native sources (not part of the cdef).
  *
- * Packed INT4 matmul layout (kind OP_KIND_INT4_MATMUL, format version 2)
- * ----------------------------------------------------------------------
+ * Packed INT4 matmul layout (kind OP_KIND_INT4_MATMUL, OP_PACK_FORMAT_VERSION)
+ * --------------------------------------------------------------------------
  * After the 64-byte header come ceil(N / 64) PANELS of 64 output columns, each
  * panel_stride bytes. A panel is 4 TILES of 16 columns. For each of the n_blocks
  * K-blocks a panel holds one block record of block_bytes bytes:

@@ -27,6 +27,7 @@ const char *op_status_string(int status) {
 }
 
 uint32_t op_packed_panel_n(void) { return OP_PANEL_N; }
+uint32_t op_pack_format_version(void) { return OP_PACK_FORMAT_VERSION; }
 
 static size_t align64(size_t n) { return (n + 63u) & ~(size_t)63u; }
 
