@@ -16,7 +16,7 @@ import pytest
 from onnx import helper
 
 from onnx_prep.core.io import external_data
-from onnx_prep.core.errors import DigestError, ModelFormatError, UnsafePathError, UsageError
+from onnx_prep.core.errors import DigestError, ModelFormatError, UnsafePathError
 from onnx_prep.core.io.external_data import ExternalDataReader
 from onnx_prep.core.kernels.numpy_ops import NUMPY_OPS
 from onnx_prep.core.model.resolution import resolve_model
@@ -324,9 +324,16 @@ def test_resolved_model_is_frozen(tmp_path):
         r.manifest.entries[0].offset = 0  # type: ignore[misc]
 
 
-def test_unknown_isa_is_a_usage_error(tmp_path):
-    with pytest.raises(UsageError, match="unknown ISA"):
-        resolve_model(single_weight_model(tmp_path), isa="sse9")
+def test_resolution_takes_no_isa_and_its_layout_keys_name_none(tiny_llm_path):
+    # every ISA reads the same packed bytes; the kernel code is chosen where the model runs
+    from onnx_prep.native.isa import ISAS, KERNEL_CODES, VARIANTS
+    r = resolve_model(tiny_llm_path)
+    assert r.requests
+    for req in r.requests.values():
+        parts = set(req.layout.split(".")) | {req.device}
+        assert not parts & set(ISAS + VARIANTS + KERNEL_CODES), req.layout
+    with pytest.raises(TypeError):
+        resolve_model(tiny_llm_path, isa="avx2")  # type: ignore[call-arg]
 
 
 def test_folder_with_one_model_resolves(tmp_path):

@@ -54,8 +54,6 @@ from onnx_prep.core.model.resolved_model import (
 from onnx_prep.core.model.transforms import GraphNode, run_transforms
 from onnx_prep.core.model.weights import TENSOR_DIGEST_KEY, DigestSource, WeightDescriptor
 
-ISAS = ("scalar", "avx2", "avx512")
-
 _SHA256 = re.compile(r"^sha256:([0-9a-fA-F]{64})$")
 _SHA1 = re.compile(r"^[0-9a-fA-F]{40}$")
 
@@ -77,19 +75,17 @@ _DTYPES: dict[int, tuple[str, int]] = {
 }
 
 
-def resolve_model(path: str | os.PathLike, *, trust_symlinks: bool = False,
-                  isa: str | None = None) -> ResolvedModel:
+def resolve_model(path: str | os.PathLike, *, trust_symlinks: bool = False) -> ResolvedModel:
     """Resolve ``path`` (an ``.onnx`` file, or a folder holding exactly one) without
     reading external data. Raises the typed errors of ``core/errors.py``; an op with no
     kernel is not an error here: it is listed in ``ResolvedModel.unsupported``.
 
     ``trust_symlinks`` accepts external data reached through symlinks or hard links
-    (Hugging Face cache snapshots). ``isa`` is validated only: layout keys are ISA-
-    independent (``native/layouts.py``), so it does not change the result.
+    (Hugging Face cache snapshots). There is no ISA argument: every ISA reads the same
+    packed bytes (``native/layouts.py``), so the result is the same on any machine, and
+    the kernel code is chosen where the model runs (``native.active_isa()``).
     """
     t0 = time.perf_counter()
-    if isa is not None and isa not in ISAS:
-        raise UsageError(f"unknown ISA {isa!r}", hint=f"choose one of {', '.join(ISAS)}")
     model_path = _model_file(Path(path))
     # NOTE: abspath, not resolve(): a Hugging Face snapshot's model.onnx is a symlink
     # into blobs/, and its data files must be looked up beside the link, not the blob.
