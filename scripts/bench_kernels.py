@@ -321,6 +321,11 @@ def worker(args) -> dict:
                      "reads": {S: [[functools.partial(lib.op_bench_read_streams, q + o, n, S) for o, n in spans]
                                    for q in ptrs] for S in (1, 4)}}
             groups.append(group)
+            # the kernel code this level runs, as the kernels report it (not the ISA
+            # asked for: a dispatch entry pointing at another table shows here)
+            native.matmul_nbits(inputs[args.ms[0]], packs[0], col_begin=0, col_end=min(N, native.PANEL_N),
+                                compute=compute)
+            ran = native.last_kernel()
             for M in args.ms:
                 A = inputs[M]
                 out = np.empty((M, N), dtype=np.float32)
@@ -340,7 +345,7 @@ def worker(args) -> dict:
                     bnd.bind_output("Y", "cpu", 0, np.float32, y.shape, y.ctypes.data)
                     bindings.append((sess, bnd, y))  # y must outlive the binding
                 rows.append({"row": {"K": K, "N": N, "M": M, "level": level, "threads": T,
-                                     "packed_bytes": packed_bytes, "copies": copies},
+                                     "packed_bytes": packed_bytes, "copies": copies, "kernel": ran},
                              "calls": calls, "bindings": bindings, "keep": (packs, out),
                              "group": group, "ours": [], "ort": []})
 
@@ -602,7 +607,12 @@ def main() -> int:
         ort_version = None
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
                platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
-    print(f"onnx-prep {__version__}, ISA {results[0]['isa']}, CPU {cpu} ({os.cpu_count()} logical), "
+    ran = {}
+    for row in (row for r in results for row in r["rows"]):
+        ran.setdefault(str(row["level"]), set()).add(row["kernel"])
+    kernels = "; ".join(f"level {lv}: {', '.join(sorted(map(str, k)))}" for lv, k in ran.items())
+    print(f"onnx-prep {__version__}, ISA {results[0]['isa']} asked for (kernel code that ran: {kernels}), "
+          f"CPU {cpu} ({os.cpu_count()} logical), "
           f"onnxruntime {ort_version}, block_size {BLOCK_SIZE}, no zero points, "
           f"{'hot cache' if args.hot else 'weights streamed from DRAM (rotating copies > 4x LLC)'}, "
           f"{args.reps} repetitions")
