@@ -119,6 +119,11 @@ def test_bench_kernels_smoke(tmp_path):
               "--reps", "2"], tmp_path / "cache")
     assert p.returncode == 0, p.stderr
     assert "256x512" in p.stdout
+    # the code the kernels report having run, not only the ISA asked for
+    from onnx_prep import native
+    from test_native_reference import expected_kernel
+    want = {lv: expected_kernel(native.active_isa(), "int") for lv in (0, 1, 4)}
+    assert "kernel code that ran: " + "; ".join(f"level {lv}: {k}" for lv, k in want.items()) in p.stdout
     assert p.stdout.count("other work on the machine") == 2  # one line per thread count
     # every streamed buffer (ours and the read probe) on 4 KiB pages: none on huge pages
     assert "4 KiB pages asked, 0 of " in p.stdout
