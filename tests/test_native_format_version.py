@@ -1,7 +1,8 @@
 """The packed-format version is one fact: the value the packers write into every
 header, OP_PACK_FORMAT_VERSION of onnx_prep_native.h, what C reports through
-op_pack_format_version(), and native/layouts.py's PACK_FORMAT_VERSION (which layout
-keys, and so the prepared cache, carry) all agree, and no header names another."""
+op_pack_format_version(), and native/layouts.py's PACK_FORMAT_VERSION (which every
+kernel's layout keys, and so the prepared cache, carry) all agree, and no header names
+another."""
 from __future__ import annotations
 
 import re
@@ -11,6 +12,9 @@ from pathlib import Path
 import numpy as np
 
 from onnx_prep import native
+from onnx_prep.core.kernels.gemm_packed import gemm_b_layout
+from onnx_prep.core.kernels.int4_gather import gather_block_quantized_layout
+from onnx_prep.core.kernels.int4_matmul import matmul_nbits_layout
 from onnx_prep.native import layouts
 from onnx_prep.native._module import lib
 
@@ -36,10 +40,9 @@ def test_c_headers_layouts_and_packed_bytes_carry_one_format_version():
         magic, written = struct.unpack_from("<IH", packed, 0)
         assert magic == lib.OP_PACK_MAGIC and written == version, name
         assert native.packed_header(packed).format_version == version, name
-    for key in (layouts.matmul_nbits_layout(block_size=32, zero_points="none", scale_dtype="float32",
-                                            accuracy_level=4),
-                layouts.gather_block_quantized_layout(block_size=32, zero_points="u4", scale_dtype="float16"),
-                layouts.gemm_b_layout(trans_b=True)):
+    for key in (matmul_nbits_layout(block_size=32, zero_points="none", scale_dtype="float32", accuracy_level=4),
+                gather_block_quantized_layout(block_size=32, zero_points="u4", scale_dtype="float16"),
+                gemm_b_layout(trans_b=True)):
         assert f".v{version}." in key, key
 
 
