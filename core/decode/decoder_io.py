@@ -43,6 +43,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from onnx_prep.core.errors import ModelFormatError, ModelIOError, UsageError, Where
+from onnx_prep.core.model.dtypes import DTYPES, dtype_of_type_string
 from onnx_prep.core.model.resolved_model import ValueInfo
 
 KV_LAYOUTS = ("bhsd", "bshd")
@@ -219,20 +220,13 @@ def value_infos_from_model(model: Any) -> tuple[tuple[ValueInfo, ...], tuple[Val
             tuple(info(vi) for vi in graph.output))
 
 
-_ORT_TYPES = {
-    "tensor(float)": 1, "tensor(uint8)": 2, "tensor(int8)": 3, "tensor(uint16)": 4,
-    "tensor(int16)": 5, "tensor(int32)": 6, "tensor(int64)": 7, "tensor(bool)": 9,
-    "tensor(float16)": 10, "tensor(double)": 11, "tensor(uint32)": 12, "tensor(uint64)": 13,
-    "tensor(bfloat16)": 16,
-}
-
-
 def value_infos_from_ort(session: Any) -> tuple[tuple[ValueInfo, ...], tuple[ValueInfo, ...]]:
     """Inputs and outputs of an ``onnxruntime.InferenceSession`` as ``ValueInfo``s."""
     def info(arg) -> ValueInfo:
         shape = None if arg.shape is None else tuple(
             d if isinstance(d, int) else (d or None) for d in arg.shape)
-        return ValueInfo(arg.name, _ORT_TYPES.get(arg.type, 0), shape)
+        dt = dtype_of_type_string(arg.type)
+        return ValueInfo(arg.name, 0 if dt is None else dt.code, shape)
 
     return (tuple(info(a) for a in session.get_inputs()),
             tuple(info(a) for a in session.get_outputs()))
@@ -285,13 +279,10 @@ def validate_io_map(data: Any, where: Where = Where()) -> dict[str, Any]:
 # ---------------------------------------------------------------- discovery
 
 def _np_dtype(vi: ValueInfo, model: str | None) -> np.dtype:
-    from onnx import helper
-
-    try:
-        return np.dtype(helper.tensor_dtype_to_np_dtype(vi.elem_type))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ModelIOError(f"unsupported element type {vi.elem_type}",
-                           Where(model=model, tensor=vi.name)) from exc
+    dt = DTYPES.get(vi.elem_type)
+    if dt is None:
+        raise ModelIOError(f"unsupported element type {vi.elem_type}", Where(model=model, tensor=vi.name))
+    return dt.numpy
 
 
 def _kv_slot(name: str) -> tuple[int, str] | None:

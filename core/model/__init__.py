@@ -1,4 +1,5 @@
-"""Model resolution: metadata-only parse, transforms, weights, prepared keys."""
+"""Model resolution: metadata-only parse, transforms, weights, prepared keys, and the
+facts about a model every family shares (its element types)."""
 from onnx_prep.core.lazy_exports import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
@@ -21,4 +22,7 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     "GraphNode": "transforms",
     "TransformResult": "transforms",
     "run_transforms": "transforms",
+    "DType": "dtypes",
+    "DTYPES": "dtypes",
+    "dtype_of_type_string": "dtypes",
 })

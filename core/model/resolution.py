@@ -39,7 +39,8 @@ from onnx_prep.core.errors import (
     UsageError,
     Where,
 )
-from onnx_prep.core.io.external_data import PACKED_BITS, check_bounds, stat_external_file
+from onnx_prep.core.io.external_data import check_bounds, stat_external_file
+from onnx_prep.core.model.dtypes import DTYPES
 from onnx_prep.core.model.prepared_key import PrepackRequest, PreparedKey
 from onnx_prep.core.model.resolved_model import (
     NodeKernel,
@@ -59,22 +60,6 @@ ISAS = ("scalar", "avx2", "avx512")
 _SHA256 = re.compile(r"^sha256:([0-9a-fA-F]{64})$")
 _SHA1 = re.compile(r"^[0-9a-fA-F]{40}$")
 
-# onnx.TensorProto.DataType -> (numpy-style name, bits per element)
-_DTYPES: dict[int, tuple[str, int]] = {
-    TensorProto.FLOAT: ("float32", 32), TensorProto.UINT8: ("uint8", 8),
-    TensorProto.INT8: ("int8", 8), TensorProto.UINT16: ("uint16", 16),
-    TensorProto.INT16: ("int16", 16), TensorProto.INT32: ("int32", 32),
-    TensorProto.INT64: ("int64", 64), TensorProto.STRING: ("string", 0),
-    TensorProto.BOOL: ("bool", 8), TensorProto.FLOAT16: ("float16", 16),
-    TensorProto.DOUBLE: ("float64", 64), TensorProto.UINT32: ("uint32", 32),
-    TensorProto.UINT64: ("uint64", 64), TensorProto.COMPLEX64: ("complex64", 64),
-    TensorProto.COMPLEX128: ("complex128", 128), TensorProto.BFLOAT16: ("bfloat16", 16),
-    TensorProto.FLOAT8E4M3FN: ("float8e4m3fn", 8), TensorProto.FLOAT8E4M3FNUZ: ("float8e4m3fnuz", 8),
-    TensorProto.FLOAT8E5M2: ("float8e5m2", 8), TensorProto.FLOAT8E5M2FNUZ: ("float8e5m2fnuz", 8),
-    TensorProto.UINT4: ("uint4", 4), TensorProto.INT4: ("int4", 4),
-    TensorProto.FLOAT4E2M1: ("float4e2m1", 4), TensorProto.FLOAT8E8M0: ("float8e8m0", 8),
-    TensorProto.UINT2: ("uint2", 2), TensorProto.INT2: ("int2", 2),
-}
 
 
 def resolve_model(path: str | os.PathLike, *, trust_symlinks: bool = False,
@@ -247,17 +232,17 @@ def _descriptor(t: TensorProto, ctx: _Context) -> WeightDescriptor:
     def where(file: str | None = None, offset: int | None = None) -> Where:
         return Where(model=ctx.model, tensor=name, file=file, offset=offset)
 
-    dt = _DTYPES.get(t.data_type)
+    dt = DTYPES.get(t.data_type)
     if dt is None:
         raise ModelFormatError(f"initializer has unknown data type {t.data_type}", where())
-    dtype, bits = dt
+    dtype = dt.name
     dims = tuple(t.dims)
     numel = 1
     for d in dims:
         if d < 0:
             raise ModelFormatError(f"initializer has negative dims {list(dims)}", where())
         numel *= d
-    nbytes = (numel * bits + 7) // 8
+    nbytes = dt.nbytes(numel)
 
     tensor_digest = None
     for prop in t.metadata_props:
@@ -313,7 +298,7 @@ def _inline_value(t: TensorProto, d: WeightDescriptor, ctx: _Context) -> np.ndar
     read_array`` gives for external tensors (sub-byte types packed uint8)."""
     where = Where(model=ctx.model, tensor=t.name)
     try:
-        if d.onnx_type in PACKED_BITS:
+        if DTYPES[d.onnx_type].packed:
             if t.raw_data:
                 raw = np.frombuffer(t.raw_data, dtype=np.uint8)
             else:  # int32_data holds one packed byte per element
