@@ -42,9 +42,10 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from onnx_prep.core.errors import ModelFormatError, ModelIOError, UsageError, Where
+from onnx_prep.core.errors import ModelIOError, UsageError, Where
 from onnx_prep.core.model.dtypes import DTYPES, dtype_of_type_string
-from onnx_prep.core.model.resolved_model import ValueInfo
+from onnx_prep.core.model.model_file import find_model_file, parse_model_file
+from onnx_prep.core.model.resolved_model import ValueInfo, graph_value_infos
 
 KV_LAYOUTS = ("bhsd", "bshd")
 
@@ -186,38 +187,9 @@ def value_infos_from_model(model: Any) -> tuple[tuple[ValueInfo, ...], tuple[Val
     """Graph inputs (initializers excluded) and outputs of an ONNX file path or
     ``ModelProto``. Loads the protobuf only: external data is never read. A missing
     file is a ``UsageError``, an unparsable one a ``ModelFormatError``."""
-    import onnx
-
     if isinstance(model, (str, Path)):
-        where = Where(model=str(model))
-        if not Path(model).exists():
-            raise UsageError("model file not found", where)
-        if not Path(model).is_file():
-            raise UsageError("model path is not a file", where, hint="pass the .onnx file itself")
-        try:
-            model = onnx.load(str(model), load_external_data=False)
-        except OSError as exc:
-            raise UsageError(f"cannot read the model file: {exc.strerror}", where) from None
-        except Exception as exc:  # noqa: BLE001 - protobuf DecodeError and onnx's wrappers
-            raise ModelFormatError(f"not a readable ONNX model ({type(exc).__name__}: {exc})",
-                                   where) from None
-        # An empty or foreign file can parse as an empty ModelProto: insist on a graph.
-        if model.ir_version <= 0 or not model.HasField("graph"):
-            raise ModelFormatError("not a readable ONNX model (no ir_version or no graph)", where)
-    graph = model.graph
-    inits = {i.name for i in graph.initializer}
-
-    def info(vi) -> ValueInfo:
-        tt = vi.type.tensor_type
-        shape = None
-        if tt.HasField("shape"):
-            shape = tuple(d.dim_value if d.HasField("dim_value")
-                          else (d.dim_param if d.HasField("dim_param") else None)
-                          for d in tt.shape.dim)
-        return ValueInfo(vi.name, tt.elem_type, shape)
-
-    return (tuple(info(vi) for vi in graph.input if vi.name not in inits),
-            tuple(info(vi) for vi in graph.output))
+        model = parse_model_file(find_model_file(Path(model)))
+    return graph_value_infos(model.graph)
 
 
 def value_infos_from_ort(session: Any) -> tuple[tuple[ValueInfo, ...], tuple[ValueInfo, ...]]:

@@ -1,5 +1,5 @@
 """Model resolution: metadata-only parse, transforms, weights, prepared keys, and the
-facts about a model every family shares (its element types)."""
+facts about a model every family shares (element types, the model file)."""
 from onnx_prep.core.lazy_exports import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
@@ -11,6 +11,7 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     "NodeKernel": "resolved_model",
     "PayloadManifest": "resolved_model",
     "ValueInfo": "resolved_model",
+    "graph_value_infos": "resolved_model",
     "UnsupportedOp": "resolved_model",
     "ResolutionStats": "resolved_model",
     "require_frozen": "resolved_model",
@@ -25,4 +26,6 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     "DType": "dtypes",
     "DTYPES": "dtypes",
     "dtype_of_type_string": "dtypes",
+    "find_model_file": "model_file",
+    "parse_model_file": "model_file",
 })

@@ -28,7 +28,6 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 import onnx
-from google.protobuf.message import DecodeError
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
 from onnx_prep.core.kernels import registry as kernels_registry
@@ -41,6 +40,7 @@ from onnx_prep.core.errors import (
 )
 from onnx_prep.core.io.external_data import check_bounds, stat_external_file
 from onnx_prep.core.model.dtypes import DTYPES
+from onnx_prep.core.model.model_file import find_model_file, parse_model_file
 from onnx_prep.core.model.prepared_key import PrepackRequest, PreparedKey
 from onnx_prep.core.model.resolved_model import (
     NodeKernel,
@@ -48,8 +48,8 @@ from onnx_prep.core.model.resolved_model import (
     ResolutionStats,
     ResolvedModel,
     UnsupportedOp,
-    ValueInfo,
     frozen_mapping,
+    graph_value_infos,
     readonly_array,
 )
 from onnx_prep.core.model.transforms import GraphNode, run_transforms
@@ -75,14 +75,14 @@ def resolve_model(path: str | os.PathLike, *, trust_symlinks: bool = False,
     t0 = time.perf_counter()
     if isa is not None and isa not in ISAS:
         raise UsageError(f"unknown ISA {isa!r}", hint=f"choose one of {', '.join(ISAS)}")
-    model_path = _model_file(Path(path))
+    model_path = find_model_file(Path(path), folder=True)
     # NOTE: abspath, not resolve(): a Hugging Face snapshot's model.onnx is a symlink
     # into blobs/, and its data files must be looked up beside the link, not the blob.
     model_path = Path(os.path.abspath(model_path))
     model_dir = model_path.parent
     ctx = _Context(model=str(model_path))
 
-    proto = _parse(model_path, ctx)
+    proto = parse_model_file(model_path)
     graph = proto.graph
     opsets = {(o.domain or ""): int(o.version) for o in proto.opset_import}
     if "ai.onnx" in opsets and "" not in opsets:
@@ -162,10 +162,10 @@ def resolve_model(path: str | os.PathLike, *, trust_symlinks: bool = False,
         fused_int4_matmuls=result.fused_int4_matmuls,
         resolve_ms=(time.perf_counter() - t0) * 1000.0,
     )
+    graph_inputs, graph_outputs = graph_value_infos(graph)
     return ResolvedModel(
         model_path=model_path, model_dir=model_dir, opsets=frozen_mapping(opsets),
-        inputs=tuple(_value_info(v) for v in graph.input if v.name not in descriptors),
-        outputs=tuple(_value_info(v) for v in graph.output),
+        inputs=graph_inputs, outputs=graph_outputs,
         nodes=tuple(kernels),
         weights=frozen_mapping({d.name: d for d in active}),
         inline_values=frozen_mapping(inline_values),
@@ -185,38 +185,6 @@ class _Context:
 
 
 # ------------------------------------------------------------------------- parsing
-
-def _model_file(path: Path) -> Path:
-    if path.is_dir():
-        found = sorted(path.glob("*.onnx"))
-        if len(found) != 1:
-            raise UsageError(f"folder holds {len(found)} .onnx files, expected exactly one",
-                             Where(model=str(path)), hint="pass the model file itself")
-        return found[0]
-    if not path.exists():
-        raise UsageError("model file not found", Where(model=str(path)))
-    if not path.is_file():
-        raise UsageError("model path is not a file", Where(model=str(path)))
-    return path
-
-
-def _parse(model_path: Path, ctx: _Context) -> onnx.ModelProto:
-    try:
-        proto = onnx.load(str(model_path), load_external_data=False)
-    except DecodeError as exc:
-        raise ModelFormatError(f"not an ONNX protobuf or truncated file ({exc})",
-                               Where(model=ctx.model)) from None
-    except OSError as exc:
-        raise UsageError(f"cannot read the model file: {exc.strerror}", Where(model=ctx.model)) from None
-    except Exception as exc:  # noqa: BLE001 - onnx wraps some decode failures in other types
-        raise ModelFormatError(f"not an ONNX protobuf ({type(exc).__name__}: {exc})",
-                               Where(model=ctx.model)) from None
-    # An empty or foreign file can parse as an empty ModelProto: insist on the basics.
-    if proto.ir_version <= 0 or not proto.HasField("graph"):
-        raise ModelFormatError("not an ONNX model (no ir_version or no graph; truncated file?)",
-                               Where(model=ctx.model))
-    return proto
-
 
 def _int_field(value: str, key: str, where: Callable[[], Where]) -> int:
     try:
@@ -428,23 +396,6 @@ def _topological(nodes: list[GraphNode], defined: set[str], outputs: Iterable[st
         stuck = next(n for i, n in enumerate(nodes) if pending[i] > 0)
         raise ModelFormatError("graph has a cycle", Where(model=ctx.model, node=stuck.name))
     return [nodes[i] for i in order]
-
-
-def _value_info(v: onnx.ValueInfoProto) -> ValueInfo:
-    if not v.type.HasField("tensor_type"):
-        return ValueInfo(v.name, 0, None)
-    tt = v.type.tensor_type
-    if not tt.HasField("shape"):
-        return ValueInfo(v.name, int(tt.elem_type), None)
-    dims: list[int | str | None] = []
-    for d in tt.shape.dim:
-        if d.HasField("dim_value"):
-            dims.append(int(d.dim_value))
-        elif d.HasField("dim_param"):
-            dims.append(d.dim_param)
-        else:
-            dims.append(None)
-    return ValueInfo(v.name, int(tt.elem_type), tuple(dims))
 
 
 # --------------------------------------------------------------------------- report
