@@ -14,7 +14,7 @@ from onnx_prep.core.model.dtypes import DTYPES, dtype_of_type_string
 from onnx_prep.core.model.resolution import resolve_model
 
 from conftest import ort_or_skip
-from test_resolve_models import Tensor, write_model
+from test_resolve_models import Tensor, from_array, write_model
 
 PACKED = {"int4": 4, "uint4": 4, "float4e2m1": 4, "int2": 2, "uint2": 2}
 
@@ -107,3 +107,21 @@ def test_decoder_feed_dtypes_follow_the_table():
     graph.input[0].type.tensor_type.elem_type = 27  # float6e2m3: not in the table
     with pytest.raises(ModelIOError, match="unsupported element type 27"):
         DecoderIO.from_model(helper.make_model(graph))
+
+
+def test_run_reserves_its_outputs_at_their_element_size(tmp_path):
+    from onnx_prep import MemoryBudget, Session
+    from onnx_prep.core.plan.task import Arena
+
+    nodes = [helper.make_node("Add", ["X", "W"], ["Y"]), helper.make_node("Equal", ["X", "W"], ["E"]),
+             helper.make_node("Cast", ["X"], ["F"], to=TensorProto.FLOAT8E4M3FN)]
+    outputs = [helper.make_tensor_value_info(n, t, ["b", 8]) for n, t in
+               (("Y", TensorProto.FLOAT16), ("E", TensorProto.BOOL), ("F", TensorProto.FLOAT8E4M3FN))]
+    path = write_model(tmp_path, nodes, [from_array("W", np.arange(8, dtype=np.float16))],
+                       [helper.make_tensor_value_info("X", TensorProto.FLOAT16, ["b", 8])], outputs)
+    budget = MemoryBudget()
+    with Session.open(path, budget=budget) as s:
+        out = s.run({"X": np.ones((3, 8), np.float16)})
+    assert [out[n].dtype.itemsize for n in ("Y", "E", "F")] == [2, 1, 1]
+    # the IO arena holds what the declared outputs take: 2, 1 and 1 bytes an element
+    assert budget.peak(Arena.IO) == sum(a.nbytes for a in out.values()) == 3 * 8 * 4
