@@ -1,13 +1,14 @@
 # Two entry points (see README): `make demo` runs the main job on the embedded
 # default model; `make test` runs the whole suite. Both create .venv and install
 # the package (with its cffi native module) from this checkout first.
+# `make check-wheel` checks the install users get (CI runs it after `make test`).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 NATIVE_SRC := $(wildcard native/*.c native/*.h native/build_native.py)
 
-.PHONY: demo test install bench clean
+.PHONY: demo test install check-wheel bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +27,25 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The install users get, checked end to end: build the sdist and, from it, the wheel
+# (as pip does from a registry), install the wheel into a fresh venv, run the main job
+# from there (a missing schema, header or fixture module fails here), then the whole
+# suite against that install. Run from this folder, the suite must import the installed
+# package, not the checkout's folders: the one-line check before it says which it got.
+WHEEL_DIR  := build/wheel
+WHEEL_VENV := build/wheel-venv
+
+check-wheel: $(BIN)/python
+	rm -rf $(WHEEL_DIR) $(WHEEL_VENV)
+	$(BIN)/python -m pip install -q build
+	$(BIN)/python -m build -q --outdir $(WHEEL_DIR) .
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install -q "$$(ls $(WHEEL_DIR)/*.whl)[test]"
+	ONNX_PREP_CACHE=$(abspath $(WHEEL_DIR))/cache $(WHEEL_VENV)/bin/onnx-prep demo
+	$(WHEEL_VENV)/bin/python -c 'import onnx_prep.core as c, sys; \
+		sys.exit(0 if "/site-packages/" in c.__file__ else f"not the installed package: {c.__file__}")'
+	$(WHEEL_VENV)/bin/python -m pytest -q
 
 # The benchmarks behind the kernel and load targets (docs/kernels.md, docs/runtime.md),
 # ~6 minutes on 2 vCPUs; each ends with a line saying which targets it met.

@@ -11,8 +11,8 @@ from onnx_prep.core.plan.execution_plan import RAW_LAYOUT, build_prepared_execut
 from onnx_prep.core.model.resolution import resolve_model
 from onnx_prep.core.runtime.session import Session
 from onnx_prep.core.plan.task import TaskKind, TaskScope
-from tests.conftest import ort_or_skip
-from tests.test_resolve_models import gemm_model
+from conftest import ort_or_skip
+from test_resolve_models import gemm_model
 
 
 @pytest.fixture(scope="module")

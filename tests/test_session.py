@@ -17,7 +17,7 @@ from onnx_prep.core.ops import append_buffer
 from onnx_prep.core.model.resolution import resolve_model
 from onnx_prep.core.runtime.session import RuntimeContext, Session, Workspace
 from onnx_prep.core.plan.task import Priority
-from tests.conftest import ort_or_skip
+from conftest import ort_or_skip
 
 # Logits tolerance against ONNX Runtime, relative to the logit range (fp32 compute).
 LOGIT_RTOL = 1e-3

@@ -42,8 +42,10 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from onnx_prep.core.errors import ModelFormatError, ModelIOError, UsageError, Where
-from onnx_prep.core.model.resolved_model import ValueInfo
+from onnx_prep.core.errors import ModelIOError, UsageError, Where
+from onnx_prep.core.model.dtypes import DTYPES, dtype_of_type_string
+from onnx_prep.core.model.model_file import find_model_file, parse_model_file
+from onnx_prep.core.model.resolved_model import ValueInfo, graph_value_infos
 
 KV_LAYOUTS = ("bhsd", "bshd")
 
@@ -185,46 +187,9 @@ def value_infos_from_model(model: Any) -> tuple[tuple[ValueInfo, ...], tuple[Val
     """Graph inputs (initializers excluded) and outputs of an ONNX file path or
     ``ModelProto``. Loads the protobuf only: external data is never read. A missing
     file is a ``UsageError``, an unparsable one a ``ModelFormatError``."""
-    import onnx
-
     if isinstance(model, (str, Path)):
-        where = Where(model=str(model))
-        if not Path(model).exists():
-            raise UsageError("model file not found", where)
-        if not Path(model).is_file():
-            raise UsageError("model path is not a file", where, hint="pass the .onnx file itself")
-        try:
-            model = onnx.load(str(model), load_external_data=False)
-        except OSError as exc:
-            raise UsageError(f"cannot read the model file: {exc.strerror}", where) from None
-        except Exception as exc:  # noqa: BLE001 - protobuf DecodeError and onnx's wrappers
-            raise ModelFormatError(f"not a readable ONNX model ({type(exc).__name__}: {exc})",
-                                   where) from None
-        # An empty or foreign file can parse as an empty ModelProto: insist on a graph.
-        if model.ir_version <= 0 or not model.HasField("graph"):
-            raise ModelFormatError("not a readable ONNX model (no ir_version or no graph)", where)
-    graph = model.graph
-    inits = {i.name for i in graph.initializer}
-
-    def info(vi) -> ValueInfo:
-        tt = vi.type.tensor_type
-        shape = None
-        if tt.HasField("shape"):
-            shape = tuple(d.dim_value if d.HasField("dim_value")
-                          else (d.dim_param if d.HasField("dim_param") else None)
-                          for d in tt.shape.dim)
-        return ValueInfo(vi.name, tt.elem_type, shape)
-
-    return (tuple(info(vi) for vi in graph.input if vi.name not in inits),
-            tuple(info(vi) for vi in graph.output))
-
-
-_ORT_TYPES = {
-    "tensor(float)": 1, "tensor(uint8)": 2, "tensor(int8)": 3, "tensor(uint16)": 4,
-    "tensor(int16)": 5, "tensor(int32)": 6, "tensor(int64)": 7, "tensor(bool)": 9,
-    "tensor(float16)": 10, "tensor(double)": 11, "tensor(uint32)": 12, "tensor(uint64)": 13,
-    "tensor(bfloat16)": 16,
-}
+        model = parse_model_file(find_model_file(Path(model)))
+    return graph_value_infos(model.graph)
 
 
 def value_infos_from_ort(session: Any) -> tuple[tuple[ValueInfo, ...], tuple[ValueInfo, ...]]:
@@ -232,7 +197,8 @@ def value_infos_from_ort(session: Any) -> tuple[tuple[ValueInfo, ...], tuple[Val
     def info(arg) -> ValueInfo:
         shape = None if arg.shape is None else tuple(
             d if isinstance(d, int) else (d or None) for d in arg.shape)
-        return ValueInfo(arg.name, _ORT_TYPES.get(arg.type, 0), shape)
+        dt = dtype_of_type_string(arg.type)
+        return ValueInfo(arg.name, 0 if dt is None else dt.code, shape)
 
     return (tuple(info(a) for a in session.get_inputs()),
             tuple(info(a) for a in session.get_outputs()))
@@ -285,13 +251,10 @@ def validate_io_map(data: Any, where: Where = Where()) -> dict[str, Any]:
 # ---------------------------------------------------------------- discovery
 
 def _np_dtype(vi: ValueInfo, model: str | None) -> np.dtype:
-    from onnx import helper
-
-    try:
-        return np.dtype(helper.tensor_dtype_to_np_dtype(vi.elem_type))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ModelIOError(f"unsupported element type {vi.elem_type}",
-                           Where(model=model, tensor=vi.name)) from exc
+    dt = DTYPES.get(vi.elem_type)
+    if dt is None:
+        raise ModelIOError(f"unsupported element type {vi.elem_type}", Where(model=model, tensor=vi.name))
+    return dt.numpy
 
 
 def _kv_slot(name: str) -> tuple[int, str] | None:

@@ -37,18 +37,11 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from onnx import TensorProto, helper
 
 from onnx_prep.core.errors import DigestError, ExternalDataError, UnsafePathError, UsageError, Where
+from onnx_prep.core.model.dtypes import DTYPES
 from onnx_prep.core.model.resolved_model import PayloadManifest
 from onnx_prep.core.model.weights import DigestSource, WeightDescriptor
-
-# Sub-byte element types: their payload is packed (two int4 per byte, low nibble first;
-# four int2 per byte); read_array hands them out as packed uint8.
-PACKED_BITS = {
-    TensorProto.INT4: 4, TensorProto.UINT4: 4, TensorProto.FLOAT4E2M1: 4,
-    TensorProto.INT2: 2, TensorProto.UINT2: 2,
-}
 
 _TRUST_HINT = ("if this is a Hugging Face cache snapshot (files are symlinks into blobs/), "
                "trust it explicitly (--trust-symlinks / trust_symlinks=True)")
@@ -250,10 +243,6 @@ class ReadHooks:
 
 
 # -------------------------------------------------------------------------- reader
-
-def _dtype_for(desc: WeightDescriptor) -> np.dtype:
-    return np.dtype(helper.tensor_dtype_to_np_dtype(desc.onnx_type)).newbyteorder("<")
-
 
 class ExternalDataReader:
     """THE one reader of external-data bytes (see module docstring for the path rules).
@@ -631,12 +620,12 @@ def _pread_exact(fd: int, mv: memoryview, offset: int, where: Where) -> None:
 
 def as_array(desc: WeightDescriptor, raw: np.ndarray) -> np.ndarray:
     """View ``raw`` (uint8, ``desc.length`` bytes) as the tensor (see ``read_array``)."""
-    bits = PACKED_BITS.get(desc.onnx_type)
-    if bits is not None:
-        if desc.dims and (desc.dims[-1] * bits) % 8 == 0:
-            return raw.reshape(desc.dims[:-1] + (desc.dims[-1] * bits // 8,))
+    dt = DTYPES[desc.onnx_type]
+    if dt.packed:  # packed uint8: rows of whole bytes when the last axis fills them, else flat
+        if desc.dims and (desc.dims[-1] * dt.bits) % 8 == 0:
+            return raw.reshape(desc.dims[:-1] + (desc.dims[-1] * dt.bits // 8,))
         return raw
-    return raw.view(_dtype_for(desc)).reshape(desc.dims)
+    return raw.view(dt.numpy.newbyteorder("<")).reshape(desc.dims)
 
 
 _SHA256 = re.compile(r"^sha256:([0-9a-f]{64})$")

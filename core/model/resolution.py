@@ -28,7 +28,6 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 import onnx
-from google.protobuf.message import DecodeError
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
 from onnx_prep.core.kernels import registry as kernels_registry
@@ -39,7 +38,9 @@ from onnx_prep.core.errors import (
     UsageError,
     Where,
 )
-from onnx_prep.core.io.external_data import PACKED_BITS, check_bounds, stat_external_file
+from onnx_prep.core.io.external_data import check_bounds, stat_external_file
+from onnx_prep.core.model.dtypes import DTYPES
+from onnx_prep.core.model.model_file import find_model_file, parse_model_file
 from onnx_prep.core.model.prepared_key import PrepackRequest, PreparedKey
 from onnx_prep.core.model.resolved_model import (
     NodeKernel,
@@ -47,8 +48,8 @@ from onnx_prep.core.model.resolved_model import (
     ResolutionStats,
     ResolvedModel,
     UnsupportedOp,
-    ValueInfo,
     frozen_mapping,
+    graph_value_infos,
     readonly_array,
 )
 from onnx_prep.core.model.transforms import GraphNode, run_transforms
@@ -57,22 +58,6 @@ from onnx_prep.core.model.weights import TENSOR_DIGEST_KEY, DigestSource, Weight
 _SHA256 = re.compile(r"^sha256:([0-9a-fA-F]{64})$")
 _SHA1 = re.compile(r"^[0-9a-fA-F]{40}$")
 
-# onnx.TensorProto.DataType -> (numpy-style name, bits per element)
-_DTYPES: dict[int, tuple[str, int]] = {
-    TensorProto.FLOAT: ("float32", 32), TensorProto.UINT8: ("uint8", 8),
-    TensorProto.INT8: ("int8", 8), TensorProto.UINT16: ("uint16", 16),
-    TensorProto.INT16: ("int16", 16), TensorProto.INT32: ("int32", 32),
-    TensorProto.INT64: ("int64", 64), TensorProto.STRING: ("string", 0),
-    TensorProto.BOOL: ("bool", 8), TensorProto.FLOAT16: ("float16", 16),
-    TensorProto.DOUBLE: ("float64", 64), TensorProto.UINT32: ("uint32", 32),
-    TensorProto.UINT64: ("uint64", 64), TensorProto.COMPLEX64: ("complex64", 64),
-    TensorProto.COMPLEX128: ("complex128", 128), TensorProto.BFLOAT16: ("bfloat16", 16),
-    TensorProto.FLOAT8E4M3FN: ("float8e4m3fn", 8), TensorProto.FLOAT8E4M3FNUZ: ("float8e4m3fnuz", 8),
-    TensorProto.FLOAT8E5M2: ("float8e5m2", 8), TensorProto.FLOAT8E5M2FNUZ: ("float8e5m2fnuz", 8),
-    TensorProto.UINT4: ("uint4", 4), TensorProto.INT4: ("int4", 4),
-    TensorProto.FLOAT4E2M1: ("float4e2m1", 4), TensorProto.FLOAT8E8M0: ("float8e8m0", 8),
-    TensorProto.UINT2: ("uint2", 2), TensorProto.INT2: ("int2", 2),
-}
 
 
 def resolve_model(path: str | os.PathLike, *, trust_symlinks: bool = False) -> ResolvedModel:
@@ -86,14 +71,14 @@ def resolve_model(path: str | os.PathLike, *, trust_symlinks: bool = False) -> R
     the kernel code is chosen where the model runs (``native.active_isa()``).
     """
     t0 = time.perf_counter()
-    model_path = _model_file(Path(path))
+    model_path = find_model_file(Path(path), folder=True)
     # NOTE: abspath, not resolve(): a Hugging Face snapshot's model.onnx is a symlink
     # into blobs/, and its data files must be looked up beside the link, not the blob.
     model_path = Path(os.path.abspath(model_path))
     model_dir = model_path.parent
     ctx = _Context(model=str(model_path))
 
-    proto = _parse(model_path, ctx)
+    proto = parse_model_file(model_path)
     graph = proto.graph
     opsets = {(o.domain or ""): int(o.version) for o in proto.opset_import}
     if "ai.onnx" in opsets and "" not in opsets:
@@ -173,10 +158,10 @@ def resolve_model(path: str | os.PathLike, *, trust_symlinks: bool = False) -> R
         fused_int4_matmuls=result.fused_int4_matmuls,
         resolve_ms=(time.perf_counter() - t0) * 1000.0,
     )
+    graph_inputs, graph_outputs = graph_value_infos(graph)
     return ResolvedModel(
         model_path=model_path, model_dir=model_dir, opsets=frozen_mapping(opsets),
-        inputs=tuple(_value_info(v) for v in graph.input if v.name not in descriptors),
-        outputs=tuple(_value_info(v) for v in graph.output),
+        inputs=graph_inputs, outputs=graph_outputs,
         nodes=tuple(kernels),
         weights=frozen_mapping({d.name: d for d in active}),
         inline_values=frozen_mapping(inline_values),
@@ -197,38 +182,6 @@ class _Context:
 
 # ------------------------------------------------------------------------- parsing
 
-def _model_file(path: Path) -> Path:
-    if path.is_dir():
-        found = sorted(path.glob("*.onnx"))
-        if len(found) != 1:
-            raise UsageError(f"folder holds {len(found)} .onnx files, expected exactly one",
-                             Where(model=str(path)), hint="pass the model file itself")
-        return found[0]
-    if not path.exists():
-        raise UsageError("model file not found", Where(model=str(path)))
-    if not path.is_file():
-        raise UsageError("model path is not a file", Where(model=str(path)))
-    return path
-
-
-def _parse(model_path: Path, ctx: _Context) -> onnx.ModelProto:
-    try:
-        proto = onnx.load(str(model_path), load_external_data=False)
-    except DecodeError as exc:
-        raise ModelFormatError(f"not an ONNX protobuf or truncated file ({exc})",
-                               Where(model=ctx.model)) from None
-    except OSError as exc:
-        raise UsageError(f"cannot read the model file: {exc.strerror}", Where(model=ctx.model)) from None
-    except Exception as exc:  # noqa: BLE001 - onnx wraps some decode failures in other types
-        raise ModelFormatError(f"not an ONNX protobuf ({type(exc).__name__}: {exc})",
-                               Where(model=ctx.model)) from None
-    # An empty or foreign file can parse as an empty ModelProto: insist on the basics.
-    if proto.ir_version <= 0 or not proto.HasField("graph"):
-        raise ModelFormatError("not an ONNX model (no ir_version or no graph; truncated file?)",
-                               Where(model=ctx.model))
-    return proto
-
-
 def _int_field(value: str, key: str, where: Callable[[], Where]) -> int:
     try:
         return int(value)
@@ -243,17 +196,17 @@ def _descriptor(t: TensorProto, ctx: _Context) -> WeightDescriptor:
     def where(file: str | None = None, offset: int | None = None) -> Where:
         return Where(model=ctx.model, tensor=name, file=file, offset=offset)
 
-    dt = _DTYPES.get(t.data_type)
+    dt = DTYPES.get(t.data_type)
     if dt is None:
         raise ModelFormatError(f"initializer has unknown data type {t.data_type}", where())
-    dtype, bits = dt
+    dtype = dt.name
     dims = tuple(t.dims)
     numel = 1
     for d in dims:
         if d < 0:
             raise ModelFormatError(f"initializer has negative dims {list(dims)}", where())
         numel *= d
-    nbytes = (numel * bits + 7) // 8
+    nbytes = dt.nbytes(numel)
 
     tensor_digest = None
     for prop in t.metadata_props:
@@ -309,7 +262,7 @@ def _inline_value(t: TensorProto, d: WeightDescriptor, ctx: _Context) -> np.ndar
     read_array`` gives for external tensors (sub-byte types packed uint8)."""
     where = Where(model=ctx.model, tensor=t.name)
     try:
-        if d.onnx_type in PACKED_BITS:
+        if DTYPES[d.onnx_type].packed:
             if t.raw_data:
                 raw = np.frombuffer(t.raw_data, dtype=np.uint8)
             else:  # int32_data holds one packed byte per element
@@ -439,23 +392,6 @@ def _topological(nodes: list[GraphNode], defined: set[str], outputs: Iterable[st
         stuck = next(n for i, n in enumerate(nodes) if pending[i] > 0)
         raise ModelFormatError("graph has a cycle", Where(model=ctx.model, node=stuck.name))
     return [nodes[i] for i in order]
-
-
-def _value_info(v: onnx.ValueInfoProto) -> ValueInfo:
-    if not v.type.HasField("tensor_type"):
-        return ValueInfo(v.name, 0, None)
-    tt = v.type.tensor_type
-    if not tt.HasField("shape"):
-        return ValueInfo(v.name, int(tt.elem_type), None)
-    dims: list[int | str | None] = []
-    for d in tt.shape.dim:
-        if d.HasField("dim_value"):
-            dims.append(int(d.dim_value))
-        elif d.HasField("dim_param"):
-            dims.append(d.dim_param)
-        else:
-            dims.append(None)
-    return ValueInfo(v.name, int(tt.elem_type), tuple(dims))
 
 
 # --------------------------------------------------------------------------- report

@@ -39,6 +39,26 @@ class ValueInfo:
         return {"name": self.name, "elem_type": self.elem_type,
                 "shape": None if self.shape is None else list(self.shape)}
 
+    @classmethod
+    def from_proto(cls, v: Any) -> "ValueInfo":
+        """One ``onnx.ValueInfoProto``. A value that is not a tensor has elem_type 0, one
+        without a shape shape None; a dim is its value, its symbol, or None when neither."""
+        tt = v.type.tensor_type  # the empty default when the type is not a tensor
+        if not tt.HasField("shape"):
+            return cls(v.name, int(tt.elem_type), None)
+        return cls(v.name, int(tt.elem_type), tuple(
+            int(d.dim_value) if d.HasField("dim_value")
+            else d.dim_param if d.HasField("dim_param") else None
+            for d in tt.shape.dim))
+
+
+def graph_value_infos(graph: Any) -> tuple[tuple[ValueInfo, ...], tuple[ValueInfo, ...]]:
+    """An ``onnx.GraphProto``'s inputs and outputs. An input that is also an initializer
+    is left out: the project treats it as a weight, not as an input to feed."""
+    inits = {t.name for t in graph.initializer}
+    return (tuple(ValueInfo.from_proto(v) for v in graph.input if v.name not in inits),
+            tuple(ValueInfo.from_proto(v) for v in graph.output))
+
 
 @dataclass(frozen=True, slots=True)
 class NodeKernel:

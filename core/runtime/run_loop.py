@@ -34,6 +34,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from onnx_prep.core.errors import BudgetError, OnnxPrepError, Where
+from onnx_prep.core.model.dtypes import DTYPES
 from onnx_prep.core.model.prepared_key import PreparedKey
 from onnx_prep.core.model.resolved_model import ResolvedModel
 from onnx_prep.core.ops import append_buffer, intra_op
@@ -396,8 +397,7 @@ class _OutputBytes:
                 continue
             dims = [d if isinstance(d, int) else sym.get(d, 1) if isinstance(d, str) else 1
                     for d in shape]
-            total += int(math.prod(dims)) * _ELEM_BYTES.get(elem, 4)
+            numel = int(math.prod(dims))
+            dt = DTYPES.get(elem)  # an unknown type, or string, counts 4 bytes an element
+            total += dt.nbytes(numel) if dt is not None and dt.bits else numel * 4
         return total
-
-
-_ELEM_BYTES = {1: 4, 2: 1, 3: 1, 4: 2, 5: 2, 6: 4, 7: 8, 9: 1, 10: 2, 11: 8, 12: 4, 13: 8, 16: 2}

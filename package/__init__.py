@@ -11,7 +11,8 @@ Each is imported on first use, so ``import onnx_prep`` costs almost nothing::
 
 The import package maps onto the repository's top-level folders: ``onnx_prep.cli``
 (cli/), ``onnx_prep.core`` (core/), ``onnx_prep.native`` (native/) and
-``onnx_prep.fixtures`` (fixtures/). docs/architecture.md is the map.
+``onnx_prep.fixtures`` (fixtures/); this root is package/ (pyproject.toml says why it
+is not a folder named onnx_prep/). docs/architecture.md is the map.
 """
 from onnx_prep.core.lazy_exports import lazy_exports
 
