@@ -303,7 +303,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from onnx_prep import __version__
-    from onnx_prep.core.io.external_data import available_memory_bytes, drop_source_pages
+    from onnx_prep.core.runtime.source_pages import available_memory_bytes, drop_source_pages
     from onnx_prep.core.profile.machine_activity import MachineActivity, describe
     from onnx_prep.core.model.resolution import resolve_model
     from onnx_prep.fixtures import FixtureConfig, ensure_cached

@@ -12,7 +12,8 @@ import pytest
 
 from onnx_prep.core.decode.decoder_io import DecoderIO
 from onnx_prep.core.errors import UsageError
-from onnx_prep.core.io.external_data import (ExternalDataReader, available_memory_bytes, drop_source_pages)
+from onnx_prep.core.io.external_data import ExternalDataReader
+from onnx_prep.core.runtime.source_pages import available_memory_bytes, drop_source_pages
 from onnx_prep.core.decode.generation import step_feeds
 from onnx_prep.core.model.resolution import resolve_model
 from onnx_prep.core.runtime.session import Session

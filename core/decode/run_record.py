@@ -67,7 +67,7 @@ class RunOptions:
             raise UsageError(f"all --prompt-ids rows must have the same length, got {[len(r) for r in rows]}",
                              hint="padding is not supported: give prompts of equal length")
         # Last: the policy names live beside the reader, which imports numpy and onnx.
-        from onnx_prep.core.io.external_data import SOURCE_PAGES
+        from onnx_prep.core.runtime.source_pages import SOURCE_PAGES
 
         if self.source_pages not in SOURCE_PAGES:
             raise UsageError(f"--source-pages must be one of {list(SOURCE_PAGES)}, got {self.source_pages!r}")

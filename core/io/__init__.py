@@ -8,6 +8,4 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     "check_location": "external_data",
     "check_bounds": "external_data",
     "verify_tensor_digest": "external_data",
-    "drop_source_pages": "external_data",
-    "SOURCE_PAGES": "external_data",
 })

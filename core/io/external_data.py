@@ -38,7 +38,7 @@ from typing import Callable
 
 import numpy as np
 
-from onnx_prep.core.errors import DigestError, ExternalDataError, UnsafePathError, UsageError, Where
+from onnx_prep.core.errors import DigestError, ExternalDataError, UnsafePathError, Where
 from onnx_prep.core.model.dtypes import DTYPES
 from onnx_prep.core.model.resolved_model import PayloadManifest
 from onnx_prep.core.model.weights import DigestSource, WeightDescriptor
@@ -552,37 +552,6 @@ def _close_all(fds: dict[str, int]) -> None:
 # How far around a released tensor its page work reaches (ExternalDataReader._release):
 # the largest page-cache folio (PMD size on x86-64 and arm64 with 4 KiB pages).
 _FOLIO_REACH = 2 << 20
-
-SOURCE_PAGES = ("keep", "drop", "auto")
-
-
-def drop_source_pages(policy: str, payload_bytes: int, available_bytes: int | None) -> bool:
-    """Whether a load drops each source tensor from the page cache once it is prepacked
-    (``Session(source_pages=...)``): ``keep`` never, ``drop`` always; ``auto`` when the
-    payload is more than a quarter of the memory available (``available_bytes``, e.g.
-    :func:`available_memory_bytes`; None, unknown: keep). Past that point the cached
-    source and its packed copy together take half of what was free, and the kernel
-    would reclaim the source's pages anyway, on the allocations of the load and the
-    runs after it."""
-    if policy not in SOURCE_PAGES:
-        raise UsageError(f"unknown source pages policy {policy!r}", hint=f"choose one of {', '.join(SOURCE_PAGES)}")
-    if policy != "auto":
-        return policy == "drop"
-    return available_bytes is not None and payload_bytes * 4 > available_bytes
-
-
-def available_memory_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (Linux): memory that can be had without swapping,
-    the page cache's reclaimable part included; None where unknown."""
-    try:
-        with open("/proc/meminfo", "rb") as f:
-            for line in f:
-                if line.startswith(b"MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
 
 def _populate(arr: np.ndarray, offset: int, where: Where) -> None:
     """Fault in the pages under ``arr`` (a view at file ``offset`` of a shared mapping).

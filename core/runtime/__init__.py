@@ -2,6 +2,9 @@
 from onnx_prep.core.lazy_exports import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
+    "SOURCE_PAGES": "source_pages",
+    "drop_source_pages": "source_pages",
+    "available_memory_bytes": "source_pages",
     "Session": "session",
     "RuntimeContext": "run_loop",
     "RunLoop": "run_loop",

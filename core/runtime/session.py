@@ -18,7 +18,7 @@ Contract
     ``options`` is the one configuration record; keyword arguments of its field names
     override it. ``source_pages``: whether each source tensor leaves the page cache
     once prepacked ("keep", "drop", or "auto": drop when the payload is over a quarter
-    of the memory available; ``external_data.drop_source_pages``).
+    of the memory available; ``source_pages.drop_source_pages``).
     ``Session.source_pages`` is the choice made.
 ``prepare_async() -> ExecutionHandle`` submits every session task (reads, prepacks);
     ``prepare()`` is exactly ``prepare_async().wait()``.
@@ -135,7 +135,7 @@ class Session:
         opts = self.options = replace(options or SessionOptions(), **kw)
         self.source_io = opts.source_io
         self.resolved = require_frozen(resolved)
-        from onnx_prep.core.io.external_data import available_memory_bytes, drop_source_pages
+        from onnx_prep.core.runtime.source_pages import available_memory_bytes, drop_source_pages
 
         # NOTE: dropping a prepacked source from the page cache frees memory for what
         # comes next and spares the kernel reclaiming it later; keeping it makes the next
