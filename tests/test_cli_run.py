@@ -240,10 +240,13 @@ def test_prepared_runtime_counts_its_intra_op_splits(tiny_llm_path):
         pytest.skip("one CPU: the runtime splits no matmul")
     doc = _json([str(tiny_llm_path), "--prompt-ids", "1,2,3,4,5,6,7,8", "--tokens", "3"])
     c = doc["counters"]
-    # the 8-token prefill splits the matmuls whose packed bytes x 8 rows reach
-    # MIN_SPLIT_WORK (the tiny fixture's MLP and LM head); a decode row splits none
-    assert c["matmul_splits"] > 0
-    assert min(c["chunks_by_helpers"], c["helper_sleeps"], c["helper_wakes"]) >= 0
+    # Whether a matmul splits depends only on its packed bytes and rows
+    # (intra_op.worth_splitting), so the count is exact: 15 for this prompt and length.
+    # Which chunks the lent helpers take, and whether they slept, depends on timing:
+    # those three are only bounded by what the run could have handed over.
+    assert c["matmul_splits"] == 15
+    assert all(isinstance(c[k], int) and c[k] >= 0 for k in ("chunks_by_helpers", "helper_sleeps", "helper_wakes"))
+    assert c["helper_wakes"] <= c["helper_sleeps"]  # only a sleeping helper can be woken
 
 
 @needs_session
