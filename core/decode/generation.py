@@ -2,8 +2,8 @@
 
 The loop owns all mutable decode state: token ids, the attention mask and the KV
 cache live here and are passed to the runner as feeds each step; the runner keeps
-none of it (NOTE: the seed's "mutable caller state is bound per invocation, never
-stored in session state"). Step 0 (prefill) feeds the whole prompt with an empty
+none of it (docs/design.md, "Plan template and inference submissions": caller
+state travels with the run). Step 0 (prefill) feeds the whole prompt with an empty
 past (sequence length 0); every later step feeds the one token chosen last, the
 previous step's ``present`` outputs as ``past``, a mask of ones over past + new, and
 the next position id.

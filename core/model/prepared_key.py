@@ -1,6 +1,6 @@
 """PrepackRequest and PreparedKey: the identity of a prepared (packed) object.
 
-Dedup rule (seed, "Prepacked object contract"): two kernels that request the same
+Dedup rule (docs/design.md, "Prepared keys and dedup"): two kernels that request the same
 (source_lineage, layout, device) share one prepared object; any difference gives a
 distinct object. The key is a pure function of those three fields, so it is also
 the cache identity (together with the lineage's digests).

@@ -1,5 +1,5 @@
 """PreparedExecutionPlan: ONE immutable, scope-aware task graph built from a frozen
-ResolvedModel (seed, "Plan architecture" and "Concrete execution-plan representation").
+ResolvedModel (docs/design.md, "One scoped execution plan").
 
 Session-scoped tasks materialize prepared objects (read source -> prepack, or read a
 packed payload from a cache); invocation-scoped tasks replay contiguous ranges of the
@@ -9,7 +9,7 @@ waits for an initialization barrier.
 
 Invocation steps: a new step begins at every node that consumes a prepared object
 (nodes before the first such node form a leading step). For a transformer with fused
-qkv / gate_up this is the seed's granularity: embedding, then per block qkv, attn_out,
+qkv / gate_up that gives: embedding, then per block qkv, attn_out,
 gate_up, down, then the LM head.
 
 Precomputed here, once: invocation order, one bit per prepared requirement and the

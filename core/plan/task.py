@@ -13,7 +13,7 @@ Contract (stable; the plan builder and the session both rely on it):
   an ``action_range`` only on ``INVOCATION`` tasks with ``0 <= begin <= end``.
 - ``dependencies`` are task ids *within the same plan*; edges from an invocation task to
   a session task are bound to the current session-task generation at submission time
-  (seed, "Plan template and inference submissions"), not here.
+  (docs/design.md, "Plan template and inference submissions"), not here.
 - :meth:`TaskDescriptor.memory_request` is the default translation of the byte estimates
   into a scheduler memory request (``{Arena: bytes}``); see its docstring.
 
@@ -41,7 +41,7 @@ class Arena(enum.Enum):
 
 
 class TaskScope(enum.Enum):
-    """Lifetime of a task's state (seed, "Decision: one scoped execution plan")."""
+    """Lifetime of a task's state (docs/design.md, "One scoped execution plan")."""
 
     SESSION = "session"  # produces prepared objects; shared by every invocation; runs once per generation
     INVOCATION = "invocation"  # consumes caller inputs; instantiated afresh for every run
@@ -61,7 +61,7 @@ class TaskKind(enum.Enum):
 
 
 class ResourceClass(enum.Enum):
-    """Which queue runs the task (seed, "Task resources and scheduling")."""
+    """Which queue runs the task (docs/design.md, "Task resources and scheduling")."""
 
     IO = "io"  # bounded I/O workers: blocking reads/writes never occupy CPU workers
     CPU = "cpu"  # transforms, prepacking, CPU kernels

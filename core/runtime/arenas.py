@@ -1,7 +1,8 @@
 """Allocation domains (arenas) under one global memory budget.
 
-Seed, "Allocation domains": four arenas share one global budget, each with its own limit,
-so speculative loading cannot consume memory an active inference needs.
+docs/design.md, "Task resources and scheduling": four arenas share one global budget,
+each with its own limit, so speculative loading cannot consume memory an active
+inference needs.
 
 - ``PREPARATION`` — source buffers and scratch used while reading / packing / persisting;
   returned when the consuming task completes.

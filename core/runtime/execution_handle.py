@@ -1,6 +1,6 @@
 """ExecutionHandle: the one handle type returned by ``prepare_async()`` and ``run_async()``.
 
-Seed, "Asynchronous session contract". A handle tracks one *submission*: the scheduler
+docs/design.md, "Sessions and handles". A handle tracks one *submission*: the scheduler
 tasks it owns (invocation tasks, created for it alone) and the shared session tasks it
 consumes (prepared-object producers that other submissions may consume too).
 
@@ -42,7 +42,7 @@ them go early.
     thread completing its last task, or at once). Use it for run-level cleanup such as
     unpinning; it must not reference the handle (see below).
 
-Destroying a live handle WAITS (NOTE: the seed's documented behavior): tasks may still
+Destroying a live handle WAITS (docs/design.md, "Sessions and handles"): tasks may still
 reference the RuntimeContext and caller-owned inputs, so ``__del__`` blocks until every
 task is terminal, ignoring errors (call ``wait()`` to see them). Exception: on a thread of
 the scheduler itself (a worker or an inline task) or inside the scheduler's lock (a GC

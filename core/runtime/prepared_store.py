@@ -1,6 +1,6 @@
 """PreparedObjectStore: the registry and state machine of prepared (packed) objects.
 
-Seed, "Prepared-object residency". Each :data:`PreparedKey` has one entry that moves through
+docs/design.md, "Prepared-object store". Each :data:`PreparedKey` has one entry that moves through
 
     absent ──> loading ──> preparing ──> resident ──> evicting ──> persisted | absent
       ^  ^        │  └───────────────────────^            │

@@ -1,7 +1,7 @@
 """The runtime scheduler: a persistent worker pool with resource queues, priorities,
 priority inheritance, memory admission and cooperative cancellation.
 
-Seed, "Task resources and scheduling" and "Pipelining loading and computation". The
+docs/design.md, "Task resources and scheduling". The
 scheduler runs *functions with dependencies*; it knows nothing about models, plans or
 prepared objects (the session maps plan descriptors onto :meth:`Scheduler.submit`).
 
