@@ -105,7 +105,8 @@ def dequant_rows(b: np.ndarray, scales: np.ndarray) -> np.ndarray:
 def tied_int4_model(out_dir: Path, *, vocab: int = 64, hidden: int = 64, bs: int = 32,
                     digest: str | None = "sha256", with_dead_branch: bool = True) -> Path:
     """input_ids -> GatherBlockQuantized(W) -> Reshape -> MatMulNBits(W) -> logits: the tied
-    embedding / LM head of onnx-int4-facts.md (same uint8 W, separate scales). A dead branch
+    embedding / LM head as real INT4 exports write it (one uint8 W read by both ops, each
+    with its own scales). A dead branch
     (Mul of an external 'dead.weight', not reaching an output) and an inline Reshape shape."""
     r = rng(1)
     kb = hidden // bs
