@@ -42,7 +42,8 @@ def main(argv=None) -> int:
     from onnx_prep.core.io.external_data import ExternalDataReader
     from onnx_prep.core.decode.generation import greedy_decode
     from onnx_prep.core.profile.machine_activity import MachineActivity, describe
-    from onnx_prep.core.ops import append_buffer
+    from onnx_prep.core.ops import append_buffer, run_counters
+    from onnx_prep.core.runtime.stats import Counters, RuntimeStats
     from onnx_prep.core.kernels.prepack import prepack_all, source_loader
     from onnx_prep.core.model.resolution import resolve_model
     from onnx_prep.fixtures import FixtureConfig, ensure_cached
@@ -60,15 +61,23 @@ def main(argv=None) -> int:
     weights = {n: load(n) for n in programs["append"][0].weight_names}  # the same for both
 
     class Runner:
+        """One mode's program, counting what its Concats did as a session run does
+        (core/ops/run_counters.py), with the record greedy_decode reads (stats())."""
+
         def __init__(self, mode):
             self.program, self.binding = programs["copy" if mode == "copy" else "append"]
             self.room = 0 if mode == "grow" else None  # grow: no length announced
+            self.counters = Counters()
 
         def run(self, feeds):
-            if self.room is None:
-                return self.program.run(feeds, self.binding, weights=weights)
-            with append_buffer.room_for(self.room):  # overrides greedy_decode's hint
-                return self.program.run(feeds, self.binding, weights=weights)
+            with run_counters.counting(self.counters):
+                if self.room is None:
+                    return self.program.run(feeds, self.binding, weights=weights)
+                with append_buffer.room_for(self.room):  # overrides greedy_decode's hint
+                    return self.program.run(feeds, self.binding, weights=weights)
+
+        def stats(self):
+            return RuntimeStats.from_counts(self.counters.snapshot())
 
     prompt = (np.arange(args.prompt_len, dtype=np.int64)[None, :] * 7 + 3) % 1000
     print(f"model {path}  isa {active_isa()}  prompt {args.prompt_len}  tokens {args.tokens}  one thread",
@@ -78,12 +87,10 @@ def main(argv=None) -> int:
     results = {}
     activity0 = MachineActivity.now()
     for mode in ("append", "grow", "copy", "copy", "grow", "append"):
-        c0 = append_buffer.counters()
         t0 = time.perf_counter()
         res = greedy_decode(Runner(mode), io, prompt, args.tokens, keep_logits=True)
         wall = time.perf_counter() - t0
-        c1 = append_buffer.counters()
-        counts[mode] = {k: c1[k] - c0[k] for k in c1}
+        counts[mode] = {"appended_in_place": res.stats.kv_appended_in_place, "copied": res.stats.kv_copied}
         steps[mode].append(res.step_ms)
         if mode in results:
             assert res.tokens.tolist() == results[mode].tokens.tolist()

@@ -40,7 +40,6 @@ def main(argv=None) -> int:
     from onnx_prep.core.decode.decoder_io import DecoderIO
     from onnx_prep.core.decode.generation import next_past, step_feeds
     from onnx_prep.core.profile.machine_activity import MachineActivity, describe
-    from onnx_prep.core.ops import intra_op
     from onnx_prep.native.handoff import SPIN_NS_DEFAULT
     from onnx_prep.core.model.resolution import resolve_model
     from onnx_prep.core.runtime.session import Session
@@ -61,7 +60,7 @@ def main(argv=None) -> int:
         chain = {mode: (past0, 8) for mode in sessions}  # each session's own decode
         times: dict[str, list[float]] = {}
         activity0 = MachineActivity.now()
-        c0 = intra_op.counters()
+        c0 = {mode: s.stats() for mode, s in sessions.items()}
         for i in range(args.repeats):
             logits = {}
             for mode, s in sessions.items():
@@ -78,9 +77,10 @@ def main(argv=None) -> int:
             for mode in ("wake", "spin"):
                 assert np.array_equal(logits[mode], logits["whole"]), f"decode step {i}: {mode} and whole differ"
         activity = MachineActivity.now().since(activity0)
-        c1 = intra_op.counters()
-        helpers = {k: c1[c] - c0[c] for k, c in
-                   (("handed_off", "handed_off"), ("sleeps", "helper_sleeps"), ("wakes", "helper_wakes"))}
+        # what the sessions' lent helpers did (only spin lends), from their records
+        done = [s.stats().since(c0[mode]) for mode, s in sessions.items()]
+        helpers = {k: sum(getattr(d, f) for d in done) for k, f in
+                   (("handed_off", "chunks_by_helpers"), ("sleeps", "helper_sleeps"), ("wakes", "helper_wakes"))}
     finally:
         for s in sessions.values():
             s.close()

@@ -110,13 +110,16 @@ def _cpu_ms() -> tuple[float, float]:
 
 
 def _task_profile(s, t0: int) -> dict:
-    """Wall vs thread-CPU time summed over the session's tasks (scheduler events), and
-    the reads: when the last one ended (from the load's start t0) and how long the read
-    tasks took in all (a reader blocked on the device, or on readahead still in flight)."""
-    ev = [e for e in s.scheduler.events() if e.start_ns is not None]
-    wall = sum(e.end_ns - e.start_ns for e in ev) / 1e6
-    cpu = sum(e.cpu_ns or 0 for e in ev) / 1e6
-    reads = [e for e in ev if e.name.startswith("S.read_source")]
+    """Wall vs thread-CPU time summed over the session's tasks (its record), and the
+    reads (its timeline): when the last one ended (from the load's start t0) and how long
+    the read tasks took in all (a reader blocked on the device, or on readahead still in
+    flight)."""
+    from onnx_prep.core.plan.task import TaskKind
+
+    totals = s.stats().tasks.values()
+    wall = sum(t.run_ns for t in totals) / 1e6
+    cpu = sum(t.cpu_ns for t in totals) / 1e6
+    reads = [e for e in s.timeline() if e.kind is TaskKind.READ_SOURCE and e.start_ns is not None]
     return {"task_wall_ms": wall, "task_cpu_ms": cpu,
             "reads_end_ms": (max((e.end_ns for e in reads), default=t0) - t0) / 1e6,
             "read_tasks_ms": sum(e.end_ns - e.start_ns for e in reads) / 1e6}
@@ -135,7 +138,7 @@ def one_load(resolved, feeds, *, mode: str, warm: bool) -> dict:
     ttfo        parallel workers, run_async() first and prepare_async() right behind it:
                 time to first output with loading and compute overlapped
     """
-    from onnx_prep.core.runtime.arenas import Arena
+    from onnx_prep.core.plan.task import TaskKind
     from onnx_prep.core.profile.machine_activity import MachineActivity
     from onnx_prep.core.runtime.session import RuntimeContext, Session
 
@@ -156,7 +159,7 @@ def one_load(resolved, feeds, *, mode: str, warm: bool) -> dict:
             prep = s.prepare_async()
             run.wait()
             prep.wait()
-            ev = [e for e in s.scheduler.events() if e.name.startswith("S.")]
+            ev = [e for e in s.timeline() if e.kind is not TaskKind.EXECUTE]  # the session's tasks
             out["first_step_ms"] = (ctx.first_step_ns - t0) / 1e6
             out["first_output_ms"] = (ctx.done_ns - t0) / 1e6
             out["all_ready_ms"] = (max(max(e.end_ns for e in ev), ctx.done_ns) - t0) / 1e6
@@ -173,21 +176,20 @@ def one_load(resolved, feeds, *, mode: str, warm: bool) -> dict:
         out["cpu_user_ms"], out["cpu_sys_ms"] = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
         out["cpu_ms"] = out["cpu_user_ms"] + out["cpu_sys_ms"]
         out.update(_task_profile(s, t0))
-        snap = s.reader.counters.snapshot()
-        budget = s.budget
+        st = s.stats()
         # slot pages the idle-class warmer committed ahead of their prepacks (parallel
         # prepare only; how much depends on the CPU the workers left idle)
-        out["slot_mib_warmed"] = s.counters.slot_bytes_warmed / 2**20
+        out["slot_mib_warmed"] = st.slot_bytes_warmed / 2**20
         out.update({
-            "bytes_read": snap["bytes_read"],
-            "bytes_mapped": snap["bytes_mapped"],
-            "bytes_dropped": snap["bytes_dropped"],
-            "session_tasks": sum(1 for e in s.scheduler.events() if e.name.startswith("S.")),
-            "peak_preparation": budget.peak(Arena.PREPARATION),
-            "peak_prepared": budget.peak(Arena.PREPARED),
-            "peak_execution": budget.peak(Arena.EXECUTION),
-            "peak_io": budget.peak(Arena.IO),
-            "max_in_flight": budget.max_in_flight_bytes,
+            "bytes_read": st.source_bytes_read,
+            "bytes_mapped": st.source_bytes_mapped,
+            "bytes_dropped": st.source_bytes_dropped,
+            "session_tasks": sum(t.tasks for kind, t in st.tasks.items() if kind != TaskKind.EXECUTE.value),
+            "peak_preparation": st.arena_peaks["preparation"],
+            "peak_prepared": st.arena_peaks["prepared"],
+            "peak_execution": st.arena_peaks["execution"],
+            "peak_io": st.arena_peaks["io"],
+            "max_in_flight": st.global_peak,
         })
         # free memory the VM handed back to its host since the previous load ended, and
         # during this one: what it had to fault in again (docs/runtime.md)

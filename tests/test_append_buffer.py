@@ -3,14 +3,24 @@ never a row it handed out before, and its values are np.concatenate's."""
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
 
-from onnx_prep.core.ops import append_buffer
+from onnx_prep.core.ops import append_buffer, run_counters
 from onnx_prep.core.ops.append_buffer import MIN_ROOM, concat
+from onnx_prep.core.runtime.stats import Counters
 
 rng = np.random.default_rng(7)
+
+
+@contextmanager
+def counted():
+    """A run's counters installed on this thread, as a session does for a run."""
+    c = Counters()
+    with run_counters.counting(c):
+        yield c
 
 
 def _kv(seq: int, batch: int = 1) -> np.ndarray:
@@ -23,11 +33,11 @@ def test_second_step_appends_into_the_first_steps_buffer():
     np.testing.assert_array_equal(p1, np.concatenate([past0, new1], 2))
     assert p1.base.shape[2] == 3 + MIN_ROOM  # room after the rows
     keep = p1.copy()
-    before = append_buffer.counters()
-    p2 = concat([p1, new2], 2)
-    after = append_buffer.counters()
-    assert after["appended_in_place"] == before["appended_in_place"] + 1
-    assert after["copied"] == before["copied"]
+    with counted() as c:
+        p2 = concat([p1, new2], 2)
+    assert c.snapshot() == {"kv_appended_in_place": 1}
+    concat([p1, new2], 2)  # outside a run: counted nowhere (a copy: p1 is not the claim now)
+    assert c.snapshot() == {"kv_appended_in_place": 1}
     assert p2.base is p1.base and np.shares_memory(p1, p2)  # the same buffer, extended
     np.testing.assert_array_equal(p2, np.concatenate([keep, new2], 2))
     np.testing.assert_array_equal(p1, keep)  # the rows handed out before did not change
@@ -144,14 +154,12 @@ def test_session_decode_appends_in_place_with_identical_logits(tiny_llm_path):
     resolved = resolve_model(tiny_llm_path)
     io = DecoderIO.from_model(tiny_llm_path)
     prompt = np.array([[3, 1, 4, 1, 5], [9, 2, 6, 5, 3]])
-    before = append_buffer.counters()
     with Session(resolved) as s:
         got = greedy_decode(s, io, prompt, 12, keep_logits=True)
-    after = append_buffer.counters()
     kv_concats = 2 * 4
     # prefill: one fresh buffer per KV concat; then 11 decode steps, each appending in place
-    assert after["appended_in_place"] - before["appended_in_place"] == 11 * kv_concats
-    assert after["copied"] - before["copied"] == kv_concats
+    assert got.stats.kv_appended_in_place == 11 * kv_concats
+    assert got.stats.kv_copied == kv_concats
 
     load = source_loader(resolved, ExternalDataReader.for_model(resolved))
     plain = ActionProgram.compile(resolved, append_in_place=False)
@@ -211,11 +219,9 @@ def test_greedy_decode_sizes_the_cache_once(tiny_llm_path):
     io = DecoderIO.from_model(tiny_llm_path)
     kv_concats = 2 * 4
     with Session(resolve_model(tiny_llm_path)) as s:
-        before = append_buffer.counters()
-        greedy_decode(s, io, np.array([[5, 6, 7, 8, 9]]), 90)  # past reaches 93 > 5 + MIN_ROOM
-        after = append_buffer.counters()
-    assert after["copied"] - before["copied"] == kv_concats  # the prefill's buffers only
-    assert after["appended_in_place"] - before["appended_in_place"] == 89 * kv_concats
+        got = greedy_decode(s, io, np.array([[5, 6, 7, 8, 9]]), 90)  # past reaches 93 > 5 + MIN_ROOM
+    assert got.kv_copied == kv_concats  # the prefill's buffers only
+    assert got.kv_appended_in_place == 89 * kv_concats
 
 
 def test_the_io_arena_counts_the_whole_kv_buffers(tiny_llm_path):
@@ -257,15 +263,18 @@ def test_concurrent_session_runs_from_one_past_match_sequential_runs(tiny_llm_pa
         first = s.run(step_feeds(io, np.array([[1, 2, 3]]), io.empty_past(1), 0))
         past = {p.past_key.name: first[p.present_key] for p in io.kv}
         past.update({p.past_value.name: first[p.present_value] for p in io.kv})
-        before = append_buffer.counters()
+        before = s.stats()
         ctxs = [RuntimeContext(step_feeds(io, np.array([[10 + i]]), past, 3)) for i in range(4)]
         handles = [s.run_async(c) for c in ctxs]
         for h in handles:
             h.wait()
-        after = append_buffer.counters()
+        after = s.stats().since(before)
         kv = 2 * len(io.kv)
-        assert after["appended_in_place"] - before["appended_in_place"] == kv  # one run's worth
-        assert after["copied"] - before["copied"] == 3 * kv
+        assert after.kv_appended_in_place == kv  # one run's worth
+        assert after.kv_copied == 3 * kv
+        # each run's record has its own ops' counts, whatever ran beside it
+        per_run = sorted((h.stats().kv_appended_in_place, h.stats().kv_copied) for h in handles)
+        assert per_run == [(0, kv)] * 3 + [(kv, 0)]
         for i, c in enumerate(ctxs):
             alone = s.run(step_feeds(io, np.array([[10 + i]]), past, 3))
             for name, value in alone.items():
@@ -290,7 +299,7 @@ def test_without_a_hint_the_kv_buffers_grow_on_different_steps(tiny_llm_path):
     from onnx_prep.core.decode.decoder_io import DecoderIO
     from onnx_prep.core.decode.generation import greedy_decode
     from onnx_prep.core.model.resolution import resolve_model
-    from onnx_prep.core.runtime.session import Session
+    from onnx_prep.core.runtime.session import RuntimeContext, Session
 
     io = DecoderIO.from_model(tiny_llm_path)
     prompt = np.array([[5, 6, 7, 8, 9]])
@@ -302,10 +311,12 @@ def test_without_a_hint_the_kv_buffers_grow_on_different_steps(tiny_llm_path):
 
         def run(self, feeds):
             with append_buffer.room_for(0):  # overrides greedy_decode's hint
-                before = append_buffer.counters()["copied"]
-                out = self.session.run(feeds)
-                copies_per_step.append(append_buffer.counters()["copied"] - before)
-            return out
+                ctx = RuntimeContext(feeds)
+            with self.session.run_async(ctx) as h:
+                pass
+            copies_per_step.append(h.stats().kv_copied)
+            ctx.release()
+            return ctx.outputs
 
     with Session(resolve_model(tiny_llm_path)) as s:
         got = greedy_decode(NoHint(s), io, prompt, 150, keep_logits=True)

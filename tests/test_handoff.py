@@ -148,20 +148,20 @@ def test_hot_runs_lend_idle_workers_and_keep_every_bit(tiny_llm_path, monkeypatc
             s.prepare()
         ref = whole.run(feeds)
         monkeypatch.setattr(intra_op, "MIN_SPLIT_WORK", 1)  # every tiny matmul splits
-        before = intra_op.COUNTERS.handed_off
         for _ in range(5):
             out = wake.run(feeds)
             assert all(np.array_equal(out[k], ref[k]) for k in ref)
-        assert intra_op.COUNTERS.handed_off == before  # fork_join only
+        assert wake.stats().matmul_splits > 0 and wake.stats().chunks_by_helpers == 0  # fork_join only
         for i in range(200):  # until a lent helper has run a chunk (it waits in C, so soon)
             out = spin.run(feeds)
             assert all(np.array_equal(out[k], ref[k]) for k in ref)
-            if intra_op.COUNTERS.handed_off > before and i >= 5:
+            if spin.stats().chunks_by_helpers > 0 and i >= 5:
                 break
-        assert intra_op.COUNTERS.handed_off > before
+        assert spin.stats().chunks_by_helpers > 0
+        assert wake.stats().chunks_by_helpers == 0 and whole.stats().matmul_splits == 0  # each its own
         sched = spin.scheduler
         assert not sched._side  # every offer taken back or finished
-        assert spin.counters.hot_runs >= 6
+        assert spin.stats().hot_runs >= 6
 
 
 def test_a_run_that_splits_nothing_lends_nothing(tiny_llm_path, monkeypatch):
@@ -185,18 +185,18 @@ def test_a_run_that_splits_nothing_lends_nothing(tiny_llm_path, monkeypatch):
         monkeypatch.setattr(intra_op, "MIN_SPLIT_WORK", 1 << 40)  # nothing splits
         s.run(decode)  # may lend at its start: the prefill before it split
         assert not s.runs._lend_at_start  # it split nothing: the next runs lend only if they split
-        lent0, splits0 = intra_op.COUNTERS.runs_lending, intra_op.COUNTERS.splits
+        lent0, splits0 = s.stats().runs_lending, s.stats().matmul_splits
         for _ in range(5):
             s.run(decode)
-        assert intra_op.COUNTERS.splits == splits0
-        assert intra_op.COUNTERS.runs_lending == lent0  # no worker was lent
+        assert s.stats().matmul_splits == splits0
+        assert s.stats().runs_lending == lent0  # no worker was lent
         assert not s.runs._lend_at_start
 
         monkeypatch.setattr(intra_op, "MIN_SPLIT_WORK", 1)  # every matmul splits
         ref = s.run(prefill)
-        if intra_op.COUNTERS.runs_lending == lent0:  # no worker was idle at that split
+        if s.stats().runs_lending == lent0:  # no worker was idle at that split
             pytest.skip("no idle CPU worker to lend on this machine")
         assert s.runs._lend_at_start  # it split: the next run lends at its start
         out = s.run(prefill)
         assert all(np.array_equal(out[k], ref[k]) for k in ref)
-        assert intra_op.COUNTERS.runs_lending >= lent0 + 2
+        assert s.stats().runs_lending >= lent0 + 2

@@ -102,7 +102,7 @@ def test_split_matmuls_equal_whole_ones_bit_for_bit(tiny_llm_path, monkeypatch):
     from onnx_prep.core.decode.decoder_io import DecoderIO
     from onnx_prep.core.decode.generation import step_feeds
     from onnx_prep.core.model.resolution import resolve_model
-    from onnx_prep.core.runtime.session import Session
+    from onnx_prep.core.runtime.session import RuntimeContext, Session
 
     r = resolve_model(tiny_llm_path)
     io = DecoderIO.discover(r.inputs, r.outputs)
@@ -112,11 +112,16 @@ def test_split_matmuls_equal_whole_ones_bit_for_bit(tiny_llm_path, monkeypatch):
         split.prepare()
         ref = whole.run(feeds)
         monkeypatch.setattr(intra_op, "MIN_SPLIT_WORK", 1)
-        before = intra_op.COUNTERS.splits
+        before = split.stats().matmul_splits
         hot = split.run(feeds)  # hot path: parts on the caller and idle workers
-        assert intra_op.COUNTERS.splits > before
+        assert split.stats().matmul_splits > before
         assert split.evict(split.plan.requirements[-1].key)
-        cold = split.run(feeds)  # cold path: parts from a worker
+        with split.run_async(RuntimeContext(feeds)) as h:  # cold path: parts from a worker
+            pass
+        cold = h.keepalive.outputs
+        rec = h.stats()
+        assert rec.cold_runs == 1 and rec.matmul_splits > 0 and rec.split_parts >= 2 * rec.matmul_splits
+        assert whole.stats().matmul_splits == 0  # the other session's splits are not its own
     for name in ref:
         assert np.array_equal(hot[name], ref[name]), name
         assert np.array_equal(cold[name], ref[name]), name

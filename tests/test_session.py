@@ -372,7 +372,7 @@ def test_tight_budget_completes_and_peaks_stay_within_limits(tiny_llm_path):
         for _ in range(2):
             out = s.run(feeds)[io.logits]
             assert np.array_equal(out, ref)
-        assert s.counters.evictions > 0 and s.counters.rematerializations > 0
+        assert s.stats().evictions > 0 and s.stats().page_ins > 0
         assert budget.peak(Arena.PREPARED) <= limit
         assert budget.peak(Arena.PREPARATION) <= 4 << 20
 
@@ -410,7 +410,7 @@ def test_concurrent_runs_share_prepared_objects(small_llm_path):
         handles = [s.run_async(c) for c in ctxs]
         for h in handles:
             h.wait()
-        assert s.counters.materializations == len(s.plan.requirements)  # each built once
+        assert s.stats().materializations == len(s.plan.requirements)  # each built once
         for i, c in enumerate(ctxs):
             alone = s.run(_feeds(io, ids[i:i + 1]))
             assert np.array_equal(alone[io.logits], c.outputs[io.logits])
@@ -484,7 +484,7 @@ def test_idle_cpu_commits_slots_ahead_and_prepacks_use_those_slots(small_llm_pat
     with Session.open(small_llm_path, warm_slots=False) as plain:
         plain.prepare()
         ref = plain.run(feeds)
-        assert plain.counters.slot_bytes_warmed == 0
+        assert plain.stats().slot_bytes_warmed == 0
     gate = threading.Event()
     s = Session.open(small_llm_path)
     try:
@@ -492,7 +492,7 @@ def test_idle_cpu_commits_slots_ahead_and_prepacks_use_those_slots(small_llm_pat
         s.reader.hooks.before_read = lambda desc: gate.wait(HOOK_TIMEOUT_S)
         h = s.prepare_async()
         assert s.slots.wait_warmed(1, HOOK_TIMEOUT_S)  # the condition the warmer notifies
-        assert s.counters.slot_bytes_warmed > 0
+        assert s.stats().slot_bytes_warmed > 0
         gate.set()
         h.wait()
         assert {k: s.prepared_view(k).ctypes.data for k in reserved} == reserved
@@ -512,9 +512,9 @@ def test_slot_warming_stays_out_of_runs_sequential_sessions_and_memory_limits(sm
     for kw in ({"sequential": True}, {"budget": limited}):
         with Session.open(small_llm_path, **kw) as s:
             s.prepare()
-            assert s._warmer is None and s.counters.slot_bytes_warmed == 0, kw
+            assert s._warmer is None and s.stats().slot_bytes_warmed == 0, kw
     with Session.open(small_llm_path) as s:  # a run first: its steps need the bandwidth
         run = s.run_async(RuntimeContext(feeds))
         s.prepare()
         run.wait()
-        assert s._warmer is None and s.counters.slot_bytes_warmed == 0
+        assert s._warmer is None and s.stats().slot_bytes_warmed == 0

@@ -20,21 +20,23 @@ import numpy as np
 
 from onnx_prep.core.decode.decoder_io import DecoderIO
 from onnx_prep.core.errors import ModelIOError, UsageError, Where
-from onnx_prep.core.ops import append_buffer, intra_op
+from onnx_prep.core.ops import append_buffer
+from onnx_prep.core.runtime.stats import RuntimeStats
 
 
-# The decode's counters (this process), all 0 for a runner that does not use them (ORT):
-# KV Concats appended in place / copied into a fresh buffer (core/ops/append_buffer.py);
-# INT4 matmuls split over threads, the chunks the run's lent helpers ran, and how often a
-# helper slept after 1 ms without a chunk and had to be woken (core/ops/intra_op.py).
+# The decode's counters, from the runner's RuntimeStats over the decode (a runner with
+# ``stats()``: a Session), all 0 for a runner without (ORT): KV Concats appended in place /
+# copied into a fresh buffer (core/ops/append_buffer.py); INT4 matmuls split over threads,
+# the chunks the run's lent helpers ran, and how often a helper slept after 1 ms without a
+# chunk and had to be woken (core/ops/intra_op.py). Each is a RuntimeStats field.
 COUNTER_NAMES = ("kv_appended_in_place", "kv_copied", "matmul_splits", "chunks_by_helpers",
                  "helper_sleeps", "helper_wakes")
 
 
-def _counters_now() -> dict[str, int]:
-    kv, split = append_buffer.counters(), intra_op.counters()
-    return dict(zip(COUNTER_NAMES, (kv["appended_in_place"], kv["copied"], split["splits"], split["handed_off"],
-                                    split["helper_sleeps"], split["helper_wakes"])))
+def _runner_stats(runner):
+    """The runner's record now (core/runtime/stats.py), or None if it keeps none."""
+    stats = getattr(runner, "stats", None)
+    return stats() if callable(stats) else None
 
 
 @runtime_checkable
@@ -76,6 +78,7 @@ class GenerationResult:
     first_logits: np.ndarray | None = None  # float32 [batch, vocab]: the prefill's last position
     logits: tuple[np.ndarray, ...] | None = None  # per step [batch, vocab] when kept
     counters: Mapping[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTER_NAMES, 0))
+    stats: RuntimeStats | None = None  # the runner's record over the decode (None: it keeps none)
 
     @property
     def batch(self) -> int:
@@ -217,7 +220,7 @@ def greedy_decode(runner: Runner, io: DecoderIO, prompt_ids: np.ndarray, tokens:
 
     past = io.empty_past(batch)
     new_ids, past_len = prompt, 0
-    c0 = _counters_now()
+    s0 = _runner_stats(runner)
     # KV buffers sized once for the whole decode (append buffers; no growth copies)
     with append_buffer.room_for(prompt.shape[1] + tokens - 1):
         for step in range(tokens):
@@ -244,11 +247,12 @@ def greedy_decode(runner: Runner, io: DecoderIO, prompt_ids: np.ndarray, tokens:
             # Without KV inputs every step re-feeds the whole sequence (prefix recompute).
             new_ids = chosen[:, None] if io.kv else np.concatenate([new_ids, chosen[:, None]], axis=1)
 
-    c1 = _counters_now()
+    stats = _runner_stats(runner).since(s0) if s0 is not None else None
     return GenerationResult(prompt_ids=prompt, tokens=out_tokens, step_ms=tuple(step_ms),
                             top2_margin=margins, logit_range=ranges, first_logits=first_logits,
                             logits=tuple(kept) if keep_logits else None,
-                            counters={k: c1[k] - c0[k] for k in COUNTER_NAMES})
+                            counters={k: getattr(stats, k) if stats is not None else 0 for k in COUNTER_NAMES},
+                            stats=stats)
 
 
 # A divergence where the reference's top-2 margin is within this fraction of its logit

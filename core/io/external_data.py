@@ -188,8 +188,9 @@ def check_bounds(offset: int, length: int, file_size: int, where: Where) -> None
 
 @dataclass
 class ReadCounters:
-    """Deterministic byte counters of one reader. Thread-safe; ``snapshot()`` for a
-    consistent copy. ``bytes_mapped``/``maps`` count ``map()`` calls (mapped bytes are
+    """Deterministic byte counters of one reader (none is process-wide: a session's
+    record reads its own reader's). Thread-safe; ``snapshot()`` for a consistent copy.
+    ``bytes_mapped``/``maps`` count ``map()`` calls (mapped bytes are
     not read until touched, so they are kept apart from ``bytes_read``)."""
 
     bytes_read: int = 0
@@ -222,14 +223,16 @@ class ReadCounters:
                     "bytes_mapped": self.bytes_mapped, "maps": self.maps,
                     "bytes_dropped": self.bytes_dropped}
 
+    def totals(self) -> dict[str, int]:
+        """``snapshot()`` without ``per_tensor`` (cheap: a run's record takes it twice)."""
+        with self._lock:
+            return {"bytes_read": self.bytes_read, "reads": self.reads, "bytes_mapped": self.bytes_mapped,
+                    "maps": self.maps, "bytes_dropped": self.bytes_dropped}
+
     def reset(self) -> None:
         with self._lock:
             self.bytes_read = self.reads = self.bytes_mapped = self.maps = self.bytes_dropped = 0
             self.per_tensor.clear()
-
-
-# Process-wide totals over every reader: the "resolution reads 0 bytes" test watches these.
-GLOBAL_COUNTERS = ReadCounters()
 
 
 @dataclass
@@ -300,7 +303,6 @@ class ExternalDataReader:
         finally:
             os.close(fd)
         self.counters._add_read(desc.name, desc.length)
-        GLOBAL_COUNTERS._add_read(desc.name, desc.length)
         if verify:
             verify_tensor_digest(desc, buf, where)
         if self.hooks.after_read is not None:
@@ -333,7 +335,6 @@ class ExternalDataReader:
         finally:
             os.close(fd)
         self.counters._add_map(desc.length)
-        GLOBAL_COUNTERS._add_map(desc.length)
         return arr
 
     def map_shared(self, desc: WeightDescriptor, *, populate: bool = False) -> np.ndarray:
@@ -376,7 +377,6 @@ class ExternalDataReader:
                 with self._populating[desc.file]:
                     _populate(arr, desc.offset, where)
         self.counters._add_map(desc.length)
-        GLOBAL_COUNTERS._add_map(desc.length)
         return arr
 
     def release_shared(self, desc: WeightDescriptor, *, drop: bool = False) -> None:

@@ -34,6 +34,8 @@ from typing import Iterator
 
 import numpy as np
 
+from onnx_prep.core.ops import run_counters
+
 # NOTE: the least room a fresh buffer gets, in rows along the axis: a prompt of a few
 # tokens then decodes 64 steps before the first copy, instead of copying at step 2, 3, 5.
 MIN_ROOM = 64
@@ -75,19 +77,9 @@ class _Claim:
 
 
 _claims: dict[int, _Claim] = {}  # id(buffer) -> claim; dropped when the buffer is collected
-_counters = {"appended_in_place": 0, "copied": 0}
-_counter_lock = threading.Lock()
-
-
-def counters() -> dict[str, int]:
-    """Process-wide: Concats that appended in place, and those that copied (fresh buffer)."""
-    with _counter_lock:
-        return dict(_counters)
-
-
-def _count(key: str) -> None:
-    with _counter_lock:
-        _counters[key] += 1
+# What a marked Concat counts (core/ops/run_counters.py: into the run's own counters):
+# appended in place, or copied into a fresh buffer.
+KV_COUNTERS = ("kv_appended_in_place", "kv_copied")
 
 
 def _live_claim(base) -> _Claim | None:
@@ -181,7 +173,7 @@ def concat(parts: list[np.ndarray], axis: int, *, spread: float = 0.5) -> np.nda
                 claim.length = total
         if ok:  # rows [length, total) are this call's alone now
             np.concatenate(rest, axis=axis, out=_rows(base, axis, length, total))
-            _count("appended_in_place")
+            run_counters.count("kv_appended_in_place")
             return _prefix(base, axis, total)
     shape = list(past.shape)
     default = total + room_after(total, spread)
@@ -196,5 +188,5 @@ def concat(parts: list[np.ndarray], axis: int, *, spread: float = 0.5) -> np.nda
     key = id(base)
     _claims[key] = _Claim(base, total)
     weakref.finalize(base, _claims.pop, key, None)
-    _count("copied")
+    run_counters.count("kv_copied")
     return out

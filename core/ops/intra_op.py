@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from onnx_prep.core.ops import run_counters
 
 ForkJoin = Callable[..., int]  # Scheduler.fork_join(fns, *, helpers=None)
 
@@ -29,50 +30,26 @@ ForkJoin = Callable[..., int]  # Scheduler.fork_join(fns, *, helpers=None)
 MIN_SPLIT_WORK = 2 << 20
 
 
-class _Counters:
-    """Process-wide: ops split (``splits``), parts made (``parts``), chunks run by
-    helpers through a run's mailbox (``handed_off``), and how often a run's helpers
-    went to sleep after spinning idle (``helper_sleeps``) and had to be woken by a
-    publish (``helper_wakes``; native/handoff.py, SPIN_NS_DEFAULT)."""
-
-    def __init__(self) -> None:
-        self.splits = 0
-        self.parts = 0
-        self.handed_off = 0
-        self.helper_sleeps = 0
-        self.helper_wakes = 0
-        self.runs_lending = 0  # hot runs that lent helpers (at their first split)
-        self._lock = threading.Lock()
-
-    def add(self, parts: int) -> None:
-        with self._lock:
-            self.splits += 1
-            self.parts += parts
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return {"splits": self.splits, "parts": self.parts, "handed_off": self.handed_off,
-                    "helper_sleeps": self.helper_sleeps, "helper_wakes": self.helper_wakes,
-                    "runs_lending": self.runs_lending}
-
-    def add_handed_off(self, chunks: int, sleeps: int = 0, wakes: int = 0) -> None:
-        with self._lock:
-            self.runs_lending += 1
-            self.handed_off += chunks
-            self.helper_sleeps += sleeps
-            self.helper_wakes += wakes
-
-
-COUNTERS = _Counters()
+# What a run's splits count (core/ops/run_counters.py: into the run's own counters, none
+# outside a run): ops split and parts made; for a run that lent helpers (once per such
+# run), the chunks they ran through its mailbox, how often they went to sleep after
+# spinning idle and had to be woken by a publish (native/handoff.py, SPIN_NS_DEFAULT).
+SPLIT_COUNTERS = ("matmul_splits", "split_parts", "runs_lending", "chunks_by_helpers",
+                  "helper_sleeps", "helper_wakes")
 
 
 def count_split(parts: int) -> None:
-    COUNTERS.add(parts)
+    """One op split into ``parts`` parts, in the run executing on this thread."""
+    run_counters.count("matmul_splits")
+    run_counters.count("split_parts", parts)
 
 
-def counters() -> dict[str, int]:
-    """A snapshot of the process-wide intra-op counters."""
-    return COUNTERS.snapshot()
+def count_handed_off(chunks: int, sleeps: int = 0, wakes: int = 0) -> None:
+    """A run that lent helpers: the chunks they ran, their sleeps and wake-ups."""
+    run_counters.count("runs_lending")
+    run_counters.count("chunks_by_helpers", chunks)
+    run_counters.count("helper_sleeps", sleeps)
+    run_counters.count("helper_wakes", wakes)
 
 
 # A decode GEMV is cut into chunks of about CHUNK_WORK packed bytes, at least one and

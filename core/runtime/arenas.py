@@ -38,7 +38,9 @@ Contract (stable):
 
 Statistics: ``live(arena)``, ``peak(arena)``, ``limit(arena)``, ``global_live``,
 ``global_peak``, ``max_in_flight_bytes`` (= ``global_peak``: the most bytes held at once
-across all arenas), ``snapshot()``, ``reset_peaks()``.
+across all arenas), ``snapshot()``, ``reset_peaks()``. ``watch_peaks()`` opens a
+:class:`PeakWatch`: the peaks from now on (a session's, a run's), apart from the budget's
+own and from other watches; ``close()`` it when done.
 
 ``add_release_listener(fn)``: ``fn()`` is called (outside the budget's lock, on the
 releasing thread) after any bytes are returned; the scheduler uses it to retry tasks
@@ -61,7 +63,7 @@ from dataclasses import dataclass
 from onnx_prep.core.errors import BudgetError
 from onnx_prep.core.plan.task import Arena  # the plan's vocabulary; budgets are kept here
 
-__all__ = ["Arena", "ArenaStats", "BudgetSnapshot", "MemoryBudget", "Reservation"]
+__all__ = ["Arena", "ArenaStats", "BudgetSnapshot", "MemoryBudget", "PeakWatch", "Reservation"]
 
 
 def _fmt(n: int | None) -> str:
@@ -149,6 +151,47 @@ class Reservation:
         return f"Reservation({parts or 'released'})"
 
 
+class PeakWatch:
+    """The most bytes each arena (and the budget as a whole) held at once since the
+    watch opened (:meth:`MemoryBudget.watch_peaks`), counting every holder of the budget:
+    on a budget shared by several sessions, what they held together. ``peaks()`` while
+    open or after ``close()`` (then frozen)."""
+
+    __slots__ = ("_budget", "_peak", "_global_peak")
+
+    def __init__(self, budget: MemoryBudget, live: dict[Arena, int], global_live: int) -> None:
+        self._budget = budget
+        self._peak = dict(live)
+        self._global_peak = global_live
+
+    def _saw(self, live: dict[Arena, int], global_live: int) -> None:  # budget lock held
+        peak = self._peak
+        for a, n in live.items():
+            if n > peak[a]:
+                peak[a] = n
+        if global_live > self._global_peak:
+            self._global_peak = global_live
+
+    def peaks(self) -> dict[Arena, int]:
+        with self._budget._lock:
+            return dict(self._peak)
+
+    @property
+    def global_peak(self) -> int:
+        with self._budget._lock:
+            return self._global_peak
+
+    def close(self) -> None:
+        """Stop watching (idempotent); the peaks stay readable."""
+        self._budget._unwatch(self)
+
+    def __enter__(self) -> PeakWatch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 class MemoryBudget:
     """Per-arena limits under one global limit, with critical headroom. Thread-safe."""
 
@@ -180,6 +223,7 @@ class MemoryBudget:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._listeners: list[Callable[[], None]] = []
+        self._watches: list[PeakWatch] = []
 
     # -- configuration and statistics -------------------------------------------------
 
@@ -225,6 +269,18 @@ class MemoryBudget:
             for a in Arena:
                 self._peak[a] = self._live[a]
             self._global_peak = self._global_live
+
+    def watch_peaks(self) -> PeakWatch:
+        """Peaks from now on, apart from the budget's own (see :class:`PeakWatch`)."""
+        with self._lock:
+            w = PeakWatch(self, self._live, self._global_live)
+            self._watches.append(w)
+        return w
+
+    def _unwatch(self, watch: PeakWatch) -> None:
+        with self._lock:
+            if watch in self._watches:
+                self._watches.remove(watch)
 
     def add_release_listener(self, fn: Callable[[], None]) -> None:
         with self._lock:
@@ -298,6 +354,8 @@ class MemoryBudget:
         self._global_live += sum(req.values())
         if self._global_live > self._global_peak:
             self._global_peak = self._global_live
+        for w in self._watches:
+            w._saw(self._live, self._global_live)
 
     def try_reserve_many(self, request: Mapping[Arena, int], *, critical: bool = True,
                          label: str = "") -> Reservation | None:

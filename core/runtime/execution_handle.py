@@ -7,7 +7,7 @@ consumes (prepared-object producers that other submissions may consume too).
 Contract (stable)
 -----------------
 
-``ExecutionHandle(owned=(), shared=(), *, name="", keepalive=None)``
+``ExecutionHandle(owned=(), shared=(), *, name="", keepalive=None, stats=None)``
     Takes ``owned`` :class:`TaskHandle`\\ s and ``shared`` ones; calls ``retain()`` on each
     shared task (a consumer reference). ``add(task, *, shared=False)`` adds more while the
     submission is live (a cold-path continuation adds its next steps from inside one of
@@ -38,6 +38,14 @@ Known gap: when an owned task fails, the handle still waits for the shared tasks
 retained (they are not cancelled: the session will want them); only ``cancel()`` lets
 them go early.
 
+``stats() -> RuntimeStats | None`` — once the submission is done, the record over it
+    (core/runtime/stats.py; a session's ``run_async`` and ``prepare_async`` handles give
+    one), None for a handle that records none; a UsageError while it is running. The
+    record is taken before ``wait()`` can return, so it is there once ``wait()`` returns.
+    The submitter's part: ``ExecutionHandle(..., stats=fn)``: ``fn()`` makes the record,
+    called once when the submission becomes terminal, before anyone waiting can see it
+    finish; ``completed(stats=record)`` gives an already-finished handle its record.
+
 ``add_finalizer(fn)`` — ``fn()`` runs once, when the submission becomes terminal (on the
     thread completing its last task, or at once). Use it for run-level cleanup such as
     unpinning; it must not reference the handle (see below).
@@ -56,6 +64,7 @@ the handle's tracker, never the handle, so dropping the last reference does trig
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -70,6 +79,8 @@ from onnx_prep.core.errors import (
     Where,
 )
 from onnx_prep.core.runtime.scheduler import TaskHandle, TaskState, _call
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["ExecutionHandle", "ExecutionStatus", "SubmissionState"]
 
@@ -111,12 +122,15 @@ class _Tracker:
         self.held: dict[int, TaskHandle] = {}  # shared tasks whose interest we hold
         self.finalizers: list[Callable[[], None]] = []
         self.building = True  # no finishing while the constructor is still adding tasks
+        self.finishing = False  # the last task ended: taking the record, then finished
         self.finished = False
+        self.capture: Callable[[], Any] | None = None  # makes the submission's stats record
+        self.stats: Any = None
         self.cancel_requested = False
 
     def add(self, task: TaskHandle, shared: bool) -> None:
         with self.cond:
-            if self.finished:
+            if self.finished or self.finishing:
                 raise UsageError(f"task {task.name!r} added to a finished submission")
             if task.id in self.members:
                 return
@@ -143,8 +157,19 @@ class _Tracker:
     def check_finish(self) -> None:
         """Finish once every member is terminal: release held interest, run finalizers."""
         with self.cond:
-            if self.pending or self.finished or self.building:
+            if self.pending or self.finished or self.finishing or self.building:
                 return
+            self.finishing = True
+            capture = self.capture
+        if capture is not None:  # before any waiter sees the end, outside the condition's lock
+            try:
+                stats = capture()
+            except Exception:  # a record that cannot be made must not keep the handle running
+                _log.exception("stats of a submission could not be taken")
+                stats = None
+        with self.cond:
+            if capture is not None:
+                self.stats = stats
             self.finished = True
             self.cond.notify_all()
             held, self.held = list(self.held.values()), {}
@@ -163,10 +188,11 @@ class ExecutionHandle:
     """See the module docstring for the contract."""
 
     def __init__(self, owned: Iterable[TaskHandle] = (), shared: Iterable[TaskHandle] = (), *,
-                 name: str = "", keepalive: Any = None) -> None:
+                 name: str = "", keepalive: Any = None, stats: Callable[[], Any] | None = None) -> None:
         self.name = name
         self.keepalive = keepalive
         self._tracker = _Tracker()
+        self._tracker.capture = stats
         self._scheduler = None
         self._preset: ExecutionStatus | None = None
         for t in owned:
@@ -178,8 +204,9 @@ class ExecutionHandle:
 
     @classmethod
     def completed(cls, *, name: str = "", error: BaseException | None = None,
-                  failing_task: str | None = None) -> ExecutionHandle:
+                  failing_task: str | None = None, stats: Any = None) -> ExecutionHandle:
         h = cls(name=name)
+        h._tracker.stats = stats
         if error is not None:
             h._preset = ExecutionStatus(SubmissionState.FAILED, failing_task or name, error)
         return h
@@ -190,6 +217,15 @@ class ExecutionHandle:
         if self._scheduler is None:
             self._scheduler = task._sched
         self._tracker.add(task, shared)
+
+    def stats(self):
+        """The submission's RuntimeStats once it is done (None if it records none)."""
+        tracker = self._tracker
+        with tracker.cond:
+            if not tracker.finished:
+                raise UsageError(f"submission {self.name!r} is still running: its stats come when it is done",
+                                 hint="wait() first")
+            return tracker.stats
 
     def add_finalizer(self, fn: Callable[[], None]) -> None:
         tracker = self._tracker
@@ -309,7 +345,7 @@ class ExecutionHandle:
 
 def _cancel_submission(tracker: _Tracker) -> None:
     with tracker.cond:
-        if tracker.finished:
+        if tracker.finished or tracker.finishing:
             return  # nothing left to stop; the outcome stands
         tracker.cancel_requested = True
         owned = [t for t, shared in tracker.members.values() if not shared]

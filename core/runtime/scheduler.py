@@ -16,7 +16,7 @@ Contract (stable)
     for comparisons.
 
 ``submit(fn, *, resource=CPU, priority=CRITICAL, deps=(), mem=None, name="", group=None,
-meta=None, promote_deps=False) -> TaskHandle``
+meta=None, promote_deps=False, kind=None, log=None) -> TaskHandle``
     ``fn(ctx: TaskContext) -> result``. The task becomes READY when every handle in
     ``deps`` is DONE; if any dependency FAILED or was CANCELLED it becomes CANCELLED (cause =
     the root failing task) without running. ``mem`` (``{Arena: bytes}``) is reserved in the
@@ -25,6 +25,9 @@ meta=None, promote_deps=False) -> TaskHandle``
     with :class:`BudgetError` (naming arena and sizes) — ``submit`` itself does not raise.
     ``group`` (a :class:`TaskGroup`) gets the task added. ``meta`` is opaque caller data.
     ``promote_deps=True`` promotes the not-yet-done producers to CRITICAL (inheritance).
+    ``kind`` (a :class:`TaskKind`) is recorded in the task's event; ``log`` (a
+    ``Timeline``, core/runtime/timeline.py) gets the event too, so an owner (a session)
+    has its own tasks' timeline and totals on a scheduler it shares.
     ``submit`` never blocks on other tasks. It raises :class:`UsageError` after ``close()``
     or for DEVICE work without device queues.
 
@@ -35,8 +38,9 @@ meta=None, promote_deps=False) -> TaskHandle``
 
 ``submissions`` — number of ``submit`` calls so far (the hot path must add zero).
 ``events()`` — list of :class:`TaskEvent`, one per terminal task, in completion order
-(task id, name, resource, priority, worker thread, submit/ready/start/end
-``perf_counter_ns`` timestamps, state, cause). ``clear_events()`` empties it.
+(task id, name, kind, resource, priority, worker thread, submit/ready/start/end
+``perf_counter_ns`` timestamps, thread CPU time, state, cause): enough to draw a trace.
+``clear_events()`` empties it.
 ``wait_idle(timeout=None) -> bool`` — until no task is live and every done-callback returned.
 ``close(cancel_pending=True)`` — cancels queued/pending tasks (or lets them drain),
 waits for running ones, joins every worker thread. Also a context manager.
@@ -95,7 +99,7 @@ from typing import Any
 
 from onnx_prep.core.runtime.arenas import Arena, MemoryBudget, Reservation
 from onnx_prep.core.errors import BudgetError, CancelledError, UsageError
-from onnx_prep.core.plan.task import Priority, ResourceClass
+from onnx_prep.core.plan.task import Priority, ResourceClass, TaskKind
 
 _log = logging.getLogger(__name__)
 
@@ -192,6 +196,10 @@ class TaskContext:
 
 @dataclass(frozen=True)
 class TaskEvent:
+    """One terminal task. ``task_id`` is the scheduler's number; ``name`` is the
+    submitter's id for it (a session task's plan id, ``run-N:stepK`` for a run's
+    continuation); ``kind`` what it did (None when the submitter did not say)."""
+
     task_id: int
     name: str
     resource: ResourceClass
@@ -204,10 +212,12 @@ class TaskEvent:
     state: TaskState
     cause: str | None
     cpu_ns: int | None = None  # CPU time of the running thread (wall minus waiting); None if it never ran
+    kind: TaskKind | None = None
 
     def to_json(self) -> dict:
         return {
-            "task_id": self.task_id, "name": self.name, "resource": self.resource.value,
+            "task_id": self.task_id, "name": self.name,
+            "kind": None if self.kind is None else self.kind.value, "resource": self.resource.value,
             "priority": self.priority.name.lower(), "worker": self.worker,
             "submit_ns": self.submit_ns, "ready_ns": self.ready_ns, "start_ns": self.start_ns,
             "end_ns": self.end_ns, "cpu_ns": self.cpu_ns, "state": self.state.value, "cause": self.cause,
@@ -219,7 +229,7 @@ class TaskHandle:
 
     def __init__(self, sched: Scheduler, fn: Callable[[TaskContext], Any], *, resource: ResourceClass,
                  priority: Priority, deps: tuple[TaskHandle, ...], mem: dict[Arena, int], name: str,
-                 meta: Any) -> None:
+                 meta: Any, kind: TaskKind | None = None, log: Any = None) -> None:
         self._sched = sched
         self._fn: Callable[[TaskContext], Any] | None = fn
         self.resource = resource
@@ -228,6 +238,8 @@ class TaskHandle:
         self.mem = mem
         self.name = name
         self.meta = meta
+        self.kind = kind
+        self._log = log  # a Timeline that records this task's event too
         self.id = 0
         self.token = CancelToken()
         self._state = TaskState.PENDING
@@ -619,7 +631,8 @@ class Scheduler:
     def submit(self, fn: Callable[[TaskContext], Any], *, resource: ResourceClass = ResourceClass.CPU,
                priority: Priority = Priority.CRITICAL, deps: Iterable[TaskHandle] = (),
                mem: Mapping[Arena, int] | None = None, name: str = "", group: TaskGroup | None = None,
-               meta: Any = None, promote_deps: bool = False) -> TaskHandle:
+               meta: Any = None, promote_deps: bool = False, kind: TaskKind | None = None,
+               log: Any = None) -> TaskHandle:
         resource = ResourceClass(resource)
         if resource is ResourceClass.DEVICE and not self.sequential and ResourceClass.DEVICE not in self._heaps:
             raise UsageError(f"task {name!r} needs a device queue but the scheduler has none",
@@ -632,7 +645,7 @@ class Scheduler:
         except BudgetError as e:
             budget_error = e
         t = TaskHandle(self, fn, resource=resource, priority=priority, deps=deps, mem=clean_mem,
-                       name=name, meta=meta)
+                       name=name, meta=meta, kind=None if kind is None else TaskKind(kind), log=log)
         finished: list[TaskHandle] = []
         inline: list[TaskHandle] = []
         with self._lock:
@@ -870,9 +883,11 @@ class Scheduler:
         t._fn = None  # drop the closure: it may hold large buffers
         self._live.discard(t)
         self._settling += 1
-        self._events.append(TaskEvent(
-            t.id, t.name, t.resource, t._priority, t.worker, t.submit_ns, t.ready_ns, t.start_ns,
-            t.end_ns, state, t.cause.name if t.cause is not None else None, t.cpu_ns))
+        ev = TaskEvent(t.id, t.name, t.resource, t._priority, t.worker, t.submit_ns, t.ready_ns, t.start_ns,
+                       t.end_ns, state, t.cause.name if t.cause is not None else None, t.cpu_ns, t.kind)
+        self._events.append(ev)
+        if t._log is not None:
+            t._log.record(ev)
         finished.append(t)
 
     def _cascade_cancel(self, t: TaskHandle, root: TaskHandle, finished: list[TaskHandle]) -> None:  # locked

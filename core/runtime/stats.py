@@ -1,0 +1,206 @@
+"""RuntimeStats: one record of what a session did, or one of its runs did.
+
+Every counter of the runtime has its home here or writes into one of these; none is
+process-wide. Who counts what:
+
+- the session's reader (``ExternalDataReader.counters``, per reader): source bytes read
+  and mapped, the reads, the bytes dropped from the page cache;
+- the session (its :class:`Counters`): prepacks and their time, materializations,
+  page-ins, evictions, runs hot and cold, ...;
+- a run's ops (core/ops/run_counters.py), into the run's own :class:`Counters`
+  (``RuntimeContext.counters``), which the session adds to its own when the run ends:
+  KV Concats appended in place or copied, INT4 matmuls split, the chunks lent helpers ran;
+- the session's :class:`~onnx_prep.core.runtime.timeline.Timeline`: its scheduler tasks
+  by kind and by resource queue (how long they waited for a worker and memory);
+- a :class:`~onnx_prep.core.runtime.arenas.PeakWatch`: arena peaks.
+
+``Session.stats()`` is the record since the session opened. ``handle.stats()`` on the
+handle of ``run_async`` or ``prepare_async``, once it is done, is the record over that
+submission: what the session did from its start to its end (reads, prepacks, ... of the
+tasks that ended meanwhile, whoever asked for them), except for what is the run's own:
+its hot or cold run, its yields and its ops' counts (a concurrent run's are not in
+it), and its arena peaks (what the budget held at most while it was in flight).
+
+``to_json()`` shape (schema ``stats/1``; times in nanoseconds, sizes in bytes)::
+
+    {"schema": "stats/1",
+     "io": {"source_bytes", "source_bytes_read", "source_bytes_mapped", "source_reads",
+            "source_bytes_dropped", "packed_bytes_read", "packed_reads"},
+     "prepare": {"prepacks", "prepack_ns", "materializations", "page_ins", "evictions",
+                 "shed", "slot_bytes_warmed"},
+     "runs": {"hot", "cold", "yields"},
+     "memory": {"arena_peaks": {"preparation", "prepared", "execution", "io"}, "global_peak"},
+     "tasks": {KIND: {"tasks", "ran", "queue_wait_ns", "run_ns", "cpu_ns"}},
+     "queues": {RESOURCE: {"tasks", "ran", "queue_wait_ns", "run_ns", "cpu_ns"}},
+     "kv": {"appended_in_place", "copied"},
+     "intra_op": {"matmul_splits", "split_parts", "runs_lending", "chunks_by_helpers",
+                  "helper_sleeps", "helper_wakes"}}
+
+``source_bytes`` is read plus mapped (a session's map path faults every mapped byte in).
+``packed_*`` count reads of a prepared cache: 0 until there is one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+SCHEMA = "stats/1"
+
+__all__ = ["Counters", "RuntimeStats", "TaskTotals", "SCHEMA"]
+
+
+class Counters:
+    """Named integer counters that several threads add to (a session's, a run's)."""
+
+    __slots__ = ("_values", "_lock")
+
+    def __init__(self) -> None:
+        self._values: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._values[name] = self._values.get(name, 0) + n
+
+    def get(self, name: str) -> int:
+        with self._lock:
+            return self._values.get(name, 0)
+
+    def merge(self, other: Mapping[str, int]) -> None:
+        """Add every count of ``other`` (a run's, into its session's)."""
+        with self._lock:
+            for k, n in other.items():
+                self._values[k] = self._values.get(k, 0) + n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._values)
+
+
+@dataclass(frozen=True)
+class TaskTotals:
+    """Scheduler tasks of one kind or one resource queue: ended (``tasks``), of which
+    started on a worker (``ran``); for those, the time from ready (dependencies done) to
+    start (a worker free and its memory admitted), start to end, and thread CPU time."""
+
+    tasks: int = 0
+    ran: int = 0
+    queue_wait_ns: int = 0
+    run_ns: int = 0
+    cpu_ns: int = 0
+
+    def since(self, earlier: TaskTotals) -> TaskTotals:
+        return TaskTotals(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(earlier))))
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# The record's counts, by the JSON section that shows them; each is the field's name
+# and the name its counter goes by.
+_SECTIONS: dict[str, tuple[tuple[str, str], ...]] = {
+    "io": (("source_bytes_read", "bytes_read"), ("source_bytes_mapped", "bytes_mapped"),
+           ("source_reads", "source_reads"), ("source_bytes_dropped", "bytes_dropped"),
+           ("packed_bytes_read", "packed_bytes_read"), ("packed_reads", "packed_reads")),
+    "prepare": (("prepacks", "prepacks"), ("prepack_ns", "prepack_ns"),
+                ("materializations", "materializations"), ("page_ins", "rematerializations"),
+                ("evictions", "evictions"), ("shed", "shed"), ("slot_bytes_warmed", "slot_bytes_warmed")),
+    "runs": (("hot_runs", "hot_runs"), ("cold_runs", "cold_runs"), ("yields", "yields")),
+    "kv": (("kv_appended_in_place", "kv_appended_in_place"), ("kv_copied", "kv_copied")),
+    "intra_op": (("matmul_splits", "matmul_splits"), ("split_parts", "split_parts"),
+                 ("runs_lending", "runs_lending"), ("chunks_by_helpers", "chunks_by_helpers"),
+                 ("helper_sleeps", "helper_sleeps"), ("helper_wakes", "helper_wakes")),
+}
+# JSON keys that differ from the field name (a section's prefix dropped)
+_JSON_KEY = {"hot_runs": "hot", "cold_runs": "cold", "kv_appended_in_place": "appended_in_place",
+             "kv_copied": "copied"}
+COUNTER_FIELDS: tuple[tuple[str, str], ...] = tuple(p for ps in _SECTIONS.values() for p in ps)
+# What belongs to a run itself in a run's record (the rest is the session's, over the run)
+RUN_OWN = ("hot_runs", "cold_runs", "yields", *(f for f, _ in _SECTIONS["kv"] + _SECTIONS["intra_op"]))
+
+
+@dataclass(frozen=True)
+class RuntimeStats:
+    """See the module docstring. Build one with :meth:`from_counts`."""
+
+    # io: the reader
+    source_bytes_read: int = 0
+    source_bytes_mapped: int = 0
+    source_reads: int = 0
+    source_bytes_dropped: int = 0
+    packed_bytes_read: int = 0
+    packed_reads: int = 0
+    # prepare: the session's prepared objects
+    prepacks: int = 0
+    prepack_ns: int = 0
+    materializations: int = 0  # publishes: prepacks, raw reads, packed reads
+    page_ins: int = 0  # publishes of a key that had been resident before (after an eviction)
+    evictions: int = 0
+    shed: int = 0  # speculative tasks cancelled because a run's producer could not get memory
+    slot_bytes_warmed: int = 0  # stable-slot bytes committed ahead of their prepack by idle CPU
+    # runs
+    hot_runs: int = 0
+    cold_runs: int = 0
+    yields: int = 0  # cold-path continuations that waited for a prepared object
+    # a run's ops
+    kv_appended_in_place: int = 0
+    kv_copied: int = 0
+    matmul_splits: int = 0
+    split_parts: int = 0
+    runs_lending: int = 0
+    chunks_by_helpers: int = 0
+    helper_sleeps: int = 0
+    helper_wakes: int = 0
+    # memory and tasks
+    arena_peaks: Mapping[str, int] = field(default_factory=dict)  # arena name -> bytes
+    global_peak: int = 0
+    tasks: Mapping[str, TaskTotals] = field(default_factory=dict)  # by task kind
+    queues: Mapping[str, TaskTotals] = field(default_factory=dict)  # by resource queue
+
+    @property
+    def source_bytes(self) -> int:
+        """Source bytes brought in: read, or mapped (and faulted in)."""
+        return self.source_bytes_read + self.source_bytes_mapped
+
+    @property
+    def runs(self) -> int:
+        return self.hot_runs + self.cold_runs
+
+    @classmethod
+    def from_counts(cls, counts: Mapping[str, int], *, arena_peaks: Mapping[str, int] | None = None,
+                    global_peak: int = 0, tasks: Mapping[str, TaskTotals] | None = None,
+                    queues: Mapping[str, TaskTotals] | None = None) -> RuntimeStats:
+        """The record of ``counts`` (counter name -> value; missing ones are 0)."""
+        return cls(**{f: int(counts.get(c, 0)) for f, c in COUNTER_FIELDS},
+                   arena_peaks=dict(arena_peaks or {}), global_peak=global_peak,
+                   tasks=dict(tasks or {}), queues=dict(queues or {}))
+
+    def counts(self) -> dict[str, int]:
+        """The record's counts by counter name (what :meth:`from_counts` takes)."""
+        return {c: getattr(self, f) for f, c in COUNTER_FIELDS}
+
+    def since(self, earlier: RuntimeStats) -> RuntimeStats:
+        """Counts and task totals minus ``earlier``'s. Peaks do not subtract: the result
+        keeps this record's (give a run its own with ``dataclasses.replace``)."""
+        def minus(now: Mapping[str, TaskTotals], then: Mapping[str, TaskTotals]) -> dict[str, TaskTotals]:
+            return {k: v.since(then.get(k, TaskTotals())) for k, v in now.items()}
+
+        return dataclasses.replace(
+            self, **{f: getattr(self, f) - getattr(earlier, f) for f, _ in COUNTER_FIELDS},
+            tasks=minus(self.tasks, earlier.tasks), queues=minus(self.queues, earlier.queues))
+
+    def to_json(self) -> dict:
+        def section(name: str) -> dict:
+            return {_JSON_KEY.get(f, f): getattr(self, f) for f, _ in _SECTIONS[name]}
+
+        return {"schema": SCHEMA,
+                "io": {"source_bytes": self.source_bytes, **section("io")},
+                "prepare": section("prepare"),
+                "runs": section("runs"),
+                "memory": {"arena_peaks": dict(self.arena_peaks), "global_peak": self.global_peak},
+                "tasks": {k: v.to_json() for k, v in sorted(self.tasks.items())},
+                "queues": {k: v.to_json() for k, v in sorted(self.queues.items())},
+                "kv": section("kv"),
+                "intra_op": section("intra_op")}
