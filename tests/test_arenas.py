@@ -127,3 +127,22 @@ def test_concurrent_reservations_never_exceed_limits():
     assert b.global_live == 0
     assert b.peak(Arena.PREPARATION) <= 600 and b.peak(Arena.PREPARED) <= 700 and b.global_peak <= 1000
     assert b.peak(Arena.PREPARATION) > 0
+
+
+def test_a_peak_watch_sees_only_what_happened_while_it_was_open():
+    b = MemoryBudget()
+    early = b.reserve(Arena.PREPARED, 500)
+    early.release()  # the budget's peak: 500, before the watch
+    held = b.reserve(Arena.IO, 100)
+    with b.watch_peaks() as w:
+        assert w.peaks()[Arena.IO] == 100 and w.peaks()[Arena.PREPARED] == 0  # what is held now
+        r = b.reserve_many({Arena.EXECUTION: 300, Arena.IO: 50})
+        r.release()
+        other = b.watch_peaks()  # opened later: sees only from here
+        b.reserve(Arena.EXECUTION, 200).release()
+        assert w.peaks()[Arena.EXECUTION] == 300 and w.peaks()[Arena.IO] == 150 and w.global_peak == 450
+        assert other.peaks()[Arena.EXECUTION] == 200 and other.global_peak == 300
+    b.reserve(Arena.EXECUTION, 1000).release()  # after close: the watch's peaks stay as they were
+    assert w.peaks()[Arena.EXECUTION] == 300 and other.peaks()[Arena.EXECUTION] == 1000
+    assert b.peak(Arena.PREPARED) == 500
+    held.release()

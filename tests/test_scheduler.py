@@ -527,3 +527,36 @@ def test_close_cancels_pending_joins_workers_and_refuses_new_work():
     with pytest.raises(UsageError, match="closed"):
         s.submit(lambda ctx: None)
     s.close()  # idempotent
+
+
+def test_a_timeline_gets_its_owners_events_with_their_kinds(make_sched):
+    """Two owners on one scheduler: each timeline has exactly its own tasks, their kinds,
+    and totals whose queue wait is the events' ready-to-start time."""
+    from onnx_prep.core.plan.task import TaskKind
+    from onnx_prep.core.runtime.timeline import Timeline
+
+    s = make_sched(io_workers=1, cpu_workers=1)
+    mine, theirs = Timeline(), Timeline()
+    gate = threading.Event()
+    first = s.submit(lambda ctx: gate.wait(T), resource=IO, name="r1", kind=TaskKind.READ_SOURCE, log=mine)
+    queued = s.submit(lambda ctx: 1, resource=IO, name="r2", kind=TaskKind.READ_SOURCE, log=mine)
+    packed = s.submit(lambda ctx: 2, deps=[first], name="p", kind=TaskKind.PREPACK, log=mine)
+    other = s.submit(lambda ctx: 3, name="x", log=theirs)  # no kind given
+    gate.set()
+    for h in (first, queued, packed, other):
+        h.result(T)
+    assert s.wait_idle(T)
+    ev = {e.name: e for e in mine.events()}
+    assert set(ev) == {"r1", "r2", "p"} and [e.name for e in theirs.events()] == ["x"]
+    assert ev["r1"].kind is TaskKind.READ_SOURCE and ev["p"].kind is TaskKind.PREPACK
+    assert theirs.events()[0].kind is None and theirs.by_kind()["other"].tasks == 1
+    assert ev["r2"].start_ns >= ev["r1"].end_ns  # one I/O worker: r2 queued behind r1
+    by_kind = mine.by_kind()
+    assert by_kind["read_source"].tasks == by_kind["read_source"].ran == 2
+    assert by_kind["read_source"].queue_wait_ns == sum(ev[n].start_ns - ev[n].ready_ns for n in ("r1", "r2"))
+    assert by_kind["read_source"].queue_wait_ns >= ev["r1"].end_ns - ev["r2"].ready_ns
+    assert mine.by_resource()["io"].run_ns == sum(ev[n].end_ns - ev[n].start_ns for n in ("r1", "r2"))
+    assert mine.by_resource()["cpu"].tasks == 1
+    assert ev["p"].to_json()["kind"] == "prepack"
+    # the scheduler's own log has every task
+    assert {e.name for e in s.events()} >= {"r1", "r2", "p", "x"}

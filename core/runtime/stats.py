@@ -185,7 +185,8 @@ class RuntimeStats:
         """Counts and task totals minus ``earlier``'s. Peaks do not subtract: the result
         keeps this record's (give a run its own with ``dataclasses.replace``)."""
         def minus(now: Mapping[str, TaskTotals], then: Mapping[str, TaskTotals]) -> dict[str, TaskTotals]:
-            return {k: v.since(then.get(k, TaskTotals())) for k, v in now.items()}
+            diff = {k: v.since(then.get(k, TaskTotals())) for k, v in now.items()}
+            return {k: v for k, v in diff.items() if v != TaskTotals()}  # kinds with no task meanwhile go
 
         return dataclasses.replace(
             self, **{f: getattr(self, f) - getattr(earlier, f) for f, _ in COUNTER_FIELDS},
