@@ -40,11 +40,13 @@ them go early.
 
 ``stats() -> RuntimeStats | None`` — once the submission is done, the record over it
     (core/runtime/stats.py; a session's ``run_async`` and ``prepare_async`` handles give
-    one), None for a handle that records none; a UsageError while it is running. The
-    record is taken before ``wait()`` can return, so it is there once ``wait()`` returns.
-    The submitter's part: ``ExecutionHandle(..., stats=fn)``: ``fn()`` makes the record,
+    one), None for a handle that records none; a UsageError while it is running. Its
+    figures are taken before ``wait()`` can return, so it is there once ``wait()`` returns.
+    The submitter's part: ``ExecutionHandle(..., stats=fn)``: ``fn()`` takes the figures,
     called once when the submission becomes terminal, before anyone waiting can see it
-    finish; ``completed(stats=record)`` gives an already-finished handle its record.
+    finish, and returns the record or (cheaper for a run nobody asks about) a function
+    that makes it on the first ``stats()``; ``completed(stats=...)`` likewise for an
+    already-finished handle.
 
 ``add_finalizer(fn)`` — ``fn()`` runs once, when the submission becomes terminal (on the
     thread completing its last task, or at once). Use it for run-level cleanup such as
@@ -225,6 +227,8 @@ class ExecutionHandle:
             if not tracker.finished:
                 raise UsageError(f"submission {self.name!r} is still running: its stats come when it is done",
                                  hint="wait() first")
+            if callable(tracker.stats):  # figures taken at the end: the record is made once, now
+                tracker.stats = tracker.stats()
             return tracker.stats
 
     def add_finalizer(self, fn: Callable[[], None]) -> None:

@@ -41,14 +41,13 @@ it), and its arena peaks (what the budget held at most while it was in flight).
 """
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 SCHEMA = "stats/1"
 
-__all__ = ["Counters", "RuntimeStats", "TaskTotals", "SCHEMA"]
+__all__ = ["Counters", "RuntimeStats", "Snapshot", "TaskTotals", "SCHEMA"]
 
 
 class Counters:
@@ -92,10 +91,13 @@ class TaskTotals:
     cpu_ns: int = 0
 
     def since(self, earlier: TaskTotals) -> TaskTotals:
-        return TaskTotals(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(earlier))))
+        return TaskTotals(self.tasks - earlier.tasks, self.ran - earlier.ran,
+                          self.queue_wait_ns - earlier.queue_wait_ns, self.run_ns - earlier.run_ns,
+                          self.cpu_ns - earlier.cpu_ns)
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        return {"tasks": self.tasks, "ran": self.ran, "queue_wait_ns": self.queue_wait_ns,
+                "run_ns": self.run_ns, "cpu_ns": self.cpu_ns}
 
 
 # The record's counts, by the JSON section that shows them; each is the field's name
@@ -117,8 +119,9 @@ _SECTIONS: dict[str, tuple[tuple[str, str], ...]] = {
 _JSON_KEY = {"hot_runs": "hot", "cold_runs": "cold", "kv_appended_in_place": "appended_in_place",
              "kv_copied": "copied"}
 COUNTER_FIELDS: tuple[tuple[str, str], ...] = tuple(p for ps in _SECTIONS.values() for p in ps)
-# What belongs to a run itself in a run's record (the rest is the session's, over the run)
-RUN_OWN = ("hot_runs", "cold_runs", "yields", *(f for f, _ in _SECTIONS["kv"] + _SECTIONS["intra_op"]))
+_NO_TASKS = TaskTotals()
+# The counters that are a run's own in its record (the rest is the session's, over the run)
+RUN_OWN = ("hot_runs", "cold_runs", "yields", *(c for _, c in _SECTIONS["kv"] + _SECTIONS["intra_op"]))
 
 
 @dataclass(frozen=True)
@@ -183,14 +186,9 @@ class RuntimeStats:
 
     def since(self, earlier: RuntimeStats) -> RuntimeStats:
         """Counts and task totals minus ``earlier``'s. Peaks do not subtract: the result
-        keeps this record's (give a run its own with ``dataclasses.replace``)."""
-        def minus(now: Mapping[str, TaskTotals], then: Mapping[str, TaskTotals]) -> dict[str, TaskTotals]:
-            diff = {k: v.since(then.get(k, TaskTotals())) for k, v in now.items()}
-            return {k: v for k, v in diff.items() if v != TaskTotals()}  # kinds with no task meanwhile go
-
-        return dataclasses.replace(
-            self, **{f: getattr(self, f) - getattr(earlier, f) for f, _ in COUNTER_FIELDS},
-            tasks=minus(self.tasks, earlier.tasks), queues=minus(self.queues, earlier.queues))
+        keeps this record's."""
+        return Snapshot.of(self).since(Snapshot.of(earlier)).record(
+            arena_peaks=self.arena_peaks, global_peak=self.global_peak)
 
     def to_json(self) -> dict:
         def section(name: str) -> dict:
@@ -205,3 +203,34 @@ class RuntimeStats:
                 "queues": {k: v.to_json() for k, v in sorted(self.queues.items())},
                 "kv": section("kv"),
                 "intra_op": section("intra_op")}
+
+
+def _minus(now: Mapping[str, TaskTotals], then: Mapping[str, TaskTotals]) -> dict[str, TaskTotals]:
+    diff = {k: v.since(then[k]) if k in then else v for k, v in now.items()}
+    return {k: v for k, v in diff.items() if v != _NO_TASKS}  # kinds with no task meanwhile go
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What a record is made of, taken cheaply: counts by counter name, task totals by
+    kind and by queue. A run takes one at its start and one at its end, and makes its
+    record from their difference only when asked (``handle.stats()``)."""
+
+    counts: Mapping[str, int]
+    tasks: Mapping[str, TaskTotals]
+    queues: Mapping[str, TaskTotals]
+
+    @classmethod
+    def of(cls, rec: RuntimeStats) -> Snapshot:
+        return cls(rec.counts(), rec.tasks, rec.queues)
+
+    def since(self, earlier: Snapshot, *, own: Mapping[str, int] | None = None) -> Snapshot:
+        """Minus ``earlier``, except the counters in ``own``, which take its values (a
+        run's own part)."""
+        counts = {c: self.counts.get(c, 0) - earlier.counts.get(c, 0) for _, c in COUNTER_FIELDS}
+        counts.update(own or {})
+        return Snapshot(counts, _minus(self.tasks, earlier.tasks), _minus(self.queues, earlier.queues))
+
+    def record(self, *, arena_peaks: Mapping[str, int] | None = None, global_peak: int = 0) -> RuntimeStats:
+        return RuntimeStats.from_counts(self.counts, arena_peaks=arena_peaks, global_peak=global_peak,
+                                        tasks=self.tasks, queues=self.queues)
