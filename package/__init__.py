@@ -37,6 +37,7 @@ __all__, _getattr, __dir__ = lazy_exports(__name__, {
     "MemoryBudget": "core.runtime.arenas",
     "ExecutionHandle": "core.runtime.execution_handle",
     "ExecutionStatus": "core.runtime.execution_handle",
+    "RuntimeStats": "core.runtime.stats",
     # decoding
     "greedy_decode": "core.decode.generation",
     "DecoderIO": "core.decode.decoder_io",

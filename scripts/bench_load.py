@@ -20,10 +20,11 @@ each (posix_fadvise DONTNEED; pass --warm-cache to keep it):
 
 Per load: plan_ms (plan construction) and session_ms (Session construction: the plan,
 the workers, every stable slot reserved and opened), both before the load's clock starts.
-Then counters: bytes_read / bytes_mapped (the one reader), bytes_dropped (source bytes
-dropped from the page cache once prepacked: --source-pages), session_tasks,
-peak_<arena> and max_in_flight (all arenas together); cpu_ms (process user + sys CPU over
-the load; cpu_user_ms + cpu_sys_ms) and task_wall_ms / task_cpu_ms (summed over the scheduler's tasks: the gap is
+Then counters, from the session's record (Session.stats()): bytes_read / bytes_mapped,
+bytes_dropped (source bytes dropped from the page cache once prepacked: --source-pages),
+session_tasks, peak_<arena> and max_in_flight (all arenas together); cpu_ms (process user
++ sys CPU over the load; cpu_user_ms + cpu_sys_ms) and task_wall_ms / task_cpu_ms (summed
+over the session's tasks: the gap is
 time a running task was descheduled or blocked); reads_end_ms (when the last source read
 ended) and read_tasks_ms (the read tasks' wall time summed: with the reads back to back,
 as in a cold parallel load, it is the device's time; a sequential load's readahead runs

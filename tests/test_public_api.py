@@ -11,7 +11,7 @@ API = {
     "__version__", "resolve_model", "ResolvedModel", "WeightDescriptor", "PrepackRequest",
     "build_prepared_execution_plan", "PreparedExecutionPlan", "Session", "SessionOptions",
     "RuntimeContext",
-    "Workspace", "MemoryBudget", "ExecutionHandle", "ExecutionStatus", "greedy_decode",
+    "Workspace", "MemoryBudget", "ExecutionHandle", "ExecutionStatus", "RuntimeStats", "greedy_decode",
     "DecoderIO", "default_model_path", "generate", "OnnxPrepError", "ModelFormatError",
     "ExternalDataError", "UnsafePathError", "DigestError", "UnsupportedOpError",
     "NativeError", "ModelIOError", "BudgetError", "TaskFailedError", "CancelledError",
