@@ -254,14 +254,15 @@ def stages_alone(resolved, feeds, *, warm: bool) -> dict:
 
 
 def hot_vs_direct(resolved, feeds, repeats: int) -> dict:
-    from onnx_prep.core.runtime.session import RuntimeContext, Session
+    from onnx_prep.core.runtime.session import Session
 
     with Session(resolved) as s:
         s.prepare()
         s.run(feeds)
         s.run(feeds)
         subs = s.scheduler.submissions
-        prog, binding, weights = s.program, s.runs._hot_binding, s.runs._hot_weights
+        before = s.stats()
+
         def run_hot():
             t = time.perf_counter()
             s.run(feeds)
@@ -269,9 +270,7 @@ def hot_vs_direct(resolved, feeds, repeats: int) -> dict:
 
         def run_direct():
             t = time.perf_counter()
-            # the same kernel splits, with the same helpers lent for the run
-            with s.runs._executing(RuntimeContext(feeds), s.runs._parts_hot, lend_helpers=True):
-                prog.run(feeds, binding, weights=weights)
+            s.replay_hot(feeds)  # the same kernel splits, with the same helpers lent for the run
             direct.append((time.perf_counter() - t) * 1e3)
 
         hot, direct = [], []
@@ -279,6 +278,9 @@ def hot_vs_direct(resolved, feeds, repeats: int) -> dict:
             for fn in ((run_hot, run_direct) if i % 2 == 0 else (run_direct, run_hot)):
                 fn()
         assert s.scheduler.submissions == subs, "hot path submitted scheduler tasks"
+        rec = s.stats().since(before)
+        assert rec.hot_runs == repeats and rec.cold_runs == 0 and rec.source_bytes == 0 and not rec.tasks, \
+            "a hot run read or scheduled something"
     return {"hot_ms": _stats(hot), "direct_ms": _stats(direct),
             "overhead_median": statistics.median(hot) / statistics.median(direct) - 1.0,
             "overhead_min": min(hot) / min(direct) - 1.0,

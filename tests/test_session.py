@@ -10,7 +10,7 @@ import pytest
 
 from onnx_prep.core.runtime.arenas import Arena, MemoryBudget
 from onnx_prep.core.decode.decoder_io import DecoderIO
-from onnx_prep.core.errors import BudgetError, CancelledError, OnnxPrepError, TaskFailedError
+from onnx_prep.core.errors import BudgetError, CancelledError, OnnxPrepError, TaskFailedError, UsageError
 from onnx_prep.core.runtime.execution_handle import SubmissionState
 from onnx_prep.core.decode.generation import compare_generations, greedy_decode, step_feeds
 from onnx_prep.core.ops import append_buffer
@@ -400,6 +400,20 @@ def test_workspace_shared_by_sessions_fails_clearly_then_recovers(small_llm_path
         assert np.array_equal(out[io.logits], held.outputs[io.logits])
         a.close()
         b.close()
+
+
+def test_replay_hot_is_the_hot_path_without_its_bookkeeping(small_llm_path):
+    io = _io(small_llm_path)
+    feeds = _feeds(io, np.array([[1, 2, 3]]))
+    with Session.open(small_llm_path) as s:
+        with pytest.raises(UsageError, match="no hot run yet"):
+            s.replay_hot(feeds)
+        s.prepare()
+        ref = s.run(feeds)
+        before, subs = s.stats(), s.scheduler.submissions
+        out = s.replay_hot(feeds)
+        assert all(np.array_equal(out[k], ref[k]) for k in ref)
+        assert s.scheduler.submissions == subs and s.stats().since(before).runs == 0  # not a run
 
 
 def test_concurrent_runs_share_prepared_objects(small_llm_path):
