@@ -63,10 +63,6 @@ class Counters:
         with self._lock:
             self._values[name] = self._values.get(name, 0) + n
 
-    def get(self, name: str) -> int:
-        with self._lock:
-            return self._values.get(name, 0)
-
     def merge(self, other: Mapping[str, int]) -> None:
         """Add every count of ``other`` (a run's, into its session's)."""
         with self._lock:
