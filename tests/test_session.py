@@ -253,7 +253,7 @@ def test_prepack_sources_leave_the_process_once_packed(tiny_llm_path):
     with Session.open(tiny_llm_path) as s:
         before = rss_file()
         s.prepare()
-        mapped = s.reader.counters.snapshot()["bytes_mapped"]
+        mapped = s.stats().source_bytes_mapped
         assert mapped > 8 << 20
         assert rss_file() - before < mapped // 4
 
@@ -474,12 +474,12 @@ def test_source_io_map_and_read_give_identical_outputs(small_llm_path):
     for mode in ("map", "read"):
         with Session.open(small_llm_path, source_io=mode) as s:
             outs[mode] = s.run(feeds)[io.logits]
-            counters[mode] = s.reader.counters.snapshot()
+            counters[mode] = s.stats()
     assert np.array_equal(outs["map"], outs["read"])
     total = resolve_model(small_llm_path).manifest.total_bytes
     for mode in ("map", "read"):
-        assert counters[mode]["bytes_read"] + counters[mode]["bytes_mapped"] == total
-    assert counters["map"]["bytes_mapped"] > 0 and counters["read"]["bytes_mapped"] == 0
+        assert counters[mode].source_bytes_read + counters[mode].source_bytes_mapped == total
+    assert counters["map"].source_bytes_mapped > 0 and counters["read"].source_bytes_mapped == 0
     with pytest.raises(OnnxPrepError, match="source_io"):
         Session.open(small_llm_path, source_io="bogus")
 

@@ -141,7 +141,7 @@ def test_a_drop_session_leaves_the_sources_out_of_the_page_cache(small_llm_path,
             assert s.source_pages == policy
             s.prepare()
             resident = _resident(data)
-            dropped = s.reader.counters.snapshot()["bytes_dropped"]
+            dropped = s.stats().source_bytes_dropped
             outputs[policy] = s.run(feeds)
         if policy == "keep":
             assert dropped == 0
