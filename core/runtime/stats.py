@@ -44,10 +44,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from onnx_prep.core.runtime.timeline import TaskTotals, Timeline
 
 SCHEMA = "stats/1"
 
-__all__ = ["Counters", "RuntimeStats", "Snapshot", "TaskTotals", "SCHEMA"]
+__all__ = ["Counters", "RuntimeStats", "SessionStats", "Snapshot", "TaskTotals", "SCHEMA"]
 
 
 class Counters:
@@ -72,28 +75,6 @@ class Counters:
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self._values)
-
-
-@dataclass(frozen=True)
-class TaskTotals:
-    """Scheduler tasks of one kind or one resource queue: ended (``tasks``), of which
-    started on a worker (``ran``); for those, the time from ready (dependencies done) to
-    start (a worker free and its memory admitted), start to end, and thread CPU time."""
-
-    tasks: int = 0
-    ran: int = 0
-    queue_wait_ns: int = 0
-    run_ns: int = 0
-    cpu_ns: int = 0
-
-    def since(self, earlier: TaskTotals) -> TaskTotals:
-        return TaskTotals(self.tasks - earlier.tasks, self.ran - earlier.ran,
-                          self.queue_wait_ns - earlier.queue_wait_ns, self.run_ns - earlier.run_ns,
-                          self.cpu_ns - earlier.cpu_ns)
-
-    def to_json(self) -> dict:
-        return {"tasks": self.tasks, "ran": self.ran, "queue_wait_ns": self.queue_wait_ns,
-                "run_ns": self.run_ns, "cpu_ns": self.cpu_ns}
 
 
 # The record's counts, by the JSON section that shows them; each is the field's name
@@ -230,3 +211,48 @@ class Snapshot:
     def record(self, *, arena_peaks: Mapping[str, int] | None = None, global_peak: int = 0) -> RuntimeStats:
         return RuntimeStats.from_counts(self.counts, arena_peaks=arena_peaks, global_peak=global_peak,
                                         tasks=self.tasks, queues=self.queues)
+
+
+class SessionStats:
+    """What one session counts, and the records made of it: its :class:`Counters`
+    (``counters``; a run's own are merged in when the run ends), its reader's counters,
+    its tasks' :class:`Timeline` (``timeline``) and a peak watch on its budget."""
+
+    def __init__(self, reader_counters: Any, budget: Any) -> None:
+        self.counters = Counters()
+        self.timeline = Timeline()
+        self._reader = reader_counters  # ExternalDataReader.counters
+        self._budget = budget
+        self._peaks = budget.watch_peaks()
+
+    def record(self) -> RuntimeStats:
+        """Since the session opened."""
+        return _with_peaks(self.snapshot(), self._peaks)
+
+    def snapshot(self) -> Snapshot:
+        counts = self.counters.snapshot()
+        counts.update(self._reader.totals())
+        return Snapshot(counts, self.timeline.by_kind(), self.timeline.by_resource())
+
+    def start(self) -> tuple[Snapshot, Any]:
+        """What a submission's record starts from: a snapshot now and a peak watch."""
+        return self.snapshot(), self._budget.watch_peaks()
+
+    def finish(self, started: tuple[Snapshot, Any], own: Mapping[str, int] | None) -> Callable[[], RuntimeStats]:
+        """Figures taken as a submission ends (``ExecutionHandle(stats=...)``): the
+        session's over its time, but a run's own part (``own``: its run, yields and ops'
+        counts; None for a prepare: none), which the session adds to its own now.
+        Returns the maker of the record (made when asked)."""
+        start, watch = started
+        watch.close()
+        own = own or {}
+        self.counters.merge(own)
+        diff = self.snapshot().since(start, own={c: own.get(c, 0) for c in RUN_OWN})
+        return lambda: _with_peaks(diff, watch)
+
+    def close(self) -> None:
+        self._peaks.close()  # the record's peaks stay as they were
+
+
+def _with_peaks(snap: Snapshot, watch: Any) -> RuntimeStats:
+    return snap.record(arena_peaks={a.value: n for a, n in watch.peaks().items()}, global_peak=watch.global_peak)

@@ -6,14 +6,36 @@ there as the task ends, as well as in its own log. So a session sharing a worksp
 scheduler with other sessions still has exactly its own tasks: the events (task id,
 name, kind, resource, priority, worker, submit / ready / start / end times, CPU time,
 state), enough to draw a trace, and their running totals by kind and by resource queue,
-which the session's :class:`~onnx_prep.core.runtime.stats.RuntimeStats` reports.
+which the session's :class:`~onnx_prep.core.runtime.stats.RuntimeStats` reports
+(:class:`TaskTotals`).
 """
 from __future__ import annotations
 
 import threading
 from collections import deque
+from dataclasses import dataclass
 
-from onnx_prep.core.runtime.stats import TaskTotals
+@dataclass(frozen=True)
+class TaskTotals:
+    """Scheduler tasks of one kind or one resource queue: ended (``tasks``), of which
+    started on a worker (``ran``); for those, the time from ready (dependencies done) to
+    start (a worker free and its memory admitted), start to end, and thread CPU time."""
+
+    tasks: int = 0
+    ran: int = 0
+    queue_wait_ns: int = 0
+    run_ns: int = 0
+    cpu_ns: int = 0
+
+    def since(self, earlier: TaskTotals) -> TaskTotals:
+        return TaskTotals(self.tasks - earlier.tasks, self.ran - earlier.ran,
+                          self.queue_wait_ns - earlier.queue_wait_ns, self.run_ns - earlier.run_ns,
+                          self.cpu_ns - earlier.cpu_ns)
+
+    def to_json(self) -> dict:
+        return {"tasks": self.tasks, "ran": self.ran, "queue_wait_ns": self.queue_wait_ns,
+                "run_ns": self.run_ns, "cpu_ns": self.cpu_ns}
+
 
 
 class Timeline:
