@@ -15,6 +15,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
+
 @dataclass(frozen=True)
 class TaskTotals:
     """Scheduler tasks of one kind or one resource queue: ended (``tasks``), of which
@@ -35,7 +36,6 @@ class TaskTotals:
     def to_json(self) -> dict:
         return {"tasks": self.tasks, "ran": self.ran, "queue_wait_ns": self.queue_wait_ns,
                 "run_ns": self.run_ns, "cpu_ns": self.cpu_ns}
-
 
 
 class Timeline:
