@@ -5,7 +5,7 @@ process-wide. Who counts what:
 
 - the session's reader (``ExternalDataReader.counters``, per reader): source bytes read
   and mapped, the reads, the bytes dropped from the page cache;
-- the session (its :class:`Counters`): prepacks and their time, materializations,
+- the session (a :class:`Counters`): prepacks and their time, materializations,
   page-ins, evictions, runs hot and cold, ...;
 - a run's ops (core/ops/run_counters.py), into the run's own :class:`Counters`
   (``RuntimeContext.counters``), which the session adds to its own when the run ends:
@@ -13,6 +13,10 @@ process-wide. Who counts what:
 - the session's :class:`~onnx_prep.core.runtime.timeline.Timeline`: its scheduler tasks
   by kind and by resource queue (how long they waited for a worker and memory);
 - a :class:`~onnx_prep.core.runtime.arenas.PeakWatch`: arena peaks.
+
+A session keeps the last four in one :class:`SessionStats`, which makes its records.
+Scheduler-wide diagnostics (``Scheduler.futile_wakeups``, ``side_jobs_run``) stay on the
+scheduler: a workspace's scheduler serves several sessions, so they are no session's.
 
 ``Session.stats()`` is the record since the session opened. ``handle.stats()`` on the
 handle of ``run_async`` or ``prepare_async``, once it is done, is the record over that
