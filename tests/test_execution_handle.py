@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from onnx_prep.core.runtime.arenas import Arena, MemoryBudget
-from onnx_prep.core.errors import CancelledError, ExternalDataError, TaskFailedError, Where
+from onnx_prep.core.errors import CancelledError, ExternalDataError, TaskFailedError, UsageError, Where
 from onnx_prep.core.runtime.execution_handle import ExecutionHandle, SubmissionState
 from onnx_prep.core.runtime.prepared_store import PreparedObjectStore, ResidencyState
 from onnx_prep.core.runtime.scheduler import Scheduler, TaskState
@@ -401,3 +401,34 @@ def test_handle_finalized_inside_the_scheduler_lock_cancels_without_blocking(env
     assert env.sched.wait_idle(T)
     assert all(t.state is TaskState.CANCELLED for t in steps)
     _assert_quiescent(env)
+
+
+def test_stats_are_taken_before_a_waiter_sees_the_end(env):
+    """The submitter's stats function runs once, when the last task ends and before the
+    handle reads as finished, so ``stats()`` has the record as soon as ``wait()``
+    returns; a record made later (a function returned) is made once, on first ask; a
+    stats function that raises leaves the handle finished, with no record."""
+    gate = threading.Event()
+    task = env.sched.submit(lambda ctx: gate.wait(T), name="t")
+    seen, made = [], []
+    holder: list[ExecutionHandle] = []
+
+    def take():
+        seen.append(holder[0].is_ready())  # not finished yet for anyone
+        return lambda: made.append(1) or "record"
+
+    h = ExecutionHandle(owned=(task,), name="run", stats=take)
+    holder.append(h)
+    with pytest.raises(UsageError, match="still running"):
+        h.stats()
+    gate.set()
+    h.wait(T)
+    assert seen == [False] and made == []
+    assert h.stats() == "record" and h.stats() == "record" and made == [1]
+
+    def broken():
+        raise RuntimeError("no record")
+
+    bad = ExecutionHandle(owned=(env.sched.submit(lambda ctx: None, name="u"),), name="run2", stats=broken)
+    bad.wait(T)
+    assert bad.is_ready() and bad.status().state is SubmissionState.DONE and bad.stats() is None
