@@ -78,8 +78,7 @@ class _Claim:
 
 _claims: dict[int, _Claim] = {}  # id(buffer) -> claim; dropped when the buffer is collected
 # What a marked Concat counts (core/ops/run_counters.py: into the run's own counters):
-# appended in place, or copied into a fresh buffer.
-KV_COUNTERS = ("kv_appended_in_place", "kv_copied")
+# "kv_appended_in_place", or "kv_copied" into a fresh buffer (RuntimeStats fields).
 
 
 def _live_claim(base) -> _Claim | None:

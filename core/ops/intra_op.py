@@ -31,11 +31,11 @@ MIN_SPLIT_WORK = 2 << 20
 
 
 # What a run's splits count (core/ops/run_counters.py: into the run's own counters, none
-# outside a run): ops split and parts made; for a run that lent helpers (once per such
-# run), the chunks they ran through its mailbox, how often they went to sleep after
-# spinning idle and had to be woken by a publish (native/handoff.py, SPIN_NS_DEFAULT).
-SPLIT_COUNTERS = ("matmul_splits", "split_parts", "runs_lending", "chunks_by_helpers",
-                  "helper_sleeps", "helper_wakes")
+# outside a run; RuntimeStats fields): ops split and parts made ("matmul_splits",
+# "split_parts"); for a run that lent helpers ("runs_lending", once per such run), the
+# chunks they ran through its mailbox ("chunks_by_helpers"), how often they went to sleep
+# after spinning idle and had to be woken by a publish ("helper_sleeps", "helper_wakes";
+# native/handoff.py, SPIN_NS_DEFAULT).
 
 
 def count_split(parts: int) -> None:
