@@ -14,6 +14,7 @@ the slot pool: the bytes are written once, in place, at the key's stable address
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -130,8 +131,10 @@ class Materializer:
             tctx.raise_if_cancelled()
             size = packed_size(node.kernel, req.request, self.resolved)
             if size is None:  # no exact size query for this kernel: pack, then copy
+                t0 = time.perf_counter_ns()
                 packed = np.ascontiguousarray(
                     prepack(node.kernel, req.request, sources, node.attributes)).view(np.uint8).reshape(-1)
+                self._count_prepack(t0)
 
                 def fill(nbytes: int, view: np.ndarray) -> None:
                     view[:] = packed
@@ -139,11 +142,17 @@ class Materializer:
                 size = packed.nbytes
             else:
                 def fill(nbytes: int, view: np.ndarray) -> None:
+                    t0 = time.perf_counter_ns()
                     prepack(node.kernel, req.request, sources, node.attributes, out=view)
+                    self._count_prepack(t0)
 
             self._materialize(key, tctx, size, fill)
         finally:
             self._sources_used(desc.dependencies)
+
+    def _count_prepack(self, t0: int) -> None:
+        self._count("prepacks")
+        self._count("prepack_ns", time.perf_counter_ns() - t0)
 
     # ----------------------------------------------------------------- publishing
     def _materialize(self, key: PreparedKey, tctx: TaskContext, nbytes: int, fill,

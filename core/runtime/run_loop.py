@@ -26,20 +26,19 @@ import itertools
 import math
 import threading
 import time
-from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from onnx_prep.core.errors import BudgetError, OnnxPrepError, Where
+from onnx_prep.core.errors import BudgetError, OnnxPrepError, UsageError, Where
 from onnx_prep.core.model.dtypes import DTYPES
 from onnx_prep.core.model.prepared_key import PreparedKey
 from onnx_prep.core.model.resolved_model import ResolvedModel
-from onnx_prep.core.ops import append_buffer, intra_op
+from onnx_prep.core.ops import append_buffer, intra_op, run_counters
 from onnx_prep.core.plan.execution_plan import RAW_LAYOUT, PreparedExecutionPlan
-from onnx_prep.core.plan.task import Priority
+from onnx_prep.core.plan.task import Priority, TaskKind
 from onnx_prep.core.runtime.action_program import ActionProgram
 from onnx_prep.core.runtime.arenas import Arena, MemoryBudget
 from onnx_prep.core.runtime.execution_handle import ExecutionHandle
@@ -47,6 +46,7 @@ from onnx_prep.core.runtime.prepared_store import PreparedObjectStore
 from onnx_prep.core.runtime.scheduler import Scheduler, TaskContext, TaskHandle
 from onnx_prep.core.runtime.session_tasks import SessionTasks
 from onnx_prep.core.runtime.slot_pool import SlotPool
+from onnx_prep.core.runtime.stats import Counters, SessionStats
 
 __all__ = ["RunLoop", "RuntimeContext"]
 
@@ -74,6 +74,7 @@ class RuntimeContext:
         self.append_room = append_buffer.room_hint()
         self.first_step_ns: int | None = None
         self.done_ns: int | None = None
+        self.counters = Counters()  # the run's own counts (its ops', its yields); see stats.py
         self._io_reservation = None
 
     def release(self) -> None:
@@ -101,19 +102,21 @@ class RunLoop:
     """Runs of one session. ``parts_hot`` / ``parts_cold``: intra-op split of a hot run
     (the caller plus the CPU workers) and of a cold step (on a worker);
     ``spin_helpers``: hot runs lend idle CPU workers that wait in C for split chunks
-    (see :meth:`_executing`); ``count(name, n=1)`` bumps a session counter."""
+    (see :meth:`_executing`); ``stats``: the session's (core/runtime/stats.py), which
+    each run's record is taken from; a run's own counts go to ``RuntimeContext.counters``."""
 
     def __init__(self, resolved: ResolvedModel, plan: PreparedExecutionPlan, program: ActionProgram,
                  store: PreparedObjectStore, slots: SlotPool, scheduler: Scheduler, budget: MemoryBudget,
                  tasks: SessionTasks, *, parts_hot: int, parts_cold: int, spin_helpers: bool,
-                 count: Callable[..., None]) -> None:
+                 stats: SessionStats) -> None:
         self.resolved, self.plan, self.program = resolved, plan, program
         self.store, self.slots, self.scheduler, self.budget = store, slots, scheduler, budget
         self.tasks = tasks
         self._parts_hot, self._parts_cold = parts_hot, parts_cold
         self._spin_helpers = spin_helpers
         self._lend_at_start = False  # see _executing
-        self._count = count
+        self._stats = stats
+        self.started = False  # a run has started (the slot warmer stops)
         self._run_ids = itertools.count(1)
         self._step_keys: tuple[tuple[PreparedKey, ...], ...] = tuple(
             plan.by_id[s.task_id].prepared_requirements for s in plan.steps)
@@ -133,20 +136,24 @@ class RunLoop:
         """A hot run when every requirement is resident (on this thread, already
         complete), else a cold run (a continuation on the scheduler)."""
         run_id = next(self._run_ids)
+        self.started = True
+        since = self._stats.start()
         pins = self.readiness.pin_if_ready()
         if pins is not None:
-            return self._run_hot(ctx, pins, run_id)
+            return self._run_hot(ctx, pins, run_id, since)
         run = _Run(ctx=ctx, name=f"run-{run_id}")
         ctx.mode = "cold"
-        self._count("cold_runs")
+        ctx.counters.add("cold_runs")
         try:
             self._reserve_run_memory(run)
         except BudgetError as e:
-            return ExecutionHandle.completed(name=run.name, error=e)
+            return ExecutionHandle.completed(name=run.name, error=e,
+                                             stats=self._stats.finish(since, ctx.counters.snapshot()))
         first = self._submit_continuation(run, deps=())
         # NOTE: the handle is built around the first continuation; the continuation
         # touches run.handle only after handle_ready is set (a race of a few microseconds).
-        run.handle = ExecutionHandle(owned=(first,), name=run.name, keepalive=ctx)
+        run.handle = ExecutionHandle(owned=(first,), name=run.name, keepalive=ctx,
+                                     stats=lambda: self._stats.finish(since, ctx.counters.snapshot()))
         run.handle_ready.set()
         run.handle.add_finalizer(lambda r=run: _release(r.exec_reservation))
         return run.handle
@@ -186,19 +193,20 @@ class RunLoop:
                 lazy.open_now()
         try:
             with intra_op.using(self.scheduler.fork_join, parts, mailbox=lazy), \
-                    append_buffer.room_for(ctx.append_room):
+                    append_buffer.room_for(ctx.append_room), run_counters.counting(ctx.counters):
                 yield
         finally:
             for box, lent in opened:
                 box.stop()
                 self.scheduler.reclaim(lent)
-                intra_op.COUNTERS.add_handed_off(box.chunks_by_helpers, box.sleeps, box.wakes)
+                with run_counters.counting(ctx.counters):
+                    intra_op.count_handed_off(box.chunks_by_helpers, box.sleeps, box.wakes)
             if lazy is not None:  # the next hot run lends at its start if this one split
                 self._lend_at_start = lazy.asked
 
-    def _run_hot(self, ctx: RuntimeContext, pins, run_id: int) -> ExecutionHandle:
+    def _run_hot(self, ctx: RuntimeContext, pins, run_id: int, since) -> ExecutionHandle:
         ctx.mode = "hot"
-        self._count("hot_runs")
+        ctx.counters.add("hot_runs")
         try:
             if self._hot_binding is None:
                 view = self.slots.view
@@ -220,16 +228,29 @@ class RunLoop:
             finally:
                 _release(run.exec_reservation)
         except OnnxPrepError as e:
-            return ExecutionHandle.completed(name=f"run-{run_id}", error=e)
+            return ExecutionHandle.completed(name=f"run-{run_id}", error=e,
+                                             stats=self._stats.finish(since, ctx.counters.snapshot()))
         finally:
             pins.release()
-        return ExecutionHandle.completed(name=f"run-{run_id}")
+        return ExecutionHandle.completed(name=f"run-{run_id}", stats=self._stats.finish(since, ctx.counters.snapshot()))
+
+    def replay_hot(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The hot path's baseline (benchmarks): the same action program, prepared
+        binding, weights and intra-op helpers as a hot run, replayed directly with none of
+        a run's bookkeeping (readiness, pins, arena reservations, handle, stats). Only
+        after a hot run has bound the prepared objects (a UsageError before)."""
+        if self._hot_binding is None:
+            raise UsageError("no hot run yet: replay_hot needs the binding a hot run makes",
+                             hint="prepare() and run() once first")
+        with self._executing(RuntimeContext(feeds), self._parts_hot, lend_helpers=True):
+            return self.program.run(feeds, self._hot_binding, weights=self._hot_weights)
 
     # ------------------------------------------------------------------- cold path
     def _submit_continuation(self, run: _Run, deps) -> TaskHandle:
         return self.scheduler.submit(lambda tctx, r=run: self._continue(r, tctx),
                                      priority=Priority.CRITICAL, deps=tuple(deps),
-                                     name=f"{run.name}:step{run.step}", promote_deps=True)
+                                     name=f"{run.name}:step{run.step}", promote_deps=True,
+                                     kind=TaskKind.EXECUTE, log=self._stats.timeline)
 
     def _continue(self, run: _Run, tctx: TaskContext) -> None:
         ctx = run.ctx
@@ -248,7 +269,7 @@ class RunLoop:
             if keys and pins is None:
                 waiting = self.tasks.wait_for(keys, si)
                 if waiting:
-                    self._count("yields")
+                    ctx.counters.add("yields")
                     nxt = self._submit_continuation(run, deps=waiting)  # yield until they publish
                     run.handle_ready.wait()
                     for h in waiting:

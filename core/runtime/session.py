@@ -59,11 +59,12 @@ from onnx_prep.core.runtime.execution_handle import ExecutionHandle
 from onnx_prep.core.runtime.materializer import SOURCE_IO, Materializer
 from onnx_prep.core.runtime.prepared_store import PreparedObjectStore
 from onnx_prep.core.runtime.run_loop import RunLoop, RuntimeContext
-from onnx_prep.core.runtime.scheduler import Scheduler
+from onnx_prep.core.runtime.scheduler import Scheduler, TaskEvent
 from onnx_prep.core.runtime.session_tasks import SessionTasks
 from onnx_prep.core.runtime.slot_pool import HostSlotPool, to_idle_priority
+from onnx_prep.core.runtime.stats import RuntimeStats, SessionStats
 
-__all__ = ["Session", "SessionOptions", "SessionCounters", "Workspace", "RuntimeContext"]
+__all__ = ["Session", "SessionOptions", "Workspace", "RuntimeContext"]
 
 
 class Workspace:
@@ -88,19 +89,6 @@ class Workspace:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-@dataclass
-class SessionCounters:
-    hot_runs: int = 0
-    cold_runs: int = 0
-    yields: int = 0  # cold-path continuations that waited for a prepared object
-    materializations: int = 0  # publishes (prepacks, raw reads, packed reads)
-    rematerializations: int = 0  # publishes of a key that had been resident before (page-ins)
-    evictions: int = 0  # objects the session evicted to make room under the PREPARED limit
-    shed: int = 0  # speculative tasks cancelled because a run's producer could not get memory
-    source_reads: int = 0
-    slot_bytes_warmed: int = 0  # stable-slot bytes committed ahead of their prepack by idle CPU
 
 
 @dataclass(frozen=True)
@@ -155,7 +143,9 @@ class Session:
         self.scheduler: Scheduler = self.workspace.scheduler
         self.budget: MemoryBudget = self.workspace.budget
         self.store = PreparedObjectStore()
-        self.counters = SessionCounters()
+        # What the session counts, its tasks' timeline, the arena peaks since it opened:
+        # stats() is the record of them (core/runtime/stats.py).
+        self._stats = SessionStats(self.reader.counters, self.budget)
         self._lock = threading.RLock()
         self._closed = False
         plan = self.plan
@@ -169,7 +159,8 @@ class Session:
         self.eviction = EvictionPolicy(plan)
         self.tasks = SessionTasks(plan, self.scheduler, self.store, self.budget, self.eviction,
                                   task_fn=lambda desc: self.materializer.task_fn(desc),
-                                  nbytes=self.slots.nbytes, count=self._count, lock=self._lock)
+                                  nbytes=self.slots.nbytes, count=self._count, lock=self._lock,
+                                  timeline=self._stats.timeline)
         self.materializer = Materializer(
             resolved, plan, self.reader, self.store, self.slots, source_io=self.source_io,
             drop_sources=self._drop_sources, count=self._count, published=self.tasks.published,
@@ -187,7 +178,7 @@ class Session:
         self.runs = RunLoop(resolved, plan, self.program, self.store, self.slots, self.scheduler,
                             self.budget, self.tasks, parts_hot=min(cores, cpu + 1) if cpu else 1,
                             parts_cold=min(cores, cpu) if cpu else 1, spin_helpers=spin,
-                            count=self._count)
+                            stats=self._stats)
 
         # Slot warming (_warm_slots_loop): while a parallel prepare runs and no run does, a
         # thread in the OS's idle class commits the reserved slots' pages ahead of their
@@ -226,6 +217,7 @@ class Session:
             self.workspace.close()
         self.store.clear()
         self.slots.close()  # reserved slots never used: their address ranges go back now
+        self._stats.close()
         self.reader.close_shared()
 
     def __enter__(self) -> Session:
@@ -239,14 +231,16 @@ class Session:
         """Submit every session task eagerly (``SessionTasks.prepare``); the handle holds
         them as shared tasks. Already-resident objects submit nothing."""
         self._check_open()
-        handle = ExecutionHandle(shared=self.tasks.prepare(), name="prepare")
+        since = self._stats.start()
+        handle = ExecutionHandle(shared=self.tasks.prepare(), name="prepare",
+                                 stats=lambda: self._stats.finish(since, None))
         self._start_warmer(handle)
         return handle
 
     def _runs_started(self) -> bool:
         """Whether any run has started here (read without the lock by the warmer's
         steps: a hint there, checked again under the lock at its next slot)."""
-        return self.counters.cold_runs + self.counters.hot_runs > 0
+        return self.runs.started
 
     def _start_warmer(self, prepare: ExecutionHandle) -> None:
         with self._lock:
@@ -305,10 +299,24 @@ class Session:
         """Evict one unpinned object (its slot keeps its address). False if pinned."""
         return self.store.evict(key)
 
+    def replay_hot(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The hot path's baseline (benchmarks): ``RunLoop.replay_hot``."""
+        return self.runs.replay_hot(feeds)
+
+    # ------------------------------------------------------------------ statistics
+    def stats(self) -> RuntimeStats:
+        """The record since the session opened (core/runtime/stats.py): its reader's
+        bytes, its prepared objects, its runs and their ops, its tasks, the arena peaks."""
+        return self._stats.record()
+
+    def timeline(self) -> list[TaskEvent]:
+        """The events of this session's scheduler tasks, in completion order (task id,
+        name, kind, resource, priority, worker, submit / ready / start / end times): a
+        trace of its reads, prepacks and cold-run steps, apart from other sessions'."""
+        return self._stats.timeline.events()
+
     def _count(self, name: str, n: int = 1) -> None:
-        """Counters are bumped from worker threads: under the session lock, never lost."""
-        with self._lock:
-            setattr(self.counters, name, getattr(self.counters, name) + n)
+        self._stats.counters.add(name, n)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -24,6 +24,7 @@ from onnx_prep.core.runtime.eviction_policy import EvictionPolicy
 from onnx_prep.core.runtime.materializer import release_source
 from onnx_prep.core.runtime.prepared_store import PreparedObjectStore
 from onnx_prep.core.runtime.scheduler import Scheduler, TaskHandle, TaskState
+from onnx_prep.core.runtime.timeline import Timeline
 
 __all__ = ["SessionTasks"]
 
@@ -37,11 +38,12 @@ class SessionTasks:
     def __init__(self, plan: PreparedExecutionPlan, scheduler: Scheduler, store: PreparedObjectStore,
                  budget: MemoryBudget, eviction: EvictionPolicy, *, task_fn: Callable,
                  nbytes: Callable[[PreparedKey], int], count: Callable[..., None],
-                 lock: threading.RLock) -> None:
+                 lock: threading.RLock, timeline: Timeline | None = None) -> None:
         self.plan, self.scheduler, self.store, self.budget = plan, scheduler, store, budget
         self.eviction = eviction
         self._task_fn, self._nbytes, self._count = task_fn, nbytes, count
         self._lock = lock
+        self._timeline = timeline  # where the scheduler records this session's task events
         self.handles: dict[TaskId, TaskHandle] = {}  # current generation of each session task
         self.keys = tuple(r.key for r in plan.requirements)
         self._publisher: dict[PreparedKey, TaskDescriptor] = {
@@ -121,19 +123,27 @@ class SessionTasks:
                         if desc.kind is TaskKind.PREPACK:
                             self._ensure_tied(tid, desc, priority)
                     return h
-            deps = []
+            deps, reads = [], []
             for d in desc.dependencies:
                 dh = self.ensure(d, priority)
                 if dh is not None:
                     deps.append(dh)
+                    if self.plan.by_id[d].kind is TaskKind.READ_SOURCE and self.plan.by_id[d].publishes is None:
+                        reads.append((d, dh))
             h = self.scheduler.submit(self._task_fn(desc), resource=desc.resource, priority=priority,
                                       deps=tuple(deps), mem=desc.memory_request(), name=desc.id,
-                                      meta=desc)
+                                      meta=desc, kind=desc.kind, log=self._timeline)
             self.handles[tid] = h
-            if desc.kind is TaskKind.READ_SOURCE and desc.publishes is None:
-                # A read can finish after its consumers were cancelled (shed): free it then.
-                h.add_done_callback(lambda _h, t=tid: self._on_read_done(t))
-            elif desc.kind is TaskKind.PREPACK:
+            # A read can finish after its consumers were cancelled (shed): free it then.
+            # NOTE: registered once this consumer is in handles, not when the read is
+            # submitted: a read already done runs the callback at once, and with the
+            # consumer's previous (cancelled) generation still registered it freed the
+            # source this one is about to consume (a tight-budget run failed so ~1 in 8
+            # times once counting stopped taking the session lock, which had kept every
+            # read from finishing while its consumer was being submitted).
+            for d, dh in reads:
+                dh.add_done_callback(lambda _h, t=d: self._on_read_done(t))
+            if desc.kind is TaskKind.PREPACK:
                 self._ensure_tied(tid, desc, priority)
             return h
 
