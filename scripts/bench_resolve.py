@@ -22,15 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from onnx_prep.core.profile.machine import cpu_model
 
 
 def _commit() -> str | None:
@@ -127,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                 "payload_bytes": round(by[a]["payload_bytes"] / by[b]["payload_bytes"], 1),
             }
     provenance = {"version": __version__, "commit": _commit(), "python": platform.python_version(),
-                  "cpu": _cpu(), "cpus": os.cpu_count(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+                  "cpu": cpu_model(), "cpus": os.cpu_count(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     if args.json:
         print(json.dumps({"provenance": provenance, "records": records, "ratios": ratios}, indent=2))
         return 0
