@@ -4,6 +4,10 @@ Every payload byte the project reads from a model's external data files goes thr
 ``ExternalDataReader``; it owns the byte counters, so "resolution reads 0 payload
 bytes" holds by construction and is tested through them.
 
+Why one module of ~600 lines: it is one security boundary. The path rules, the bounds
+checks and every way of reaching the bytes (read, read into a slot, the shared mapping
+and its release) stay side by side, so no read path can skip a check that another has.
+
 Path rules (ONNX has shipped path-traversal CVEs in exactly this place:
 CVE-2022-25882, CVE-2024-27318, CVE-2026-27489 and friends), applied by
 ``check_location`` (lexical), ``stat_external_file`` (resolution: ``lstat`` only, no

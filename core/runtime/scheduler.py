@@ -5,6 +5,12 @@ docs/design.md, "Task resources and scheduling". The
 scheduler runs *functions with dependencies*; it knows nothing about models, plans or
 prepared objects (the session maps plan descriptors onto :meth:`Scheduler.submit`).
 
+Why one module of ~1,000 lines (a fifth of it this contract): the queues, the task
+handles' states, priority inheritance, memory admission and cancellation all change
+under ONE lock, and their invariants are stated against each other (a handle's state
+moves only with its queue entry; a waiter's priority is lent to exactly the tasks it
+waits on). Split across modules, each part would reach into the others' guarded state.
+
 Contract (stable)
 -----------------
 
