@@ -224,7 +224,7 @@ def test_prepared_runtime_matches_ort_on_the_fixture(small_llm_path):
     doc = _json([str(small_llm_path), "--compare", "ort", "--prompt-ids", "1,2,3,4,5", "--tokens", "32",
                  "--batch", "4"])
     assert doc["runtime"] == "prepared" and doc["compare"]["agrees"]
-    assert doc["compare"]["first_step_max_abs_logit_diff"] <= 1e-3 * doc["compare"]["first_step_logit_range"]
+    assert doc["compare"]["first_step_max_abs_logit_diff"] <= 1e-5 * doc["compare"]["first_step_logit_range"]
     assert all(row == doc["tokens"][0] for row in doc["tokens"])
     # KV cache: the prefill makes one buffer per K/V Concat (2 blocks), sized for the
     # whole decode, and each of the 31 decode steps appends in place; no matmul of this
