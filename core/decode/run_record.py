@@ -17,18 +17,26 @@ model once:
 """
 from __future__ import annotations
 
+import numbers
 import time
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Optional
 
-from onnx_prep.core.errors import UsageError
+from onnx_prep.core.errors import UsageError, Where
 
 SCHEMA = "onnx-prep.run/4"
 RUNTIMES = ("prepared", "ort")
 COMPARE_WITH = ("ort",)
 DEFAULT_PROMPT = (1, 2, 3, 4)
+
+# The documented ranges of the integer options (docs/run.md, "Ranges"), checked before
+# anything is allocated; the memory budget then admits the combination.
+MAX_TOKENS = 1 << 20  # a million positions: past any decoder's context
+MAX_BATCH = 1 << 16
+MAX_THREADS = 256  # more than any CPU this runs on has cores
+MAX_TOKEN_ID = (1 << 63) - 1  # int64, the token ids' dtype; the vocabulary is checked after discovery
 
 # ``progress(label, total)``: a context manager around one decode that gives the
 # ``on_step`` callback of ``greedy_decode`` (or None). The CLI draws a bar with it.
@@ -39,7 +47,8 @@ Progress = Callable[[str, int], ContextManager[Optional[Callable[[Any], None]]]]
 class RunOptions:
     """What to decode and how. ``prompt_ids`` holds the rows (equal lengths); ``io_map``
     is a JSON file naming the decoder I/O (docs/run.md); ``threads`` is ONNX Runtime's
-    intra-op threads and the prepared session's CPU workers (None: their defaults)."""
+    intra-op threads and the prepared session's CPU workers (None: their defaults);
+    ``memory_budget`` the bytes the run may take (None: ``default_memory_budget()``)."""
 
     prompt_ids: tuple[tuple[int, ...], ...] = (DEFAULT_PROMPT,)
     tokens: int = 16
@@ -48,6 +57,7 @@ class RunOptions:
     io_map: Path | None = None
     threads: int | None = None
     source_pages: str = "auto"
+    memory_budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.runtime not in RUNTIMES:
@@ -56,13 +66,18 @@ class RunOptions:
             raise UsageError(f"--compare supports only 'ort', got {self.compare!r}")
         if self.compare == self.runtime:
             raise UsageError("--compare ort with --runtime ort compares ONNX Runtime with itself")
-        if self.tokens < 1:
-            raise UsageError(f"--tokens must be at least 1, got {self.tokens}")
-        if self.threads is not None and self.threads < 1:
-            raise UsageError(f"--threads must be at least 1, got {self.threads}")
+        check_range("--tokens", self.tokens, 1, MAX_TOKENS)
+        if self.threads is not None:
+            check_range("--threads", self.threads, 1, MAX_THREADS)
+        if self.memory_budget is not None:
+            check_range("--memory-budget", self.memory_budget, 1 << 20, 1 << 60)
         rows = self.prompt_ids
         if not rows or any(not row or any(t < 0 for t in row) for row in rows):
             raise UsageError(f"prompt ids must be non-empty rows of non-negative integers, got {rows!r}")
+        check_range("--batch", len(rows), 1, MAX_BATCH)
+        for row in rows:
+            for t in row:
+                check_range("a prompt id", t, 0, MAX_TOKEN_ID)  # int64; the vocabulary is record_run's
         if len({len(row) for row in rows}) > 1:
             raise UsageError(f"all --prompt-ids rows must have the same length, got {[len(r) for r in rows]}",
                              hint="padding is not supported: give prompts of equal length")
@@ -71,6 +86,16 @@ class RunOptions:
 
         if self.source_pages not in SOURCE_PAGES:
             raise UsageError(f"--source-pages must be one of {list(SOURCE_PAGES)}, got {self.source_pages!r}")
+
+
+def check_range(option: str, value: int, low: int, high: int) -> None:
+    """``UsageError`` unless ``value`` is an integer in [low, high] (``bool`` is not one)."""
+    text = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise UsageError(f"{option} must be an integer from {low:,} to {high:,}, got {text}")
+    if not low <= value <= high:
+        side = f"at least {low:,}" if value < low else f"at most {high:,}"
+        raise UsageError(f"{option} must be {side} (range {low:,} to {high:,}), got {text}")
 
 
 def open_prepared_runner(resolved, *, threads: int | None, source_pages: str):
@@ -97,6 +122,7 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
 
     from onnx_prep.core.decode.decoder_io import DecoderIO, load_io_map, value_infos_from_model
     from onnx_prep.core.decode.generation import compare_generations
+    from onnx_prep.core.decode.run_memory import admit, default_memory_budget, estimate_run_memory
 
     path = Path(model)
     prompt = np.array(options.prompt_ids, dtype=np.int64)
@@ -116,6 +142,13 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
         inputs, outputs = value_infos_from_model(path)
     opened["ort"] = lambda: (0.0, _open_ort(path, options.threads))
     io = DecoderIO.discover(inputs, outputs, mapping, model=str(path))
+    if io.vocab_size is not None and int(prompt.max()) >= io.vocab_size:
+        raise UsageError(f"prompt id {int(prompt.max())} is outside the vocabulary (size {io.vocab_size})",
+                         Where(model=str(path)))
+    # Before either runtime opens: what cannot fit is refused before it is allocated.
+    admit(estimate_run_memory(io, int(prompt.shape[0]), int(prompt.shape[1]), options.tokens,
+                              compare=options.compare is not None),
+          options.memory_budget or default_memory_budget())
 
     def decode(kind: str):
         """(open ms, the GenerationResult, the prepared runtime's source-pages choice or None)."""
