@@ -26,7 +26,7 @@ def parse_prompts(prompt_ids: list[str] | None, batch: int | None) -> tuple[tupl
     """Rows [batch][prompt_len]: one ``--prompt-ids`` repeated ``batch`` times, or one
     row per repeated ``--prompt-ids`` (then ``--batch``, if given, must match; equal
     lengths are ``RunOptions``' check). Ranges are checked before the rows are repeated."""
-    from onnx_prep.core.decode.run_record import MAX_BATCH, MAX_TOKEN_ID, check_range
+    from onnx_prep.core.option_ranges import MAX_BATCH, MAX_TOKEN_ID, check_range
 
     texts = prompt_ids or [DEFAULT_PROMPT]
     rows = []

@@ -27,10 +27,10 @@ import re
 from dataclasses import dataclass
 
 from onnx_prep.core.errors import UsageError
+from onnx_prep.core.option_ranges import MAX_MEMORY_BUDGET, MIN_MEMORY_BUDGET
 
 DEFAULT_BUDGET_FRACTION = 0.8  # of MemAvailable: the rest is the weights', the page cache's, others'
 FALLBACK_BUDGET = 4 << 30  # where the memory available is unknown (not Linux)
-MAX_BUDGET = 1 << 60
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
           "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
@@ -39,12 +39,12 @@ _SIZE = re.compile(r"([0-9]{1,15}(?:\.[0-9]{1,6})?)\s*([a-z]{0,3})", re.ASCII)
 
 def parse_size(text: str) -> int:
     """Bytes of a size written ``8GiB``, ``512M`` (binary), ``2GB`` (decimal), ``1.5g`` or
-    a plain byte count; ``UsageError`` for anything else or outside 1 MiB .. 2^60."""
+    a plain byte count; ``UsageError`` for anything else or outside 1 MiB to 1 EiB."""
     m = _SIZE.fullmatch(text.strip().lower())
     if m is None or m.group(2) not in _UNITS:
         raise UsageError(f"--memory-budget must be a size like 8GiB, 512MiB or 2GB, got {text!r}")
     value = int(float(m.group(1)) * _UNITS[m.group(2)])
-    if not (1 << 20) <= value <= MAX_BUDGET:
+    if not MIN_MEMORY_BUDGET <= value <= MAX_MEMORY_BUDGET:
         raise UsageError(f"--memory-budget must be between 1 MiB and 1 EiB, got {text!r}")
     return value
 

@@ -17,7 +17,6 @@ model once:
 """
 from __future__ import annotations
 
-import numbers
 import time
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
@@ -25,18 +24,13 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Optional
 
 from onnx_prep.core.errors import UsageError, Where
+from onnx_prep.core.option_ranges import (MAX_BATCH, MAX_MEMORY_BUDGET, MAX_THREADS, MAX_TOKEN_ID, MAX_TOKENS,
+                                          MIN_MEMORY_BUDGET, check_range)
 
 SCHEMA = "onnx-prep.run/4"
 RUNTIMES = ("prepared", "ort")
 COMPARE_WITH = ("ort",)
 DEFAULT_PROMPT = (1, 2, 3, 4)
-
-# The documented ranges of the integer options (docs/run.md, "Ranges"), checked before
-# anything is allocated; the memory budget then admits the combination.
-MAX_TOKENS = 1 << 20  # a million positions: past any decoder's context
-MAX_BATCH = 1 << 16
-MAX_THREADS = 256  # more than any CPU this runs on has cores
-MAX_TOKEN_ID = (1 << 63) - 1  # int64, the token ids' dtype; the vocabulary is checked after discovery
 
 # ``progress(label, total)``: a context manager around one decode that gives the
 # ``on_step`` callback of ``greedy_decode`` (or None). The CLI draws a bar with it.
@@ -70,7 +64,7 @@ class RunOptions:
         if self.threads is not None:
             check_range("--threads", self.threads, 1, MAX_THREADS)
         if self.memory_budget is not None:
-            check_range("--memory-budget", self.memory_budget, 1 << 20, 1 << 60)
+            check_range("--memory-budget", self.memory_budget, MIN_MEMORY_BUDGET, MAX_MEMORY_BUDGET)
         rows = self.prompt_ids
         if not rows or any(not row or any(t < 0 for t in row) for row in rows):
             raise UsageError(f"prompt ids must be non-empty rows of non-negative integers, got {rows!r}")
@@ -86,16 +80,6 @@ class RunOptions:
 
         if self.source_pages not in SOURCE_PAGES:
             raise UsageError(f"--source-pages must be one of {list(SOURCE_PAGES)}, got {self.source_pages!r}")
-
-
-def check_range(option: str, value: int, low: int, high: int) -> None:
-    """``UsageError`` unless ``value`` is an integer in [low, high] (``bool`` is not one)."""
-    text = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-        raise UsageError(f"{option} must be an integer from {low:,} to {high:,}, got {text}")
-    if not low <= value <= high:
-        side = f"at least {low:,}" if value < low else f"at most {high:,}"
-        raise UsageError(f"{option} must be {side} (range {low:,} to {high:,}), got {text}")
 
 
 def open_prepared_runner(resolved, *, threads: int | None, source_pages: str):
