@@ -241,16 +241,24 @@ def _read_bounded(path: Path, where: Where) -> bytes:
         raise UsageError("io-map file not found", where) from exc
     except OSError as exc:
         raise UsageError(f"cannot open the io-map: {exc.strerror}", where) from exc
-    with os.fdopen(fd, "rb", buffering=0) as f:
+    try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise UsageError("io-map is not a regular file", where)
         if st.st_size > IO_MAP_MAX_BYTES:
             raise UsageError(f"io-map is {st.st_size:,} bytes, more than {IO_MAP_MAX_BYTES:,}", where)
-        try:
-            data = f.read(IO_MAP_MAX_BYTES + 1)  # a file grown since the fstat is still bounded
-        except OSError as exc:
-            raise UsageError(f"cannot read the io-map: {exc.strerror}", where) from exc
+        chunks, size = [], 0
+        while size <= IO_MAP_MAX_BYTES:  # a file grown since the fstat is still read bounded
+            chunk = os.read(fd, IO_MAP_MAX_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:
+        raise UsageError(f"cannot read the io-map: {exc.strerror}", where) from exc
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
     if len(data) > IO_MAP_MAX_BYTES:
         raise UsageError(f"io-map is more than {IO_MAP_MAX_BYTES:,} bytes", where)
     return data
