@@ -59,6 +59,9 @@ WORST_CASES = [
     (["--prompt-ids", "1,2", "--batch", str(MAX_BATCH), "--tokens", str(MAX_TOKENS)],
      "does not fit the memory budget: batch 65536 x (prompt 2 + tokens 1048576)"),
     (["--runtime", "ort", "--batch", str(MAX_BATCH), "--tokens", "4096"], "does not fit the memory budget"),
+    # the longest prompt one argument holds (128 KiB), repeated to the largest batch: 32 GiB as an array
+    (["--prompt-ids", "1," * 65_000, "--batch", str(MAX_BATCH), "--tokens", "1"],
+     "does not fit the memory budget: batch 65536 x (prompt 65000 + tokens 1)"),
     (["--io-map", "/dev/zero"], "io-map is not a regular file"),
     (["--io-map", "{fifo}"], "io-map is not a regular file"),
     (["--io-map", "{folder}"], "io-map is not a regular file"),
@@ -142,8 +145,9 @@ def test_the_estimate_holds_the_bytes_a_real_decode_holds(tiny_llm_path):
     assert est.step_outputs >= runner.outputs[0][io.logits]  # the prefill's logits [batch, prompt, vocab]
     assert est.step_outputs - runner.outputs[0][io.logits] == 4 * batch * io.kv[0].kv_heads * plen * plen
     kept = result.tokens.nbytes + result.top2_margin.nbytes + result.logit_range.nbytes
-    assert est.records == kept + result.first_logits.nbytes
-    assert estimate_run_memory(io, batch, plen, tokens, compare=True).records == 2 * est.records
+    assert est.records == result.prompt_ids.nbytes + kept + result.first_logits.nbytes
+    compared = estimate_run_memory(io, batch, plen, tokens, compare=True).records
+    assert compared == 2 * est.records - result.prompt_ids.nbytes
 
 
 def test_the_budget_admits_a_run_at_its_estimate_and_refuses_it_a_byte_below(tiny_llm_path):

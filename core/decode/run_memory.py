@@ -11,8 +11,9 @@ holds at its largest, from the shapes alone:
   scores batch x kv_heads x prompt x prompt (float32; a lower bound where the model
   has more query heads than KV heads); without KV inputs every step re-feeds the
   whole sequence, so both count the full length;
-- the records: token ids, top-2 margins and logit ranges (batch x tokens x 8 bytes
-  each) and the first step's logits (batch x vocab float32); twice with ``--compare``.
+- the records: the prompt (batch x prompt int64), token ids, top-2 margins and logit
+  ranges (batch x tokens x 8 bytes each) and the first step's logits (batch x vocab
+  float32); all but the prompt twice with ``--compare``.
 
 The model's weights are not counted: the prepared runtime bounds those itself
 (docs/runtime.md). An unknown (symbolic) vocabulary counts as 0.
@@ -107,7 +108,7 @@ def estimate_run_memory(io, batch: int, prompt_len: int, tokens: int, *, compare
     fed = prompt_len if io.kv else length  # positions the largest step feeds
     heads = io.kv[0].kv_heads if io.kv else 0
     step_outputs = 4 * batch * fed * vocab + 4 * batch * heads * fed * fed
-    records = (3 * 8 * batch * tokens + 4 * batch * vocab) * (2 if compare else 1)
+    records = 8 * batch * prompt_len + (3 * 8 * batch * tokens + 4 * batch * vocab) * (2 if compare else 1)
     return RunMemory(batch=batch, prompt_len=prompt_len, tokens=tokens, layers=len(io.kv),
                      kv_cache=kv_cache, step_outputs=step_outputs, records=records)
 

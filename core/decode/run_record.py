@@ -53,6 +53,11 @@ class RunOptions:
     source_pages: str = "auto"
     memory_budget: int | None = None
 
+    @property
+    def distinct_rows(self) -> list[tuple[int, ...]]:
+        """The prompt rows, each object once: ``--batch B`` repeats one row B times."""
+        return list({id(row): row for row in self.prompt_ids}.values())
+
     def __post_init__(self) -> None:
         if self.runtime not in RUNTIMES:
             raise UsageError(f"--runtime must be one of {list(RUNTIMES)}, got {self.runtime!r}")
@@ -66,14 +71,18 @@ class RunOptions:
         if self.memory_budget is not None:
             check_range("--memory-budget", self.memory_budget, MIN_MEMORY_BUDGET, MAX_MEMORY_BUDGET)
         rows = self.prompt_ids
-        if not rows or any(not row or any(t < 0 for t in row) for row in rows):
-            raise UsageError(f"prompt ids must be non-empty rows of non-negative integers, got {rows!r}")
+        if not rows:
+            raise UsageError("prompt ids must be non-empty rows of non-negative integers, got no rows")
         check_range("--batch", len(rows), 1, MAX_BATCH)
-        for row in rows:
+        for row in self.distinct_rows:  # a repeated row is checked once (--batch repeats one)
+            if not row or any(t < 0 for t in row):
+                raise UsageError("prompt ids must be non-empty rows of non-negative integers, "
+                                 f"got {row[:8]!r}{'...' if len(row) > 8 else ''}")
             for t in row:
                 check_range("a prompt id", t, 0, MAX_TOKEN_ID)  # int64; the vocabulary is record_run's
-        if len({len(row) for row in rows}) > 1:
-            raise UsageError(f"all --prompt-ids rows must have the same length, got {[len(r) for r in rows]}",
+        if len({len(row) for row in self.distinct_rows}) > 1:
+            raise UsageError("all --prompt-ids rows must have the same length, got "
+                             f"{[len(r) for r in self.distinct_rows]}",
                              hint="padding is not supported: give prompts of equal length")
         # Last: the policy names live beside the reader, which imports numpy and onnx.
         from onnx_prep.core.runtime.source_pages import SOURCE_PAGES
@@ -109,7 +118,6 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
     from onnx_prep.core.decode.run_memory import admit, default_memory_budget, estimate_run_memory
 
     path = Path(model)
-    prompt = np.array(options.prompt_ids, dtype=np.int64)
     mapping = load_io_map(options.io_map) if options.io_map is not None else None
     opened: dict[str, Callable[[], Any]] = {}
     if options.runtime == "prepared":
@@ -126,13 +134,15 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
         inputs, outputs = value_infos_from_model(path)
     opened["ort"] = lambda: (0.0, _open_ort(path, options.threads))
     io = DecoderIO.discover(inputs, outputs, mapping, model=str(path))
-    if io.vocab_size is not None and int(prompt.max()) >= io.vocab_size:
-        raise UsageError(f"prompt id {int(prompt.max())} is outside the vocabulary (size {io.vocab_size})",
-                         Where(model=str(path)))
-    # Before either runtime opens: what cannot fit is refused before it is allocated.
-    admit(estimate_run_memory(io, int(prompt.shape[0]), int(prompt.shape[1]), options.tokens,
+    top = max(max(row) for row in options.distinct_rows)
+    if io.vocab_size is not None and top >= io.vocab_size:
+        raise UsageError(f"prompt id {top} is outside the vocabulary (size {io.vocab_size})", Where(model=str(path)))
+    # Before either runtime opens and before the prompt array: what cannot fit is refused
+    # before it is allocated.
+    admit(estimate_run_memory(io, len(options.prompt_ids), len(options.prompt_ids[0]), options.tokens,
                               compare=options.compare is not None),
           options.memory_budget or default_memory_budget())
+    prompt = np.array(options.prompt_ids, dtype=np.int64)
 
     def decode(kind: str):
         """(open ms, the GenerationResult, the prepared runtime's source-pages choice or None)."""
