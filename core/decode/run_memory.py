@@ -16,7 +16,9 @@ holds at its largest, from the shapes alone:
   float32); all but the prompt twice with ``--compare``.
 
 The model's weights are not counted: the prepared runtime bounds those itself
-(docs/runtime.md). An unknown (symbolic) vocabulary counts as 0.
+(docs/runtime.md). An unknown (symbolic) vocabulary counts as 0. Hidden and MLP
+activations are not counted one by one: the decoder I/O does not give their widths,
+and in a decoder LLM each is narrower than the logits counted above.
 
 ``admit(estimate, budget)`` raises ``UsageError`` naming the arguments and sizes when
 the estimate is over the budget; ``default_memory_budget()`` is 80% of the memory
