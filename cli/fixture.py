@@ -13,24 +13,31 @@ from onnx_prep.cli.errors import run_guarded
 def fixture(
     name: str = typer.Argument(..., help="Preset: tiny-llm or medium."),
     out_dir: Path = typer.Argument(..., help="Folder to write <name>.onnx and <name>.onnx.data into."),
-    layers: Optional[int] = typer.Option(None, "--layers", help="Decoder blocks."),
-    hidden: Optional[int] = typer.Option(None, "--hidden", help="Hidden size (multiple of block size and heads)."),
-    intermediate: Optional[int] = typer.Option(None, "--intermediate", help="MLP size (multiple of block size)."),
-    heads: Optional[int] = typer.Option(None, "--heads", help="Attention heads."),
-    vocab: Optional[int] = typer.Option(None, "--vocab", help="Vocabulary size."),
-    block_size: Optional[int] = typer.Option(None, "--block-size", help="INT4 block size (power of two >= 16)."),
+    layers: Optional[int] = typer.Option(None, "--layers", help="Decoder blocks (1 to 1,024)."),
+    hidden: Optional[int] = typer.Option(
+        None, "--hidden", help="Hidden size (1 to 65,536; a multiple of block size and heads)."),
+    intermediate: Optional[int] = typer.Option(
+        None, "--intermediate", help="MLP size (1 to 262,144; a multiple of block size)."),
+    heads: Optional[int] = typer.Option(None, "--heads", help="Attention heads (1 to 1,024)."),
+    vocab: Optional[int] = typer.Option(None, "--vocab", help="Vocabulary size (1 to 1,048,576)."),
+    block_size: Optional[int] = typer.Option(
+        None, "--block-size", help="INT4 block size (a power of two from 16 to 4,096)."),
     fp16_scales: bool = typer.Option(False, "--fp16-scales", help="Store fp16 scales (default fp32)."),
     zero_points: bool = typer.Option(False, "--zero-points", help="Store explicit uint4 zero points."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Weight seed (default 0)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Weight seed (0 to 2^63-1; default 0)."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Generate a deterministic synthetic INT4 decoder LLM (same parameters, same bytes)."""
 
     def go() -> int:
+        from onnx_prep.core.option_ranges import FIXTURE_RANGES, check_range
         from onnx_prep.fixtures import FixtureConfig, generate_fixture
 
         overrides = {k: v for k, v in dict(layers=layers, hidden=hidden, intermediate=intermediate, heads=heads,
                                            vocab=vocab, block_size=block_size, seed=seed).items() if v is not None}
+        for key, value in overrides.items():
+            option = "--" + key.replace("_", "-")
+            check_range(option, value, *FIXTURE_RANGES[option])
         if fp16_scales:
             overrides["fp16_scales"] = True
         if zero_points:

@@ -25,7 +25,9 @@ PROGRESS_MIN_TOKENS = 8  # shorter runs finish before a bar is worth drawing
 def parse_prompts(prompt_ids: list[str] | None, batch: int | None) -> tuple[tuple[int, ...], ...]:
     """Rows [batch][prompt_len]: one ``--prompt-ids`` repeated ``batch`` times, or one
     row per repeated ``--prompt-ids`` (then ``--batch``, if given, must match; equal
-    lengths are ``RunOptions``' check)."""
+    lengths are ``RunOptions``' check). Ranges are checked before the rows are repeated."""
+    from onnx_prep.core.option_ranges import MAX_BATCH, MAX_TOKEN_ID, check_range
+
     texts = prompt_ids or [DEFAULT_PROMPT]
     rows = []
     for text in texts:
@@ -35,9 +37,10 @@ def parse_prompts(prompt_ids: list[str] | None, batch: int | None) -> tuple[tupl
             row = None
         if not row or any(t < 0 for t in row):
             raise UsageError(f"--prompt-ids must be comma-separated non-negative integers, got {text!r}")
+        for t in row:
+            check_range("--prompt-ids", t, 0, MAX_TOKEN_ID)
         rows.append(row)
-    if batch is not None and batch < 1:
-        raise UsageError(f"--batch must be at least 1, got {batch}")
+    check_range("--batch", len(rows) if batch is None else batch, 1, MAX_BATCH)
     if len(rows) > 1 and batch is not None and batch != len(rows):
         raise UsageError(f"--batch {batch} disagrees with the {len(rows)} --prompt-ids rows given",
                          hint="omit --batch, or give --prompt-ids once to repeat it")
@@ -62,15 +65,20 @@ def run(
     prompt_ids: Optional[List[str]] = typer.Option(
         None, "--prompt-ids", help=f"Comma-separated prompt token ids (default {DEFAULT_PROMPT}); "
                                    "repeat for one row per prompt."),
-    tokens: int = typer.Option(16, "--tokens", help="Tokens to generate per row."),
-    batch: Optional[int] = typer.Option(None, "--batch", help="Rows: the one --prompt-ids repeated B times."),
+    tokens: int = typer.Option(16, "--tokens", help="Tokens to generate per row (1 to 1,048,576)."),
+    batch: Optional[int] = typer.Option(None, "--batch", help="Rows: the one --prompt-ids repeated B times "
+                                                              "(1 to 65,536)."),
     runtime: str = typer.Option("prepared", "--runtime", help="Decode with: prepared (ours) or ort."),
     compare: Optional[str] = typer.Option(None, "--compare", help="Also decode with this runtime and "
                                                                    "compare: ort."),
     io_map: Optional[Path] = typer.Option(None, "--io-map", help="JSON file naming the decoder I/O "
                                                                  "(format: docs/run.md)."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON (schema: docs/run.md)."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Intra-op threads."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Intra-op threads (1 to 256)."),
+    memory_budget: Optional[str] = typer.Option(
+        None, "--memory-budget", metavar="SIZE",
+        help="Memory the run may take (KV cache, outputs), e.g. 8GiB; a run that does not fit is refused "
+             "before it starts (default: 80% of the memory available)."),
     source_pages: str = typer.Option("auto", "--source-pages",
                                      help="Prepared runtime: drop each source tensor from the page cache once "
                                           "prepacked: keep, drop, or auto (drop when the payload is over a "
@@ -81,10 +89,13 @@ def run(
     Exit 0 on success (with --compare, also when the runtimes diverge only at a near tie), 1 when --compare finds a real divergence, 2 for unusable input."""
 
     def go() -> int:
+        from onnx_prep.core.decode.run_memory import parse_size
         from onnx_prep.core.decode.run_record import RunOptions, record_run
 
+        budget = None if memory_budget is None else parse_size(memory_budget)
         options = RunOptions(prompt_ids=parse_prompts(prompt_ids, batch), tokens=tokens, runtime=runtime,
-                             compare=compare, io_map=io_map, threads=threads, source_pages=source_pages)
+                             compare=compare, io_map=io_map, threads=threads, source_pages=source_pages,
+                             memory_budget=budget)
         # Only on a terminal: a redirected stderr would just collect blank frames.
         show = tokens >= PROGRESS_MIN_TOKENS and output.stderr.is_terminal
         doc = record_run(model_path(model), options, progress=_progress if show else None)

@@ -34,7 +34,9 @@ past has a static max length, and left-padded batches are not supported.
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -206,19 +208,81 @@ def value_infos_from_ort(session: Any) -> tuple[tuple[ValueInfo, ...], tuple[Val
 
 # ---------------------------------------------------------------- io-map
 
+IO_MAP_MAX_BYTES = 1 << 20  # the format needs a few KiB even for a hundred layers
+IO_MAP_MAX_DEPTH = 16  # the format nests 3 deep
+_JSON_TOKEN = re.compile(rb'\\.|[\[\]{}"]', re.DOTALL)
+
+
 def load_io_map(path: str | Path) -> dict[str, Any]:
     """Read and validate an io-map JSON file (format: docs/run.md).
 
-    Raises ``UsageError`` with the file as Where for unreadable JSON, unknown keys or
-    wrong value types; names are checked against the model later, by ``discover``."""
+    Read bounded: only a regular file (a FIFO, device or folder is refused, and the
+    open never blocks), at most ``IO_MAP_MAX_BYTES``, nested at most
+    ``IO_MAP_MAX_DEPTH`` deep. Raises ``UsageError`` with the file as Where for any of
+    those, unreadable JSON, unknown keys or wrong value types; names are checked
+    against the model later, by ``discover``."""
     where = Where(file=str(path))
+    data = _read_bounded(Path(path), where)
+    depth = _json_depth(data)
+    if depth > IO_MAP_MAX_DEPTH:
+        raise UsageError(f"io-map nests {depth} levels deep, more than {IO_MAP_MAX_DEPTH}", where)
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        return validate_io_map(json.loads(data.decode("utf-8")), where)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"io-map is not valid JSON: {exc}", where) from exc
+
+
+def _read_bounded(path: Path, where: Where) -> bytes:
+    """The bytes of a regular file of at most ``IO_MAP_MAX_BYTES``. O_NONBLOCK: opening
+    a FIFO with no writer returns at once (then refused as not a regular file)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError as exc:
         raise UsageError("io-map file not found", where) from exc
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UsageError(f"io-map is not valid JSON: {exc}", where) from exc
-    return validate_io_map(data, where)
+    except OSError as exc:
+        raise UsageError(f"cannot open the io-map: {exc.strerror}", where) from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UsageError("io-map is not a regular file", where)
+        if st.st_size > IO_MAP_MAX_BYTES:
+            raise UsageError(f"io-map is {st.st_size:,} bytes, more than {IO_MAP_MAX_BYTES:,}", where)
+        chunks, size = [], 0
+        while size <= IO_MAP_MAX_BYTES:  # a file grown since the fstat is still read bounded
+            chunk = os.read(fd, IO_MAP_MAX_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:
+        raise UsageError(f"cannot read the io-map: {exc.strerror}", where) from exc
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > IO_MAP_MAX_BYTES:
+        raise UsageError(f"io-map is more than {IO_MAP_MAX_BYTES:,} bytes", where)
+    return data
+
+
+def _json_depth(data: bytes) -> int:
+    """The deepest nesting of arrays and objects in JSON text, brackets inside strings
+    skipped; measured before parsing, whose recursion it bounds."""
+    depth = deepest = 0
+    in_string = False
+    for m in _JSON_TOKEN.finditer(data):
+        c = m.group()
+        if len(c) == 2:  # an escape: never a quote or a bracket
+            continue
+        if c == b'"':
+            in_string = not in_string
+        elif in_string:
+            continue
+        elif c in (b"[", b"{"):
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
 
 
 def validate_io_map(data: Any, where: Where = Where()) -> dict[str, Any]:

@@ -21,6 +21,7 @@ import numpy as np
 from onnx_prep.core.decode.decoder_io import DecoderIO
 from onnx_prep.core.errors import ModelIOError, UsageError, Where
 from onnx_prep.core.ops import append_buffer
+from onnx_prep.core.option_ranges import MAX_TOKENS, check_range
 from onnx_prep.core.runtime.stats import RuntimeStats
 
 
@@ -203,8 +204,7 @@ def greedy_decode(runner: Runner, io: DecoderIO, prompt_ids: np.ndarray, tokens:
         raise UsageError(f"prompt ids must be a non-empty [batch, prompt_len] array, got shape {list(prompt.shape)}")
     if not np.issubdtype(prompt.dtype, np.integer) or (prompt < 0).any():
         raise UsageError("prompt ids must be non-negative integers")
-    if tokens < 1:
-        raise UsageError(f"--tokens must be at least 1, got {tokens}")
+    check_range("--tokens", tokens, 1, MAX_TOKENS)  # the arrays below are batch x tokens
     if io.vocab_size is not None and (prompt >= io.vocab_size).any():
         raise UsageError(f"prompt id {int(prompt.max())} is outside the vocabulary (size {io.vocab_size})",
                          Where(model=model))

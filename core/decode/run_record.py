@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Optional
 
-from onnx_prep.core.errors import UsageError
+from onnx_prep.core.errors import UsageError, Where
+from onnx_prep.core.option_ranges import (MAX_BATCH, MAX_MEMORY_BUDGET, MAX_THREADS, MAX_TOKEN_ID, MAX_TOKENS,
+                                          MIN_MEMORY_BUDGET, check_range)
 
 SCHEMA = "onnx-prep.run/4"
 RUNTIMES = ("prepared", "ort")
@@ -39,7 +41,8 @@ Progress = Callable[[str, int], ContextManager[Optional[Callable[[Any], None]]]]
 class RunOptions:
     """What to decode and how. ``prompt_ids`` holds the rows (equal lengths); ``io_map``
     is a JSON file naming the decoder I/O (docs/run.md); ``threads`` is ONNX Runtime's
-    intra-op threads and the prepared session's CPU workers (None: their defaults)."""
+    intra-op threads and the prepared session's CPU workers (None: their defaults);
+    ``memory_budget`` the bytes the run may take (None: ``default_memory_budget()``)."""
 
     prompt_ids: tuple[tuple[int, ...], ...] = (DEFAULT_PROMPT,)
     tokens: int = 16
@@ -48,6 +51,12 @@ class RunOptions:
     io_map: Path | None = None
     threads: int | None = None
     source_pages: str = "auto"
+    memory_budget: int | None = None
+
+    @property
+    def distinct_rows(self) -> list[tuple[int, ...]]:
+        """The prompt rows, each object once: ``--batch B`` repeats one row B times."""
+        return list({id(row): row for row in self.prompt_ids}.values())
 
     def __post_init__(self) -> None:
         if self.runtime not in RUNTIMES:
@@ -56,15 +65,24 @@ class RunOptions:
             raise UsageError(f"--compare supports only 'ort', got {self.compare!r}")
         if self.compare == self.runtime:
             raise UsageError("--compare ort with --runtime ort compares ONNX Runtime with itself")
-        if self.tokens < 1:
-            raise UsageError(f"--tokens must be at least 1, got {self.tokens}")
-        if self.threads is not None and self.threads < 1:
-            raise UsageError(f"--threads must be at least 1, got {self.threads}")
+        check_range("--tokens", self.tokens, 1, MAX_TOKENS)
+        if self.threads is not None:
+            check_range("--threads", self.threads, 1, MAX_THREADS)
+        if self.memory_budget is not None:
+            check_range("--memory-budget", self.memory_budget, MIN_MEMORY_BUDGET, MAX_MEMORY_BUDGET)
         rows = self.prompt_ids
-        if not rows or any(not row or any(t < 0 for t in row) for row in rows):
-            raise UsageError(f"prompt ids must be non-empty rows of non-negative integers, got {rows!r}")
-        if len({len(row) for row in rows}) > 1:
-            raise UsageError(f"all --prompt-ids rows must have the same length, got {[len(r) for r in rows]}",
+        if not rows:
+            raise UsageError("prompt ids must be non-empty rows of non-negative integers, got no rows")
+        check_range("--batch", len(rows), 1, MAX_BATCH)
+        for row in self.distinct_rows:  # a repeated row is checked once (--batch repeats one)
+            if not row or any(t < 0 for t in row):
+                raise UsageError("prompt ids must be non-empty rows of non-negative integers, "
+                                 f"got {row[:8]!r}{'...' if len(row) > 8 else ''}")
+            for t in row:
+                check_range("a prompt id", t, 0, MAX_TOKEN_ID)  # int64; the vocabulary is record_run's
+        if len({len(row) for row in self.distinct_rows}) > 1:
+            raise UsageError("all --prompt-ids rows must have the same length, got "
+                             f"{[len(r) for r in self.distinct_rows]}",
                              hint="padding is not supported: give prompts of equal length")
         # Last: the policy names live beside the reader, which imports numpy and onnx.
         from onnx_prep.core.runtime.source_pages import SOURCE_PAGES
@@ -97,9 +115,9 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
 
     from onnx_prep.core.decode.decoder_io import DecoderIO, load_io_map, value_infos_from_model
     from onnx_prep.core.decode.generation import compare_generations
+    from onnx_prep.core.decode.run_memory import admit, default_memory_budget, estimate_run_memory
 
     path = Path(model)
-    prompt = np.array(options.prompt_ids, dtype=np.int64)
     mapping = load_io_map(options.io_map) if options.io_map is not None else None
     opened: dict[str, Callable[[], Any]] = {}
     if options.runtime == "prepared":
@@ -116,6 +134,15 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
         inputs, outputs = value_infos_from_model(path)
     opened["ort"] = lambda: (0.0, _open_ort(path, options.threads))
     io = DecoderIO.discover(inputs, outputs, mapping, model=str(path))
+    top = max(max(row) for row in options.distinct_rows)
+    if io.vocab_size is not None and top >= io.vocab_size:
+        raise UsageError(f"prompt id {top} is outside the vocabulary (size {io.vocab_size})", Where(model=str(path)))
+    # Before either runtime opens and before the prompt array: what cannot fit is refused
+    # before it is allocated.
+    admit(estimate_run_memory(io, len(options.prompt_ids), len(options.prompt_ids[0]), options.tokens,
+                              compare=options.compare is not None),
+          options.memory_budget or default_memory_budget())
+    prompt = np.array(options.prompt_ids, dtype=np.int64)
 
     def decode(kind: str):
         """(open ms, the GenerationResult, the prepared runtime's source-pages choice or None)."""

@@ -1,0 +1,124 @@
+"""A run's memory: estimated from its arguments and the decoder I/O, and admitted
+against a budget before anything is allocated (docs/run.md, "Memory budget").
+
+``estimate_run_memory(io, batch, prompt_len, tokens)`` counts what the decode loop
+holds at its largest, from the shapes alone:
+
+- the KV cache: batch x (prompt + tokens - 1) positions x every layer's
+  kv_heads x (key + value head dims) x the KV dtype, twice (a step's past and the
+  present it produces are alive together);
+- the prefill's outputs: logits batch x prompt x vocab (float32), and the attention
+  scores batch x kv_heads x prompt x prompt (float32; a lower bound where the model
+  has more query heads than KV heads); without KV inputs every step re-feeds the
+  whole sequence, so both count the full length;
+- the records: the prompt (batch x prompt int64), token ids, top-2 margins and logit
+  ranges (batch x tokens x 8 bytes each) and the first step's logits (batch x vocab
+  float32); all but the prompt twice with ``--compare``.
+
+The model's weights are not counted: the prepared runtime bounds those itself
+(docs/runtime.md). An unknown (symbolic) vocabulary counts as 0. Hidden and MLP
+activations are not counted one by one: the decoder I/O does not give their widths,
+and in a decoder LLM each is narrower than the logits counted above.
+
+``admit(estimate, budget)`` raises ``UsageError`` naming the arguments and sizes when
+the estimate is over the budget; ``default_memory_budget()`` is 80% of the memory
+available (``MemAvailable``), capped by the process's address-space limit.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from onnx_prep.core.errors import UsageError
+from onnx_prep.core.option_ranges import MAX_MEMORY_BUDGET, MIN_MEMORY_BUDGET
+
+DEFAULT_BUDGET_FRACTION = 0.8  # of MemAvailable: the rest is the weights', the page cache's, others'
+FALLBACK_BUDGET = 4 << 30  # where the memory available is unknown (not Linux)
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+_SIZE = re.compile(r"([0-9]{1,15}(?:\.[0-9]{1,6})?)\s*([a-z]{0,3})", re.ASCII)
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size written ``8GiB``, ``512M`` (binary), ``2GB`` (decimal), ``1.5g`` or
+    a plain byte count; ``UsageError`` for anything else or outside 1 MiB to 1 EiB."""
+    m = _SIZE.fullmatch(text.strip().lower())
+    if m is None or m.group(2) not in _UNITS:
+        raise UsageError(f"--memory-budget must be a size like 8GiB, 512MiB or 2GB, got {text!r}")
+    value = int(float(m.group(1)) * _UNITS[m.group(2)])
+    if not MIN_MEMORY_BUDGET <= value <= MAX_MEMORY_BUDGET:
+        raise UsageError(f"--memory-budget must be between 1 MiB and 1 EiB, got {text!r}")
+    return value
+
+
+def format_size(n: int) -> str:
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n} B"
+
+
+def default_memory_budget() -> int:
+    """80% of MemAvailable (4 GiB where unknown), at most the soft address-space limit."""
+    from onnx_prep.core.runtime.source_pages import available_memory_bytes
+
+    available = available_memory_bytes()
+    budget = FALLBACK_BUDGET if available is None else int(available * DEFAULT_BUDGET_FRACTION)
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            budget = min(budget, soft)
+    except (ImportError, OSError, ValueError):
+        pass
+    return budget
+
+
+@dataclass(frozen=True)
+class RunMemory:
+    """The estimate's parts in bytes and the arguments it came from."""
+
+    batch: int
+    prompt_len: int
+    tokens: int
+    layers: int
+    kv_cache: int  # past and present together
+    step_outputs: int  # the largest step's logits and attention scores
+    records: int
+
+    @property
+    def total(self) -> int:
+        return self.kv_cache + self.step_outputs + self.records
+
+    def describe(self) -> str:
+        return (f"batch {self.batch} x (prompt {self.prompt_len} + tokens {self.tokens}) needs "
+                f"~{format_size(self.total)}: KV cache {format_size(self.kv_cache)} ({self.layers} layers), "
+                f"step outputs {format_size(self.step_outputs)}, records {format_size(self.records)}")
+
+
+def estimate_run_memory(io, batch: int, prompt_len: int, tokens: int, *, compare: bool = False) -> RunMemory:
+    """The estimate for greedy-decoding ``tokens`` tokens on ``batch`` rows of
+    ``prompt_len`` ids with the decoder I/O ``io`` (a ``DecoderIO``). Python integers
+    throughout: no size overflows, nothing is allocated."""
+    length = prompt_len + tokens - 1  # KV positions at the last step
+    per_position = sum(p.kv_heads * (p.key_head_dim * p.past_key.dtype.itemsize
+                                     + p.value_head_dim * p.past_value.dtype.itemsize) for p in io.kv)
+    kv_cache = 2 * batch * length * per_position
+    vocab = io.vocab_size or 0
+    fed = prompt_len if io.kv else length  # positions the largest step feeds
+    heads = io.kv[0].kv_heads if io.kv else 0
+    step_outputs = 4 * batch * fed * vocab + 4 * batch * heads * fed * fed
+    records = 8 * batch * prompt_len + (3 * 8 * batch * tokens + 4 * batch * vocab) * (2 if compare else 1)
+    return RunMemory(batch=batch, prompt_len=prompt_len, tokens=tokens, layers=len(io.kv),
+                     kv_cache=kv_cache, step_outputs=step_outputs, records=records)
+
+
+def admit(estimate: RunMemory, budget: int) -> None:
+    """Raise ``UsageError`` (one line, naming the arguments and sizes) when the estimate
+    is over ``budget`` bytes."""
+    if estimate.total > budget:
+        raise UsageError(f"the run does not fit the memory budget: {estimate.describe()}, over the budget of "
+                         f"{format_size(budget)}",
+                         hint="lower --batch, --tokens or the prompt length, or raise --memory-budget")
