@@ -4,7 +4,7 @@ Every payload byte the project reads from a model's external data files goes thr
 ``ExternalDataReader``; it owns the byte counters, so "resolution reads 0 payload
 bytes" holds by construction and is tested through them.
 
-Why one module of ~600 lines: it is one security boundary. The path rules, the bounds
+Why one module of ~800 lines: it is one security boundary. The path rules, the bounds
 checks and every way of reaching the bytes (read, read into a slot, the shared mapping
 and its release) stay side by side, so no read path can skip a check that another has.
 
@@ -274,11 +274,13 @@ class ExternalDataReader:
         self._shared: dict[str, mmap.mmap] = {}  # one mapping per data file (map_shared)
         self._shared_lock = threading.Lock()
         self._populating: dict[str, threading.Lock] = {}  # one populating thread per file
+        self._guards: dict[str, int] = {}  # per mapped data file, its source-guard slot (_guard)
         # per data file, for the releases (_released_run): its tensors' [lo, hi) by offset,
         # name -> index, and which are released
         self._file_order: dict[str, tuple[list[tuple[int, int]], dict[str, int], list[bool]]] = {}
         self._advice_fds: dict[str, int] = {}  # per data file, opened once for page-cache advice
         weakref.finalize(self, _close_all, self._advice_fds)  # a reader dropped without close_shared
+        weakref.finalize(self, _unguard_all, self._guards)
 
     @classmethod
     def for_model(cls, resolved, *, trust_symlinks: bool = False,
@@ -405,10 +407,23 @@ class ExternalDataReader:
                             chunk = arr[lo:lo + _HASH_CHUNK]
                             _populate(chunk, desc.offset + lo, where)
                             digest.update(chunk)
+        self.check_unchanged(desc)  # before the digest: a truncation is named as one
         if digest is not None:
             digest.finish()
         self.counters._add_map(desc.length)
         return arr
+
+    def check_unchanged(self, desc: WeightDescriptor) -> None:
+        """Raise ExternalDataError if the tensor's data file shrank under the shared
+        mapping since it was mapped: some access met a page past the file's new end, and
+        read zeros there instead of dying of SIGBUS (``native/source_guard.c``). Whoever
+        consumes a :meth:`map_shared` view calls this after it, before using what it made."""
+        slot = self._guards.get(desc.file)
+        if slot is not None and _guard_hit(slot):
+            raise ExternalDataError(
+                "external data file was truncated or rewritten while it was being read",
+                Where(model=self.model, tensor=desc.name, file=desc.file, offset=desc.offset),
+                hint="do not modify a model's files while it loads; run again")
 
     def release_shared(self, desc: WeightDescriptor, *, drop: bool = False) -> None:
         """Done with the tensor's view of the shared mapping: drop its pages from the
@@ -519,6 +534,7 @@ class ExternalDataReader:
         close the descriptors kept for page-cache advice."""
         with self._shared_lock:
             self._shared.clear()
+        _unguard_all(self._guards)
         _close_all(self._advice_fds)
 
     # -- internals
@@ -535,6 +551,9 @@ class ExternalDataReader:
                         return mmap.mmap(-1, 1)  # nothing to map: an empty file holds only empty tensors
                     mm = self._shared[desc.file] = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,
                                                              prot=mmap.PROT_READ)
+                    slot = _guard(mm)
+                    if slot is not None:
+                        self._guards[desc.file] = slot
                     self._populating.setdefault(desc.file, threading.Lock())
                     # NOTE: MADV_SEQUENTIAL: populating faults use the file's streaming
                     # readahead instead of read-around. Two I/O threads populating the
@@ -584,6 +603,39 @@ def _close_all(fds: dict[str, int]) -> None:
         except KeyError:  # emptied meanwhile by another closer
             return
         os.close(fd)
+
+
+def _guard(mm: mmap.mmap) -> int | None:
+    """Register a shared mapping with the native source guard; its slot, or None where
+    there is none (no native module, no SIGBUS on the platform, every slot in use): a
+    file truncated under the mapping then kills the process with SIGBUS, as any mmap
+    reader would."""
+    try:
+        from onnx_prep.native._module import ffi, lib
+    except ImportError:
+        return None
+    addr = ffi.cast("void *", ffi.from_buffer(mm))
+    slot = lib.op_guard_add(addr, len(mm))
+    return slot if slot >= 0 else None
+
+
+def _guard_hit(slot: int) -> bool:
+    from onnx_prep.native._module import lib
+
+    return lib.op_guard_hit(slot) == 1
+
+
+def _unguard_all(guards: dict[str, int]) -> None:
+    """Unregister the reader's mappings from the source guard (their views may outlive
+    this: a fault through one then takes the previous SIGBUS disposition)."""
+    while guards:
+        try:
+            _, slot = guards.popitem()
+        except KeyError:
+            return
+        from onnx_prep.native._module import lib
+
+        lib.op_guard_remove(slot)
 
 
 # How far around a released tensor its page work reaches (ExternalDataReader._release):
