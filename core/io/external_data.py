@@ -6,7 +6,8 @@ bytes" holds by construction and is tested through them.
 
 Why one module of ~800 lines: it is one security boundary. The path rules, the bounds
 checks and every way of reaching the bytes (read, read into a slot, the shared mapping
-and its release) stay side by side, so no read path can skip a check that another has.
+and its release, the digest checks, the source guard) stay side by side, so no read path
+can skip a check that another has.
 
 Path rules (ONNX has shipped path-traversal CVEs in exactly this place:
 CVE-2022-25882, CVE-2024-27318, CVE-2026-27489 and friends), applied by
