@@ -83,6 +83,9 @@ def run(
                                      help="Prepared runtime: drop each source tensor from the page cache once "
                                           "prepacked: keep, drop, or auto (drop when the payload is over a "
                                           "quarter of the available memory)."),
+    verify_digests: bool = typer.Option(True, "--verify-digests/--no-verify-digests",
+                                        help="Prepared runtime: check each tensor's declared digest while "
+                                             "reading it (a mismatch is an error, exit 2)."),
 ) -> None:
     """Greedy-decode --tokens tokens per row; print the generated ids and timings.
 
@@ -95,7 +98,7 @@ def run(
         budget = None if memory_budget is None else parse_size(memory_budget)
         options = RunOptions(prompt_ids=parse_prompts(prompt_ids, batch), tokens=tokens, runtime=runtime,
                              compare=compare, io_map=io_map, threads=threads, source_pages=source_pages,
-                             memory_budget=budget)
+                             memory_budget=budget, verify_digests=verify_digests)
         # Only on a terminal: a redirected stderr would just collect blank frames.
         show = tokens >= PROGRESS_MIN_TOKENS and output.stderr.is_terminal
         doc = record_run(model_path(model), options, progress=_progress if show else None)

@@ -177,6 +177,13 @@ int op_slot_release(void *p, size_t n);
  * in 2 MiB steps), with the GIL released (cffi): a file mapping's pages are read now.
  * p page-aligned. 0, or -errno (-EINVAL: kernel < 5.14, nothing done). */
 int op_populate_read(const void *p, size_t n);
+/* Source guard (source_guard.c): a SIGBUS in a registered read-only file mapping
+ * [p, p+n) (the file shrank under it) maps a zero page there and marks the slot hit
+ * instead of killing the process. add: the slot (>= 0) or -errno (-ENOSPC: all in use,
+ * -ENOSYS: no SIGBUS on this platform); hit: 1 once a fault was absorbed, else 0. */
+int op_guard_add(const void *p, size_t n);
+int op_guard_hit(int slot);
+void op_guard_remove(int slot);
 /* Bytes of [p, p+n) resident in RAM (mincore), or -errno. p page-aligned. */
 int64_t op_resident_bytes(const void *p, size_t n);
 size_t op_page_size(void);

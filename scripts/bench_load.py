@@ -4,6 +4,7 @@ parallel, in one run.
     .venv/bin/python scripts/bench_load.py [--model PATH | --preset medium] [--repeats 7]
                                            [--hot-repeats 100] [--prompt-len 8]
                                            [--json FILE] [--warm-cache]
+                                           [--verify-digests on|off]
 
 Per repeat, three loads, each in a fresh Session (fresh scheduler, store and arenas) over
 the same model, interleaved (the order rotated each repeat) so drift and what the load
@@ -103,6 +104,7 @@ def _feeds(resolved, prompt_len: int):
 SOURCE_IO = "map"
 IO_WORKERS = 2
 SOURCE_PAGES = "auto"
+VERIFY_DIGESTS = True  # --verify-digests: the reader checks trusted digests while reading
 
 
 def _cpu_ms() -> tuple[float, float]:
@@ -148,7 +150,7 @@ def one_load(resolved, feeds, *, mode: str, warm: bool) -> dict:
     returned0 = _LAST_REPORTED_KIB[0]
     t_session = time.perf_counter_ns()
     s = Session(resolved, sequential=mode == "sequential", source_io=SOURCE_IO, io_workers=IO_WORKERS,
-                source_pages=SOURCE_PAGES)
+                source_pages=SOURCE_PAGES, verify_digests=VERIFY_DIGESTS)
     try:
         # session_ms: construction (plan, stable-slot reservations); not in the times below
         out = {"plan_ms": s.plan.build_ms, "session_ms": (time.perf_counter_ns() - t_session) / 1e6}
@@ -210,7 +212,7 @@ def stages_alone(resolved, feeds, *, warm: bool) -> dict:
 
     if not warm:
         _drop_cache(resolved)
-    reader = ExternalDataReader.for_model(resolved)
+    reader = ExternalDataReader.for_model(resolved, verify_digests=VERIFY_DIGESTS)
     t = time.perf_counter()
     if SOURCE_IO == "map":  # the same I/O the sessions do
         sources = {d.name: as_array(d, reader.map_shared(d, populate=True)) for d in resolved.manifest}
@@ -305,6 +307,9 @@ def main(argv=None) -> int:
     ap.add_argument("--source-pages", choices=("keep", "drop", "auto"), default="auto",
                     help="whether sessions drop each source from the page cache once prepacked "
                          "(Session(source_pages=...))")
+    ap.add_argument("--verify-digests", choices=("on", "off"), default="on",
+                    help="whether sessions and the stages' reader check each tensor's declared digest "
+                         "while reading (Session(verify_digests=...)); its cost: run on and off in turn")
     args = ap.parse_args(argv)
 
     from onnx_prep import __version__
@@ -314,7 +319,8 @@ def main(argv=None) -> int:
     from onnx_prep.fixtures import FixtureConfig, ensure_cached
     from onnx_prep.native import active_isa
 
-    global SOURCE_IO, IO_WORKERS, SOURCE_PAGES
+    global SOURCE_IO, IO_WORKERS, SOURCE_PAGES, VERIFY_DIGESTS
+    VERIFY_DIGESTS = args.verify_digests == "on"
     SOURCE_IO = args.source_io
     IO_WORKERS = args.io_workers
     SOURCE_PAGES = args.source_pages
@@ -330,7 +336,7 @@ def main(argv=None) -> int:
     print(f"onnx-prep {__version__}  model {path}  payload {resolved.manifest.total_bytes / 2**20:.1f} MiB  "
           f"isa {active_isa()}  cpus {os.cpu_count()}  {platform.machine()}  "
           f"page cache {'warm' if warm else 'dropped per repeat'}  source io {SOURCE_IO}  "
-          f"source pages {pages} ({SOURCE_PAGES})", file=sys.stderr)
+          f"source pages {pages} ({SOURCE_PAGES})  verify digests {args.verify_digests}", file=sys.stderr)
 
     activity0 = MachineActivity.now()
     # NOTE: one discarded warm-up load. On a VM the first touch of memory the host has not
@@ -430,7 +436,7 @@ def main(argv=None) -> int:
     print(describe(activity))
     if args.json:
         args.json.write_text(json.dumps({"model": str(path), "isa": active_isa(), "warm_cache": warm,
-                                         "source_pages": pages,
+                                         "source_pages": pages, "verify_digests": VERIFY_DIGESTS,
                                          "samples": samples, "summary": summary, "counters": counters,
                                          "stages_alone": stages, "stages_alone_stats": stage_stats,
                                          "hot_vs_direct": hot, "ratios": ratios,

@@ -205,7 +205,7 @@ def test_compare_identical_when_the_runtime_matches_ort(toy):
 def test_compare_reports_a_real_divergence_with_exit_1(tmp_path, toy, monkeypatch):
     # Same I/O, other weights: the "runtime" is wrong on purpose.
     other = build_toy_decoder(tmp_path / "other.onnx", layout="bshd", kv_names="flat", seed=1)
-    monkeypatch.setattr(run_record, "open_prepared_runner", lambda resolved, threads, source_pages: OrtRunner(other))
+    monkeypatch.setattr(run_record, "open_prepared_runner", lambda resolved, threads, source_pages, **kw: OrtRunner(other))
     result = cli.invoke(app, ["run", str(toy), "--compare", "ort", "--tokens", "4", "--json"])
     assert result.exit_code == EXIT_FINDINGS, result.output
     cmp = json.loads(result.stdout)["compare"]

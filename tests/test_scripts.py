@@ -45,6 +45,7 @@ def test_bench_load_smoke(tmp_path):
               "--warm-cache", "--json", str(out)], tmp_path / "cache")
     assert p.returncode == 0, p.stderr
     doc = json.loads(out.read_text())
+    assert doc["verify_digests"] is True  # the default, as the session's
     manifest = resolve_model(doc["model"]).manifest.total_bytes
     for mode in ("sequential", "init", "ttfo"):
         c = doc["counters"][mode]
@@ -79,6 +80,15 @@ def test_bench_load_smoke(tmp_path):
     assert all(st["min"] >= 0 for st in doc["host_returned_mib"].values())
     assert ("handed back to its host since the previous load" in p.stdout) == reporting
     assert doc["source_pages"] == "keep" and all(doc["counters"][m]["bytes_dropped"] == 0 for m in doc["counters"])
+
+
+def test_bench_load_without_digest_verification(tmp_path):
+    """--verify-digests off: the other half of the pair that measures the check's cost."""
+    out = tmp_path / "load.json"
+    p = _run(["scripts/bench_load.py", "--preset", "tiny-llm", "--repeats", "1", "--hot-repeats", "2",
+              "--warm-cache", "--verify-digests", "off", "--json", str(out)], tmp_path / "cache")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(out.read_text())["verify_digests"] is False and "verify digests off" in p.stderr
 
 
 def test_bench_load_cold_with_sources_dropped(tmp_path):

@@ -52,6 +52,7 @@ class RunOptions:
     threads: int | None = None
     source_pages: str = "auto"
     memory_budget: int | None = None
+    verify_digests: bool = True  # the prepared runtime checks trusted digests while reading
 
     @property
     def distinct_rows(self) -> list[tuple[int, ...]]:
@@ -91,7 +92,7 @@ class RunOptions:
             raise UsageError(f"--source-pages must be one of {list(SOURCE_PAGES)}, got {self.source_pages!r}")
 
 
-def open_prepared_runner(resolved, *, threads: int | None, source_pages: str):
+def open_prepared_runner(resolved, *, threads: int | None, source_pages: str, verify_digests: bool = True):
     """The prepared runtime on a resolved model, as a ``Runner`` with ``close()``.
 
     NOTE: the one place a run obtains our runtime. ``threads`` maps to the session's CPU
@@ -104,7 +105,7 @@ def open_prepared_runner(resolved, *, threads: int | None, source_pages: str):
         raise UsageError("the prepared runtime (onnx_prep.core.runtime.session) is not in this build",
                          hint="decode with --runtime ort") from exc
     kw = {} if threads is None else {"cpu_workers": threads}
-    return Session(resolved, source_pages=source_pages, **kw)
+    return Session(resolved, source_pages=source_pages, verify_digests=verify_digests, **kw)
 
 
 def record_run(model: str | Path, options: RunOptions, *, progress: Progress | None = None) -> dict:
@@ -129,7 +130,8 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
         inputs, outputs = resolved.inputs, resolved.outputs
         # open_ms of the prepared runtime counts its parse too, as ONNX Runtime's does
         opened["prepared"] = lambda: (resolve_ms, open_prepared_runner(
-            resolved, threads=options.threads, source_pages=options.source_pages))
+            resolved, threads=options.threads, source_pages=options.source_pages,
+            verify_digests=options.verify_digests))
     else:
         inputs, outputs = value_infos_from_model(path)
     opened["ort"] = lambda: (0.0, _open_ort(path, options.threads))

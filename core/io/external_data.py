@@ -4,9 +4,10 @@ Every payload byte the project reads from a model's external data files goes thr
 ``ExternalDataReader``; it owns the byte counters, so "resolution reads 0 payload
 bytes" holds by construction and is tested through them.
 
-Why one module of ~600 lines: it is one security boundary. The path rules, the bounds
+Why one module of ~800 lines: it is one security boundary. The path rules, the bounds
 checks and every way of reaching the bytes (read, read into a slot, the shared mapping
-and its release) stay side by side, so no read path can skip a check that another has.
+and its release, the digest checks, the source guard) stay side by side, so no read path
+can skip a check that another has.
 
 Path rules (ONNX has shipped path-traversal CVEs in exactly this place:
 CVE-2022-25882, CVE-2024-27318, CVE-2026-27489 and friends), applied by
@@ -261,59 +262,66 @@ class ExternalDataReader:
     """
 
     def __init__(self, model_dir: Path, manifest: PayloadManifest, *, trust_symlinks: bool = False,
-                 model: str | None = None) -> None:
+                 model: str | None = None, verify_digests: bool = True) -> None:
         if not isinstance(manifest, PayloadManifest):
             raise TypeError(f"expected a frozen PayloadManifest, got {type(manifest).__name__}")
         self.model_dir = Path(model_dir)
         self.manifest = manifest
         self.trust_symlinks = trust_symlinks
         self.model = model or str(self.model_dir)
+        self.verify_digests = verify_digests  # check trusted digests as bytes are read (_Digest)
         self.counters = ReadCounters()
         self.hooks = ReadHooks()
         self._shared: dict[str, mmap.mmap] = {}  # one mapping per data file (map_shared)
         self._shared_lock = threading.Lock()
         self._populating: dict[str, threading.Lock] = {}  # one populating thread per file
+        self._guards: dict[str, int] = {}  # per mapped data file, its source-guard slot (_guard)
         # per data file, for the releases (_released_run): its tensors' [lo, hi) by offset,
         # name -> index, and which are released
         self._file_order: dict[str, tuple[list[tuple[int, int]], dict[str, int], list[bool]]] = {}
         self._advice_fds: dict[str, int] = {}  # per data file, opened once for page-cache advice
         weakref.finalize(self, _close_all, self._advice_fds)  # a reader dropped without close_shared
+        weakref.finalize(self, _unguard_all, self._guards)
 
     @classmethod
-    def for_model(cls, resolved, *, trust_symlinks: bool = False) -> "ExternalDataReader":
+    def for_model(cls, resolved, *, trust_symlinks: bool = False,
+                  verify_digests: bool = True) -> "ExternalDataReader":
         """The reader of a ResolvedModel's manifest."""
         return cls(resolved.model_dir, resolved.manifest, trust_symlinks=trust_symlinks,
-                   model=str(resolved.model_path))
+                   model=str(resolved.model_path), verify_digests=verify_digests)
 
     # -- public API
-    def read(self, desc: WeightDescriptor, *, verify: bool = False) -> np.ndarray:
-        """A fresh uint8 array of ``desc.length`` bytes. ``verify`` checks a per-tensor
-        sha256 (TENSOR_METADATA) and raises DigestError on mismatch; other digests cover
-        the whole file and are not checked here."""
+    def read(self, desc: WeightDescriptor, *, verify: bool | None = None) -> np.ndarray:
+        """A fresh uint8 array of ``desc.length`` bytes. ``verify`` (default: the
+        reader's ``verify_digests``) checks the tensor's trusted digest while reading and
+        raises DigestError on a mismatch (see :class:`_Digest`)."""
         out = np.empty(desc.length, dtype=np.uint8)
         self.read_into(desc, out, verify=verify)
         return out
 
-    def read_into(self, desc: WeightDescriptor, out: np.ndarray, *, verify: bool = False) -> np.ndarray:
+    def read_into(self, desc: WeightDescriptor, out: np.ndarray, *, verify: bool | None = None) -> np.ndarray:
         """Fill ``out`` (C-contiguous, writable, exactly ``desc.length`` bytes, e.g. a
         StableSlot view) with the tensor's bytes; returns ``out`` viewed as uint8."""
         where = self._admit(desc)
         buf = out.reshape(-1).view(np.uint8)
         if buf.nbytes != desc.length or not out.flags.c_contiguous or not out.flags.writeable:
             raise ValueError(f"out must be a writable C-contiguous buffer of {desc.length} bytes")
+        digest = self._digest(desc, where, verify)
         fd = self._open_checked(desc, where)
         try:
-            _pread_exact(fd, memoryview(buf), desc.offset, where)
+            if digest is not None:
+                digest.check_file(fd)
+            _pread_exact(fd, memoryview(buf), desc.offset, where, digest)
         finally:
             os.close(fd)
         self.counters._add_read(desc.name, desc.length)
-        if verify:
-            verify_tensor_digest(desc, buf, where)
+        if digest is not None:
+            digest.finish()
         if self.hooks.after_read is not None:
             self.hooks.after_read(desc, desc.length)
         return buf
 
-    def read_array(self, desc: WeightDescriptor, *, verify: bool = False) -> np.ndarray:
+    def read_array(self, desc: WeightDescriptor, *, verify: bool | None = None) -> np.ndarray:
         """The tensor typed and shaped (little-endian payload). Packed sub-byte types
         (int4, uint4, float4, int2, uint2) stay packed uint8: shaped
         ``dims[:-1] + (packed bytes per row,)`` when rows are byte-aligned, else flat."""
@@ -341,12 +349,18 @@ class ExternalDataReader:
         self.counters._add_map(desc.length)
         return arr
 
-    def map_shared(self, desc: WeightDescriptor, *, populate: bool = False) -> np.ndarray:
+    def map_shared(self, desc: WeightDescriptor, *, populate: bool = False,
+                   verify: bool | None = None) -> np.ndarray:
         """Like :meth:`map`, but a view into ONE read-only private mapping of the
         tensor's data file, made on first use (path rules applied then) and shared by
         every later call on this reader; bounds are checked per tensor against it.
         ``populate=True`` faults the tensor's pages in now (MADV_POPULATE_READ), on the
         calling thread. :meth:`release_shared` drops them from the mapping again.
+        ``verify`` (default: the reader's ``verify_digests``) checks the tensor's trusted
+        digest as its pages are populated, one chunk at a time: each chunk is hashed
+        right after it is faulted in, while it is still in the CPU's cache, so the check
+        costs no second pass over memory (nor a read: the pages are the ones the prepack
+        then consumes). Verifying populates, whatever ``populate`` says.
 
         NOTE: why one mapping: mapping and unmapping change the process's memory map,
         which takes its lock exclusively, waiting for and blocking every other
@@ -369,19 +383,48 @@ class ExternalDataReader:
         except OSError as exc:
             raise ExternalDataError(f"cannot read external data: {exc.strerror}", where) from None
         check_bounds(desc.offset, desc.length, now, where)
+        digest = self._digest(desc, where, verify)
+        if digest is not None and digest.needs_file:
+            fd = open_external_file(self.model_dir, desc.file, trust_symlinks=self.trust_symlinks,
+                                    where=where)
+            try:
+                digest.check_file(fd)
+            finally:
+                os.close(fd)
         if desc.length == 0:
             arr = np.empty(0, dtype=np.uint8)
         else:
             arr = np.frombuffer(mm, dtype=np.uint8, count=desc.length, offset=desc.offset)
-            if populate:
+            if populate or digest is not None:
                 # NOTE: one thread populates a file at a time. Two I/O threads populating
                 # one file from a cold page cache at once break its streaming readahead:
                 # every tensor of the medium fixture, with two CPU-bound threads beside,
                 # took 459-475 ms from two populating threads and 274-314 ms from one.
                 with self._populating[desc.file]:
-                    _populate(arr, desc.offset, where)
+                    if digest is None or not digest.hashes:
+                        _populate(arr, desc.offset, where)
+                    else:
+                        for lo in range(0, desc.length, _HASH_CHUNK):
+                            chunk = arr[lo:lo + _HASH_CHUNK]
+                            _populate(chunk, desc.offset + lo, where)
+                            digest.update(chunk)
+        self.check_unchanged(desc)  # before the digest: a truncation is named as one
+        if digest is not None:
+            digest.finish()
         self.counters._add_map(desc.length)
         return arr
+
+    def check_unchanged(self, desc: WeightDescriptor) -> None:
+        """Raise ExternalDataError if the tensor's data file shrank under the shared
+        mapping since it was mapped: some access met a page past the file's new end, and
+        read zeros there instead of dying of SIGBUS (``native/source_guard.c``). Whoever
+        consumes a :meth:`map_shared` view calls this after it, before using what it made."""
+        slot = self._guards.get(desc.file)
+        if slot is not None and _guard_hit(slot):
+            raise ExternalDataError(
+                "external data file was truncated or rewritten while it was being read",
+                Where(model=self.model, tensor=desc.name, file=desc.file, offset=desc.offset),
+                hint="do not modify a model's files while it loads; run again")
 
     def release_shared(self, desc: WeightDescriptor, *, drop: bool = False) -> None:
         """Done with the tensor's view of the shared mapping: drop its pages from the
@@ -492,6 +535,7 @@ class ExternalDataReader:
         close the descriptors kept for page-cache advice."""
         with self._shared_lock:
             self._shared.clear()
+        _unguard_all(self._guards)
         _close_all(self._advice_fds)
 
     # -- internals
@@ -508,6 +552,9 @@ class ExternalDataReader:
                         return mmap.mmap(-1, 1)  # nothing to map: an empty file holds only empty tensors
                     mm = self._shared[desc.file] = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,
                                                              prot=mmap.PROT_READ)
+                    slot = _guard(mm)
+                    if slot is not None:
+                        self._guards[desc.file] = slot
                     self._populating.setdefault(desc.file, threading.Lock())
                     # NOTE: MADV_SEQUENTIAL: populating faults use the file's streaming
                     # readahead instead of read-around. Two I/O threads populating the
@@ -533,6 +580,12 @@ class ExternalDataReader:
             raise
         return fd
 
+    def _digest(self, desc: WeightDescriptor, where: Where, verify: bool | None) -> "_Digest | None":
+        """The check of the tensor's trusted digest, or None (not verifying, or none)."""
+        if not (self.verify_digests if verify is None else verify) or not desc.trusted:
+            return None
+        return _Digest(desc, where)
+
     def _admit(self, desc: WeightDescriptor) -> Where:
         where = Where(model=self.model, tensor=desc.name, file=desc.file, offset=desc.offset)
         if desc.file is None:
@@ -551,6 +604,39 @@ def _close_all(fds: dict[str, int]) -> None:
         except KeyError:  # emptied meanwhile by another closer
             return
         os.close(fd)
+
+
+def _guard(mm: mmap.mmap) -> int | None:
+    """Register a shared mapping with the native source guard; its slot, or None where
+    there is none (no native module, no SIGBUS on the platform, every slot in use): a
+    file truncated under the mapping then kills the process with SIGBUS, as any mmap
+    reader would."""
+    try:
+        from onnx_prep.native._module import ffi, lib
+    except ImportError:
+        return None
+    addr = ffi.cast("void *", ffi.from_buffer(mm))
+    slot = lib.op_guard_add(addr, len(mm))
+    return slot if slot >= 0 else None
+
+
+def _guard_hit(slot: int) -> bool:
+    from onnx_prep.native._module import lib
+
+    return lib.op_guard_hit(slot) == 1
+
+
+def _unguard_all(guards: dict[str, int]) -> None:
+    """Unregister the reader's mappings from the source guard (their views may outlive
+    this: a fault through one then takes the previous SIGBUS disposition)."""
+    while guards:
+        try:
+            _, slot = guards.popitem()
+        except KeyError:
+            return
+        from onnx_prep.native._module import lib
+
+        lib.op_guard_remove(slot)
 
 
 # How far around a released tensor its page work reaches (ExternalDataReader._release):
@@ -577,18 +663,105 @@ def _populate(arr: np.ndarray, offset: int, where: Where) -> None:
     int(arr[::mmap.PAGESIZE].sum())
 
 
-def _pread_exact(fd: int, mv: memoryview, offset: int, where: Where) -> None:
+def _pread_exact(fd: int, mv: memoryview, offset: int, where: Where, digest: "_Digest | None" = None) -> None:
+    """Fill ``mv`` from ``fd`` at ``offset``; with a digest, read in chunks and hash each
+    one as it lands, while it is still in the CPU's cache (no second pass)."""
     got, total = 0, len(mv)
+    step = _HASH_CHUNK if digest is not None and digest.hashes else total
     while got < total:
+        end = min(total, got + step)
         if hasattr(os, "preadv"):
-            n = os.preadv(fd, [mv[got:]], offset + got)
+            n = os.preadv(fd, [mv[got:end]], offset + got)
         else:  # pragma: no cover - platforms without preadv
-            chunk = os.pread(fd, total - got, offset + got)
+            chunk = os.pread(fd, end - got, offset + got)
             n = len(chunk)
             mv[got:got + n] = chunk
         if n == 0:
-            raise ExternalDataError(f"external data file ended after {got} of {total} bytes", where)
+            raise ExternalDataError(f"external data file ended after {got} of {total} bytes "
+                                    "(it was truncated or rewritten during the load)", where)
+        if digest is not None:
+            digest.update(mv[got:got + n])
         got += n
+
+
+# Bytes hashed per step when verifying: small enough to be still in the CPU's cache when
+# hashed right after they are read or faulted in, large enough that the per-step
+# overhead (a syscall, a hashlib call that releases the GIL) is noise.
+_HASH_CHUNK = 1 << 20
+
+
+class _Digest:
+    """The check of one tensor's trusted digest during one read.
+
+    - TENSOR_METADATA (``sha256:<hex>`` of the tensor's bytes): the bytes are hashed as
+      they are read (``update``) and compared at the end (``finish``).
+    - FILE_CHECKSUM (the ONNX ``checksum`` key: SHA-1 of the WHOLE data file): checked
+      once per file per process (``check_file``), keyed by the file's identity, size and
+      modification time, so a file rewritten later is checked again. It costs one pass
+      over the whole file, the first time.
+
+    A tensor with no digest (DigestSource.NONE) cannot be checked: corrupted bytes load."""
+
+    __slots__ = ("desc", "where", "_h")
+
+    def __init__(self, desc: WeightDescriptor, where: Where) -> None:
+        self.desc, self.where = desc, where
+        self._h = hashlib.sha256() if desc.digest_source is DigestSource.TENSOR_METADATA else None
+
+    @property
+    def hashes(self) -> bool:
+        return self._h is not None
+
+    @property
+    def needs_file(self) -> bool:
+        return self.desc.digest_source is DigestSource.FILE_CHECKSUM
+
+    def update(self, chunk) -> None:
+        if self._h is not None:
+            self._h.update(chunk)
+
+    def finish(self) -> None:
+        if self._h is not None:
+            _compare(self.desc.digest, f"sha256:{self._h.hexdigest()}", "tensor bytes", self.where)
+
+    def check_file(self, fd: int) -> None:
+        if self.needs_file:
+            _check_file_checksum(fd, self.desc, self.where)
+
+
+def _compare(expected: str, actual: str, what: str, where: Where) -> None:
+    if actual != expected:
+        raise DigestError(f"{what} do not match their declared digest: expected {expected}, got {actual}",
+                          where, hint="the data file changed after the model was written")
+
+
+_SHA1_DIGEST = re.compile(r"^sha1:([0-9a-f]{40})@")
+_files_verified: set[tuple] = set()  # (dev, ino, size, mtime_ns, sha1) checked in this process
+_files_lock = threading.Lock()  # one whole-file check at a time: the second waits, then skips
+
+
+def _check_file_checksum(fd: int, desc: WeightDescriptor, where: Where) -> None:
+    """The whole data file's SHA-1 against the ``checksum`` entry, once per file (as it
+    is now) per process."""
+    m = _SHA1_DIGEST.match(desc.digest or "")
+    if m is None:
+        raise DigestError(f"malformed file checksum digest {desc.digest!r}", where)
+    st = os.fstat(fd)
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, m.group(1))
+    with _files_lock:
+        if key in _files_verified:
+            return
+        h, pos, buf = hashlib.sha1(), 0, bytearray(_HASH_CHUNK)
+        mv = memoryview(buf)
+        while True:
+            n = os.preadv(fd, [mv], pos) if hasattr(os, "preadv") else os.readv(fd, [mv])
+            if n == 0:
+                break
+            h.update(mv[:n])
+            pos += n
+        _compare(f"sha1:{m.group(1)}", f"sha1:{h.hexdigest()}", "data file bytes",
+                 Where(model=where.model, tensor=where.tensor, file=where.file, offset=0))
+        _files_verified.add(key)
 
 
 def as_array(desc: WeightDescriptor, raw: np.ndarray) -> np.ndarray:
@@ -601,15 +774,9 @@ def as_array(desc: WeightDescriptor, raw: np.ndarray) -> np.ndarray:
     return raw.view(dt.numpy.newbyteorder("<")).reshape(desc.dims)
 
 
-_SHA256 = re.compile(r"^sha256:([0-9a-f]{64})$")
-
-
 def verify_tensor_digest(desc: WeightDescriptor, data: np.ndarray, where: Where) -> None:
-    """Raise DigestError when ``data`` does not match a per-tensor sha256 digest."""
+    """Raise DigestError when ``data`` (the tensor's bytes, already in memory) does not
+    match a per-tensor sha256 digest. The reader hashes while reading instead."""
     if desc.digest_source is not DigestSource.TENSOR_METADATA or desc.digest is None:
         return
-    m = _SHA256.match(desc.digest)
-    actual = hashlib.sha256(data).hexdigest()
-    if m is None or m.group(1) != actual:
-        raise DigestError(f"tensor bytes do not match their declared digest (got sha256:{actual[:16]}...)",
-                          where, hint="the data file changed after the model was written")
+    _compare(desc.digest, f"sha256:{hashlib.sha256(data).hexdigest()}", "tensor bytes", where)

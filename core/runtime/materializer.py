@@ -135,6 +135,7 @@ class Materializer:
                 packed = np.ascontiguousarray(
                     prepack(node.kernel, req.request, sources, node.attributes)).view(np.uint8).reshape(-1)
                 self._count_prepack(t0)
+                self._sources_unchanged(desc)
 
                 def fill(nbytes: int, view: np.ndarray) -> None:
                     view[:] = packed
@@ -145,10 +146,18 @@ class Materializer:
                     t0 = time.perf_counter_ns()
                     prepack(node.kernel, req.request, sources, node.attributes, out=view)
                     self._count_prepack(t0)
+                    self._sources_unchanged(desc)  # before publish: nothing built from zeros
 
             self._materialize(key, tctx, size, fill)
         finally:
             self._sources_used(desc.dependencies)
+
+    def _sources_unchanged(self, desc: TaskDescriptor) -> None:
+        """Mapped sources: their data file did not shrink under the prepack that read
+        them (a page past its new end reads as zeros; ``ExternalDataReader.check_unchanged``)."""
+        if self.source_io == "map":
+            for dep_id in desc.dependencies:
+                self.reader.check_unchanged(self.resolved.weights[dep_id.split(":", 1)[1]])
 
     def _count_prepack(self, t0: int) -> None:
         self._count("prepacks")

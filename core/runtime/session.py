@@ -111,6 +111,7 @@ class SessionOptions:
     spin_helpers: bool | None = None  # None: ONNX_PREP_SPIN_HELPERS (see _executing)
     warm_slots: bool = True  # commit reserved slots from idle CPU during prepare
     source_pages: str = "auto"  # keep / drop / auto (see the module docstring)
+    verify_digests: bool = True  # check trusted digests as the reader reads (external_data)
 
     def __post_init__(self) -> None:
         if self.source_io not in SOURCE_IO:
@@ -136,7 +137,8 @@ class Session:
         self.isa = active_isa()  # a bad ONNX_PREP_ISA or a stale build fails here, before any work
         self.plan: PreparedExecutionPlan = build_prepared_execution_plan(resolved, lookahead=opts.lookahead)
         self.program = ActionProgram.compile(resolved)
-        self.reader = opts.reader or ExternalDataReader.for_model(resolved, trust_symlinks=opts.trust_symlinks)
+        self.reader = opts.reader or ExternalDataReader.for_model(resolved, trust_symlinks=opts.trust_symlinks,
+                                                                   verify_digests=opts.verify_digests)
         self._own_workspace = opts.workspace is None
         self.workspace = opts.workspace or Workspace(budget=opts.budget, io_workers=opts.io_workers,
                                                      cpu_workers=opts.cpu_workers, sequential=opts.sequential)
