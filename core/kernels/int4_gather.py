@@ -15,7 +15,7 @@ from onnx import TensorProto
 
 from onnx_prep.core.kernels.int4_weights import SCALE_DTYPES, zero_point_kind, zero_points_of
 from onnx_prep.core.kernels.spec import (REFERENCE, KernelChoice, KernelSpec, MatchContext, PreparedForm,
-                                         node_input, prepared_choice)
+                                         node_input, power_of_two_block, prepared_choice, refuse)
 from onnx_prep.core.model.prepared_key import PrepackRequest
 from onnx_prep.core.model.transforms import GraphNode
 from onnx_prep.core.model.weights import WeightDescriptor
@@ -39,8 +39,41 @@ def gather_block_quantized_layout(
     return f"{LAYOUT_NAME}.v{PACK_FORMAT_VERSION}.bs{block_size}.zp-{zero_points}.sc-{scale_dtype}"
 
 
+def check_gather_block_quantized(node: GraphNode, ctx: MatchContext) -> None:
+    """ONNX Runtime's GatherBlockQuantized rules (contrib schema): bits 4 or 8;
+    block_size a power of two >= 16; gather_axis and quantize_axis within data's rank;
+    data int4, uint4 or uint8; scales float of data's rank, data's dims but
+    ceil(codes / block_size) along quantize_axis; zero points data's type, scales' shape."""
+    a = node.attributes
+    bits, bs = int(a.get("bits", 4)), int(a.get("block_size", DEFAULT_BLOCK_SIZE))
+    if bits not in (4, 8):
+        raise refuse(node, f"bits {bits} is not 4 or 8")
+    power_of_two_block(node, bs)
+    data, s, zp = ctx.constant(node, 0), ctx.constant(node, 2), ctx.constant(node, 3)
+    if data is None:
+        return
+    rank = len(data.dims)
+    for name, default in (("gather_axis", 0), ("quantize_axis", 1)):
+        if not -rank <= int(a.get(name, default)) < rank:
+            raise refuse(node, f"{name} {a.get(name, default)} is outside data's rank {rank}")
+    if data.dtype not in ("int4", "uint4", "uint8"):
+        raise refuse(node, f"data is {data.dtype}, expected int4, uint4 or uint8", data.name)
+    qa = int(a.get("quantize_axis", 1)) % rank
+    dims = list(data.dims)
+    dims[qa] = -(-dims[qa] * (8 // bits if data.dtype == "uint8" else 1) // bs)
+    if s is not None:
+        if s.dtype not in ("float16", "float32", "bfloat16"):
+            raise refuse(node, f"scales are {s.dtype}, expected float16, float32 or bfloat16", s.name)
+        if list(s.dims) != dims:
+            raise refuse(node, f"scales shape {list(s.dims)} does not match data {list(data.dims)} "
+                               f"and block_size {bs}: expected {dims}", s.name)
+    if zp is not None and zp.dtype != data.dtype:
+        raise refuse(node, f"zero points are {zp.dtype}, expected data's {data.dtype}", zp.name)
+
+
 def match(node: GraphNode, ctx: MatchContext) -> KernelChoice | None:
     a = node.attributes
+    check_gather_block_quantized(node, ctx)
     data, s = ctx.constant(node, 0), ctx.constant(node, 2)
     zp = ctx.constant(node, 3)
     if data is None or s is None or (node_input(node, 3) and zp is None) or s.dtype not in SCALE_DTYPES:

@@ -16,7 +16,7 @@ from onnx import TensorProto
 
 from onnx_prep.core.kernels.int4_weights import SCALE_DTYPES, zero_point_kind, zero_points_of
 from onnx_prep.core.kernels.spec import (REFERENCE, KernelChoice, KernelSpec, MatchContext, PreparedForm,
-                                         node_input, prepared_choice)
+                                         node_input, power_of_two_block, prepared_choice, refuse)
 from onnx_prep.core.model.prepared_key import PrepackRequest
 from onnx_prep.core.model.transforms import GraphNode
 from onnx_prep.core.model.weights import WeightDescriptor
@@ -56,6 +56,7 @@ def match(node: GraphNode, ctx: MatchContext) -> KernelChoice | None:
 
 def _matmul_nbits(node: GraphNode, ctx: MatchContext) -> KernelChoice | None:
     a = node.attributes
+    check_matmul_nbits(node, ctx)
     if int(a.get("bits", 4)) != 4 or node_input(node, 4):  # g_idx (act-order) has no INT4 kernel
         return None
     b, s = ctx.constant(node, 1), ctx.constant(node, 2)
@@ -68,6 +69,51 @@ def _matmul_nbits(node: GraphNode, ctx: MatchContext) -> KernelChoice | None:
     layout = matmul_nbits_layout(block_size=int(a["block_size"]), zero_points=zk,
                                  scale_dtype=s.dtype, accuracy_level=int(a.get("accuracy_level", 0)))
     return _choice(b, s, zp, layout, ctx.device)
+
+
+_SCALE_TYPES = ("float16", "float32", "bfloat16")
+
+
+def check_matmul_nbits(node: GraphNode, ctx: MatchContext) -> None:
+    """ONNX Runtime's MatMulNBits rules (contrib schema and CPU kernel): K, N, block_size
+    required; bits 2, 4 or 8; block_size a power of two >= 16; K, N positive;
+    accuracy_level 0-4; B uint8 [N, ceil(K / block_size), block_size * bits / 8]; scales
+    float [N * k_blocks] or [N, k_blocks]; zero points uint8 packed
+    [N * ceil(k_blocks * bits / 8)] (or 2-D) or the scales' type and shape."""
+    a = node.attributes
+    for name in ("K", "N", "block_size"):
+        if name not in a:
+            raise refuse(node, f"required attribute {name} is missing")
+    K, N, bs, bits = int(a["K"]), int(a["N"]), int(a["block_size"]), int(a.get("bits", 4))
+    if bits not in (2, 4, 8):
+        raise refuse(node, f"bits {bits} is not 2, 4 or 8")
+    power_of_two_block(node, bs)
+    if K <= 0 or N <= 0:
+        raise refuse(node, f"K {K} and N {N} must be positive")
+    if int(a.get("accuracy_level", 0)) not in range(5):
+        raise refuse(node, f"accuracy_level {a['accuracy_level']} is not 0-4")
+    kb = -(-K // bs)
+    b, s, zp = ctx.constant(node, 1), ctx.constant(node, 2), ctx.constant(node, 3)
+    if b is not None:
+        if b.dtype != "uint8":
+            raise refuse(node, f"B is {b.dtype}, expected uint8", b.name)
+        if b.dims != (N, kb, bs * bits // 8):
+            raise refuse(node, f"B shape {list(b.dims)} does not match K {K}, N {N}, block_size {bs}, "
+                               f"bits {bits}: expected {[N, kb, bs * bits // 8]}", b.name)
+    if s is not None:
+        if s.dtype not in _SCALE_TYPES:
+            raise refuse(node, f"scales are {s.dtype}, expected float16, float32 or bfloat16", s.name)
+        if s.dims not in ((N * kb,), (N, kb)):
+            raise refuse(node, f"scales shape {list(s.dims)} is not [{N * kb}] or [{N}, {kb}]", s.name)
+    if zp is not None:
+        zb = -(-kb * bits // 8)
+        shapes = ((N * zb,), (N, zb)) if zp.dtype in ("uint8", "int32") else ((N * kb,), (N, kb))
+        if zp.dtype not in ("uint8", "int32", *_SCALE_TYPES) or (s is not None and zp.dtype in
+                                                                 _SCALE_TYPES and zp.dtype != s.dtype):
+            raise refuse(node, f"zero points are {zp.dtype}, expected uint8 or the scales' type", zp.name)
+        if zp.dims not in shapes:
+            raise refuse(node, f"zero points shape {list(zp.dims)} is not {' or '.join(map(str, map(list, shapes)))}",
+                         zp.name)
 
 
 def _fused_dequantize_matmul(node: GraphNode, ctx: MatchContext) -> KernelChoice:

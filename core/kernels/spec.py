@@ -25,6 +25,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
 
+from onnx_prep.core.errors import ModelFormatError, Where
 from onnx_prep.core.model.prepared_key import PrepackRequest, PreparedKey
 from onnx_prep.core.model.transforms import GraphNode
 from onnx_prep.core.model.weights import WeightDescriptor
@@ -108,6 +109,17 @@ class KernelSpec:
 
     def takes(self, node: GraphNode) -> bool:
         return self.op_types is None or (node.domain, node.op_type) in self.op_types
+
+
+def refuse(node: GraphNode, rule: str, tensor: str | None = None) -> ModelFormatError:
+    """The one-line error of a node ONNX Runtime would refuse (resolution adds the model)."""
+    return ModelFormatError(f"{node.op_type}: {rule}", Where(node=node.name, tensor=tensor))
+
+
+def power_of_two_block(node: GraphNode, block_size: int) -> None:
+    """ONNX Runtime's block-size rule for the block-quantized contrib ops."""
+    if block_size < 16 or block_size & (block_size - 1):
+        raise refuse(node, f"block_size {block_size} is not a power of two >= 16")
 
 
 def node_input(node: GraphNode, i: int) -> str | None:

@@ -16,13 +16,17 @@ Steps:
 4. ``kernels_registry.choose_kernel`` per node; identical PrepackRequests are one;
 5. validate the active external entries (path rules of ``external_data`` and bounds
    from the file size) and freeze the manifest (active external entries, first-use
-   order).
+   order);
+6. refuse what ONNX Runtime refuses (``conformance``: versions, single producers and
+   external-data entries early, the checker and strict inference last), and the
+   contrib ops' rules in their kernel specs' ``match``.
 """
 from __future__ import annotations
 
 import os
 import re
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -39,6 +43,8 @@ from onnx_prep.core.errors import (
     Where,
 )
 from onnx_prep.core.io.external_data import check_bounds, stat_external_file
+from onnx_prep.core.model.conformance import (check_onnx_rules, check_single_producers, check_versions,
+                                              external_entries)
 from onnx_prep.core.model.dtypes import DTYPES
 from onnx_prep.core.model.model_file import find_model_file, parse_model_file
 from onnx_prep.core.model.prepared_key import PrepackRequest, PreparedKey
@@ -79,6 +85,7 @@ def resolve_model(path: str | os.PathLike, *, trust_symlinks: bool = False) -> R
     ctx = _Context(model=str(model_path))
 
     proto = parse_model_file(model_path)
+    check_versions(proto, ctx.model)
     graph = proto.graph
     opsets = {(o.domain or ""): int(o.version) for o in proto.opset_import}
     if "ai.onnx" in opsets and "" not in opsets:
@@ -106,6 +113,7 @@ def resolve_model(path: str | os.PathLike, *, trust_symlinks: bool = False) -> R
     constants = {n: d for n, d in descriptors.items() if n not in overridable}
     outputs = [v.name for v in graph.output]
 
+    check_single_producers(graph, ctx.model)
     nodes = _graph_nodes(graph, ctx)
     for node in nodes:
         if node.domain not in opsets:
@@ -113,7 +121,9 @@ def resolve_model(path: str | os.PathLike, *, trust_symlinks: bool = False) -> R
             raise ModelFormatError(
                 f"node domain {node.domain or 'ai.onnx'!r} has no opset_import (truncated file?)",
                 Where(model=ctx.model, node=node.name))
+    position = {id(n): i for i, n in enumerate(nodes)}
     nodes = _topological(nodes, set(input_names) | descriptors.keys(), outputs, ctx)
+    order = [position[id(n)] for n in nodes]
     nodes_total = len(nodes)
 
     # -- transforms, kernels
@@ -123,8 +133,11 @@ def resolve_model(path: str | os.PathLike, *, trust_symlinks: bool = False) -> R
     kernels: list[NodeKernel] = []
     unsupported: dict[tuple[str, str], list[str]] = {}
     for index, node in enumerate(result.nodes):
-        choice = kernels_registry.choose_kernel(node, constants, opsets=opsets,
-                                               local_functions=local_functions)
+        try:
+            choice = kernels_registry.choose_kernel(node, constants, opsets=opsets,
+                                                   local_functions=local_functions)
+        except ModelFormatError as exc:  # a kernel spec's rule: the model is named here
+            raise ModelFormatError(exc.message, replace(exc.where, model=ctx.model), exc.hint) from None
         for req in choice.requirements:
             requests.setdefault(req.key, req)
         if choice.kernel is None:
@@ -150,6 +163,7 @@ def resolve_model(path: str | os.PathLike, *, trust_symlinks: bool = False) -> R
             sizes[d.file] = stat_external_file(model_dir, d.file, trust_symlinks=trust_symlinks,
                                                where=where).st_size
         check_bounds(d.offset, d.length, sizes[d.file], where)
+    check_onnx_rules(proto, order, ctx.model)  # after our own, more precise, messages
 
     manifest = PayloadManifest(tuple(d for d in active if d.file is not None))
     stats = ResolutionStats(
@@ -221,7 +235,7 @@ def _descriptor(t: TensorProto, ctx: _Context) -> WeightDescriptor:
         source = DigestSource.NONE if tensor_digest is None else DigestSource.TENSOR_METADATA
         return WeightDescriptor(name, dtype, t.data_type, dims, None, 0, nbytes, tensor_digest, source)
 
-    ext = {e.key: e.value for e in t.external_data}
+    ext = external_entries(t, where())
     location = ext.get("location")
     if not location:
         raise ExternalDataError("external data entry has no location", where())
