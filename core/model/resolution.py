@@ -17,9 +17,8 @@ Steps:
 5. validate the active external entries (path rules of ``external_data`` and bounds
    from the file size) and freeze the manifest (active external entries, first-use
    order);
-6. refuse what ONNX Runtime refuses (``conformance``: versions, single producers and
-   external-data entries early, the checker and strict inference last), and the
-   contrib ops' rules in their kernel specs' ``match``.
+6. refuse what ONNX Runtime refuses (``conformance``: the checker and strict inference
+   last, after the more precise rules; the contrib ops' rules in their specs' ``match``).
 """
 from __future__ import annotations
 
@@ -28,7 +27,7 @@ import re
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import numpy as np
 import onnx
@@ -63,7 +62,6 @@ from onnx_prep.core.model.weights import TENSOR_DIGEST_KEY, DigestSource, Weight
 
 _SHA256 = re.compile(r"^sha256:([0-9a-fA-F]{64})$")
 _SHA1 = re.compile(r"^[0-9a-fA-F]{40}$")
-
 
 
 def resolve_model(path: str | os.PathLike, *, trust_symlinks: bool = False) -> ResolvedModel:
@@ -196,13 +194,6 @@ class _Context:
 
 # ------------------------------------------------------------------------- parsing
 
-def _int_field(value: str, key: str, where: Callable[[], Where]) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise ExternalDataError(f"external data {key} {value!r} is not an integer", where()) from None
-
-
 def _descriptor(t: TensorProto, ctx: _Context) -> WeightDescriptor:
     """One initializer's descriptor, from its protobuf fields only (no I/O)."""
     name = t.name
@@ -239,13 +230,13 @@ def _descriptor(t: TensorProto, ctx: _Context) -> WeightDescriptor:
     location = ext.get("location")
     if not location:
         raise ExternalDataError("external data entry has no location", where())
-    offset = _int_field(ext.get("offset", "0"), "offset", lambda: where(location))
+    offset = int(ext.get("offset", "0"))  # external_entries checked the digits
     if offset < 0:
         raise ExternalDataError(f"negative external data offset {offset}", where(location, offset))
     if t.data_type == TensorProto.STRING:
         raise ModelFormatError("string tensors cannot be stored as external data", where(location, offset))
     if "length" in ext:
-        length = _int_field(ext["length"], "length", lambda: where(location, offset))
+        length = int(ext["length"])
         if length < 0:
             raise ExternalDataError(f"negative external data length {length}", where(location, offset))
         if length != nbytes:
