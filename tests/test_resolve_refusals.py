@@ -162,12 +162,16 @@ def test_refusals_read_no_payload_byte(small_llm_path, tmp_path):
     assert not any(e == "mmap.__new__" for e, _ in seen)
 
 
-def test_accuracy_level_outside_0_4_is_refused(small_llm_path, tmp_path):
-    """NOTE: ONNX Runtime 1.3x loads accuracy_level 9 (and -1) and computes as for 0;
-    the packed layout records 0-4 only, so this is the one rule stricter than ONNX
-    Runtime's: refused in one line, not a traceback."""
-    line = _refusal(_edited(small_llm_path, tmp_path / "acc", _attr("MatMulNBits", "accuracy_level", 9))).one_line()
-    assert "accuracy_level 9 is not 0-4" in line and "qkv_proj" in line
+@pytest.mark.parametrize("level", [9, -1])
+def test_accuracy_level_outside_0_4_computes_as_0(small_llm_path, tmp_path, level):
+    """ONNX Runtime loads accuracy_level 9 or -1 and computes in fp32 (int8 at 4 only):
+    resolution takes the model and gives it level 0's layout and attributes."""
+    ort = ort_or_skip()
+    path = _edited(small_llm_path, tmp_path / "acc", _attr("MatMulNBits", "accuracy_level", level))
+    ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    node = next(n for n in resolve_model(path).nodes if n.name == "layers.0.attn.qkv_proj")
+    assert node.attributes["accuracy_level"] == 0
+    assert node.requirements[0].layout.endswith(".acc0")
 
 
 @pytest.mark.parametrize("edit", [

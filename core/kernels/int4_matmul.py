@@ -76,8 +76,8 @@ _SCALE_TYPES = ("float16", "float32", "bfloat16")
 
 def check_matmul_nbits(node: GraphNode, ctx: MatchContext) -> None:
     """ONNX Runtime's MatMulNBits rules (contrib schema and CPU kernel): K, N, block_size
-    required; bits 2, 4 or 8; block_size a power of two >= 16; K, N positive;
-    accuracy_level 0-4; B uint8 [N, ceil(K / block_size), block_size * bits / 8]; scales
+    required; bits 2, 4 or 8; block_size a power of two >= 16; K, N positive (an
+    accuracy_level outside 0-4 is loaded, as ONNX Runtime does: transforms make it 0); B uint8 [N, ceil(K / block_size), block_size * bits / 8]; scales
     float [N * k_blocks] or [N, k_blocks]; zero points uint8 packed
     [N * ceil(k_blocks * bits / 8)] (or 2-D) or the scales' type and shape."""
     a = node.attributes
@@ -90,8 +90,6 @@ def check_matmul_nbits(node: GraphNode, ctx: MatchContext) -> None:
     power_of_two_block(node, bs)
     if K <= 0 or N <= 0:
         raise refuse(node, f"K {K} and N {N} must be positive")
-    if int(a.get("accuracy_level", 0)) not in range(5):
-        raise refuse(node, f"accuracy_level {a['accuracy_level']} is not 0-4")
     kb = -(-K // bs)
     b, s, zp = ctx.constant(node, 1), ctx.constant(node, 2), ctx.constant(node, 3)
     if b is not None:

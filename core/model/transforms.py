@@ -6,6 +6,9 @@ dtypes, dims and attributes.
 
 Passes, in order (``run_transforms``):
 
+0. ``normalize_accuracy_level`` — a MatMulNBits ``accuracy_level`` outside 0-4 becomes
+   0: ONNX Runtime loads any value and computes in int8 at 4 only, in fp32 otherwise,
+   which is what 0 names in the packed layout and the kernels.
 1. ``fuse_dequantize_matmul`` — ``DequantizeLinear(int4|uint4 [K, N], axis=0,
    block_size) -> MatMul(A, .)`` becomes one node computing the MatMul with the INT4
    matmul kernel, fused_from both node names, with the layout key MatMulNBits gets
@@ -185,10 +188,19 @@ def used_initializers(nodes: list[GraphNode], graph_outputs: Iterable[str],
     return list(seen)
 
 
+def normalize_accuracy_level(nodes: list[GraphNode]) -> None:
+    """Pass 0 (in place): see the module docstring."""
+    for n in nodes:
+        if (n.domain, n.op_type) == ("com.microsoft", "MatMulNBits") and \
+                int(n.attributes.get("accuracy_level", 0)) not in range(5):
+            n.attributes["accuracy_level"] = 0
+
+
 def run_transforms(nodes: list[GraphNode], constants: Mapping[str, WeightDescriptor],
                    graph_outputs: list[str], initializer_names: Iterable[str]) -> TransformResult:
     outs = set(graph_outputs)
     total = len(nodes)
+    normalize_accuracy_level(nodes)
     nodes, fused, bypassed = fuse_dequantize_matmul(nodes, constants, outs)
     kept = prune_dead_nodes(nodes, outs)
     used = used_initializers(kept, graph_outputs, initializer_names)
