@@ -90,26 +90,43 @@ def test_tiny_llm_descriptors_match_onnx_external_data_loader(tiny_llm_path):
     assert reader.counters.bytes_read == r.manifest.total_bytes
 
 
+_FILE_EVENTS: list[tuple] = []
+_AUDITING = threading.Event()
+_HOOKED = threading.Event()
+
+
+def _audit(event, args):
+    if _AUDITING.is_set() and event in ("open", "mmap.__new__", "os.open"):
+        _FILE_EVENTS.append((event, args))
+
+
+def file_events(fn) -> tuple[object, list[tuple]]:
+    """``fn()``'s result and the files it opened or mapped, by audit hook (one hook for
+    the session: a hook cannot be removed; it is inert outside this call)."""
+    if not _HOOKED.is_set():
+        sys.addaudithook(_audit)
+        _HOOKED.set()
+    _FILE_EVENTS.clear()
+    _AUDITING.set()
+    try:
+        result = fn()
+    finally:
+        _AUDITING.clear()
+    return result, list(_FILE_EVENTS)
+
+
+def opened_paths(seen: list[tuple]) -> list[str]:
+    return [os.path.realpath(a[0]) for e, a in seen if e == "open" and isinstance(a[0], (str, bytes, os.PathLike))]
+
+
 def test_resolution_reads_no_payload_byte(tiny_llm_path):
     """By audit hook: resolution never opens or maps the external data file (there is
     no reader to count with: every reader's counters are its own)."""
     data_file = os.path.realpath(tiny_llm_path.with_name(tiny_llm_path.name + ".data"))
-    seen: list[tuple] = []
-    active = threading.Event()
-
-    def hook(event, args):
-        if active.is_set() and event in ("open", "mmap.__new__", "os.open"):
-            seen.append((event, args))
-
-    sys.addaudithook(hook)  # cannot be removed; inert unless `active` is set
-    active.set()
-    try:
-        r = resolve_model(tiny_llm_path)
-    finally:
-        active.clear()
-    opened = [a for e, a in seen if e == "open" and isinstance(a[0], (str, bytes, os.PathLike))]
-    assert any(os.path.realpath(a[0]) == os.path.realpath(tiny_llm_path) for a in opened)  # hook works
-    assert not any(os.path.realpath(a[0]) == data_file for a in opened)
+    r, seen = file_events(lambda: resolve_model(tiny_llm_path))
+    opened = opened_paths(seen)
+    assert os.path.realpath(tiny_llm_path) in opened  # hook works
+    assert data_file not in opened
     assert not any(e == "mmap.__new__" for e, _ in seen)
     assert r.manifest.total_bytes > 10_000_000
 

@@ -8,10 +8,7 @@ the suite generates is accepted by both.
 """
 from __future__ import annotations
 
-import os
 import shutil
-import sys
-import threading
 from pathlib import Path
 from typing import Callable
 
@@ -22,6 +19,7 @@ from onnx import TensorProto, helper
 from conftest import ort_or_skip
 from onnx_prep.core.errors import EXIT_UNUSABLE, OnnxPrepError
 from onnx_prep.core.model.resolution import resolve_model
+from test_resolve import file_events, opened_paths
 from test_resolve_models import (custom_op_model, gemm_model, matmul_nbits_model, qdq_matmul_model,
                                  single_weight_model, tied_int4_model)
 
@@ -142,21 +140,8 @@ def test_refusals_read_no_payload_byte(small_llm_path, tmp_path):
     checks run on metadata; no data file is opened or mapped, whichever rule refuses."""
     paths = [_edited(small_llm_path, tmp_path / c, REFUSED[c][0])
              for c in ("norm-int32", "mm-scales-shape", "gbq-block-7", "two-producers")]
-    seen: list[tuple] = []
-    active = threading.Event()
-
-    def hook(event, args):
-        if active.is_set() and event in ("open", "mmap.__new__", "os.open"):
-            seen.append((event, args))
-
-    sys.addaudithook(hook)  # cannot be removed; inert unless `active` is set
-    active.set()
-    try:
-        for path in paths:
-            _refusal(path)
-    finally:
-        active.clear()
-    opened = [str(a[0]) for e, a in seen if e == "open" and isinstance(a[0], (str, bytes, os.PathLike))]
+    _, seen = file_events(lambda: [_refusal(path) for path in paths])
+    opened = opened_paths(seen)
     assert any(o.endswith(MODEL) for o in opened)  # the hook works
     assert not any(o.endswith(".data") for o in opened)
     assert not any(e == "mmap.__new__" for e, _ in seen)
