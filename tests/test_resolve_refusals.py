@@ -69,6 +69,10 @@ def _second_producer(m: onnx.ModelProto) -> None:
     m.graph.node[5].output[0] = m.graph.node[4].output[0]
 
 
+def _output_is_initializer(m: onnx.ModelProto) -> None:
+    next(n for n in m.graph.node if n.op_type == "Mul").output[0] = "layers.1.input_norm.weight"
+
+
 def _reshape_scales(m: onnx.ModelProto) -> None:
     dims = _init(m, QKV_S).dims  # [1536] -> [192, 4, 2]: same size, not ONNX Runtime's shape
     del dims[:]
@@ -82,6 +86,8 @@ REFUSED = {
     "ms-opset-2": (_opset("com.microsoft", 2), ["opset 2", "com.microsoft"]),
     "ir-99": (lambda m: setattr(m, "ir_version", 99), ["ir_version 99"]),
     "two-producers": (_second_producer, ["more than one producer"]),
+    "output-is-initializer": (_output_is_initializer, ["'layers.1.input_norm.weight' has more than one producer"]),
+    "input-twice": (lambda m: m.graph.input.append(m.graph.input[0]), ["'input_ids' is declared more than once"]),
     "unknown-ext-key": (_ext(NORM, "basepath", lambda v: "x"), ["unknown external data key 'basepath'", NORM]),
     "offset-space": (_ext(NORM, "offset", lambda v: " " + v), ["offset", "ASCII decimal", NORM]),
     "offset-plus": (_ext(NORM, "offset", lambda v: "+" + v), ["offset", "ASCII decimal", NORM]),

@@ -9,7 +9,8 @@ line naming the node, attribute or tensor and the rule:
   Runtime 1.2x-1.3x accept exactly their bundled onnx's ``IR_VERSION`` and opset; a
   later one is refused with "Unsupported model IR version" / "opset ... is under
   development"); ``com.microsoft`` version 1;
-- one producer per value (ONNX Runtime: "Duplicate definition");
+- one producer per value: a node, an initializer or a graph input, each input declared
+  once (ONNX Runtime: "Duplicate definition");
 - external-data entries: keys ``location``, ``offset``, ``length``, ``checksum`` only,
   each once; offset and length ASCII decimal digits (ONNX Runtime parses them in the
   classic locale and refuses spaces, signs and other digits); a location that names
@@ -56,8 +57,14 @@ def check_versions(proto: onnx.ModelProto, model: str) -> None:
 
 
 def check_single_producers(graph: onnx.GraphProto, model: str) -> None:
-    """Every value is defined once: by one node, or as a graph input."""
-    defined = {v.name for v in graph.input}
+    """Every value is defined once: as a graph input (an initializer may give it a
+    default), an initializer, or by one node."""
+    defined: set[str] = set()
+    for v in graph.input:
+        if v.name in defined:
+            raise ModelFormatError(f"graph input {v.name!r} is declared more than once", Where(model=model))
+        defined.add(v.name)
+    defined |= {t.name for t in graph.initializer}
     for i, n in enumerate(graph.node):
         for name in n.output:
             if not name:
