@@ -73,6 +73,15 @@ def _output_is_initializer(m: onnx.ModelProto) -> None:
     next(n for n in m.graph.node if n.op_type == "Mul").output[0] = "layers.1.input_norm.weight"
 
 
+def _cast_input(op: str, position: int, to: int) -> Callable[[onnx.ModelProto], None]:
+    def edit(m):
+        n = next(n for n in m.graph.node if n.op_type == op)
+        m.graph.node.insert(0 if position == 1 else list(m.graph.node).index(n),
+                            helper.make_node("Cast", [n.input[position]], ["cast/out"], name="cast", to=to))
+        n.input[position] = "cast/out"
+    return edit
+
+
 def _reshape_scales(m: onnx.ModelProto) -> None:
     dims = _init(m, QKV_S).dims  # [1536] -> [192, 4, 2]: same size, not ONNX Runtime's shape
     del dims[:]
@@ -107,6 +116,8 @@ REFUSED = {
     "mm-bits-8-on-4-bit-B": (_attr("MatMulNBits", "bits", 8), ["bits 8", QKV_B]),
     "mm-B-int8": (_set(QKV_B, "data_type", TensorProto.INT8), ["B is int8", "uint8", QKV_B]),
     "mm-scales-shape": (_reshape_scales, ["scales shape [192, 4, 2]", QKV_S]),
+    "mm-A-float16": (_cast_input("MatMulNBits", 0, TensorProto.FLOAT16), ["input 'cast/out' is float16", "float"]),
+    "gbq-indices-int16": (_cast_input("GatherBlockQuantized", 1, TensorProto.INT16), ["'cast/out' is int16", "int64"]),
     "mm-scales-int32": (_set(QKV_S, "data_type", TensorProto.INT32), ["scales are int32", QKV_S]),
     "gbq-block-7": (_attr("GatherBlockQuantized", "block_size", 7), ["GatherBlockQuantized", "block_size 7"]),
     "gbq-quantize-axis-5": (_attr("GatherBlockQuantized", "quantize_axis", 5), ["quantize_axis 5"]),

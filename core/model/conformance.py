@@ -118,9 +118,34 @@ def check_onnx_rules(proto: onnx.ModelProto, order: Sequence[int], model: str) -
     for t in shapeless:
         t.ClearField("shape")
     try:
-        onnx.shape_inference.infer_shapes(typed, check_type=True, strict_mode=True)
+        inferred = onnx.shape_inference.infer_shapes(typed, check_type=True, strict_mode=True)
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
         raise ModelFormatError(f"type and shape inference: {_first_line(exc)}", where) from None
+    _check_contrib_input_types(inferred, model)
+
+
+def _check_contrib_input_types(inferred: onnx.ModelProto, model: str) -> None:
+    """The contrib ops' inputs against their schema's type constraints, once inference
+    has typed them: MatMulNBits' A (and bias) the scales' type (T1), and
+    GatherBlockQuantized's indices int32 or int64."""
+    g = inferred.graph
+    types = {v.name: v.type.tensor_type.elem_type for v in (*g.input, *g.value_info, *g.output)}
+    types.update({t.name: t.data_type for t in g.initializer})
+    for n in g.node:
+        if (n.domain, n.op_type) not in _TYPED_BY_SCALES or len(n.input) < 3:
+            continue
+        scales = types.get(n.input[2], 0)
+        if n.op_type == "MatMulNBits":
+            checked = [(n.input[i], (scales,)) for i in (0, 5) if i < len(n.input) and n.input[i]]
+        else:
+            checked = [(n.input[1], (TensorProto.INT32, TensorProto.INT64))]
+        for name, allowed in checked:
+            got = types.get(name, 0)
+            if got and all(allowed) and got not in allowed:
+                raise ModelFormatError(
+                    f"{n.op_type}: input {name!r} is {TensorProto.DataType.Name(got).lower()}, expected "
+                    f"{' or '.join(TensorProto.DataType.Name(t).lower() for t in allowed)}",
+                    Where(model=model, node=n.name or None))
 
 
 def _checkable_copy(proto: onnx.ModelProto, order: Sequence[int]) -> onnx.ModelProto:
