@@ -143,8 +143,8 @@ def _check_contrib_input_types(inferred: onnx.ModelProto, model: str) -> None:
             got = types.get(name, 0)
             if got and all(allowed) and got not in allowed:
                 raise ModelFormatError(
-                    f"{n.op_type}: input {name!r} is {TensorProto.DataType.Name(got).lower()}, expected "
-                    f"{' or '.join(TensorProto.DataType.Name(t).lower() for t in allowed)}",
+                    f"{n.op_type}: input {name!r} is {_type_name(got)}, expected "
+                    f"{' or '.join(map(_type_name, allowed))}",
                     Where(model=model, node=n.name or None))
 
 
@@ -172,6 +172,13 @@ def _checkable_copy(proto: onnx.ModelProto, order: Sequence[int]) -> onnx.ModelP
         if elem is not None and n.output[0] not in known:
             typed.graph.value_info.append(onnx.helper.make_tensor_value_info(n.output[0], elem, None))
     return typed
+
+
+def _type_name(elem_type: int) -> str:
+    try:
+        return TensorProto.DataType.Name(elem_type).lower()
+    except ValueError:  # not a TensorProto.DataType
+        return f"type {elem_type}"
 
 
 def _first_line(exc: Exception) -> str:
