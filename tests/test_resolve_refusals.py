@@ -82,6 +82,12 @@ def _cast_input(op: str, position: int, to: int) -> Callable[[onnx.ModelProto], 
     return edit
 
 
+def _cast_to_2_40(m: onnx.ModelProto) -> None:
+    """Found by the fuzzer (seed 5712): onnx's inference raised a ValueError."""
+    n = next(n for n in m.graph.node if n.op_type == "Cast")
+    next(a for a in n.attribute if a.name == "to").i = 2 ** 40
+
+
 def _reshape_scales(m: onnx.ModelProto) -> None:
     dims = _init(m, QKV_S).dims  # [1536] -> [192, 4, 2]: same size, not ONNX Runtime's shape
     del dims[:]
@@ -97,6 +103,7 @@ REFUSED = {
     "two-producers": (_second_producer, ["more than one producer"]),
     "output-is-initializer": (_output_is_initializer, ["'layers.1.input_norm.weight' has more than one producer"]),
     "input-twice": (lambda m: m.graph.input.append(m.graph.input[0]), ["'input_ids' is declared more than once"]),
+    "cast-to-2^40": (_cast_to_2_40, ["type and shape inference", "Invalid tensor data type"]),
     "unknown-ext-key": (_ext(NORM, "basepath", lambda v: "x"), ["unknown external data key 'basepath'", NORM]),
     "offset-space": (_ext(NORM, "offset", lambda v: " " + v), ["offset", "ASCII decimal", NORM]),
     "offset-plus": (_ext(NORM, "offset", lambda v: "+" + v), ["offset", "ASCII decimal", NORM]),

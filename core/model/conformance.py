@@ -38,6 +38,9 @@ MAX_IR_VERSION = onnx.IR_VERSION
 MAX_OPSETS = {"": onnx.defs.onnx_opset_version(), "com.microsoft": 1}
 EXTERNAL_DATA_KEYS = ("location", "offset", "length", "checksum")
 _DECIMAL = re.compile(r"-?[0-9]+", re.ASCII)  # a negative number has its own message
+# What onnx's C++ checker and inference also raise on a malformed model (a Cast to
+# 2**40 is "ValueError: Invalid tensor data type 0."); the try blocks hold one call each.
+_ONNX_ALSO_RAISES = (ValueError, TypeError, RuntimeError, IndexError)
 # Contrib ops whose output type is their scales' type (input 2), per ONNX Runtime's schema.
 _TYPED_BY_SCALES = {("com.microsoft", "MatMulNBits"), ("com.microsoft", "GatherBlockQuantized")}
 
@@ -113,13 +116,13 @@ def check_onnx_rules(proto: onnx.ModelProto, order: Sequence[int], model: str) -
         t.shape.SetInParent()
     try:
         onnx.checker.check_model(typed)
-    except onnx.checker.ValidationError as exc:
+    except (onnx.checker.ValidationError, *_ONNX_ALSO_RAISES) as exc:
         raise ModelFormatError(f"ONNX checker: {_first_line(exc)}", where) from None
     for t in shapeless:
         t.ClearField("shape")
     try:
         inferred = onnx.shape_inference.infer_shapes(typed, check_type=True, strict_mode=True)
-    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError, *_ONNX_ALSO_RAISES) as exc:
         raise ModelFormatError(f"type and shape inference: {_first_line(exc)}", where) from None
     _check_contrib_input_types(inferred, model)
 
