@@ -14,9 +14,14 @@ from __future__ import annotations
 
 import sys
 
-import typer
+try:  # Ctrl-C during the start-up imports: one line and 130, never a traceback
+    import typer
+    from typer._click.exceptions import ClickException  # typer's own click (typer < 0.29)
 
-from onnx_prep.cli import demo, errors, fixture, resolve, run
+    from onnx_prep.cli import demo, errors, fixture, resolve, run
+except KeyboardInterrupt:
+    sys.stderr.write("interrupted\n")
+    raise SystemExit(130) from None
 
 app = typer.Typer(
     name="onnx-prep",
@@ -43,6 +48,10 @@ def _root(
     ),
 ) -> None:
     errors.DEBUG = debug
+    if not debug:  # numpy's RuntimeWarnings (overflow, invalid value) are not for the user
+        import warnings
+
+        warnings.simplefilter("ignore", RuntimeWarning)
 
 
 app.command("fixture")(fixture.fixture)
@@ -55,8 +64,15 @@ def main() -> None:
     """The console script. Commands return their exit code through ``typer.Exit``
     (``cli/errors.run_guarded``); what escapes them is mapped here."""
     try:
-        app(prog_name="onnx-prep")  # exits with the command's code
+        code = app(prog_name="onnx-prep", standalone_mode=False)  # the command's code
+    except ClickException as exc:  # a usage error: one line, like every other error
+        ctx = getattr(exc, "ctx", None)
+        if exc.format_message():  # empty: no arguments, the help was the answer
+            errors.print_error(exc.format_message() + (f"; see '{ctx.command_path} --help'" if ctx else ""))
+        code = exc.exit_code
     except KeyboardInterrupt:  # outside a command: while parsing, say
-        sys.exit(errors.interrupted())
+        code = errors.interrupted()
     except Exception:  # noqa: BLE001 - a bug outside any command
-        sys.exit(errors.internal_error())
+        code = errors.internal_error()
+    sys.exit(code if isinstance(code, int) else 0)
+

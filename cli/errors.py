@@ -13,7 +13,7 @@ from typing import Callable, TypeVar
 import typer
 
 from onnx_prep.cli import output
-from onnx_prep.core.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, OnnxPrepError
+from onnx_prep.core.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, OnnxPrepError, terminal_safe
 
 T = TypeVar("T")
 
@@ -30,7 +30,7 @@ def run_guarded(fn: Callable[[], T]) -> T | int:
     except OnnxPrepError as exc:
         if DEBUG:
             _print(traceback.format_exc())
-        _print(f"error: {exc.one_line()}")
+        print_error(exc.one_line())
         return exc.exit_code
     except KeyboardInterrupt:
         return interrupted()
@@ -50,6 +50,11 @@ def internal_error() -> int:
     _print(traceback.format_exc())
     _print(REPORT_REQUEST)
     return EXIT_INTERNAL
+
+
+def print_error(text: str) -> None:
+    """``error: <text>`` on one line, its control characters escaped for the terminal."""
+    _print(f"error: {terminal_safe(text)}")
 
 
 def _print(text: str) -> None:

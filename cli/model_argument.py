@@ -1,16 +1,29 @@
-"""The MODEL argument of ``resolve`` and ``run``: the path given, or else the embedded
+"""The MODEL argument of every command that loads a model (``resolve``, ``run``): the
+path given, a folder standing for the one ``.onnx`` file it holds, or else the embedded
 default model (the tiny INT4 LLM in the user cache, ``fixtures/cache.py``), generated
-first if absent, with a one-line note on stderr saying so."""
+first if absent, with a one-line note on stderr saying so. Each command that loads
+also takes ``--trust-symlinks`` (``TRUST_SYMLINKS``) and has ``ONNX_PREP_ISA`` checked
+here, so the same model path and ISA rules hold whichever command met them."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import typer
 
 from onnx_prep.cli import output
 
+TRUST_SYMLINKS = typer.Option(
+    False, "--trust-symlinks",
+    help="Accept external data reached through symlinks or hard links (Hugging Face cache snapshots).")
+
 
 def model_path(model: Path | None) -> Path:
+    _check_isa()
     if model is not None:
-        return model
+        from onnx_prep.core.model.model_file import find_model_file
+
+        return find_model_file(model, folder=True)
     from onnx_prep.fixtures import FixtureConfig, cached_model_path, default_model_path
     from onnx_prep.fixtures.cache import DEFAULT_FIXTURE
 
@@ -19,3 +32,12 @@ def model_path(model: Path | None) -> Path:
         output.stderr.print(f"note: generating the default model ({DEFAULT_FIXTURE}) into {target.parent}",
                             markup=False, highlight=False)
     return default_model_path()
+
+
+def _check_isa() -> None:
+    """A bad ``ONNX_PREP_ISA`` is refused before anything loads (the native module is
+    imported only when the variable is set)."""
+    if os.environ.get("ONNX_PREP_ISA", "").strip():
+        from onnx_prep.native import active_isa
+
+        active_isa()

@@ -15,7 +15,7 @@ import typer
 
 from onnx_prep.cli import output
 from onnx_prep.cli.errors import run_guarded
-from onnx_prep.cli.model_argument import model_path
+from onnx_prep.cli.model_argument import TRUST_SYMLINKS, model_path
 from onnx_prep.core.errors import EXIT_OK, UnsupportedOpError, Where
 
 
@@ -23,9 +23,7 @@ def resolve(
     model: Optional[Path] = typer.Argument(
         None, help="Model .onnx file (or a folder holding one). Default: the embedded tiny INT4 LLM."),
     json_out: bool = typer.Option(False, "--json", help="Print the resolution record as JSON (docs/resolve.md)."),
-    trust_symlinks: bool = typer.Option(
-        False, "--trust-symlinks",
-        help="Accept external data reached through symlinks or hard links (Hugging Face cache snapshots)."),
+    trust_symlinks: bool = TRUST_SYMLINKS,
 ) -> None:
     """Resolve a model without reading its weights: kept nodes, kernels, prepared requirements, payload."""
 

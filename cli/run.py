@@ -15,7 +15,7 @@ import typer
 
 from onnx_prep.cli import output
 from onnx_prep.cli.errors import run_guarded
-from onnx_prep.cli.model_argument import model_path
+from onnx_prep.cli.model_argument import TRUST_SYMLINKS, model_path
 from onnx_prep.core.errors import EXIT_FINDINGS, EXIT_OK, UsageError
 
 DEFAULT_PROMPT = "1,2,3,4"
@@ -74,6 +74,7 @@ def run(
     io_map: Optional[Path] = typer.Option(None, "--io-map", help="JSON file naming the decoder I/O "
                                                                  "(format: docs/run.md)."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON (schema: docs/run.md)."),
+    trust_symlinks: bool = TRUST_SYMLINKS,
     threads: Optional[int] = typer.Option(None, "--threads", help="Intra-op threads (1 to 256)."),
     memory_budget: Optional[str] = typer.Option(
         None, "--memory-budget", metavar="SIZE",
@@ -98,7 +99,8 @@ def run(
         budget = None if memory_budget is None else parse_size(memory_budget)
         options = RunOptions(prompt_ids=parse_prompts(prompt_ids, batch), tokens=tokens, runtime=runtime,
                              compare=compare, io_map=io_map, threads=threads, source_pages=source_pages,
-                             memory_budget=budget, verify_digests=verify_digests)
+                             memory_budget=budget, verify_digests=verify_digests,
+                             trust_symlinks=trust_symlinks)
         # Only on a terminal: a redirected stderr would just collect blank frames.
         show = tokens >= PROGRESS_MIN_TOKENS and output.stderr.is_terminal
         doc = record_run(model_path(model), options, progress=_progress if show else None)

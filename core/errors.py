@@ -16,6 +16,15 @@ EXIT_INTERNAL = 3  # a bug: unexpected exception (shown with traceback)
 EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), the shell's 128 + 2
 
 
+def terminal_safe(text: str) -> str:
+    """``text`` with every character a terminal would act on (ANSI escapes, newlines,
+    NUL, other control and format characters) written as its ``repr``-style escape, so a
+    name from a model can neither span lines nor restyle the terminal."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 @dataclass(frozen=True)
 class Where:
     """Location of a problem. Every field is optional; render() joins the known ones."""
@@ -61,7 +70,7 @@ class OnnxPrepError(Exception):
         text = f"{self.message} ({loc})" if loc else self.message
         if self.hint:
             text += f"; {self.hint}"
-        return text
+        return terminal_safe(text)
 
     def __str__(self) -> str:  # dataclass would otherwise replace Exception.__str__
         return self.one_line()

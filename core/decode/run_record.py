@@ -54,6 +54,8 @@ class RunOptions:
     memory_budget: int | None = None
     verify_digests: bool = True  # the prepared runtime checks trusted digests while reading
 
+    trust_symlinks: bool = False  # external data through symlinks or hard links (resolve_model)
+
     @property
     def distinct_rows(self) -> list[tuple[int, ...]]:
         """The prompt rows, each object once: ``--batch B`` repeats one row B times."""
@@ -125,7 +127,7 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
         from onnx_prep.core.model.resolution import resolve_model
 
         t0 = time.perf_counter()
-        resolved = resolve_model(path)
+        resolved = resolve_model(path, trust_symlinks=options.trust_symlinks)
         resolve_ms = (time.perf_counter() - t0) * 1e3
         inputs, outputs = resolved.inputs, resolved.outputs
         # open_ms of the prepared runtime counts its parse too, as ONNX Runtime's does

@@ -19,6 +19,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from onnx_prep.core.errors import UnsupportedOpError, Where
+from onnx_prep.core.ops import cancellation
 from onnx_prep.core.ops.attributes import N_OUTPUTS, RESERVED
 
 REFERENCE_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
@@ -103,7 +104,17 @@ class ReferenceOp:
             cls = load_op(self.domain, self.op_type, self.opset)
         run_params = {"log": lambda *a: None, "opsets": self._opsets, "verbose": 0, "new_ops": {},
                       "existing_functions": {}, "evaluator_cls": ReferenceEvaluator}
-        return cls(self._node, run_params)
+        impl = cls(self._node, run_params)
+        body_run = getattr(impl, "_run_body", None)
+        if body_run is not None:  # Loop: one call per iteration, where a cancelled run stops
+            name = self._node_name or self.op_type
+
+            def checked_body(*args, **kwargs):
+                cancellation.check(f"{self.op_type} {name!r}")
+                return body_run(*args, **kwargs)
+
+            impl._run_body = checked_body
+        return impl
 
     def _impl_for(self, args: list):
         from onnx import helper

@@ -82,6 +82,10 @@ from onnx_prep.core.errors import (
 )
 from onnx_prep.core.runtime.scheduler import TaskHandle, TaskState, _call
 
+# How often a main thread that waits without a timeout wakes to run its signal handlers
+# (Ctrl-C ends the process within this, docs/cli.md).
+SIGNAL_POLL_S = 0.1
+
 _log = logging.getLogger(__name__)
 
 __all__ = ["ExecutionHandle", "ExecutionStatus", "SubmissionState"]
@@ -246,13 +250,29 @@ class ExecutionHandle:
 
     def _wait_terminal(self, timeout: float | None) -> bool:
         tracker = self._tracker
+        if timeout is None and threading.current_thread() is threading.main_thread():
+            # A lock wait without a timeout is not woken by SIGINT when the signal lands on
+            # a worker thread (the main thread would run the handler only once the task
+            # ends, after a long op: never, for a huge Loop). Waking every SIGNAL_POLL_S
+            # lets the main thread run its handler, so Ctrl-C raises here within that.
+            with tracker.cond:
+                while not tracker.cond.wait_for(lambda: tracker.finished, SIGNAL_POLL_S):
+                    pass
+                return True
         with tracker.cond:
             return tracker.cond.wait_for(lambda: tracker.finished, timeout)
 
     def wait(self, timeout: float | None = None) -> None:
         if not self._tracker.finished:
             self._inherit_priority()
-        if not self._wait_terminal(timeout):
+        try:
+            finished = self._wait_terminal(timeout)
+        except KeyboardInterrupt:
+            # Ctrl-C while waiting: what has not started never will; a running reference
+            # op notices the cancellation between its iterations (core/ops/reference.py).
+            self.cancel()
+            raise
+        if not finished:
             raise TimeoutError(f"submission {self.name!r} not finished after {timeout}s")
         st = self.status()
         if st.state is SubmissionState.FAILED:

@@ -36,7 +36,7 @@ from onnx_prep.core.errors import BudgetError, OnnxPrepError, UsageError, Where
 from onnx_prep.core.model.dtypes import DTYPES
 from onnx_prep.core.model.prepared_key import PreparedKey
 from onnx_prep.core.model.resolved_model import ResolvedModel
-from onnx_prep.core.ops import append_buffer, intra_op, run_counters
+from onnx_prep.core.ops import append_buffer, cancellation, intra_op, run_counters
 from onnx_prep.core.plan.execution_plan import RAW_LAYOUT, PreparedExecutionPlan
 from onnx_prep.core.plan.task import Priority, TaskKind
 from onnx_prep.core.runtime.action_program import ActionProgram
@@ -288,7 +288,7 @@ class RunLoop:
                 t0 = time.perf_counter_ns()
                 if ctx.first_step_ns is None:
                     ctx.first_step_ns = t0
-                with self._executing(ctx, self._parts_cold):
+                with self._executing(ctx, self._parts_cold), cancellation.checking(tctx.token):
                     program.execute(values, prepared, begin, end)
                 ctx.step_log.append((si, t0, time.perf_counter_ns(), tctx.worker))
             finally:
