@@ -53,7 +53,6 @@ class RunOptions:
     source_pages: str = "auto"
     memory_budget: int | None = None
     verify_digests: bool = True  # the prepared runtime checks trusted digests while reading
-
     trust_symlinks: bool = False  # external data through symlinks or hard links (resolve_model)
 
     @property
