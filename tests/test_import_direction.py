@@ -8,19 +8,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[1]
-FAMILIES = ("model", "io", "plan", "kernels", "ops", "runtime", "decode", "profile")
+FAMILIES = ("model", "io", "plan", "kernels", "ops", "runtime", "cache", "decode", "profile")
 
 # family -> families it must never import. Everything not listed is allowed.
 FORBIDDEN = {
     "core": {"cli"},  # the library never imports the commands (applies to every core.*)
     "native": {"cli", "fixtures", *(f"core.{f}" for f in FAMILIES)},
-    "fixtures": {"cli", "core.runtime", "core.plan", "core.decode", "core.profile"},
-    "core.model": {"core.plan", "core.runtime", "core.decode", "core.profile", "core.ops"},
-    "core.io": {"core.plan", "core.runtime", "core.decode", "core.kernels", "core.ops"},
-    "core.kernels": {"core.plan", "core.runtime", "core.decode", "core.profile"},
-    "core.ops": {"core.plan", "core.runtime", "core.decode", "core.profile", "core.kernels"},
-    "core.plan": {"core.runtime", "core.decode", "core.profile"},
-    "core.runtime": {"core.decode", "core.profile"},
+    "fixtures": {"cli", "core.runtime", "core.plan", "core.cache", "core.decode", "core.profile"},
+    "core.model": {"core.plan", "core.runtime", "core.cache", "core.decode", "core.profile", "core.ops"},
+    "core.io": {"core.plan", "core.runtime", "core.cache", "core.decode", "core.kernels", "core.ops"},
+    "core.kernels": {"core.plan", "core.runtime", "core.cache", "core.decode", "core.profile"},
+    "core.ops": {"core.plan", "core.runtime", "core.cache", "core.decode", "core.profile", "core.kernels"},
+    "core.plan": {"core.runtime", "core.cache", "core.decode", "core.profile"},
+    "core.runtime": {"core.cache", "core.decode", "core.profile"},
+    "core.cache": {"core.decode", "core.profile"},
 }
 
 
