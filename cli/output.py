@@ -26,3 +26,10 @@ def _default(obj: Any) -> Any:
     if hasattr(obj, "tolist"):
         return obj.tolist()
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def warn(text: str) -> None:
+    """``warning: <text>`` on one line of stderr, its control characters escaped."""
+    from onnx_prep.core.errors import terminal_safe
+
+    stderr.print(f"warning: {terminal_safe(text)}", markup=False, highlight=False)

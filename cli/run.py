@@ -87,6 +87,13 @@ def run(
     verify_digests: bool = typer.Option(True, "--verify-digests/--no-verify-digests",
                                         help="Prepared runtime: check each tensor's declared digest while "
                                              "reading it (a mismatch is an error, exit 2)."),
+    cache_policy: str = typer.Option("read-only", "--cache-policy",
+                                     help="Prepared runtime: the prepared cache (docs/cache-format.md): disabled, "
+                                          "read-only (use what is cached), build-if-missing (also persist what "
+                                          "this run builds), require-complete (fail unless every object is cached)."),
+    prepared: Optional[Path] = typer.Option(None, "--prepared", metavar="PATH",
+                                            help="The prepared cache's manifest (default: <model stem>.prepared.onnx "
+                                                 "beside the model)."),
 ) -> None:
     """Greedy-decode --tokens tokens per row; print the generated ids and timings.
 
@@ -100,10 +107,10 @@ def run(
         options = RunOptions(prompt_ids=parse_prompts(prompt_ids, batch), tokens=tokens, runtime=runtime,
                              compare=compare, io_map=io_map, threads=threads, source_pages=source_pages,
                              memory_budget=budget, verify_digests=verify_digests,
-                             trust_symlinks=trust_symlinks)
+                             trust_symlinks=trust_symlinks, cache_policy=cache_policy, prepared=prepared)
         # Only on a terminal: a redirected stderr would just collect blank frames.
         show = tokens >= PROGRESS_MIN_TOKENS and output.stderr.is_terminal
-        doc = record_run(model_path(model), options, progress=_progress if show else None)
+        doc = record_run(model_path(model), options, progress=_progress if show else None, warn=output.warn)
         if json_out:
             output.emit_json(doc)
         else:
@@ -130,6 +137,14 @@ def _render(doc: dict) -> None:
     say(f"open {t['open_ms']:.1f} ms · time to first output {t['first_output_ms']:.1f} ms · "
         f"decode {_fmt_rate(t['decode_tokens_per_s'])} tokens/s "
         f"({_fmt_rate(t['decode_steps_per_s'])} steps/s x {doc['batch']} rows)")
+    c = doc["cache"]
+    if c is not None and c["exists"] or (c is not None and c["committed"]):
+        e = c["entries"]
+        line = (f"prepared cache: {e['hit']} of {sum(e.values())} objects read from it "
+                f"({c['packed_bytes'] / 2**20:,.1f} MiB)")
+        if c["committed"] and c["committed"]["written"]:
+            line += f"; {c['committed']['written']} persisted (generation {c['committed']['generation']})"
+        say(line)
     cmp = doc["compare"]
     if cmp is None:
         return

@@ -1,5 +1,5 @@
 """The record of one greedy-decode run: ``record_run(model, options) -> dict`` decodes
-and returns the ``onnx-prep.run/4`` document (docs/run.md, pinned by
+and returns the ``onnx-prep.run/5`` document (docs/run.md, pinned by
 ``core/schemas/run.schema.json``).
 
 ``RunOptions`` holds what to decode and how and checks its values on construction,
@@ -27,7 +27,7 @@ from onnx_prep.core.errors import UsageError, Where
 from onnx_prep.core.option_ranges import (MAX_BATCH, MAX_MEMORY_BUDGET, MAX_THREADS, MAX_TOKEN_ID, MAX_TOKENS,
                                           MIN_MEMORY_BUDGET, check_range)
 
-SCHEMA = "onnx-prep.run/4"
+SCHEMA = "onnx-prep.run/5"
 RUNTIMES = ("prepared", "ort")
 COMPARE_WITH = ("ort",)
 DEFAULT_PROMPT = (1, 2, 3, 4)
@@ -54,6 +54,8 @@ class RunOptions:
     memory_budget: int | None = None
     verify_digests: bool = True  # the prepared runtime checks trusted digests while reading
     trust_symlinks: bool = False  # external data through symlinks or hard links (resolve_model)
+    cache_policy: str = "read-only"  # the prepared cache (core/cache/prepared_cache.py, POLICIES)
+    prepared: Path | None = None  # the cache's manifest (default: <model stem>.prepared.onnx beside it)
 
     @property
     def distinct_rows(self) -> list[tuple[int, ...]]:
@@ -91,9 +93,17 @@ class RunOptions:
 
         if self.source_pages not in SOURCE_PAGES:
             raise UsageError(f"--source-pages must be one of {list(SOURCE_PAGES)}, got {self.source_pages!r}")
+        from onnx_prep.core.cache.prepared_cache import POLICIES
+
+        if self.cache_policy not in POLICIES:
+            raise UsageError(f"--cache-policy must be one of {list(POLICIES)}, got {self.cache_policy!r}")
+        if self.cache_policy == "build-if-missing" and not self.verify_digests:
+            raise UsageError("--cache-policy build-if-missing persists only verified bytes: it cannot be "
+                             "combined with --no-verify-digests")
 
 
-def open_prepared_runner(resolved, *, threads: int | None, source_pages: str, verify_digests: bool = True):
+def open_prepared_runner(resolved, *, threads: int | None, source_pages: str, verify_digests: bool = True,
+                         cache=None):
     """The prepared runtime on a resolved model, as a ``Runner`` with ``close()``.
 
     NOTE: the one place a run obtains our runtime. ``threads`` maps to the session's CPU
@@ -106,12 +116,13 @@ def open_prepared_runner(resolved, *, threads: int | None, source_pages: str, ve
         raise UsageError("the prepared runtime (onnx_prep.core.runtime.session) is not in this build",
                          hint="decode with --runtime ort") from exc
     kw = {} if threads is None else {"cpu_workers": threads}
-    return Session(resolved, source_pages=source_pages, verify_digests=verify_digests, **kw)
+    return Session(resolved, source_pages=source_pages, verify_digests=verify_digests, cache=cache, **kw)
 
 
-def record_run(model: str | Path, options: RunOptions, *, progress: Progress | None = None) -> dict:
+def record_run(model: str | Path, options: RunOptions, *, progress: Progress | None = None,
+               warn: Callable[[str], None] | None = None) -> dict:
     """Decode with ``options.runtime`` (and again with ``options.compare``, compared) and
-    return the ``onnx-prep.run/4`` record. ``compare.agrees`` false is a finding, not an
+    return the ``onnx-prep.run/5`` record. ``compare.agrees`` false is a finding, not an
     error. Raises the typed errors of ``core/errors.py`` for unusable input."""
     import numpy as np
 
@@ -122,6 +133,7 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
     path = Path(model)
     mapping = load_io_map(options.io_map) if options.io_map is not None else None
     opened: dict[str, Callable[[], Any]] = {}
+    cache = None
     if options.runtime == "prepared":
         from onnx_prep.core.model.resolution import resolve_model
 
@@ -130,9 +142,14 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
         resolve_ms = (time.perf_counter() - t0) * 1e3
         inputs, outputs = resolved.inputs, resolved.outputs
         # open_ms of the prepared runtime counts its parse too, as ONNX Runtime's does
-        opened["prepared"] = lambda: (resolve_ms, open_prepared_runner(
-            resolved, threads=options.threads, source_pages=options.source_pages,
-            verify_digests=options.verify_digests))
+        def open_prepared():
+            nonlocal cache
+            cache = _open_cache(resolved, options, warn)
+            return resolve_ms, open_prepared_runner(
+                resolved, threads=options.threads, source_pages=options.source_pages,
+                verify_digests=options.verify_digests, cache=cache)
+
+        opened["prepared"] = open_prepared
     else:
         inputs, outputs = value_infos_from_model(path)
     opened["ort"] = lambda: (0.0, _open_ort(path, options.threads))
@@ -162,18 +179,36 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
             result = greedy_decode(runner, io, prompt, options.tokens, on_step=on_step, model=str(path))
         return open_ms, result, getattr(runner, "source_pages", None)
 
-    open_ms, result, pages = decode(options.runtime)
+    try:
+        open_ms, result, pages = decode(options.runtime)
+        # build-if-missing: what the run built was written meanwhile, at idle priority;
+        # published now, once the output is in hand
+        committed = cache.commit() if cache is not None and cache.policy.value == "build-if-missing" else None
+    finally:
+        if cache is not None:
+            cache.close()
     doc = {"schema": SCHEMA, "model": str(path), "runtime": options.runtime,
            "prompt_ids": prompt.tolist(), "batch": int(prompt.shape[0]), "tokens_requested": options.tokens,
            "io": io.to_json(), "tokens": result.tokens.tolist(),
            "timings": {"open_ms": open_ms, **result.timings_json()},
-           "counters": result.counters_json(), "source_pages": pages, "compare": None}
+           "counters": result.counters_json(), "source_pages": pages,
+           "cache": None if cache is None else {**cache.summary(), "committed": committed},
+           "compare": None}
     if options.compare is not None:
         ref_open_ms, ref, _ = decode(options.compare)
         cmp = compare_generations(result, ref)
         doc["compare"] = {"runtime": options.compare, "tokens": ref.tokens.tolist(), **cmp.to_json(),
                           "timings": {"open_ms": ref_open_ms, **ref.timings_json()}}
     return doc
+
+
+def _open_cache(resolved, options: RunOptions, warn):
+    """The model's prepared cache under ``options.cache_policy``, or None (disabled)."""
+    if options.cache_policy == "disabled":
+        return None
+    from onnx_prep.core.cache.prepared_cache import PreparedCache
+
+    return PreparedCache(resolved, options.prepared, policy=options.cache_policy, warn=warn)
 
 
 def _open_ort(path: Path, threads: int | None):

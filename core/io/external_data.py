@@ -262,7 +262,8 @@ class ExternalDataReader:
     """
 
     def __init__(self, model_dir: Path, manifest: PayloadManifest, *, trust_symlinks: bool = False,
-                 model: str | None = None, verify_digests: bool = True) -> None:
+                 model: str | None = None, verify_digests: bool = True,
+                 compute_digests: bool = False) -> None:
         if not isinstance(manifest, PayloadManifest):
             raise TypeError(f"expected a frozen PayloadManifest, got {type(manifest).__name__}")
         self.model_dir = Path(model_dir)
@@ -270,6 +271,10 @@ class ExternalDataReader:
         self.trust_symlinks = trust_symlinks
         self.model = model or str(self.model_dir)
         self.verify_digests = verify_digests  # check trusted digests as bytes are read (_Digest)
+        # hash tensors that have no digest as they are read, for content_digest (a
+        # prepared cache records what its entries were built from)
+        self.compute_digests = compute_digests
+        self._computed: dict[str, str] = {}
         self.counters = ReadCounters()
         self.hooks = ReadHooks()
         self._shared: dict[str, mmap.mmap] = {}  # one mapping per data file (map_shared)
@@ -285,10 +290,19 @@ class ExternalDataReader:
 
     @classmethod
     def for_model(cls, resolved, *, trust_symlinks: bool = False,
-                  verify_digests: bool = True) -> "ExternalDataReader":
+                  verify_digests: bool = True, compute_digests: bool = False) -> "ExternalDataReader":
         """The reader of a ResolvedModel's manifest."""
         return cls(resolved.model_dir, resolved.manifest, trust_symlinks=trust_symlinks,
-                   model=str(resolved.model_path), verify_digests=verify_digests)
+                   model=str(resolved.model_path), verify_digests=verify_digests,
+                   compute_digests=compute_digests)
+
+    def content_digest(self, desc: WeightDescriptor) -> str | None:
+        """The digest the bytes this reader read for ``desc`` are known to have: its
+        trusted digest when this reader verifies (a read that did not match raised), the
+        SHA-256 computed while reading when it has none (``compute_digests``), else None."""
+        if desc.trusted:
+            return desc.digest if self.verify_digests else None
+        return self._computed.get(desc.name)
 
     # -- public API
     def read(self, desc: WeightDescriptor, *, verify: bool | None = None) -> np.ndarray:
@@ -582,7 +596,9 @@ class ExternalDataReader:
 
     def _digest(self, desc: WeightDescriptor, where: Where, verify: bool | None) -> "_Digest | None":
         """The check of the tensor's trusted digest, or None (not verifying, or none)."""
-        if not (self.verify_digests if verify is None else verify) or not desc.trusted:
+        if not desc.trusted:
+            return _Digest(desc, where, self._computed) if self.compute_digests else None
+        if not (self.verify_digests if verify is None else verify):
             return None
         return _Digest(desc, where)
 
@@ -700,13 +716,16 @@ class _Digest:
       modification time, so a file rewritten later is checked again. It costs one pass
       over the whole file, the first time.
 
-    A tensor with no digest (DigestSource.NONE) cannot be checked: corrupted bytes load."""
+    A tensor with no digest (DigestSource.NONE) cannot be checked: corrupted bytes load.
+    With a ``sink`` (the reader's ``compute_digests``) its SHA-256 is computed as it is
+    read and recorded there instead."""
 
-    __slots__ = ("desc", "where", "_h")
+    __slots__ = ("desc", "where", "_h", "_sink")
 
-    def __init__(self, desc: WeightDescriptor, where: Where) -> None:
-        self.desc, self.where = desc, where
-        self._h = hashlib.sha256() if desc.digest_source is DigestSource.TENSOR_METADATA else None
+    def __init__(self, desc: WeightDescriptor, where: Where, sink: dict[str, str] | None = None) -> None:
+        self.desc, self.where, self._sink = desc, where, sink
+        hashes = desc.digest_source is DigestSource.TENSOR_METADATA or (sink is not None and not desc.trusted)
+        self._h = hashlib.sha256() if hashes else None
 
     @property
     def hashes(self) -> bool:
@@ -721,8 +740,13 @@ class _Digest:
             self._h.update(chunk)
 
     def finish(self) -> None:
-        if self._h is not None:
-            _compare(self.desc.digest, f"sha256:{self._h.hexdigest()}", "tensor bytes", self.where)
+        if self._h is None:
+            return
+        actual = f"sha256:{self._h.hexdigest()}"
+        if self._sink is not None:
+            self._sink[self.desc.name] = actual
+        else:
+            _compare(self.desc.digest, actual, "tensor bytes", self.where)
 
     def check_file(self, fd: int) -> None:
         if self.needs_file:

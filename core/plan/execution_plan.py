@@ -59,13 +59,28 @@ class PackedPayloadEntry:
 
 
 class PackedPayloadIndex(Protocol):
-    """What the plan needs from a prepared cache: a compatible entry per key, or None.
+    """What the plan and the runtime need from a prepared cache
+    (``core/cache/prepared_cache.py`` is the implementation).
 
-    Compatibility (lineage digest, layout, device, ABI, format) is the cache's job;
-    the plan only selects the cheapest eligible recipe.
-    """
+    ``lookup``: a compatible entry per request, or None. Compatibility (lineage digest,
+    layout, device, ABI, format, size) is the cache's job; the plan only selects the
+    cheapest eligible recipe. ``read_into``: the entry's packed bytes into the key's
+    slot view, checked; False when the entry proves unusable (the caller then builds the
+    object from its sources). ``persists``/``persist``: whether a packed object the
+    session builds is to be written back, and handing it over (a pinned view; ``done()``
+    unpins it once written); ``flush``: wait until every object handed over is written
+    and unpinned (a session's close calls it before releasing its objects)."""
 
     def lookup(self, request: PrepackRequest) -> PackedPayloadEntry | None: ...
+
+    def read_into(self, entry: PackedPayloadEntry, out: Any) -> bool: ...
+
+    def persists(self, request: PrepackRequest) -> bool: ...
+
+    def persist(self, request: PrepackRequest, packed: Any, source_digests: Mapping[str, str | None],
+                done: Any) -> None: ...
+
+    def flush(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +161,7 @@ class PreparedExecutionPlan:
     activation_last_use: Mapping[str, int]  # value name -> last action index reading it
     lookahead: LookaheadWindow
     build_ms: float = 0.0
+    cache: PackedPayloadIndex | None = field(default=None, compare=False)  # the index the recipes came from
     by_id: Mapping[TaskId, TaskDescriptor] = field(init=False, repr=False)
     by_key: Mapping[PreparedKey, PreparedRequirement] = field(init=False, repr=False)
 
@@ -400,7 +416,7 @@ def build_prepared_execution_plan(
         resolved=resolved, tasks=tuple(tasks), requirements=tuple(requirements),
         steps=tuple(steps), activation_last_use=MappingProxyType(last_use),
         lookahead=lookahead or LookaheadWindow(DEFAULT_LOOKAHEAD_STEPS, DEFAULT_LOOKAHEAD_BYTES),
-        build_ms=(time.perf_counter() - t0) * 1e3,
+        build_ms=(time.perf_counter() - t0) * 1e3, cache=cache,
     )
     _check_acyclic(plan)
     return plan

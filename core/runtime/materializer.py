@@ -3,9 +3,11 @@
 The plan selects one :class:`MaterializationRecipe` per prepared key
 (``core/plan/execution_plan.py``); this module turns the session task that publishes
 the key into the function the scheduler runs, through ONE table keyed by the recipe
-kind (:attr:`Materializer.recipes`): a raw read straight into the key's slot, and a
-prepack of sources already read. A recipe without an entry (today: reading a persisted
-packed payload) is refused when its task is first submitted.
+kind (:attr:`Materializer.recipes`): a raw read straight into the key's slot, a
+prepack of sources already read, and a read of a persisted packed payload from the
+plan's prepared cache (``PackedPayloadIndex``) straight into the slot. A packed object
+the session builds is handed to the cache to persist when the cache asks for it
+(``build-if-missing``), pinned until written.
 Source reads that publish nothing feed prepacks (one read serves every prepack of a
 tied source) and return a :class:`Source`.
 
@@ -24,6 +26,7 @@ from onnx_prep.core.io.external_data import ExternalDataReader, as_array
 from onnx_prep.core.model.prepared_key import PreparedKey
 from onnx_prep.core.model.resolved_model import ResolvedModel
 from onnx_prep.core.plan.execution_plan import (
+    READ_PACKED_PAYLOAD,
     READ_SOURCE,
     READ_SOURCE_AND_PREPACK,
     PreparedExecutionPlan,
@@ -59,7 +62,9 @@ class Materializer:
         self.recipes: dict[str, Callable[[TaskDescriptor, TaskContext], None]] = {
             READ_SOURCE: self._read_raw,
             READ_SOURCE_AND_PREPACK: self._prepack,
+            READ_PACKED_PAYLOAD: self._read_packed,
         }
+        self.cache = plan.cache
 
     def task_fn(self, desc: TaskDescriptor) -> Callable[[TaskContext], object]:
         if desc.publishes is None:
@@ -75,7 +80,7 @@ class Materializer:
     def _unsupported(self, what: str) -> None:
         raise OnnxPrepError(f"task kind {what} is not supported by this runtime yet",
                             Where(model=str(self.resolved.model_path)),
-                            hint="prepared-cache reads arrive with the prepared cache")
+                            hint="this is a bug in onnx-prep; please report it")
 
     # ------------------------------------------------------------------ recipes
     def _read_raw(self, desc: TaskDescriptor, tctx: TaskContext) -> None:
@@ -148,9 +153,64 @@ class Materializer:
                     self._count_prepack(t0)
                     self._sources_unchanged(desc)  # before publish: nothing built from zeros
 
-            self._materialize(key, tctx, size, fill)
+            view = self._materialize(key, tctx, size, fill)
+            if view is not None:
+                self._persist(req, view)
         finally:
             self._sources_used(desc.dependencies)
+
+    def _read_packed(self, desc: TaskDescriptor, tctx: TaskContext) -> None:
+        """READ_PACKED_PAYLOAD: the persisted packed bytes straight into the key's slot
+        (no source read, no prepack). An entry the cache finds unusable while reading
+        (its digest does not match) is rebuilt from its sources in this same task."""
+        key = desc.publishes
+        req = self.plan.by_key[key]
+        tctx.raise_if_cancelled()
+        self._count("packed_reads")
+
+        def fill(nbytes: int, view: np.ndarray) -> None:
+            if self.cache.read_into(req.selected.payload, view):
+                self._count("packed_bytes_read", req.selected.payload.length)
+                return
+            self._count("cache_fallbacks")
+            self._prepack_from_source(req, view)
+
+        view = self._materialize(key, tctx, req.packed_bytes, fill)
+        if view is not None:
+            self._persist(req, view)
+
+    def _prepack_from_source(self, req, view: np.ndarray) -> None:
+        """Build ``req``'s packed object into ``view`` reading its sources here, through
+        the one reader (the repair path of an unusable cache entry)."""
+        from onnx_prep.core.kernels.prepack import prepack
+
+        node = self._nodes_by_name[req.node]
+        sources = {}
+        for n in req.request.source_lineage:
+            if n in self.resolved.inline_values:
+                sources[n] = self.resolved.inline_values[n]
+            else:
+                self._count("source_reads")
+                sources[n] = self.reader.read_array(self.resolved.weights[n])
+        t0 = time.perf_counter_ns()
+        packed = prepack(node.kernel, req.request, sources, node.attributes)
+        self._count_prepack(t0)
+        view[:] = np.ascontiguousarray(packed).view(np.uint8).reshape(-1)
+
+    def _persist(self, req, view: np.ndarray) -> None:
+        """Hand a just-published packed object to the cache to persist, pinned until it
+        is written, when the cache wants it (build-if-missing and not already cached)."""
+        cache = self.cache
+        if cache is None or not cache.persists(req.request):
+            return
+        pins = self.store.pin_many([req.key])
+        if pins is None:  # evicted already: the next build persists it
+            return
+        digests = {n: self.reader.content_digest(self.resolved.weights[n])
+                   for n in req.request.source_lineage
+                   if n in self.resolved.weights and self.resolved.weights[n].external}
+        self._count("persist_requests")
+        cache.persist(req.request, view, digests, pins.release)
 
     def _sources_unchanged(self, desc: TaskDescriptor) -> None:
         """Mapped sources: their data file did not shrink under the prepack that read
@@ -165,13 +225,14 @@ class Materializer:
 
     # ----------------------------------------------------------------- publishing
     def _materialize(self, key: PreparedKey, tctx: TaskContext, nbytes: int, fill,
-                     typed_as=None) -> None:
-        """Publish ``key``: commit its stable slot, fill it, hand the store the buffer."""
+                     typed_as=None) -> np.ndarray | None:
+        """Publish ``key``: commit its stable slot, fill it, hand the store the buffer.
+        Returns the slot's byte view, or None when another load published the key."""
         store = self.store
         mat, owner = store.begin_load(key)
         if not owner:  # another generation is loading it: share that one
             mat.wait()
-            return
+            return None
         gen = mat.generation
         try:
             # This thread owns the key's load (begin_load): nothing else creates, fills
@@ -191,6 +252,7 @@ class Materializer:
         except BaseException as e:
             store.fail(key, gen, e)
             raise
+        return raw_view
 
 
 class Source:

@@ -48,6 +48,7 @@ from onnx_prep.core.model.resolved_model import ResolvedModel, require_frozen
 from onnx_prep.core.ops.intra_op import spin_helpers_default
 from onnx_prep.core.plan.execution_plan import (
     LookaheadWindow,
+    PackedPayloadIndex,
     PreparedExecutionPlan,
     build_prepared_execution_plan,
 )
@@ -112,11 +113,16 @@ class SessionOptions:
     warm_slots: bool = True  # commit reserved slots from idle CPU during prepare
     source_pages: str = "auto"  # keep / drop / auto (see the module docstring)
     verify_digests: bool = True  # check trusted digests as the reader reads (external_data)
+    cache: PackedPayloadIndex | None = None  # a prepared cache (core/cache/prepared_cache.py)
 
     def __post_init__(self) -> None:
         if self.source_io not in SOURCE_IO:
             raise UsageError(f"unknown source_io {self.source_io!r}",
                              hint=f"choose one of {', '.join(SOURCE_IO)}")
+        if not self.verify_digests and getattr(self.cache, "persisting", False):
+            raise UsageError("a prepared cache persists only verified bytes: digest verification "
+                             "cannot be off while it is written",
+                             hint="drop --no-verify-digests, or use --cache-policy read-only")
 
 
 class Session:
@@ -135,10 +141,12 @@ class Session:
         from onnx_prep.native import active_isa
 
         self.isa = active_isa()  # a bad ONNX_PREP_ISA or a stale build fails here, before any work
-        self.plan: PreparedExecutionPlan = build_prepared_execution_plan(resolved, lookahead=opts.lookahead)
+        self.plan: PreparedExecutionPlan = build_prepared_execution_plan(
+            resolved, lookahead=opts.lookahead, cache=opts.cache)
         self.program = ActionProgram.compile(resolved)
-        self.reader = opts.reader or ExternalDataReader.for_model(resolved, trust_symlinks=opts.trust_symlinks,
-                                                                   verify_digests=opts.verify_digests)
+        self.reader = opts.reader or ExternalDataReader.for_model(
+            resolved, trust_symlinks=opts.trust_symlinks, verify_digests=opts.verify_digests,
+            compute_digests=bool(getattr(opts.cache, "persisting", False)))
         self._own_workspace = opts.workspace is None
         self.workspace = opts.workspace or Workspace(budget=opts.budget, io_workers=opts.io_workers,
                                                      cpu_workers=opts.cpu_workers, sequential=opts.sequential)
@@ -212,6 +220,8 @@ class Session:
                 return
             self._closed = True
         self.tasks.close()
+        if self.plan.cache is not None:  # objects handed over to be persisted stay pinned until written
+            self.plan.cache.flush()
         warmer = self._warmer
         if warmer is not None:
             warmer.join()  # it sees _closed at its next step
@@ -229,12 +239,13 @@ class Session:
         self.close()
 
     # ------------------------------------------------------------------- public API
-    def prepare_async(self) -> ExecutionHandle:
-        """Submit every session task eagerly (``SessionTasks.prepare``); the handle holds
-        them as shared tasks. Already-resident objects submit nothing."""
+    def prepare_async(self, keys=None) -> ExecutionHandle:
+        """Submit every session task eagerly (``SessionTasks.prepare``; with ``keys``,
+        only what publishes those prepared keys); the handle holds them as shared
+        tasks. Already-resident objects submit nothing."""
         self._check_open()
         since = self._stats.start()
-        handle = ExecutionHandle(shared=self.tasks.prepare(), name="prepare",
+        handle = ExecutionHandle(shared=self.tasks.prepare(keys), name="prepare",
                                  stats=lambda: self._stats.finish(since, None))
         self._start_warmer(handle)
         return handle
@@ -273,8 +284,8 @@ class Session:
         self.slots.warm(((r.key, r.packed_bytes) for r in self.plan.requirements),  # in order of first use
                         stop, on_warmed=lambda n: self._count("slot_bytes_warmed", n))
 
-    def prepare(self) -> None:
-        self.prepare_async().wait()
+    def prepare(self, keys=None) -> None:
+        self.prepare_async(keys).wait()
 
     def run_async(self, ctx: RuntimeContext) -> ExecutionHandle:
         self._check_open()

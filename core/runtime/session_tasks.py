@@ -58,19 +58,24 @@ class SessionTasks:
         # the session retries making room for them (see make_room).
         self._critical_wait: dict[PreparedKey, int] = {}
 
-    def prepare(self) -> list[TaskHandle]:
-        """Submit every session task eagerly: producers of the first look-ahead window
-        at PREFETCH, the rest at BACKGROUND; the live tasks (reads too, so a failing
-        read is named in a status). Already-resident objects submit nothing."""
+    def prepare(self, keys=None) -> list[TaskHandle]:
+        """Submit every session task eagerly (with ``keys``, those that publish them):
+        producers of the first look-ahead window at PREFETCH, the rest at BACKGROUND;
+        the live tasks (reads too, so a failing read is named in a status).
+        Already-resident objects submit nothing."""
         window = self.plan.lookahead.steps
         shared: list[TaskHandle] = []
+        asked = None if keys is None else frozenset(keys)
+        wanted = self.keys if asked is None else [k for k in self.keys if k in asked]
         with self._lock:  # NOTE: one lock hold: a tied source counts both consumers
             for r in self.plan.requirements:
+                if asked is not None and r.key not in asked:
+                    continue
                 prio = Priority.PREFETCH if r.first_step < window else Priority.BACKGROUND
                 h = self.ensure(r.publisher, prio)
                 if h is not None:
                     shared.append(h)
-            closure = {t.id for t in self.plan.session_closure(self.keys)}
+            closure = {t.id for t in self.plan.session_closure(wanted)}
             for tid in closure:
                 h = self.handles.get(tid)
                 if h is not None and h not in shared:

@@ -1,0 +1,111 @@
+"""The cache build: what ``onnx-prep build-cache`` does, as one core call returning one
+record (schema ``onnx-prep.build-cache/1``, docs/build-cache.md).
+
+It opens the model's prepared cache under ``build-if-missing`` and, when some prepared
+object has no compatible entry, loads exactly those through the real runtime (a
+:class:`Session` whose plan reads packed payloads for the entries that are compatible and
+reads and prepacks the rest), persisting each object as it is built; then commits one new
+generation. An up-to-date cache loads nothing and writes nothing.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+from onnx_prep.core.cache.prepared_cache import CachePolicy, EntryStatus, PreparedCache, default_cache_path
+
+__all__ = ["SCHEMA", "build_prepared_cache"]
+
+SCHEMA = "onnx-prep.build-cache/1"
+
+# progress(done_objects, total_objects, done_bytes, total_bytes)
+BuildProgress = Callable[[int, int, int, int], None]
+
+
+def build_prepared_cache(model: Path, *, output: Path | None = None, cache_dir: Path | None = None,
+                         compress: str | None = None, device: str = "cpu", rebuild: bool = False,
+                         trust_symlinks: bool = False, warn: Callable[[str], None] | None = None,
+                         progress: BuildProgress | None = None) -> dict:
+    """Build or update ``model``'s prepared cache; the record of what it did."""
+    from onnx_prep.core.errors import UsageError
+    from onnx_prep.core.model.resolution import resolve_model
+    from onnx_prep.core.runtime.session import Session
+
+    if output is not None and cache_dir is not None:
+        raise UsageError("-o and --cache-dir name the cache twice", hint="give one of them")
+    if output is not None and not str(output).endswith(".prepared.onnx"):
+        raise UsageError(f"-o {output}: a prepared cache's file name ends in .prepared.onnx",
+                         hint="e.g. -o model.prepared.onnx")
+    t0 = time.perf_counter()
+    resolved = resolve_model(Path(model), trust_symlinks=trust_symlinks)
+    t_resolved = time.perf_counter()
+    path = Path(output) if output is not None else default_cache_path(resolved.model_path, cache_dir)
+    if not path.parent.is_dir():
+        raise UsageError(f"cache folder {path.parent} does not exist", hint="create it first")
+    cache = PreparedCache(resolved, path, policy=CachePolicy.BUILD_IF_MISSING, compress=compress,
+                          device=device, ignore_invalid=rebuild, warn=warn)
+    before = {k: o for k, o in cache.outcomes.items()}
+    previous = cache.manifest.generation if cache.manifest is not None else None
+    # Built again: every object without a compatible entry; with --rebuild every object;
+    # and entries stored in another encoding than asked for (--compress).
+    for k, o in list(before.items()):
+        if o.status is EntryStatus.HIT and (rebuild or cache.entry(k).encoding != compress):
+            why = "--rebuild" if rebuild else f"stored {cache.entry(k).encoding or 'uncompressed'}"
+            before[k] = replace(o, status=EntryStatus.INCOMPATIBLE, reason=why)
+            cache.outcomes[k] = before[k]
+            cache.replace_keys.add(k)
+    todo = [k for k, o in before.items() if o.status is not EntryStatus.HIT]
+    total_bytes = sum(cache.packed_size(k) or 0 for k in todo)
+    stats = None
+    try:
+        if todo:
+            done = {"n": 0, "bytes": 0}
+
+            def persisted(nbytes: int) -> None:
+                done["n"] += 1
+                done["bytes"] += nbytes
+                if progress is not None:
+                    progress(done["n"], len(todo), done["bytes"], total_bytes)
+
+            cache.on_persisted = persisted
+            if progress is not None:
+                progress(0, len(todo), 0, total_bytes)
+            with Session(resolved, cache=cache, trust_symlinks=trust_symlinks, warm_slots=False) as session:
+                session.prepare(todo)
+                cache.flush()
+                stats = session.stats()
+        result = cache.commit(strict=True)
+    finally:
+        cache.close()
+    t_end = time.perf_counter()
+    written = result["written"]
+    outcomes = []
+    for key, o in sorted(before.items()):
+        action = "written" if key in todo else "reused"
+        outcomes.append({"key": key, "was": o.status.value, "reason": o.reason, "action": action})
+    live = cache.manifest
+    entries = live.entries if live is not None else ()
+    return {
+        "schema": SCHEMA,
+        "model": str(resolved.model_path),
+        "cache": str(path),
+        "compress": compress,
+        "device": device,
+        "generation": live.generation if live is not None else None,
+        "previous_generation": previous,
+        "objects": len(before),
+        "written": written,
+        "reused": len(before) - len(todo),
+        "rebuilt": sum(1 for k in todo if before[k].status not in (EntryStatus.MISSING,)),
+        "bytes_written": result["bytes_written"],
+        "cache_bytes": sum(e.length for e in entries),
+        "packed_bytes": sum(e.decoded_length for e in entries),
+        "source_bytes_read": stats.source_bytes_read + stats.source_bytes_mapped if stats else 0,
+        "files": sorted({e.file for e in entries}),
+        "outcomes": outcomes,
+        "warnings": list(cache.warnings),
+        "timings": {"resolve_ms": (t_resolved - t0) * 1e3, "build_ms": (t_end - t_resolved) * 1e3,
+                    "total_ms": (t_end - t0) * 1e3},
+    }

@@ -1,0 +1,333 @@
+"""CacheWriter: how a prepared cache changes without ever being half-written.
+
+One update is one generation (docs/cache-format.md, "Writing"):
+
+1. packed payloads are appended, 4 KiB aligned, to a private temporary file in the
+   cache's folder (``.<stem>.prepared.tmp-<pid>-<random>.data``), held under an
+   exclusive ``flock`` while its writer lives;
+2. ``commit``, under the cache's lock file (``<stem>.prepared.lock``): the temporary
+   file is fsynced, every entry in it re-read and checked against the digest computed as
+   it was written, and renamed to ``<stem>.prepared.g<generation>.data``; the new manifest
+   (the live one's entries still valid, plus the new ones) is written to a temporary
+   file, fsynced, renamed over the live manifest, and the folder fsynced;
+3. garbage collection, still under the lock: payload files no manifest names and
+   temporary files nobody holds (their writer died) are removed. A file the live
+   manifest names is never removed.
+
+A crash at any point leaves the previous complete generation or the new one visible;
+whatever else it left is garbage the next commit collects. Two writers never interleave
+a commit; each builds its payloads in its own temporary file, so both finish.
+
+Test hook (tests/test_cache_crash.py): ``ONNX_PREP_CRASH_AT=N`` kills the process with
+SIGKILL at the N-th crash point it passes (``NAME:N``: the N-th pass of the point
+named NAME); the points are the ``crash_point("...")`` calls below.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import os
+import secrets
+import signal
+import threading
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+
+from onnx_prep.core.cache.manifest import (
+    ALIGNMENT,
+    CacheEntry,
+    CacheManifest,
+    SourceRecord,
+    encode_manifest,
+    read_manifest,
+)
+from onnx_prep.core.errors import OnnxPrepError, Where
+
+__all__ = ["CacheWriteError", "CacheWriter", "cache_lock", "collect_garbage", "crash_point",
+           "payload_file_name"]
+
+_CHUNK = 1 << 20
+ZSTD_LEVEL = 3
+
+
+class CacheWriteError(OnnxPrepError):
+    """The cache's folder cannot take the write (read-only, full, no permission)."""
+
+
+# ------------------------------------------------------------------ crash points
+_crash_lock = threading.Lock()
+_crash_counts: dict[str, int] = {}
+
+
+def crash_point(name: str) -> None:
+    """The test hook's kill point (module docstring). Costs a dict lookup when unset."""
+    spec = os.environ.get("ONNX_PREP_CRASH_AT")
+    if not spec:
+        return
+    want_name, _, n = spec.rpartition(":")
+    with _crash_lock:
+        counter = want_name or "*"
+        if want_name and want_name != name:
+            return
+        _crash_counts[counter] = _crash_counts.get(counter, 0) + 1
+        if str(_crash_counts[counter]) == n:
+            os.write(2, f"crash point {name}\n".encode())
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ------------------------------------------------------------------ names and locks
+def payload_file_name(stem: str, generation: int) -> str:
+    return f"{stem}.prepared.g{generation}.data"
+
+
+def _temp_prefix(stem: str) -> str:
+    return f".{stem}.prepared.tmp-"
+
+
+def _write_error(exc: OSError, folder: Path) -> CacheWriteError:
+    what = {errno.ENOSPC: "the disk is full", errno.EROFS: "the folder is on a read-only file system",
+            errno.EACCES: "no permission to write there", errno.EPERM: "no permission to write there",
+            errno.EDQUOT: "the disk quota is exceeded", errno.EFBIG: "the file is too large"}
+    reason = what.get(exc.errno, exc.strerror or str(exc))
+    return CacheWriteError(f"cannot write the prepared cache: {reason}", Where(file=str(folder)),
+                           hint="choose another place with --cache-dir, or free space")
+
+
+@contextmanager
+def cache_lock(folder: Path, stem: str) -> Iterator[None]:
+    """The cache's commit lock: one commit (and garbage collection) at a time."""
+    path = Path(folder) / f"{stem}.prepared.lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as exc:
+        raise _write_error(exc, Path(folder)) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------ the writer
+class CacheWriter:
+    """Appends payloads to one private temporary file; ``commit`` publishes them.
+    ``append`` is thread-safe (one writer thread or several)."""
+
+    def __init__(self, folder: Path, stem: str, manifest_name: str, *, compress: str | None = None) -> None:
+        self.folder, self.stem, self.manifest_name = Path(folder), stem, manifest_name
+        self.compress = compress
+        self.temp = self.folder / f"{_temp_prefix(stem)}{os.getpid()}-{secrets.token_hex(4)}.data"
+        try:
+            self._fd = os.open(self.temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as exc:
+            raise _write_error(exc, self.folder) from None
+        fcntl.flock(self._fd, fcntl.LOCK_EX)  # alive: garbage collection leaves it alone
+        self._lock = threading.Lock()
+        self._end = 0
+        self.entries: list[CacheEntry] = []  # file = the temporary name until commit
+        self.bytes_written = 0
+
+    def append(self, identity: CacheEntry, data: np.ndarray) -> CacheEntry:
+        """Write ``data`` (the packed object's bytes) for the entry ``identity``
+        describes (its key, lineage and ABI fields; file, offset, lengths and digest are
+        filled here). Returns the entry as it will be published."""
+        raw = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+        blob, encoding = raw, None
+        if self.compress == "zstd":
+            blob, encoding = _zstd(raw), "zstd"
+        digest = hashlib.sha256(blob).hexdigest()
+        with self._lock:
+            offset = -(-self._end // ALIGNMENT) * ALIGNMENT
+            try:
+                for lo in range(0, len(blob), _CHUNK):
+                    crash_point("payload_write")
+                    _pwrite_all(self._fd, blob[lo:lo + _CHUNK], offset + lo)
+            except OSError as exc:
+                raise _write_error(exc, self.folder) from None
+            self._end = offset + len(blob)
+            entry = replace(identity, file=self.temp.name, offset=offset, length=len(blob),
+                            payload_digest="sha256:" + digest, encoding=encoding, decoded_length=len(raw))
+            self.entries.append(entry)
+            self.bytes_written += len(blob)
+        return entry
+
+    def discard(self) -> None:
+        """Drop the temporary file (nothing was committed, or the commit used none)."""
+        if self._fd >= 0:
+            try:
+                os.unlink(self.temp)
+            except FileNotFoundError:
+                pass
+            os.close(self._fd)
+            self._fd = -1
+
+    def commit(self, *, source_model_digest: str, sources: dict[str, SourceRecord],
+               keep: Callable[[CacheEntry], bool], wanted: Callable[[CacheEntry, CacheEntry | None], bool]
+               ) -> tuple[CacheManifest | None, list[CacheEntry]]:
+        """Publish a new generation: the live manifest's entries for which ``keep(e)``,
+        plus each appended entry for which ``wanted(new, live_entry_for_its_key)``. No
+        new generation when nothing changes. Returns (the manifest now live, the entries
+        this commit added)."""
+        manifest_path = self.folder / self.manifest_name
+        with cache_lock(self.folder, self.stem):
+            crash_point("commit_locked")
+            live = _live_manifest(manifest_path)
+            live_by_key = live.by_key if live is not None else {}
+            added = [e for e in self.entries if wanted(e, live_by_key.get(e.key))]
+            kept = [e for e in (live.entries if live else ()) if keep(e)
+                    and e.key not in {a.key for a in added}]
+            dropped = live is not None and (len(kept) != len(live.entries) or live.damaged)
+            if not added and not dropped and live is not None:
+                self.discard()
+                self._collect(live)
+                return live, []
+            generation = (live.generation if live else 0) + 1
+            final = payload_file_name(self.stem, generation)
+            try:
+                if added:
+                    self._seal()
+                    crash_point("payload_rename")
+                    os.rename(self.temp, self.folder / final)
+                    crash_point("payload_renamed")
+                else:
+                    self.discard()
+                new = CacheManifest(
+                    generation=generation, source_model_digest=source_model_digest,
+                    sources={**(dict(live.sources) if live else {}), **sources},
+                    entries=tuple(kept + [replace(e, file=final) for e in added]))
+                _publish(manifest_path, encode_manifest(new))
+            except OSError as exc:
+                raise _write_error(exc, self.folder) from None
+            finally:
+                if self._fd >= 0:
+                    os.close(self._fd)  # renamed or not: its lock goes with it
+                    self._fd = -1
+            self._collect(new)
+            return new, [replace(e, file=final) for e in added]
+
+    def _seal(self) -> None:
+        """fsync the temporary file, then re-read every entry and check its digest."""
+        crash_point("payload_fsync")
+        os.fsync(self._fd)
+        for e in self.entries:
+            h = hashlib.sha256()
+            for lo in range(0, e.length, _CHUNK):
+                n = min(_CHUNK, e.length - lo)
+                chunk = os.pread(self._fd, n, e.offset + lo)
+                if len(chunk) != n:
+                    raise OnnxPrepError(f"prepared cache payload {self.temp.name} is short after writing",
+                                        Where(file=str(self.temp), tensor=e.key, offset=e.offset))
+                h.update(chunk)
+            if "sha256:" + h.hexdigest() != e.payload_digest:
+                raise OnnxPrepError("prepared cache payload does not read back as written",
+                                    Where(file=str(self.temp), tensor=e.key, offset=e.offset))
+        crash_point("payload_validated")
+
+    def _collect(self, live: CacheManifest) -> None:
+        crash_point("gc")
+        collect_garbage(self.folder, self.stem, live)
+
+
+def _live_manifest(path: Path) -> CacheManifest | None:
+    """The live manifest, or None when there is none or it is unusable (a commit
+    replaces an invalid manifest; only ``build-cache`` decides to get here)."""
+    from onnx_prep.core.cache.manifest import CacheFormatError
+
+    try:
+        return read_manifest(path)
+    except CacheFormatError:
+        return None
+
+
+def _publish(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        crash_point("manifest_write")
+        _pwrite_all(fd, memoryview(data), 0)
+        crash_point("manifest_fsync")
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    crash_point("manifest_rename")
+    os.rename(tmp, path)
+    crash_point("manifest_renamed")
+    _fsync_dir(path.parent)
+
+
+def collect_garbage(folder: Path, stem: str, live: CacheManifest | None) -> list[str]:
+    """Remove payload files ``live`` does not name and temporary files no live writer
+    holds. Call under :func:`cache_lock`. Returns the names removed."""
+    folder = Path(folder)
+    named = live.files if live is not None else set()
+    removed = []
+    prefix, gen_prefix = _temp_prefix(stem), f"{stem}.prepared.g"
+    manifest_tmp = f".{stem}.prepared.onnx.tmp-"
+    for name in sorted(os.listdir(folder)):
+        path = folder / name
+        if name.startswith(gen_prefix) and name.endswith(".data") and name not in named:
+            crash_point("gc_unlink")
+            _unlink(path, removed)
+        elif name.startswith(prefix) or name.startswith(manifest_tmp):
+            if not _held(path):
+                crash_point("gc_unlink")
+                _unlink(path, removed)
+    return removed
+
+
+def _held(path: Path) -> bool:
+    """Whether a live writer holds ``path``'s flock (it is still being written)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def _unlink(path: Path, removed: list[str]) -> None:
+    try:
+        os.unlink(path)
+        removed.append(path.name)
+    except FileNotFoundError:
+        pass
+
+
+def _pwrite_all(fd: int, mv: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(mv):
+        done += os.pwrite(fd, mv[done:], offset + done)
+
+
+def _zstd(raw: memoryview) -> bytes:
+    """Compress in 1 MiB steps (a crash point between them)."""
+    import zstandard
+
+    cobj = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compressobj(size=len(raw))
+    out = []
+    for lo in range(0, len(raw), _CHUNK):
+        crash_point("compress")
+        out.append(cobj.compress(raw[lo:lo + _CHUNK]))
+    out.append(cobj.flush())
+    return b"".join(out)

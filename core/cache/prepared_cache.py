@@ -1,0 +1,446 @@
+"""PreparedCache: one model's companion prepared cache, opened under a policy.
+
+It is the plan's ``PackedPayloadIndex``: ``lookup`` answers, per prepared request, with
+a compatible persisted payload or a miss; ``read_into`` reads a payload into its stable
+slot, checking its digest as it reads; ``persists``/``persist`` take packed objects the
+session built, to write them in the background; ``commit`` publishes them as a new
+generation (``cache_writer.CacheWriter``).
+
+Policies (docs/cache-format.md, "Policies"):
+
+- ``disabled``: no cache is read or written;
+- ``read-only`` (the default): compatible entries are used, misses are built in memory;
+- ``build-if-missing``: as read-only, and every object built is persisted, at idle
+  priority on a thread of its own, then committed once the caller is done;
+- ``require-complete``: opening fails, naming what is missing, unless every prepared
+  object has a compatible entry.
+
+An entry is compatible when its lineage digest (``lineage.lineage_digest`` of the sources
+as the model declares them now), layout, device, kernel ABI, packed format version and
+size all match; otherwise it is a miss with its reason. A malformed manifest is an error
+(``manifest.CacheFormatError``) under every policy but ``disabled``; a damaged entry
+(payload file missing or short) is a miss with a warning, and an entry whose payload
+does not match its digest when read is rebuilt from its sources in the same task (a
+warning; an error under ``require-complete``).
+"""
+from __future__ import annotations
+
+import enum
+import hashlib
+import os
+import queue
+import stat
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping
+
+import numpy as np
+
+from onnx_prep.core.cache.cache_writer import CacheWriteError, CacheWriter
+from onnx_prep.core.cache.lineage import inline_digest, kernel_abi, lineage_digest, packed_format_version
+from onnx_prep.core.cache.manifest import CacheEntry, CacheManifest, SourceRecord, read_manifest
+from onnx_prep.core.errors import OnnxPrepError, UsageError, Where
+from onnx_prep.core.model.prepared_key import PrepackRequest
+from onnx_prep.core.model.resolved_model import ResolvedModel
+from onnx_prep.core.plan.execution_plan import RAW_LAYOUT, PackedPayloadEntry
+
+__all__ = ["CachePolicy", "PreparedCache", "PreparedCacheError", "default_cache_path", "EntryStatus"]
+
+_CHUNK = 1 << 20
+
+
+class CachePolicy(str, enum.Enum):
+    DISABLED = "disabled"
+    READ_ONLY = "read-only"
+    BUILD_IF_MISSING = "build-if-missing"
+    REQUIRE_COMPLETE = "require-complete"
+
+
+POLICIES = tuple(p.value for p in CachePolicy)
+
+
+class PreparedCacheError(OnnxPrepError):
+    """The cache cannot serve what the policy demands (require-complete), or a payload
+    is corrupt where no fallback is allowed."""
+
+
+class EntryStatus(str, enum.Enum):
+    HIT = "hit"
+    MISSING = "missing"  # no entry for the key
+    STALE = "stale"  # the sources changed: lineage digest differs
+    UNVERIFIED = "unverified"  # a source has no digest: nothing can prove the entry current
+    INCOMPATIBLE = "incompatible"  # layout, device, kernel ABI, packed format or size differs
+    DAMAGED = "damaged"  # its payload file is missing or too short
+
+
+@dataclass(frozen=True, slots=True)
+class EntryOutcome:
+    key: str
+    status: EntryStatus
+    reason: str
+
+    def to_json(self) -> dict:
+        return {"key": self.key, "status": self.status.value, "reason": self.reason}
+
+
+def default_cache_path(model_path: Path, cache_dir: Path | None = None) -> Path:
+    """``<model stem>.prepared.onnx`` beside the model, or in ``cache_dir``."""
+    model_path = Path(model_path)
+    return Path(cache_dir or model_path.parent) / f"{model_path.stem}.prepared.onnx"
+
+
+def source_model_digest(model_path: Path) -> str:
+    h = hashlib.sha256()
+    with open(model_path, "rb") as f:
+        for chunk in iter(lambda: f.read(_CHUNK), b""):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+class PreparedCache:
+    """See the module docstring. Thread-safe: lookups and reads from the session's
+    workers, persists from its prepack tasks."""
+
+    def __init__(self, resolved: ResolvedModel, path: Path | None = None, *,
+                 policy: CachePolicy | str = CachePolicy.READ_ONLY, compress: str | None = None,
+                 device: str = "cpu", ignore_invalid: bool = False,
+                 warn: Callable[[str], None] | None = None) -> None:
+        self.resolved = resolved
+        self.policy = CachePolicy(policy)
+        self.path = Path(path) if path is not None else default_cache_path(resolved.model_path)
+        self.folder = self.path.parent
+        self.stem = self.path.name[:-len(".prepared.onnx")] if self.path.name.endswith(".prepared.onnx") \
+            else self.path.stem
+        if compress not in (None, "zstd"):
+            raise UsageError(f"unknown compression {compress!r}", hint="choose zstd, or none")
+        if device != "cpu":
+            raise UsageError(f"device {device!r} has no prepared cache here", hint="use --device cpu")
+        self.compress, self.device = compress, device
+        self._warn = warn
+        self.warnings: list[str] = []
+        self.counters = {"packed_reads": 0, "packed_bytes": 0, "fallbacks": 0, "persisted": 0,
+                         "persisted_bytes": 0}
+        self._lock = threading.Lock()
+        self._fds: dict[str, int] = {}
+        self._writer: CacheWriter | None = None
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        self._write_error: str | None = None
+        self.on_persisted: Callable[[int], None] | None = None  # after each object written (progress)
+        self.replace_keys: set[str] = set()  # persisted even over a compatible entry (build-cache)
+        self.manifest: CacheManifest | None = None
+        self.outcomes: dict[str, EntryOutcome] = {}
+        self._abi = _current_abi()
+        # each source's content digest as the model declares it (inline: hashed now)
+        self.declared: dict[str, str | None] = {}
+        for name, wd in resolved.weights.items():
+            if wd.external:
+                self.declared[name] = wd.digest if wd.trusted else None
+            elif name in resolved.inline_values:
+                self.declared[name] = inline_digest(resolved.inline_values[name])
+        self._requests = {k: r for k, r in resolved.requests.items() if r.layout != RAW_LAYOUT}
+        if self.policy is CachePolicy.DISABLED:
+            return
+        from onnx_prep.core.cache.manifest import CacheFormatError
+
+        try:
+            self.manifest = read_manifest(self.path)
+        except CacheFormatError:
+            if not ignore_invalid:
+                raise
+            self.manifest = None  # build-cache --rebuild: replaced at commit
+        for d in (self.manifest.damaged if self.manifest else ()):
+            self._note(f"prepared cache entry {d.entry.key} is unusable: {d.message}")
+        for key, req in self._requests.items():
+            self.outcomes[key] = self._outcome(key, req)
+        if self.policy is CachePolicy.REQUIRE_COMPLETE:
+            missing = [o for o in self.outcomes.values() if o.status is not EntryStatus.HIT]
+            if missing:
+                first = "; ".join(f"{o.key}: {o.reason}" for o in missing[:3])
+                raise PreparedCacheError(
+                    f"prepared cache is incomplete: {len(missing)} of {len(self.outcomes)} objects have "
+                    f"no compatible entry ({first}{'; ...' if len(missing) > 3 else ''})",
+                    Where(file=str(self.path)), hint="build it: onnx-prep build-cache")
+
+    # ---------------------------------------------------------------- compatibility
+    def expected_lineage(self, req: PrepackRequest) -> str | None:
+        return lineage_digest(req, self.resolved.weights, self.declared)
+
+    def _outcome(self, key: str, req: PrepackRequest) -> EntryOutcome:
+        m = self.manifest
+        damaged = next((d for d in (m.damaged if m else ()) if d.entry.key == key), None)
+        if damaged is not None:
+            return EntryOutcome(key, EntryStatus.DAMAGED, damaged.message)
+        e = m.by_key.get(key) if m else None
+        if e is None:
+            return EntryOutcome(key, EntryStatus.MISSING, "no entry")
+        why = self._incompatibility(e, req)
+        if why is not None:
+            return why
+        return EntryOutcome(key, EntryStatus.HIT, "compatible")
+
+    def _incompatibility(self, e: CacheEntry, req: PrepackRequest) -> EntryOutcome | None:
+        key = e.key
+        for field, have, want in (("layout", e.layout, req.layout), ("device", e.device, req.device),
+                                  ("kernel ABI", e.kernel_abi, self._abi),
+                                  ("packed format version", e.format_version, packed_format_version()),
+                                  ("source lineage", list(e.source_lineage), list(req.source_lineage))):
+            if have != want:
+                return EntryOutcome(key, EntryStatus.INCOMPATIBLE, f"{field} {have} (this build: {want})")
+        size = self.packed_size(key)
+        if size is not None and e.decoded_length != size:
+            return EntryOutcome(key, EntryStatus.INCOMPATIBLE, f"size {e.decoded_length} bytes (expected {size})")
+        expected = self.expected_lineage(req)
+        if expected is None:
+            no_digest = [n for n in req.source_lineage if self.declared.get(n) is None]
+            return EntryOutcome(key, EntryStatus.UNVERIFIED, f"source {no_digest[0]} has no digest "
+                                "(onnx-prep digest --write gives it one)")
+        if e.lineage_digest != expected:
+            return EntryOutcome(key, EntryStatus.STALE, "the source bytes changed (lineage digest differs)")
+        return None
+
+    def packed_size(self, key: str) -> int | None:
+        """The packed object's exact size for this model, or None where unknown."""
+        from onnx_prep.core.kernels.prepack import consumer_node, packed_size
+
+        try:
+            return packed_size(consumer_node(self.resolved, key).kernel, self._requests[key], self.resolved)
+        except OnnxPrepError:
+            return None
+
+    def compatible(self, e: CacheEntry) -> bool:
+        req = self._requests.get(e.key)
+        return req is not None and self._incompatibility(e, req) is None
+
+    # ---------------------------------------------------------------- the index
+    def lookup(self, request: PrepackRequest) -> PackedPayloadEntry | None:
+        o = self.outcomes.get(request.key)
+        if o is None or o.status is not EntryStatus.HIT:
+            return None
+        e = self.manifest.by_key[request.key]
+        return PackedPayloadEntry(key=e.key, file=e.file, offset=e.offset, length=e.length)
+
+    def entry(self, key: str) -> CacheEntry:
+        return self.manifest.by_key[key]
+
+    def read_into(self, payload: PackedPayloadEntry, out: np.ndarray) -> bool:
+        """Fill ``out`` (the packed object's slot view) with the entry's bytes, decoded,
+        checking the payload digest as it reads. False when the entry proves unusable
+        (a warning is recorded; the caller rebuilds from sources); raises instead under
+        ``require-complete``."""
+        e = self.manifest.by_key[payload.key]
+        where = Where(file=str(self.folder / e.file), tensor=e.tensor_name, offset=e.offset)
+        try:
+            fd = self._fd(e.file)
+            buf = out.reshape(-1).view(np.uint8)
+            if buf.nbytes != e.decoded_length:
+                raise _Unusable(f"slot is {buf.nbytes} bytes, entry decodes to {e.decoded_length}")
+            h = hashlib.sha256()
+            if e.encoding is None:
+                mv = memoryview(buf)
+                got = 0
+                while got < e.length:
+                    n = os.preadv(fd, [mv[got:min(e.length, got + _CHUNK)]], e.offset + got)
+                    if n == 0:
+                        raise _Unusable("payload file ended early (truncated while in use)")
+                    h.update(mv[got:got + n])
+                    got += n
+            else:
+                _decode_zstd(fd, e, buf, h)
+            if "sha256:" + h.hexdigest() != e.payload_digest:
+                raise _Unusable(f"payload does not match its digest {e.payload_digest}")
+        except (_Unusable, OSError) as exc:
+            msg = f"prepared cache entry {e.key} is unusable: {exc}"
+            if self.policy is CachePolicy.REQUIRE_COMPLETE:
+                raise PreparedCacheError(msg, where, hint="rebuild it: onnx-prep build-cache") from None
+            self._note(msg + "; rebuilt from its sources")
+            with self._lock:
+                self.counters["fallbacks"] += 1
+                self.outcomes[e.key] = EntryOutcome(e.key, EntryStatus.DAMAGED, str(exc))
+            return False
+        with self._lock:
+            self.counters["packed_reads"] += 1
+            self.counters["packed_bytes"] += e.length
+        return True
+
+    def _fd(self, name: str) -> int:
+        with self._lock:
+            fd = self._fds.get(name)
+            if fd is None:
+                fd = os.open(self.folder / name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+                             | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.close(fd)
+                    raise _Unusable(f"{name} is not a regular file")
+                self._fds[name] = fd
+            return fd
+
+    # ---------------------------------------------------------------- persistence
+    @property
+    def persisting(self) -> bool:
+        return self.policy is CachePolicy.BUILD_IF_MISSING and self._write_error is None
+
+    def persists(self, request: PrepackRequest) -> bool:
+        """Whether a packed object the session builds for ``request`` is to be persisted."""
+        o = self.outcomes.get(request.key)
+        return self.persisting and o is not None and o.status is not EntryStatus.HIT
+
+    def persist(self, request: PrepackRequest, packed: np.ndarray, source_digests: Mapping[str, str | None],
+                done: Callable[[], None]) -> None:
+        """Queue ``packed`` (a view of the published object; the caller pinned it) for
+        the background writer; ``done()`` runs once it is written or dropped."""
+        digests = {**self.declared, **{k: v for k, v in source_digests.items() if v is not None}}
+        lineage = lineage_digest(request, self.resolved.weights, digests)
+        if lineage is None or not self.persisting:  # a source read without a digest: cannot persist
+            done()
+            return
+        identity = CacheEntry(key=request.key, file="", offset=0, length=0, payload_digest="",
+                              lineage_digest=lineage, source_lineage=request.source_lineage,
+                              layout=request.layout, device=request.device, kernel_abi=self._abi,
+                              format_version=packed_format_version())
+        sources = {n: SourceRecord(digests[n], self.resolved.weights[n].onnx_type,
+                                   tuple(self.resolved.weights[n].dims)) for n in request.source_lineage}
+        with self._lock:
+            if self._thread is None:
+                try:
+                    self._writer = CacheWriter(self.folder, self.stem, self.path.name, compress=self.compress)
+                except CacheWriteError as exc:
+                    self._write_failed(exc)
+                    done()
+                    return
+                self._queue = queue.Queue()
+                self._sources: dict[str, SourceRecord] = {}
+                self._thread = threading.Thread(target=self._write_loop, name="onnx-prep-cache-writer",
+                                                daemon=True)
+                self._thread.start()
+            self._sources.update(sources)
+        self._queue.put((identity, packed, done))
+
+    def _write_loop(self) -> None:
+        from onnx_prep.core.runtime.slot_pool import to_idle_priority
+
+        to_idle_priority()  # never competes with the load for a core
+        while True:
+            item = self._queue.get()
+            if item is None:
+                self._queue.task_done()
+                return
+            identity, packed, done = item
+            try:
+                if self._write_error is None:
+                    self._writer.append(identity, packed)
+                    with self._lock:
+                        self.counters["persisted"] += 1
+                        self.counters["persisted_bytes"] += packed.nbytes
+                    if self.on_persisted is not None:
+                        self.on_persisted(packed.nbytes)
+            except CacheWriteError as exc:
+                self._write_failed(exc)
+            except BaseException as exc:  # noqa: BLE001 - recorded, the run goes on
+                self._write_failed(OnnxPrepError(f"prepared cache write failed: {exc!r}"))
+            finally:
+                done()
+                self._queue.task_done()
+
+    def flush(self) -> None:
+        """Wait until every object handed to :meth:`persist` is written (or dropped) and
+        unpinned: a session calls this before it releases its objects."""
+        q = self._queue if self.policy is CachePolicy.BUILD_IF_MISSING else None
+        if q is not None:
+            q.join()
+
+    def _write_failed(self, exc: OnnxPrepError) -> None:
+        if self._write_error is None:
+            self._write_error = exc.one_line()
+            self._note(f"{exc.one_line()}; going on without persisting")
+
+    def commit(self, *, strict: bool = False) -> dict:
+        """Wait for queued writes, then publish them as a new generation. Returns what
+        changed: {"generation", "written", "bytes_written", "error"}. A write that
+        failed (read-only folder, full disk) is a warning in ``error``, and nothing is
+        published; with ``strict`` (``build-cache``) it raises CacheWriteError."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        writer, self._writer = self._writer, None
+        out = {"generation": self.manifest.generation if self.manifest else None, "written": 0,
+               "bytes_written": 0, "error": self._write_error}
+        if writer is None:
+            if strict and self._write_error is not None:
+                raise CacheWriteError(self._write_error)
+            return out
+        if self._write_error is not None:
+            writer.discard()
+            if strict:
+                raise CacheWriteError(self._write_error)
+            return out
+        try:
+            live, added = writer.commit(
+                source_model_digest=source_model_digest(self.resolved.model_path), sources=self._sources,
+                keep=self.compatible,
+                wanted=lambda new, old: new.key in self.replace_keys or old is None
+                or old.lineage_digest != new.lineage_digest or not self.compatible(old))
+        except CacheWriteError as exc:
+            writer.discard()
+            if strict:
+                raise
+            self._write_failed(exc)
+            out["error"] = self._write_error
+            return out
+        self.manifest = live
+        out.update(generation=live.generation if live else None, written=len(added),
+                   bytes_written=sum(e.length for e in added))
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def _note(self, msg: str) -> None:
+        self.warnings.append(msg)
+        if self._warn is not None:
+            self._warn(msg)
+
+    # ---------------------------------------------------------------- summary
+    def summary(self) -> dict:
+        counts = {s.value: 0 for s in EntryStatus}
+        for o in self.outcomes.values():
+            counts[o.status.value] += 1
+        return {"path": str(self.path), "policy": self.policy.value,
+                "exists": self.manifest is not None,
+                "generation": self.manifest.generation if self.manifest else None,
+                "entries": counts, **self.counters, "warnings": list(self.warnings)}
+
+
+class _Unusable(Exception):
+    pass
+
+
+def _current_abi() -> str:
+    return kernel_abi()
+
+
+def _decode_zstd(fd: int, e: CacheEntry, buf: np.ndarray, h) -> None:
+    import zstandard
+
+    dobj = zstandard.ZstdDecompressor().decompressobj()
+    pos = 0
+    for lo in range(0, e.length, _CHUNK):
+        chunk = os.pread(fd, min(_CHUNK, e.length - lo), e.offset + lo)
+        if not chunk:
+            raise _Unusable("payload file ended early (truncated while in use)")
+        h.update(chunk)
+        try:
+            out = dobj.decompress(chunk)
+        except zstandard.ZstdError as exc:
+            raise _Unusable(f"payload does not decompress ({exc})") from None
+        if pos + len(out) > buf.nbytes:
+            raise _Unusable("payload decompresses to more bytes than recorded")
+        buf[pos:pos + len(out)] = np.frombuffer(out, dtype=np.uint8)
+        pos += len(out)
+    if pos != buf.nbytes:
+        raise _Unusable(f"payload decompresses to {pos} bytes, {buf.nbytes} recorded")
