@@ -258,6 +258,7 @@ class PreparedCache:
             with self._lock:
                 self.counters["fallbacks"] += 1
                 self.outcomes[e.key] = EntryOutcome(e.key, EntryStatus.DAMAGED, str(exc))
+                self.replace_keys.add(e.key)  # build-if-missing writes the rebuilt one over it
             return False
         with self._lock:
             self.counters["packed_reads"] += 1

@@ -200,7 +200,8 @@ class ReadCounters:
 
     bytes_read: int = 0
     reads: int = 0
-    per_tensor: dict[str, int] = field(default_factory=dict)
+    per_tensor: dict[str, int] = field(default_factory=dict)  # bytes read, per tensor
+    mapped_per_tensor: dict[str, int] = field(default_factory=dict)  # bytes mapped, per tensor
     bytes_mapped: int = 0
     maps: int = 0
     bytes_dropped: int = 0  # tensor bytes advised out of the page cache (drop_cached)
@@ -212,10 +213,11 @@ class ReadCounters:
             self.reads += 1
             self.per_tensor[name] = self.per_tensor.get(name, 0) + n
 
-    def _add_map(self, n: int) -> None:
+    def _add_map(self, name: str, n: int) -> None:
         with self._lock:
             self.bytes_mapped += n
             self.maps += 1
+            self.mapped_per_tensor[name] = self.mapped_per_tensor.get(name, 0) + n
 
     def _add_dropped(self, n: int) -> None:
         with self._lock:
@@ -225,6 +227,7 @@ class ReadCounters:
         with self._lock:
             return {"bytes_read": self.bytes_read, "reads": self.reads,
                     "per_tensor": dict(self.per_tensor),
+                    "mapped_per_tensor": dict(self.mapped_per_tensor),
                     "bytes_mapped": self.bytes_mapped, "maps": self.maps,
                     "bytes_dropped": self.bytes_dropped}
 
@@ -238,6 +241,7 @@ class ReadCounters:
         with self._lock:
             self.bytes_read = self.reads = self.bytes_mapped = self.maps = self.bytes_dropped = 0
             self.per_tensor.clear()
+            self.mapped_per_tensor.clear()
 
 
 @dataclass
@@ -360,7 +364,7 @@ class ExternalDataReader:
                                     offset=desc.offset - start)
         finally:
             os.close(fd)
-        self.counters._add_map(desc.length)
+        self.counters._add_map(desc.name, desc.length)
         return arr
 
     def map_shared(self, desc: WeightDescriptor, *, populate: bool = False,
@@ -425,7 +429,7 @@ class ExternalDataReader:
         self.check_unchanged(desc)  # before the digest: a truncation is named as one
         if digest is not None:
             digest.finish()
-        self.counters._add_map(desc.length)
+        self.counters._add_map(desc.name, desc.length)
         return arr
 
     def check_unchanged(self, desc: WeightDescriptor) -> None:

@@ -1,0 +1,179 @@
+"""The prepared cache's manifest: golden bytes pin the writer, and every validation rule
+of docs/cache-format.md is a crafted manifest that fails with its named reason."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import numpy as np
+import onnx
+import pytest
+
+from onnx_prep.core.cache import manifest as mf
+from onnx_prep.core.cache.cache_writer import CacheWriter
+from onnx_prep.core.cache.manifest import (
+    CacheEntry,
+    CacheFormatError,
+    SourceRecord,
+    decode_manifest,
+    encode_manifest,
+    read_manifest,
+)
+
+D1 = "sha256:" + "1" * 64
+D2 = "sha256:" + "2" * 64
+
+
+def identity(name: str, layout: str = "int4mm.v1.bs32") -> CacheEntry:
+    return CacheEntry(key=f"P:{name}|{layout}|cpu", file="", offset=0, length=0, payload_digest="",
+                      lineage_digest=D1, source_lineage=(name,), layout=layout, device="cpu",
+                      kernel_abi="onnx_prep.native/pack-v1/little-endian/64-bit", format_version=1)
+
+
+@pytest.fixture
+def cache(tmp_path):
+    """A real two-entry cache written by the writer: (folder, manifest bytes)."""
+    w = CacheWriter(tmp_path, "m", "m.prepared.onnx")
+    w.append(identity("a"), np.arange(5000, dtype=np.uint8))
+    w.append(identity("b"), np.full(100, 7, dtype=np.uint8))
+    live, added = w.commit(source_model_digest=D2, sources={"a": SourceRecord(D1, 22, (8, 2, 16))},
+                           keep=lambda e: True, wanted=lambda new, old: True)
+    return tmp_path, (tmp_path / "m.prepared.onnx").read_bytes()
+
+
+def test_golden_bytes_pin_the_writer(cache):
+    folder, data = cache
+    # Equal caches are equal files: entries sorted by key, no timestamps. A change to the
+    # format changes these digests: bump CACHE_FORMAT_VERSION and docs/cache-format.md.
+    assert hashlib.sha256(data).hexdigest() == GOLDEN_MANIFEST
+    payload = (folder / "m.prepared.g1.data").read_bytes()
+    assert len(payload) == 8192 + 100  # the second entry starts on a 4 KiB boundary
+    assert hashlib.sha256(payload).hexdigest() == GOLDEN_PAYLOAD
+    m = read_manifest(folder / "m.prepared.onnx")
+    assert [(e.key, e.offset, e.length) for e in m.entries] == [
+        ("P:a|int4mm.v1.bs32|cpu", 0, 5000), ("P:b|int4mm.v1.bs32|cpu", 8192, 100)]
+    assert m.entries[0].payload_digest == "sha256:" + hashlib.sha256(np.arange(5000, dtype=np.uint8)).hexdigest()
+    assert sorted(os.listdir(folder)) == ["m.prepared.g1.data", "m.prepared.lock", "m.prepared.onnx"]
+
+
+GOLDEN_MANIFEST = "dc43726433d4a7fa45c6d5a43a9fc023610c1f804ea747f6a08810d1f0bc32ff"
+GOLDEN_PAYLOAD = "15c087254e06f1136d1ec04144eec9de5db55e3991d8272b4589e71dc25350a3"
+
+
+def _model(data: bytes) -> onnx.ModelProto:
+    m = onnx.ModelProto()
+    m.ParseFromString(data)
+    return m
+
+
+def _prop(props, key):
+    return next(p for p in props if p.key == key)
+
+
+def _t(m, i=0):
+    return m.graph.initializer[i]
+
+
+# each case: (reason, a change to the parsed manifest)
+CASES = {
+    "format_version": lambda m: setattr(_prop(m.metadata_props, mf.META_FORMAT), "value", "2"),
+    "missing_field": lambda m: m.metadata_props.remove(_prop(m.metadata_props, mf.META_GENERATION)),
+    "bad_number:space": lambda m: setattr(_prop(m.metadata_props, mf.META_GENERATION), "value", " 1"),
+    "bad_number:arabic": lambda m: setattr(_prop(_t(m).external_data, "offset"), "value", "\u0660"),
+    "bad_number:sign": lambda m: setattr(_prop(_t(m).external_data, "length"), "value", "-5"),
+    "bad_number:huge": lambda m: setattr(_prop(_t(m).external_data, "length"), "value", "9" * 20),
+    "bad_digest": lambda m: setattr(_prop(_t(m).metadata_props, mf.T_PAYLOAD_DIGEST), "value", "sha256:xyz"),
+    "duplicate_key": lambda m: _t(m).external_data.add(key="offset", value="0"),
+    "value_too_long": lambda m: setattr(_prop(_t(m).metadata_props, mf.T_LAYOUT), "value", "x" * (mf.MAX_TEXT + 1)),
+    "bad_sources": lambda m: setattr(_prop(m.metadata_props, mf.META_SOURCES), "value", "[1, 2]"),
+    "has_nodes": lambda m: m.graph.node.add(op_type="Identity"),
+    "duplicate_entry": lambda m: m.graph.initializer.append(_t(m)),
+    "bad_name": lambda m: setattr(_t(m), "name", "packed/P:a|int4mm.v1.bs32|cpu"),
+    "bad_tensor": lambda m: setattr(_t(m), "data_type", onnx.TensorProto.INT8),
+    "not_external": lambda m: setattr(_t(m), "raw_data", b"\x00" * 8),
+    "unknown_key": lambda m: _t(m).external_data.add(key="basepath", value="/etc"),
+    "bad_location:parent": lambda m: setattr(_prop(_t(m).external_data, "location"), "value", "../x.data"),
+    "bad_location:folder": lambda m: setattr(_prop(_t(m).external_data, "location"), "value", "sub/x.data"),
+    "bad_location:absolute": lambda m: setattr(_prop(_t(m).external_data, "location"), "value", "/etc/passwd"),
+    "misaligned": lambda m: setattr(_prop(_t(m, 1).external_data, "offset"), "value", "4000"),
+    "length_mismatch": lambda m: _t(m).dims.__setitem__(0, 4999),
+    "bad_lineage": lambda m: setattr(_prop(_t(m).metadata_props, mf.T_LINEAGE), "value", '{"a": 1}'),
+    "key_mismatch": lambda m: setattr(_prop(_t(m).metadata_props, mf.T_LAYOUT), "value", "other"),
+    "unknown_encoding": lambda m: (_t(m).metadata_props.add(key=mf.T_ENCODING, value="lz4"),
+                                   _t(m).metadata_props.add(key=mf.T_DECODED_LENGTH, value="5000")),
+    "overlap": lambda m: (setattr(_prop(_t(m, 1).external_data, "offset"), "value", "0")),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_rule_fails_with_its_named_reason(cache, case):
+    folder, data = cache
+    m = _model(data)
+    CASES[case](m)
+    with pytest.raises(CacheFormatError) as info:
+        decode_manifest(m.SerializeToString(), folder)
+    assert info.value.reason == case.split(":")[0]
+    assert "\n" not in str(info.value)
+
+
+def test_bytes_that_are_not_a_protobuf_are_unparseable(cache):
+    folder, _ = cache
+    with pytest.raises(CacheFormatError) as info:
+        decode_manifest(b"\x0a\xff\xff\xff\xff\x0f", folder)
+    assert info.value.reason == "unparseable"
+
+
+def test_a_manifest_over_the_size_cap_is_refused_before_it_is_read(tmp_path):
+    path = tmp_path / "m.prepared.onnx"
+    with open(path, "wb") as f:  # sparse: costs no disk
+        f.truncate(mf.MAX_MANIFEST_BYTES + 1)
+    with pytest.raises(CacheFormatError) as info:
+        read_manifest(path)
+    assert info.value.reason == "too_large"
+
+
+def test_a_manifest_that_is_not_a_regular_file_is_refused(tmp_path):
+    os.mkfifo(tmp_path / "m.prepared.onnx")  # would block a naive reader forever
+    with pytest.raises(CacheFormatError) as info:
+        read_manifest(tmp_path / "m.prepared.onnx")
+    assert info.value.reason == "not_a_file"
+
+
+def test_too_many_entries_are_refused_before_any_is_decoded(cache, monkeypatch):
+    folder, data = cache
+    monkeypatch.setattr(mf, "MAX_ENTRIES", 1)
+    with pytest.raises(CacheFormatError) as info:
+        decode_manifest(data, folder)
+    assert info.value.reason == "too_many_entries"
+
+
+def test_no_manifest_is_none(tmp_path):
+    assert read_manifest(tmp_path / "m.prepared.onnx") is None
+
+
+@pytest.mark.parametrize("damage,reason", [("delete", "missing_file"), ("truncate", "truncated")])
+def test_a_damaged_payload_file_spoils_its_entries_only(cache, damage, reason):
+    folder, data = cache
+    payload = folder / "m.prepared.g1.data"
+    if damage == "delete":
+        payload.unlink()
+    else:
+        os.truncate(payload, 8192 + 50)  # cuts the second entry only
+    m = read_manifest(folder / "m.prepared.onnx")
+    assert {d.reason for d in m.damaged} == {reason}
+    if damage == "truncate":
+        assert [e.key for e in m.entries] == ["P:a|int4mm.v1.bs32|cpu"]
+        assert [d.entry.key for d in m.damaged] == ["P:b|int4mm.v1.bs32|cpu"]
+    else:
+        assert not m.entries and len(m.damaged) == 2
+
+
+def test_the_sources_record_round_trips(cache):
+    folder, data = cache
+    m = read_manifest(folder / "m.prepared.onnx")
+    assert m.sources == {"a": SourceRecord(D1, 22, (8, 2, 16))}
+    assert m.source_model_digest == D2 and m.generation == 1
+    assert json.loads(_prop(_model(data).metadata_props, mf.META_SOURCES).value) == {
+        "a": {"digest": D1, "onnx_type": 22, "dims": [8, 2, 16]}}
+    assert encode_manifest(m) == data  # decode . encode is the identity

@@ -1,0 +1,332 @@
+"""The prepared cache end to end on a real fixture, through the real runtime: a round
+trip reads packed payloads instead of sources and gives identical outputs; every way an
+entry can stop matching its model gives the documented outcome under every policy
+(docs/cache-format.md, "Policies"); persistence records only verified bytes."""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from onnx_prep.core.cache.manifest import (
+    T_FORMAT,
+    T_KERNEL_ABI,
+    CacheManifest,
+    encode_manifest,
+    read_manifest,
+)
+from onnx_prep.core.cache.prepared_cache import EntryStatus, PreparedCache, PreparedCacheError
+from onnx_prep.core.decode.decoder_io import DecoderIO
+from onnx_prep.core.decode.generation import step_feeds
+from onnx_prep.core.errors import DigestError, OnnxPrepError
+from onnx_prep.core.model.resolution import resolve_model
+from onnx_prep.core.model.weights import TENSOR_DIGEST_KEY
+from onnx_prep.core.runtime.session import Session
+
+_SCRIPT = Path(sys.executable).with_name("onnx-prep")
+ONNX_PREP = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "onnx_prep"]
+
+
+@pytest.fixture
+def model(small_llm_path, tmp_path) -> Path:
+    """A private copy of the small fixture (cases change its files)."""
+    dst = tmp_path / "m"
+    shutil.copytree(small_llm_path.parent, dst)
+    return dst / small_llm_path.name
+
+
+def _feeds(path: Path) -> dict:
+    io = DecoderIO.discover(*_io(path), None, model=str(path))
+    return step_feeds(io, np.array([[3, 1, 4, 1]]), io.empty_past(1), 0)
+
+
+def _io(path: Path):
+    r = resolve_model(path)
+    return r.inputs, r.outputs
+
+
+def load(path: Path, policy: str, **kw):
+    """One session over the model with its cache under ``policy``: (outputs, cache,
+    the reader's counters, the session's stats)."""
+    resolved = resolve_model(path)
+    cache = PreparedCache(resolved, policy=policy, **kw)
+    try:
+        with Session(resolved, cache=cache) as s:
+            out = s.run(_feeds(path))
+            counters = s.reader.counters.snapshot()
+            stats = s.stats()
+        if policy == "build-if-missing":
+            cache.commit()
+    finally:
+        cache.close()
+    return out, cache, counters, stats
+
+
+def reference(path: Path) -> dict:
+    with Session(resolve_model(path)) as s:
+        return s.run(_feeds(path))
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def build(path: Path) -> CacheManifest:
+    load(path, "build-if-missing")
+    return read_manifest(path.parent / f"{path.stem}.prepared.onnx")
+
+
+def sources_touched(counters: dict) -> set[str]:
+    return set(counters["per_tensor"]) | set(counters["mapped_per_tensor"])
+
+
+def rewrite(path: Path, manifest: CacheManifest, **changes) -> None:
+    """Replace the manifest at ``path`` with ``manifest`` (a crafted change)."""
+    (path.parent / f"{path.stem}.prepared.onnx").write_bytes(encode_manifest(manifest))
+
+
+def packed_sources(path: Path) -> set[str]:
+    r = resolve_model(path)
+    return {n for req in r.requests.values() if req.layout != "raw" for n in req.source_lineage}
+
+
+# ------------------------------------------------------------------ round trip
+
+def test_a_cached_load_reads_packed_payloads_only_and_gives_identical_outputs(model):
+    want = reference(model)
+    manifest = build(model)
+    assert manifest.generation == 1 and manifest.entries and not manifest.damaged
+    out, cache, counters, stats = load(model, "read-only")
+    assert same(out, want)
+    assert cache.summary()["entries"]["hit"] == len(manifest.entries)
+    assert stats.packed_reads == len(manifest.entries)
+    assert stats.packed_bytes_read == sum(e.length for e in manifest.entries)
+    assert stats.prepacks == 0
+    # not one byte of any source a cached entry was built from
+    assert not sources_touched(counters) & packed_sources(model)
+
+
+def test_a_new_process_reads_the_cache_and_decodes_the_same_tokens(model):
+    def run(*args):
+        p = subprocess.run([*ONNX_PREP, "run", str(model), "--tokens", "6", "--json", *args],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        return json.loads(p.stdout)
+
+    plain = run("--cache-policy", "disabled")
+    built = run("--cache-policy", "build-if-missing")
+    cached = run("--cache-policy", "require-complete")
+    assert plain["cache"] is None
+    assert built["cache"]["committed"]["written"] == built["cache"]["entries"]["missing"] > 0
+    assert cached["cache"]["packed_reads"] == cached["cache"]["entries"]["hit"] == built["cache"]["persisted"]
+    assert plain["tokens"] == built["tokens"] == cached["tokens"]
+
+
+def test_with_one_entry_removed_only_its_sources_are_read_and_repacked(model):
+    manifest = build(model)
+    gone = manifest.entries[len(manifest.entries) // 2]
+    rewrite(model, CacheManifest(manifest.generation, manifest.source_model_digest, manifest.sources,
+                                 tuple(e for e in manifest.entries if e is not gone)))
+    out, cache, counters, stats = load(model, "build-if-missing")
+    assert same(out, reference(model))
+    assert stats.prepacks == 1 and stats.packed_reads == len(manifest.entries) - 1
+    assert sources_touched(counters) & packed_sources(model) == set(gone.source_lineage)
+    after = read_manifest(model.parent / f"{model.stem}.prepared.onnx")
+    assert after.generation == 2 and {e.key for e in after.entries} == {e.key for e in manifest.entries}
+
+
+def test_an_up_to_date_cache_is_not_written_again(model):
+    build(model)
+    path = model.parent / f"{model.stem}.prepared.onnx"
+    before = path.read_bytes(), sorted(p.name for p in model.parent.iterdir())
+    out, cache, counters, stats = load(model, "build-if-missing")
+    assert cache.counters["persisted"] == 0
+    assert (path.read_bytes(), sorted(p.name for p in model.parent.iterdir())) == before
+
+
+def test_compressed_payloads_decode_into_the_slots(model):
+    from onnx_prep.core.cache.cache_build import build_prepared_cache
+
+    doc = build_prepared_cache(model, compress="zstd")
+    manifest = read_manifest(model.parent / f"{model.stem}.prepared.onnx")
+    assert doc["written"] == len(manifest.entries) and all(e.encoding == "zstd" for e in manifest.entries)
+    out, cache, counters, stats = load(model, "require-complete")
+    assert same(out, reference(model)) and stats.prepacks == 0
+
+
+# ------------------------------------------------------------------ validation x policy
+
+def _change_source(model: Path) -> None:
+    """New bytes for one packed source, with its new digest (a re-exported model)."""
+    r = resolve_model(model)
+    name = sorted(packed_sources(model))[0]
+    desc = r.weights[name]
+    data_file = model.parent / desc.file
+    raw = bytearray(data_file.read_bytes())
+    raw[desc.offset:desc.offset + 4] = bytes(b ^ 0x01 for b in raw[desc.offset:desc.offset + 4])
+    data_file.write_bytes(bytes(raw))
+    digest = "sha256:" + hashlib.sha256(raw[desc.offset:desc.offset + desc.length]).hexdigest()
+    m = onnx.load(str(model), load_external_data=False)
+    t = next(t for t in m.graph.initializer if t.name == name)
+    next(p for p in t.metadata_props if p.key == TENSOR_DIGEST_KEY).value = digest
+    onnx.save(m, str(model))
+
+
+def _edit_entry(model: Path, manifest: CacheManifest, **fields) -> None:
+    from dataclasses import replace
+
+    e = manifest.entries[0]
+    rewrite(model, CacheManifest(manifest.generation, manifest.source_model_digest, manifest.sources,
+                                 (replace(e, **fields),) + manifest.entries[1:]))
+
+
+def _other_layout(model, manifest):
+    e = manifest.entries[0]
+    layout = e.layout + ".other"
+    _edit_entry(model, manifest, layout=layout, key=f"P:{'+'.join(e.source_lineage)}|{layout}|{e.device}")
+
+
+def _payload(model, manifest, entry_index=0):
+    e = manifest.entries[entry_index]
+    return model.parent / e.file, e
+
+
+def _truncate(model, manifest):
+    f, e = _payload(model, manifest, -1)  # the last payload of the file: a shorter file cuts it
+    with open(f, "r+b") as fh:
+        fh.truncate(e.offset + e.length // 2)
+
+
+def _flip(model, manifest):
+    f, e = _payload(model, manifest)
+    raw = bytearray(f.read_bytes())
+    raw[e.offset + e.length // 2] ^= 0xFF
+    f.write_bytes(bytes(raw))
+
+
+def _missing_file(model, manifest):
+    _edit_entry(model, manifest, file="nowhere.data")
+
+
+CASES = {
+    "source-changed": (lambda m, man: _change_source(m), EntryStatus.STALE),
+    "other-layout": (_other_layout, EntryStatus.MISSING),
+    "other-packed-format": (lambda m, man: _edit_entry(m, man, format_version=99), EntryStatus.INCOMPATIBLE),
+    "other-kernel-abi": (lambda m, man: _edit_entry(m, man, kernel_abi="someone-else/v9"), EntryStatus.INCOMPATIBLE),
+    "truncated-payload": (_truncate, EntryStatus.DAMAGED),
+    "missing-file": (_missing_file, EntryStatus.DAMAGED),
+    "flipped-payload-byte": (_flip, EntryStatus.HIT),  # found only when read
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("policy", ["disabled", "read-only", "build-if-missing", "require-complete"])
+def test_each_way_an_entry_stops_matching_gives_the_policys_outcome(model, case, policy):
+    manifest = build(model)
+    damage, status = CASES[case]
+    damage(model, manifest)
+    want = reference(model)
+    cache_file = model.parent / f"{model.stem}.prepared.onnx"
+    on_disk = cache_file.read_bytes()
+    if policy == "require-complete":  # at open, or (a payload's digest) when it is read
+        with pytest.raises(OnnxPrepError, match="prepared cache (is incomplete|entry .* is unusable)"):
+            load(model, policy)
+        return
+    out, cache, counters, stats = load(model, policy)
+    assert same(out, want)  # whatever the cache held, never a wrong answer
+    if policy == "disabled":
+        assert stats.packed_reads == 0 and cache_file.read_bytes() == on_disk
+        return
+    bad = [o for o in cache.outcomes.values() if o.status is not EntryStatus.HIT]
+    if status is EntryStatus.HIT:  # the digest check while reading caught it: rebuilt from sources
+        assert cache.counters["fallbacks"] == 1 and len(cache.warnings) == 1
+        assert "does not match its digest" in cache.warnings[0]
+    else:
+        assert [o.status for o in bad] == [status] or (status is EntryStatus.MISSING and bad[0].status is status)
+    if policy == "read-only":
+        assert cache_file.read_bytes() == on_disk  # read-only never writes
+    else:  # build-if-missing repaired it: the next load is complete
+        out2, cache2, _, stats2 = load(model, "require-complete")
+        assert same(out2, want) and stats2.prepacks == 0
+
+
+def test_a_malformed_manifest_is_an_error_under_every_policy_but_disabled(model):
+    from onnx_prep.core.cache.manifest import CacheFormatError
+
+    build(model)
+    (model.parent / f"{model.stem}.prepared.onnx").write_bytes(b"\x08\x99garbage")
+    for policy in ("read-only", "build-if-missing", "require-complete"):
+        with pytest.raises(CacheFormatError, match="unparseable"):
+            load(model, policy)
+    out, *_ = load(model, "disabled")
+    assert same(out, reference(model))
+
+
+# ------------------------------------------------------------------ what gets persisted
+
+def test_a_source_whose_bytes_do_not_match_its_digest_is_never_persisted(model):
+    r = resolve_model(model)
+    name = sorted(packed_sources(model))[0]
+    desc = r.weights[name]
+    f = model.parent / desc.file
+    raw = bytearray(f.read_bytes())
+    raw[desc.offset] ^= 0xFF  # digest left as declared
+    f.write_bytes(bytes(raw))
+    with pytest.raises(Exception) as info:
+        load(model, "build-if-missing")
+    assert isinstance(info.value, DigestError) or isinstance(info.value.__cause__, DigestError)
+    manifest = read_manifest(model.parent / f"{model.stem}.prepared.onnx")
+    assert manifest is None or all(name not in e.source_lineage for e in manifest.entries)
+
+
+def test_sources_without_digests_are_recorded_as_read_and_never_reused_until_digested(model):
+    m = onnx.load(str(model), load_external_data=False)
+    digests = {}
+    for t in m.graph.initializer:  # neither the per-tensor digest nor the file checksum
+        keep = [p for p in t.metadata_props if p.key != TENSOR_DIGEST_KEY]
+        digests[t.name] = [p.value for p in t.metadata_props if p.key == TENSOR_DIGEST_KEY]
+        del t.metadata_props[:]
+        t.metadata_props.extend(keep)
+        ext = [p for p in t.external_data if p.key != "checksum"]
+        del t.external_data[:]
+        t.external_data.extend(ext)
+    onnx.save(m, str(model))
+    manifest = build(model)
+    assert manifest.entries  # persisted, with the digests computed on that read ...
+    out, cache, _, stats = load(model, "read-only")
+    assert stats.prepacks == len(manifest.entries)  # ... but nothing proves them current
+    assert {o.status for o in cache.outcomes.values()} == {EntryStatus.UNVERIFIED}
+    # once the model declares the digests (what `onnx-prep digest --write` does), they hit
+    m = onnx.load(str(model), load_external_data=False)
+    for t in m.graph.initializer:
+        for value in digests[t.name]:
+            t.metadata_props.add(key=TENSOR_DIGEST_KEY, value=value)
+    onnx.save(m, str(model))
+    out, cache, _, stats = load(model, "require-complete")
+    assert stats.prepacks == 0 and same(out, reference(model))
+
+
+def test_persistence_needs_digest_verification(model):
+    from onnx_prep.core.errors import UsageError
+
+    resolved = resolve_model(model)
+    cache = PreparedCache(resolved, policy="build-if-missing")
+    with pytest.raises(UsageError, match="verified bytes"):
+        Session(resolved, cache=cache, verify_digests=False)
+
+
+def test_the_manifest_is_an_onnx_model_the_checker_accepts(model):
+    build(model)
+    path = model.parent / f"{model.stem}.prepared.onnx"
+    onnx.checker.check_model(str(path), full_check=True)
+    m = onnx.load(str(path), load_external_data=False)
+    assert not m.graph.node and all(t.data_type == onnx.TensorProto.UINT8 for t in m.graph.initializer)
+    props = {p.key for p in m.graph.initializer[0].metadata_props}
+    assert {T_FORMAT, T_KERNEL_ABI, "onnx_light.prepack.source_lineage_digest"} <= props
