@@ -154,6 +154,16 @@ class PreparedCache:
             self._note(f"prepared cache entry {d.entry.key} is unusable: {d.message}")
         for key, req in self._requests.items():
             self.outcomes[key] = self._outcome(key, req)
+        # The payload files of the entries to be used, opened now: a later commit's garbage
+        # collection may unlink them, but cannot take them from under this reader.
+        for name in sorted({self.manifest.by_key[k].file for k, o in self.outcomes.items()
+                            if o.status is EntryStatus.HIT}):
+            try:
+                self._fd(name)
+            except (OSError, _Unusable) as exc:
+                for k, o in self.outcomes.items():
+                    if o.status is EntryStatus.HIT and self.manifest.by_key[k].file == name:
+                        self.outcomes[k] = EntryOutcome(k, EntryStatus.DAMAGED, f"cannot open {name}: {exc}")
         if self.policy is CachePolicy.REQUIRE_COMPLETE:
             missing = [o for o in self.outcomes.values() if o.status is not EntryStatus.HIT]
             if missing:

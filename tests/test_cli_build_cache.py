@@ -1,0 +1,113 @@
+"""``onnx-prep build-cache`` and ``run --cache-policy`` as users run them (real
+subprocesses): records that validate against their schemas, an up-to-date cache left
+alone, one-line errors with exit 2."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+_SCRIPT = Path(sys.executable).with_name("onnx-prep")
+ONNX_PREP = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "onnx_prep"]
+
+
+@pytest.fixture
+def model(small_llm_path, tmp_path) -> Path:
+    dst = tmp_path / "m"
+    shutil.copytree(small_llm_path.parent, dst)
+    return dst / small_llm_path.name
+
+
+def cli(*args, ok=True):
+    p = subprocess.run([*ONNX_PREP, *map(str, args)], capture_output=True, text=True, timeout=120)
+    if ok:
+        assert p.returncode == 0, p.stderr
+    return p
+
+
+def schema(name: str) -> dict:
+    return json.loads(resources.files("onnx_prep.core").joinpath(f"schemas/{name}.schema.json").read_text())
+
+
+def test_build_then_rebuild_nothing_records_validate(model):
+    jsonschema = pytest.importorskip("jsonschema")
+    first = json.loads(cli("build-cache", model, "--json").stdout)
+    jsonschema.validate(first, schema("build-cache"))
+    assert first["generation"] == 1 and first["previous_generation"] is None
+    assert first["written"] == first["objects"] > 0 and first["reused"] == 0
+    manifest = Path(first["cache"])
+    assert manifest == model.parent / f"{model.stem}.prepared.onnx"
+    files = sorted(p.name for p in model.parent.iterdir())
+    data = manifest.read_bytes()
+    again = json.loads(cli("build-cache", model, "--json").stdout)
+    jsonschema.validate(again, schema("build-cache"))
+    assert again["written"] == 0 and again["reused"] == first["objects"] and again["source_bytes_read"] == 0
+    assert manifest.read_bytes() == data and sorted(p.name for p in model.parent.iterdir()) == files
+    text = cli("build-cache", model).stdout
+    assert "up to date" in text and "nothing written" in text
+
+
+def test_run_records_the_cache_it_used(model):
+    jsonschema = pytest.importorskip("jsonschema")
+    built = json.loads(cli("run", model, "--tokens", "3", "--json", "--cache-policy", "build-if-missing").stdout)
+    used = json.loads(cli("run", model, "--tokens", "3", "--json").stdout)  # read-only: the default
+    for doc in (built, used):
+        jsonschema.validate(doc, schema("run"))
+    assert built["cache"]["committed"]["written"] > 0 and used["cache"]["committed"] is None
+    assert used["cache"]["packed_reads"] == built["cache"]["committed"]["written"]
+    assert "prepared cache: " in cli("run", model, "--tokens", "3").stdout
+
+
+def test_cache_dir_and_output_place_the_cache(model, tmp_path):
+    elsewhere = tmp_path / "caches"
+    elsewhere.mkdir()
+    doc = json.loads(cli("build-cache", model, "--cache-dir", elsewhere, "--json").stdout)
+    assert Path(doc["cache"]).parent == elsewhere and all((elsewhere / f).is_file() for f in doc["files"])
+    out = tmp_path / "caches" / "named.prepared.onnx"
+    doc = json.loads(cli("build-cache", model, "-o", out, "--json").stdout)
+    assert doc["cache"] == str(out)
+    used = json.loads(cli("run", model, "--tokens", "2", "--json", "--prepared", out,
+                          "--cache-policy", "require-complete").stdout)
+    assert used["cache"]["entries"]["hit"] == doc["objects"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--compress", "lz4"], "unknown compression"),
+    (["--device", "cuda"], "device 'cuda'"),
+    (["-o", "x.onnx"], "ends in .prepared.onnx"),
+    (["--cache-dir", "/nonexistent-folder"], "does not exist"),
+])
+def test_bad_options_are_one_line_and_exit_2(model, args, needle):
+    p = cli("build-cache", model, *args, ok=False)
+    assert p.returncode == 2 and needle in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+
+
+def test_a_malformed_cache_is_exit_2_until_rebuilt(model):
+    cli("build-cache", model)
+    manifest = model.parent / f"{model.stem}.prepared.onnx"
+    manifest.write_bytes(b"not a protobuf at all")
+    for args in (["build-cache", model], ["run", model, "--tokens", "2"]):
+        p = cli(*args, ok=False)
+        assert p.returncode == 2 and "prepared cache is invalid (unparseable)" in p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1
+    doc = json.loads(cli("build-cache", model, "--rebuild", "--json").stdout)
+    assert doc["written"] == doc["objects"]
+    assert cli("run", model, "--tokens", "2", "--cache-policy", "disabled").returncode == 0
+    assert cli("run", model, "--tokens", "2", "--cache-policy", "require-complete").returncode == 0
+
+
+def test_require_complete_without_a_cache_names_what_is_missing(model):
+    p = cli("run", model, "--tokens", "2", "--cache-policy", "require-complete", ok=False)
+    assert p.returncode == 2 and "prepared cache is incomplete" in p.stderr and "no entry" in p.stderr
+    assert "build-cache" in p.stderr
+
+
+def test_build_if_missing_refuses_unverified_reads(model):
+    p = cli("run", model, "--cache-policy", "build-if-missing", "--no-verify-digests", ok=False)
+    assert p.returncode == 2 and "verified" in p.stderr
