@@ -330,3 +330,29 @@ def test_the_manifest_is_an_onnx_model_the_checker_accepts(model):
     assert not m.graph.node and all(t.data_type == onnx.TensorProto.UINT8 for t in m.graph.initializer)
     props = {p.key for p in m.graph.initializer[0].metadata_props}
     assert {T_FORMAT, T_KERNEL_ABI, "onnx_light.prepack.source_lineage_digest"} <= props
+
+
+# ------------------------------------------------------------------ findings for `check`
+
+def test_check_findings_name_each_unusable_entry(model):
+    from onnx_prep.core.cache.prepared_cache import prepared_cache_findings
+
+    resolved = resolve_model(model)
+    assert prepared_cache_findings(resolved) == []  # no cache, not required: nothing to say
+    [missing] = prepared_cache_findings(resolved, require_complete=True)
+    assert missing["severity"] == "error" and "build-cache" in missing["message"]
+    manifest = build(model)
+    assert prepared_cache_findings(resolve_model(model), require_complete=True, verify_payloads=True) == []
+    _flip(model, manifest)  # found only by reading the payloads
+    assert prepared_cache_findings(resolve_model(model)) == []
+    [bad] = prepared_cache_findings(resolve_model(model), verify_payloads=True)
+    assert bad["subject"] == manifest.entries[0].key and "does not match its digest" in bad["message"]
+    assert bad["where"]["offset"] == manifest.entries[0].offset
+    _edit_entry(model, manifest, kernel_abi="other/v2")
+    found = prepared_cache_findings(resolve_model(model))
+    assert [(f["subject"], f["severity"]) for f in found] == [(manifest.entries[0].key, "warning")]
+    assert "incompatible: kernel ABI other/v2" in found[0]["message"]
+    assert prepared_cache_findings(resolve_model(model), require_complete=True)[0]["severity"] == "error"
+    (model.parent / f"{model.stem}.prepared.onnx").write_bytes(b"junk")
+    [broken] = prepared_cache_findings(resolve_model(model))
+    assert broken["severity"] == "error" and "unparseable" in broken["message"]

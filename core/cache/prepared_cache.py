@@ -45,7 +45,8 @@ from onnx_prep.core.model.prepared_key import PrepackRequest
 from onnx_prep.core.model.resolved_model import ResolvedModel
 from onnx_prep.core.plan.execution_plan import RAW_LAYOUT, PackedPayloadEntry
 
-__all__ = ["CachePolicy", "PreparedCache", "PreparedCacheError", "default_cache_path", "EntryStatus"]
+__all__ = ["CachePolicy", "EntryStatus", "PreparedCache", "PreparedCacheError", "default_cache_path",
+           "prepared_cache_findings"]
 
 _CHUNK = 1 << 20
 
@@ -104,7 +105,7 @@ class PreparedCache:
 
     def __init__(self, resolved: ResolvedModel, path: Path | None = None, *,
                  policy: CachePolicy | str = CachePolicy.READ_ONLY, compress: str | None = None,
-                 device: str = "cpu", ignore_invalid: bool = False,
+                 device: str = "cpu", ignore_invalid: bool = False, verify_payloads: bool = True,
                  warn: Callable[[str], None] | None = None) -> None:
         self.resolved = resolved
         self.policy = CachePolicy(policy)
@@ -117,6 +118,7 @@ class PreparedCache:
         if device != "cpu":
             raise UsageError(f"device {device!r} has no prepared cache here", hint="use --device cpu")
         self.compress, self.device = compress, device
+        self.verify_payloads = verify_payloads  # hash each payload as it is read (--verify-digests)
         self._warn = warn
         self.warnings: list[str] = []
         self.counters = {"packed_reads": 0, "packed_bytes": 0, "fallbacks": 0, "persisted": 0,
@@ -246,7 +248,7 @@ class PreparedCache:
             buf = out.reshape(-1).view(np.uint8)
             if buf.nbytes != e.decoded_length:
                 raise _Unusable(f"slot is {buf.nbytes} bytes, entry decodes to {e.decoded_length}")
-            h = hashlib.sha256()
+            h = hashlib.sha256() if self.verify_payloads else None
             if e.encoding is None:
                 mv = memoryview(buf)
                 got = 0
@@ -254,11 +256,12 @@ class PreparedCache:
                     n = os.preadv(fd, [mv[got:min(e.length, got + _CHUNK)]], e.offset + got)
                     if n == 0:
                         raise _Unusable("payload file ended early (truncated while in use)")
-                    h.update(mv[got:got + n])
+                    if h is not None:
+                        h.update(mv[got:got + n])
                     got += n
             else:
                 _decode_zstd(fd, e, buf, h)
-            if "sha256:" + h.hexdigest() != e.payload_digest:
+            if h is not None and "sha256:" + h.hexdigest() != e.payload_digest:
                 raise _Unusable(f"payload does not match its digest {e.payload_digest}")
         except (_Unusable, OSError) as exc:
             msg = f"prepared cache entry {e.key} is unusable: {exc}"
@@ -431,6 +434,62 @@ class _Unusable(Exception):
     pass
 
 
+def prepared_cache_findings(resolved: ResolvedModel, prepared_path: Path | None = None, *,
+                            require_complete: bool = False, verify_payloads: bool = False) -> list[dict]:
+    """What ``onnx-prep check`` reports about a model's prepared cache: one finding per
+    problem, ``{"check", "subject", "message", "where", "severity"}``. A malformed
+    manifest is one error; an entry that cannot be used is a warning (an error with
+    ``require_complete``, which also makes every object without a compatible entry an
+    error); with ``verify_payloads`` every payload is read and checked against its digest
+    (bounded memory: 1 MiB at a time)."""
+    from onnx_prep.core.cache.manifest import CacheFormatError
+
+    path = Path(prepared_path) if prepared_path is not None else default_cache_path(resolved.model_path)
+    findings: list[dict] = []
+
+    def add(subject: str, message: str, where: Where, error: bool) -> None:
+        findings.append({"check": "prepared_cache", "subject": subject, "message": message,
+                         "where": {k: v for k, v in vars(where).items() if v is not None},
+                         "severity": "error" if error else "warning"})
+
+    try:
+        cache = PreparedCache(resolved, path, policy=CachePolicy.READ_ONLY)
+    except CacheFormatError as exc:
+        add(path.name, exc.one_line(), exc.where, True)
+        return findings
+    try:
+        if cache.manifest is None:
+            if require_complete:
+                add(path.name, f"no prepared cache at {path}; build it: onnx-prep build-cache",
+                    Where(file=str(path)), True)
+            return findings
+        for key, o in sorted(cache.outcomes.items()):
+            if o.status is EntryStatus.HIT:
+                continue
+            if o.status is EntryStatus.MISSING and not require_complete:
+                continue  # an incomplete cache is a cache, unless completeness is required
+            add(key, f"{o.status.value}: {o.reason}", Where(file=str(path), tensor=key),
+                require_complete or o.status is EntryStatus.DAMAGED)
+        if verify_payloads:
+            for e in cache.manifest.entries:
+                where = Where(file=str(path.parent / e.file), tensor=e.tensor_name, offset=e.offset)
+                try:
+                    fd = cache._fd(e.file)
+                    h = hashlib.sha256()
+                    for lo in range(0, e.length, _CHUNK):
+                        chunk = os.pread(fd, min(_CHUNK, e.length - lo), e.offset + lo)
+                        if not chunk:
+                            raise _Unusable("payload file ended early")
+                        h.update(chunk)
+                    if "sha256:" + h.hexdigest() != e.payload_digest:
+                        raise _Unusable(f"payload does not match its digest {e.payload_digest}")
+                except (OSError, _Unusable) as exc:
+                    add(e.key, f"payload unusable: {exc}", where, True)
+    finally:
+        cache.close()
+    return findings
+
+
 def _current_abi() -> str:
     return kernel_abi()
 
@@ -444,7 +503,8 @@ def _decode_zstd(fd: int, e: CacheEntry, buf: np.ndarray, h) -> None:
         chunk = os.pread(fd, min(_CHUNK, e.length - lo), e.offset + lo)
         if not chunk:
             raise _Unusable("payload file ended early (truncated while in use)")
-        h.update(chunk)
+        if h is not None:
+            h.update(chunk)
         try:
             out = dobj.decompress(chunk)
         except zstandard.ZstdError as exc:

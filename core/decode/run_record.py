@@ -208,7 +208,8 @@ def _open_cache(resolved, options: RunOptions, warn):
         return None
     from onnx_prep.core.cache.prepared_cache import PreparedCache
 
-    return PreparedCache(resolved, options.prepared, policy=options.cache_policy, warn=warn)
+    return PreparedCache(resolved, options.prepared, policy=options.cache_policy,
+                         verify_payloads=options.verify_digests, warn=warn)
 
 
 def _open_ort(path: Path, threads: int | None):
