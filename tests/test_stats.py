@@ -177,7 +177,7 @@ def test_to_json_has_the_documented_shape(tiny):
     assert set(doc) == {"schema", "io", "prepare", "runs", "memory", "tasks", "queues", "kv", "intra_op"}
     assert set(doc["io"]) == {"source_bytes", "source_bytes_read", "source_bytes_mapped", "source_reads",
                               "source_bytes_dropped", "packed_bytes_read", "packed_reads"}
-    assert set(doc["prepare"]) == {"prepacks", "prepack_ns", "materializations", "page_ins", "evictions",
+    assert set(doc["prepare"]) == {"prepacks", "prepack_ns", "materializations", "page_ins", "page_in_bytes", "evictions",
                                    "shed", "slot_bytes_warmed"}
     assert doc["runs"] == {"hot": 1, "cold": 0, "yields": 0}
     assert set(doc["memory"]["arena_peaks"]) == {"preparation", "prepared", "execution", "io"}

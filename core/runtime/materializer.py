@@ -248,6 +248,7 @@ class Materializer:
             self._count("materializations")
             if not first:
                 self._count("rematerializations")
+                self._count("rematerialized_bytes", nbytes)
             self._published(key)
         except BaseException as e:
             store.fail(key, gen, e)

@@ -309,14 +309,29 @@ class RunLoop:
         win = self.plan.lookahead
         budget = win.bytes
         store = self.store
-        for si in range(from_step, min(from_step + win.steps, len(self.plan.steps))):
+        last = min(from_step + win.steps, len(self.plan.steps))
+        # under a PREPARED limit, room is made for each before it is asked for: the
+        # window's objects are kept, the furthest next use outside it goes first
+        # window's objects are kept, the furthest next use outside it goes first; and the
+        # window's bytes count resident objects too, so how far it reaches depends on the
+        # run's position alone, not on which producers happen to have finished
+        limited = self.budget.limit(Arena.PREPARED) is not None
+        keep = {k for si in range(from_step, last) for k in self._step_keys[si]} if limited else ()
+        for si in range(from_step, last):
             for k in self._step_keys[si]:
-                if store.is_resident(k):
-                    continue
                 req = self.plan.by_key[k]
+                resident = store.is_resident(k)
+                if resident and not limited:
+                    continue
                 if req.read_bytes + req.packed_bytes > budget:
                     return
                 budget -= req.read_bytes + req.packed_bytes
+                if resident:
+                    continue
+                if limited:
+                    if not self.tasks.fetch_ahead(k, from_step, keep):
+                        return
+                    continue
                 self.tasks.ensure(req.publisher, Priority.DEMANDED)  # the run will consume it
 
     def _reserve_run_memory(self, run: _Run) -> None:

@@ -57,6 +57,7 @@ class SessionTasks:
         # Keys a yielded run is waiting for, with the step it waits at: after every publish
         # the session retries making room for them (see make_room).
         self._critical_wait: dict[PreparedKey, int] = {}
+        self._planned: dict[PreparedKey, int] = {}  # under a PREPARED limit: see reserve_room
 
     def prepare(self, keys=None) -> list[TaskHandle]:
         """Submit every session task eagerly (with ``keys``, those that publish them):
@@ -88,7 +89,9 @@ class SessionTasks:
         waiting = []
         for k in keys:
             if not self.store.is_resident(k):
-                h = self.ensure(self._publisher[k].id, Priority.CRITICAL)
+                with self._lock:  # under a limit: room made as the look-ahead makes it
+                    self.reserve_room(k, step, keys)
+                    h = self.ensure(self._publisher[k].id, Priority.CRITICAL)
                 if h is not None:
                     waiting.append(h)
         if waiting:
@@ -184,6 +187,9 @@ class SessionTasks:
         with self._lock:
             self._critical_wait.pop(key, None)
             pending = bool(self._critical_wait)
+            # (unless evicted already: the callback runs after the publish, unlocked)
+            if self.budget.limit(Arena.PREPARED) is not None and self.store.is_resident(key):
+                self._planned.setdefault(key, self.plan.by_key[key].packed_bytes)
         if pending:
             self.make_room()
 
@@ -191,6 +197,85 @@ class SessionTasks:
         with self._lock:
             for dep_id in read_ids:
                 self._maybe_release_read(dep_id)
+
+    # ------------------------------------------------------------ streaming under a limit
+    # NOTE: under a PREPARED limit, what to evict is decided from the plan's accounting,
+    # never from the budget's live bytes (which depend on when producers happen to be
+    # admitted) nor from task states (which depend on when they happen to finish): the
+    # planned set holds every object room was made for (by the look-ahead or a run's
+    # demand) or that was published, until it is evicted. Decisions are then a function
+    # of the runs' positions alone: the same decode evicts and pages in the same objects
+    # every time (the batch sweep's counters are identical across repeats), and a
+    # producer submitted after its room was made is never blocked by admission.
+    def planned_prepared_bytes(self) -> int:
+        """Bytes of the objects room has been made for (caller holds the lock)."""
+        return sum(self._planned.values())
+
+    def reserve_room(self, key: PreparedKey, at: int, keep) -> bool:
+        """Before ``key``'s producer is asked for under a PREPARED limit: make room for it
+        (and the tied siblings its prepack brings) by evicting unpinned resident objects
+        outside ``keep``, furthest next use from step ``at`` first. False when that
+        cannot be done; nothing is counted then."""
+        limit = self.budget.limit(Arena.PREPARED)
+        if limit is None:
+            return True
+        with self._lock:
+            self._forget_gone()
+            if key in self._planned:
+                return True
+            coming = [key] + [k for k in self._tied_submitted_with(key) if k not in self._planned]
+            need = sum(self.plan.by_key[k].packed_bytes for k in coming)
+            if not self._evict_until(self.planned_prepared_bytes() + need, limit, at, keep):
+                return False
+            for k in coming:
+                self._planned[k] = self.plan.by_key[k].packed_bytes
+            return True
+
+    def _forget_gone(self) -> None:
+        """Drop planned objects that are neither resident nor on their way: evicted from
+        outside the plan's accounting (``Session.evict``), or whose producer failed or
+        was cancelled."""
+        for k in [k for k in self._planned if not self.store.is_resident(k)]:
+            h = self.handles.get(self._publisher[k].id)
+            if h is None or h.state.terminal:
+                del self._planned[k]
+
+    def fetch_ahead(self, key: PreparedKey, at: int, keep) -> bool:
+        """Under a PREPARED limit: make room for ``key`` (``reserve_room``) and ask for
+        its producer at DEMANDED, in one hold of the lock; False when there is no room."""
+        with self._lock:
+            if not self.reserve_room(key, at, keep):
+                return False
+            self.ensure(self._publisher[key].id, Priority.DEMANDED)
+            return True
+
+    def _tied_submitted_with(self, key: PreparedKey) -> list[PreparedKey]:
+        """The tied siblings ``ensure`` submits with ``key``'s prepack (_ensure_tied):
+        those never submitted yet."""
+        desc = self._publisher[key]
+        out = []
+        if desc.kind is TaskKind.PREPACK:
+            for d in desc.dependencies:
+                for c in self._read_consumers.get(d, ()):
+                    sib = self.plan.by_id[c].publishes
+                    if c != desc.id and self.handles.get(c) is None and sib is not None:
+                        out.append(sib)
+        return out
+
+    def _evict_until(self, planned: int, limit: int, at: int, keep) -> bool:
+        """Evict planned, resident, unpinned objects outside ``keep`` (furthest next use
+        first) until ``planned`` fits ``limit``. Caller holds the lock."""
+        evicted = 0
+        if planned > limit:
+            for k in self.eviction.victims(self.store, at, keep):
+                if k in self._planned and self.store.evict(k):
+                    planned -= self._planned.pop(k)
+                    evicted += 1
+                    if planned <= limit:
+                        break
+        if evicted:
+            self._count("evictions", evicted)
+        return planned <= limit
 
     def make_room(self) -> int:
         """Drop-and-rebuild eviction under a PREPARED arena limit: while the objects runs
@@ -218,12 +303,17 @@ class SessionTasks:
             for si in set(waits.values()):
                 keep.update(self._step_keys[si])
             self._shed_speculative_if_blocked(waits)
-            free = limit - budget.live(Arena.PREPARED)
-            if free >= needed:
+            # the plan's accounting (see above): the waited-for producers are live, so
+            # they are counted; evict until everything counted fits
+            self._forget_gone()  # what shedding just cancelled no longer counts
+            for k in waits:  # a run's demand counts like the look-ahead's
+                self._planned.setdefault(k, self.plan.by_key[k].packed_bytes)
+            planned = self.planned_prepared_bytes()
+            if planned <= limit:  # every counted producer is admitted as soon as it is queued
                 return 0
-            evicted = self.eviction.make_room(self.store, needed, free, at, keep, self._nbytes)
-            self._count("evictions", evicted)
-            return evicted
+            before = len(self._planned)
+            self._evict_until(planned, limit, at, keep)
+            return before - len(self._planned)
 
     def _shed_speculative_if_blocked(self, waits: Mapping[PreparedKey, int]) -> int:
         """Speculative work must not hold memory an active run needs: when a producer a
@@ -261,8 +351,11 @@ class SessionTasks:
             self._maybe_release_read(read_tid)
 
     def _maybe_release_read(self, read_tid: TaskId) -> None:
-        """Free a source buffer once every plan consumer of it is resident (a tied
-        source is held until both of its prepacks have published)."""
+        """Free a source buffer once every plan consumer of it has published (a tied
+        source is held until both of its prepacks have) or will not run. A consumer that
+        published and was evicted since has used it: a later generation reads again
+        (holding sources for objects that may never come back filled the PREPARATION
+        arena under a tight budget, and a run waiting for a read stalled)."""
         h = self.handles.get(read_tid)
         if h is None or h.state is not TaskState.DONE:
             return
@@ -270,7 +363,7 @@ class SessionTasks:
             key = self.plan.by_id[c].publishes
             if key is not None and not self.store.is_resident(key):
                 ch = self.handles.get(c)
-                if ch is None or ch.state not in _DEAD:
+                if ch is None or ch.state not in (*_DEAD, TaskState.DONE):
                     return  # still needed by a consumer that has not published
         del self.handles[read_tid]
         release_source(h)

@@ -30,8 +30,8 @@ it), and its arena peaks (what the budget held at most while it was in flight).
     {"schema": "stats/1",
      "io": {"source_bytes", "source_bytes_read", "source_bytes_mapped", "source_reads",
             "source_bytes_dropped", "packed_bytes_read", "packed_reads"},
-     "prepare": {"prepacks", "prepack_ns", "materializations", "page_ins", "evictions",
-                 "shed", "slot_bytes_warmed"},
+     "prepare": {"prepacks", "prepack_ns", "materializations", "page_ins", "page_in_bytes",
+                 "evictions", "shed", "slot_bytes_warmed"},
      "runs": {"hot", "cold", "yields"},
      "memory": {"arena_peaks": {"preparation", "prepared", "execution", "io"}, "global_peak"},
      "tasks": {KIND: {"tasks", "ran", "queue_wait_ns", "run_ns", "cpu_ns"}},
@@ -89,6 +89,7 @@ _SECTIONS: dict[str, tuple[tuple[str, str], ...]] = {
            ("packed_bytes_read", "packed_bytes_read"), ("packed_reads", "packed_reads")),
     "prepare": (("prepacks", "prepacks"), ("prepack_ns", "prepack_ns"),
                 ("materializations", "materializations"), ("page_ins", "rematerializations"),
+                ("page_in_bytes", "rematerialized_bytes"),
                 ("evictions", "evictions"), ("shed", "shed"), ("slot_bytes_warmed", "slot_bytes_warmed")),
     "runs": (("hot_runs", "hot_runs"), ("cold_runs", "cold_runs"), ("yields", "yields")),
     "kv": (("kv_appended_in_place", "kv_appended_in_place"), ("kv_copied", "kv_copied")),
@@ -121,6 +122,7 @@ class RuntimeStats:
     prepack_ns: int = 0
     materializations: int = 0  # publishes: prepacks, raw reads, packed reads
     page_ins: int = 0  # publishes of a key that had been resident before (after an eviction)
+    page_in_bytes: int = 0  # the prepared bytes those publishes brought back
     evictions: int = 0
     shed: int = 0  # speculative tasks cancelled because a run's producer could not get memory
     slot_bytes_warmed: int = 0  # stable-slot bytes committed ahead of their prepack by idle CPU
