@@ -1,0 +1,140 @@
+"""``onnx-prep plan-dump [MODEL] [--prepared PATH] [--format table|json|dot]
+[--scope session|invocation] [--filter TEXT]``: the task plan a session of the model
+executes, before running it. One core call (``core/plan/plan_report.plan_dump``), one
+record, rendered as a summary and a table, as JSON (``core/schemas/plan.schema.json``)
+or as Graphviz (docs/plan-dump.md).
+
+Exit codes: 0 the plan was built; 2 the model is unusable (one line on stderr),
+including a model with an op that has no kernel (it has no plan)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from onnx_prep.cli import output
+from onnx_prep.cli.errors import run_guarded
+from onnx_prep.cli.model_argument import TRUST_SYMLINKS, model_path
+from onnx_prep.core.errors import EXIT_OK, UsageError
+
+FORMATS = ("table", "json", "dot")
+SCOPES = ("session", "invocation")
+
+
+def plan_dump(
+    model: Optional[Path] = typer.Argument(
+        None, help="Model .onnx file (or a folder holding one). Default: the embedded tiny INT4 LLM."),
+    prepared: Optional[Path] = typer.Option(
+        None, "--prepared", metavar="PATH",
+        help="The model's prepared cache: weights it holds are read packed instead of read and prepacked."),
+    fmt: str = typer.Option("table", "--format", help="table (default), json (the full plan) or dot (Graphviz)."),
+    scope: Optional[str] = typer.Option(None, "--scope", help="List only session or invocation tasks."),
+    text: Optional[str] = typer.Option(None, "--filter", metavar="TEXT",
+                                       help="List only tasks whose id or label contains TEXT."),
+    trust_symlinks: bool = TRUST_SYMLINKS,
+) -> None:
+    """Show the task plan: summary, then each task's scope, kind, resource, dependencies, result and bytes."""
+
+    def go() -> int:
+        if fmt not in FORMATS:
+            raise UsageError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+        if scope is not None and scope not in SCOPES:
+            raise UsageError(f"--scope must be one of {', '.join(SCOPES)}, got {scope!r}")
+        if prepared is not None:
+            raise UsageError(f"--prepared {prepared}: this build has no prepared-cache reader yet",
+                             hint="drop --prepared to see the plan that reads the source weights")
+        from onnx_prep.core.plan.plan_report import plan_dot
+        from onnx_prep.core.plan.plan_report import plan_dump as build
+
+        doc = build(model_path(model), trust_symlinks=trust_symlinks, scope=scope, text=text)
+        if fmt == "json":
+            output.emit_json(doc)
+        elif fmt == "dot":
+            output.stdout.file.write(plan_dot(doc))
+            output.stdout.file.flush()
+        else:
+            render(doc)
+        return EXIT_OK
+
+    raise typer.Exit(run_guarded(go))
+
+
+# ------------------------------------------------------------------------- render
+
+def _size(n: int) -> str:
+    return f"{n:,} B" if n < 1 << 20 else f"{n:,} B ({n / (1 << 20):.1f} MiB)"
+
+
+def _row(table, what: str, value: str) -> None:
+    from rich.text import Text
+
+    table.add_row(what, Text(value))  # names from the model are printed as they are, never as markup
+
+
+def _result(t: dict) -> str:
+    """The key a task publishes; "its key" when the task's id already ends with it
+    (``S.prepack:<key>``, ``S.read_packed:<key>``), so the table stays readable."""
+    key = t["publishes"]
+    if key is None:
+        return "-"
+    return "its key" if t["id"].endswith(":" + key) else key
+
+
+def _counts(d: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in d.items())
+
+
+def render(doc: dict) -> None:
+    """The summary, then the task table, on stdout."""
+    from rich.table import Table
+    from rich.text import Text
+
+    s = doc["summary"]
+    summary = Table(title=Text(f"plan-dump {doc['model']}"), show_header=False, title_justify="left")
+    summary.add_column("what", style="bold")
+    summary.add_column("value")
+    _row(summary, "tasks", f"{s['tasks']}: by scope {_counts(s['by_scope'])}; by kind {_counts(s['by_kind'])}; "
+                             f"by resource {_counts(s['by_resource'])}")
+    _row(summary, "prepared objects", f"{s['requirements']} ({_size(s['prepared_bytes'])}); "
+                                        f"{s['invocation_steps']} invocation steps")
+    _row(summary, "bytes to read", f"source {_size(s['bytes_to_read']['source'])}; "
+                                     f"packed {_size(s['bytes_to_read']['packed'])}")
+    cp = s["critical_path"]
+    _row(summary, "critical path", f"{len(cp['tasks'])} tasks, {_size(cp['bytes'])} "
+                                     f"({cp['read_bytes']:,} read, {cp['prepack_bytes']:,} prepacked), "
+                                     f"est. {cp['estimated_ms']:.2f} ms with unlimited workers")
+    serial = "; ".join(f"{r} {v['tasks']} tasks, {v['bytes']:,} B, {v['serial_ms']:.2f} ms"
+                       for r, v in s["serial_by_resource"].items())
+    _row(summary, "one worker per queue", serial)
+    cm = doc["cost_model"]
+    _row(summary, "cost model", f"reads {cm['io_bytes_per_s'] / 1e9:g} GB/s, prepacks "
+                                  f"{cm['prepack_bytes_per_s'] / 1e9:g} GB/s of source, execute {cm['execute']}")
+    for f in s["fan_out"]:
+        _row(summary, "fan-out", f"{f['task']} feeds {len(f['consumers'])} prepacks")
+    _row(summary, "look-ahead", f"{s['lookahead']['steps']} steps, {_size(s['lookahead']['bytes'])}")
+    flt = s["filter"]
+    if flt["filtered_out"]:
+        by = " and ".join(x for x in (f"--scope {flt['scope']}" if flt["scope"] else "",
+                                      f"--filter {flt['text']!r}" if flt["text"] else "") if x)
+        _row(summary, "shown", f"{flt['shown']} of {s['tasks']} tasks ({flt['filtered_out']} filtered out by {by})")
+    _row(summary, "plan build", f"{s['build_ms']:.1f} ms")
+    output.stdout.print(summary)
+
+    index = {t["id"]: t["index"] for t in doc["tasks"]}
+    table = Table(title="tasks (* on the critical path)", title_justify="left", expand=True)
+    rows = []
+    for t in doc["tasks"]:
+        deps = " ".join(f"#{index[d]}" if d in index else d for d in t["dependencies"])
+        rows.append((f"{t['index']}{'*' if t['critical'] else ''}", t["id"], t["scope"], t["kind"], t["resource"],
+                     deps or "-", _result(t), f"{t['estimated_bytes']:,}" if t["estimated_bytes"] else "-"))
+    # the short columns keep their width; the ids, dependencies and keys fold
+    for i, (name, short) in enumerate((("#", True), ("task", False), ("scope", True), ("kind", True),
+                                       ("resource", True), ("depends on", False), ("result", False),
+                                       ("est. bytes", True))):
+        width = max([len(name)] + [len(r[i]) for r in rows]) if short else None
+        table.add_column(name, justify="right" if name in ("#", "est. bytes") else "left", overflow="fold",
+                         no_wrap=short, min_width=width, ratio=None if short else {"task": 3, "result": 2}.get(name, 1))
+    for r in rows:
+        table.add_row(*(Text(c) for c in r))
+    output.stdout.print(table)
