@@ -94,22 +94,23 @@ def render(doc: dict) -> None:
     summary = Table(title=Text(f"plan-dump {doc['model']}"), show_header=False, title_justify="left")
     summary.add_column("what", style="bold")
     summary.add_column("value")
-    _row(summary, "tasks", f"{s['tasks']}: by scope {_counts(s['by_scope'])}; by kind {_counts(s['by_kind'])}; "
-                             f"by resource {_counts(s['by_resource'])}")
-    _row(summary, "prepared objects", f"{s['requirements']} ({_size(s['prepared_bytes'])}); "
-                                        f"{s['invocation_steps']} invocation steps")
-    _row(summary, "bytes to read", f"source {_size(s['bytes_to_read']['source'])}; "
-                                     f"packed {_size(s['bytes_to_read']['packed'])}")
+    _row(summary, "tasks", str(s["tasks"]))
+    for key in ("scope", "kind", "resource"):
+        _row(summary, f"  by {key}", _counts(s[f"by_{key}"]))
+    _row(summary, "prepared objects", f"{s['requirements']}, {_size(s['prepared_bytes'])}")
+    _row(summary, "invocation steps", str(s["invocation_steps"]))
+    _row(summary, "bytes to read", f"source {_size(s['bytes_to_read']['source'])}")
+    _row(summary, "", f"packed {_size(s['bytes_to_read']['packed'])}")
     cp = s["critical_path"]
-    _row(summary, "critical path", f"{len(cp['tasks'])} tasks, {_size(cp['bytes'])} "
-                                     f"({cp['read_bytes']:,} read, {cp['prepack_bytes']:,} prepacked), "
-                                     f"est. {cp['estimated_ms']:.2f} ms with unlimited workers")
-    serial = "; ".join(f"{r} {v['tasks']} tasks, {v['bytes']:,} B, {v['serial_ms']:.2f} ms"
-                       for r, v in s["serial_by_resource"].items())
-    _row(summary, "one worker per queue", serial)
+    _row(summary, "critical path", f"{len(cp['tasks'])} tasks, {_size(cp['bytes'])}")
+    _row(summary, "", f"{cp['read_bytes']:,} B read, {cp['prepack_bytes']:,} B prepacked")
+    _row(summary, "", f"est. {cp['estimated_ms']:.2f} ms with unlimited workers")
+    for r, v in s["serial_by_resource"].items():
+        _row(summary, f"{r} queue, one worker", f"{v['tasks']} tasks, {v['bytes']:,} B, est. {v['serial_ms']:.2f} ms")
     cm = doc["cost_model"]
-    _row(summary, "cost model", f"reads {cm['io_bytes_per_s'] / 1e9:g} GB/s, prepacks "
-                                  f"{cm['prepack_bytes_per_s'] / 1e9:g} GB/s of source, execute {cm['execute']}")
+    _row(summary, "cost model", f"reads {cm['io_bytes_per_s'] / 1e9:g} GB/s; prepacks "
+                                f"{cm['prepack_bytes_per_s'] / 1e9:g} GB/s of source")
+    _row(summary, "", f"execute {cm['execute']}")
     for f in s["fan_out"]:
         _row(summary, "fan-out", f"{f['task']} feeds {len(f['consumers'])} prepacks")
     _row(summary, "look-ahead", f"{s['lookahead']['steps']} steps, {_size(s['lookahead']['bytes'])}")
@@ -117,24 +118,27 @@ def render(doc: dict) -> None:
     if flt["filtered_out"]:
         by = " and ".join(x for x in (f"--scope {flt['scope']}" if flt["scope"] else "",
                                       f"--filter {flt['text']!r}" if flt["text"] else "") if x)
-        _row(summary, "shown", f"{flt['shown']} of {s['tasks']} tasks ({flt['filtered_out']} filtered out by {by})")
+        _row(summary, "shown", f"{flt['shown']} of {s['tasks']} tasks")
+        _row(summary, "", f"{flt['filtered_out']} filtered out by {by}")
     _row(summary, "plan build", f"{s['build_ms']:.1f} ms")
     output.stdout.print(summary)
 
-    index = {t["id"]: t["index"] for t in doc["tasks"]}
-    table = Table(title="tasks (* on the critical path)", title_justify="left", expand=True)
+    from rich import box
+
+    table = Table(title="tasks (* on the critical path; → the key a task publishes, where its id does not say)",
+                  title_justify="left", box=box.SIMPLE_HEAD, expand=True)
     rows = []
     for t in doc["tasks"]:
-        deps = " ".join(f"#{index[d]}" if d in index else d for d in t["dependencies"])
-        rows.append((f"{t['index']}{'*' if t['critical'] else ''}", t["id"], t["scope"], t["kind"], t["resource"],
-                     deps or "-", _result(t), f"{t['estimated_bytes']:,}" if t["estimated_bytes"] else "-"))
-    # the short columns keep their width; the ids, dependencies and keys fold
+        task = t["id"] if _result(t) in ("-", "its key") else f"{t['id']}\n→ {t['publishes']}"
+        rows.append((f"{t['index']}{'*' if t['critical'] else ''}", task, t["scope"], t["kind"], t["resource"],
+                     " ".join(f"#{i}" for i in t["dependency_indices"]) or "-",
+                     f"{t['estimated_bytes']:,}" if t["estimated_bytes"] else "-"))
+    # the short columns keep their width; the ids and dependencies fold
     for i, (name, short) in enumerate((("#", True), ("task", False), ("scope", True), ("kind", True),
-                                       ("resource", True), ("depends on", False), ("result", False),
-                                       ("est. bytes", True))):
+                                       ("resource", True), ("depends on", False), ("est. bytes", True))):
         width = max([len(name)] + [len(r[i]) for r in rows]) if short else None
         table.add_column(name, justify="right" if name in ("#", "est. bytes") else "left", overflow="fold",
-                         no_wrap=short, min_width=width, ratio=None if short else {"task": 3, "result": 2}.get(name, 1))
+                         no_wrap=short, min_width=width, ratio=None if short else {"task": 3}.get(name, 1))
     for r in rows:
         table.add_row(*(Text(c) for c in r))
     output.stdout.print(table)

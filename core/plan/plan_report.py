@@ -102,6 +102,7 @@ def plan_report(plan: PreparedExecutionPlan, *, cost: CostModel = DEFAULT_COST_M
     for t in kept:
         row = task_to_json(t)
         row["index"] = index[t.id]
+        row["dependency_indices"] = [index[d] for d in t.dependencies]
         row["estimated_bytes"] = cost.bytes_of(t)
         row["estimated_ms"] = round(cost.seconds(t) * 1e3, 6)
         row["finish_ms"] = round(finish[t.id] * 1e3, 6)
