@@ -1,5 +1,5 @@
 """``onnx-prep plan-dump [MODEL] [--prepared PATH] [--format table|json|dot]
-[--scope session|invocation] [--filter TEXT]``: the task plan a session of the model
+[--scope session|invocation] [--filter TEXT] [--json]``: the task plan a session of the model
 executes, before running it. One core call (``core/plan/plan_report.plan_dump``), one
 record, rendered as a summary and a table, as JSON (``core/schemas/plan.schema.json``)
 or as Graphviz (docs/plan-dump.md).
@@ -29,6 +29,7 @@ def plan_dump(
         None, "--prepared", metavar="PATH",
         help="The model's prepared cache: weights it holds are read packed instead of read and prepacked."),
     fmt: str = typer.Option("table", "--format", help="table (default), json (the full plan) or dot (Graphviz)."),
+    json_out: bool = typer.Option(False, "--json", help="The same as --format json."),
     scope: Optional[str] = typer.Option(None, "--scope", help="List only session or invocation tasks."),
     text: Optional[str] = typer.Option(None, "--filter", metavar="TEXT",
                                        help="List only tasks whose id or label contains TEXT."),
@@ -39,6 +40,8 @@ def plan_dump(
     def go() -> int:
         if fmt not in FORMATS:
             raise UsageError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+        if json_out and fmt not in ("table", "json"):
+            raise UsageError(f"--json and --format {fmt} disagree", hint="give one of them")
         if scope is not None and scope not in SCOPES:
             raise UsageError(f"--scope must be one of {', '.join(SCOPES)}, got {scope!r}")
         if prepared is not None:
@@ -48,7 +51,7 @@ def plan_dump(
         from onnx_prep.core.plan.plan_report import plan_dump as build
 
         doc = build(model_path(model), trust_symlinks=trust_symlinks, scope=scope, text=text)
-        if fmt == "json":
+        if json_out or fmt == "json":
             output.emit_json(doc)
         elif fmt == "dot":
             output.stdout.file.write(plan_dot(doc))

@@ -59,6 +59,9 @@ def test_json_is_the_core_record_and_validates(tiny_llm_path):
     expected = json.loads(json.dumps(plan_dump(tiny_llm_path)))
     expected["summary"]["build_ms"] = doc["summary"]["build_ms"]  # the one measured figure
     assert doc == expected
+    short = json.loads(run(str(tiny_llm_path), "--json").stdout)  # --json, as every command has
+    short["summary"]["build_ms"] = doc["summary"]["build_ms"]
+    assert short == doc
 
 
 def test_dot_parses_with_every_task_and_edge(tiny_llm_path):
@@ -98,11 +101,13 @@ def test_not_a_protobuf(tmp_path):
 
 
 def test_an_op_without_a_kernel_has_no_plan(tmp_path):
-    assert_one_line_error(run(str(custom_op_model(tmp_path))), "no kernel", "Frobnicate")
+    path = custom_op_model(tmp_path)
+    assert_one_line_error(run(str(path)), "no kernel", "custom.ops::Frobnicate (nodes frob1, frob2)", f"model {path}")
 
 
 @pytest.mark.parametrize("args,needle", [(("--format", "svg"), "--format must be one of table, json, dot"),
-                                         (("--scope", "step"), "--scope must be one of session, invocation")])
+                                         (("--scope", "step"), "--scope must be one of session, invocation"),
+                                         (("--json", "--format", "dot"), "--json and --format dot disagree")])
 def test_bad_options(tiny_llm_path, args, needle):
     assert_one_line_error(run(str(tiny_llm_path), *args), needle)
 

@@ -80,10 +80,17 @@ def plan_dump(model: str | Path, *, cache: PackedPayloadIndex | None = None, tru
               cost: CostModel = DEFAULT_COST_MODEL, scope: str | None = None, text: str | None = None) -> dict:
     """``plan-dump``'s one call: resolve ``model``, build its plan as a session does
     (with ``cache``: the prepared cache's entries where compatible) and report it."""
+    from onnx_prep.core.errors import UnsupportedOpError, Where
     from onnx_prep.core.model.resolution import resolve_model
     from onnx_prep.core.plan.execution_plan import build_prepared_execution_plan
 
-    plan = build_prepared_execution_plan(resolve_model(model, trust_symlinks=trust_symlinks), cache=cache)
+    resolved = resolve_model(model, trust_symlinks=trust_symlinks)
+    if resolved.unsupported:  # no plan without a kernel for every node: say which, and where
+        ops = "; ".join(f"{u.domain or 'ai.onnx'}::{u.op_type} (nodes {', '.join(u.nodes[:3])}"
+                        f"{', ...' if len(u.nodes) > 3 else ''})" for u in resolved.unsupported)
+        raise UnsupportedOpError(f"no plan: ops with no kernel: {ops}", Where(model=str(resolved.model_path)),
+                                 hint="run `onnx-prep resolve` to see what resolved")
+    plan = build_prepared_execution_plan(resolved, cache=cache)
     return plan_report(plan, cost=cost, scope=scope, text=text)
 
 
