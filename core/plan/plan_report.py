@@ -236,7 +236,10 @@ def plan_dot(doc: dict) -> str:
         lines.append(f"  subgraph cluster_{scope} {{")
         lines.append(f"    label={_q(scope)};")
         for t in rows:
-            label = f"{t['kind']}\\n{_esc(t['label'] or t['id'])}"
+            name = t["label"] or t["id"]
+            if not name.startswith(t["kind"].split("_")[0]):  # "read ...", "prepack ..." say it already
+                name = f"{t['kind']} {name}"
+            label = _esc(name)
             if t["estimated_bytes"]:
                 label += f"\\n{t['estimated_bytes']:,} B"
             pen = ", penwidth=2.5" if t["critical"] else ""
