@@ -62,11 +62,8 @@ class CostModel:
         return 0
 
     def seconds(self, t: TaskDescriptor) -> float:
-        if t.kind in (TaskKind.READ_SOURCE, TaskKind.READ_PACKED, TaskKind.PERSIST):
-            return t.estimated_output_bytes / self.io_bytes_per_s
-        if t.kind is TaskKind.PREPACK:
-            return t.estimated_input_bytes / self.prepack_bytes_per_s
-        return 0.0
+        rate = self.prepack_bytes_per_s if t.kind is TaskKind.PREPACK else self.io_bytes_per_s
+        return self.bytes_of(t) / rate  # 0 for what moves no bytes (execute)
 
     def to_json(self) -> dict:
         return {"io_bytes_per_s": self.io_bytes_per_s, "prepack_bytes_per_s": self.prepack_bytes_per_s,
