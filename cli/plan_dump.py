@@ -1,6 +1,7 @@
-"""``onnx-prep plan-dump [MODEL] [--prepared PATH] [--format table|json|dot]
-[--scope session|invocation] [--filter TEXT] [--json]``: the task plan a session of the model
-executes, before running it. One core call (``core/plan/plan_report.plan_dump``), one
+"""``onnx-prep plan-dump [MODEL] [--prepared PATH] [--cache-policy P]
+[--format table|json|dot] [--scope session|invocation] [--filter TEXT] [--json]``: the
+task plan a session of the model executes, before running it (with the prepared cache
+``run`` would use). One core call (``core/plan/plan_report.plan_dump``), one
 record, rendered as a summary and a table, as JSON (``core/schemas/plan.schema.json``)
 or as Graphviz (docs/plan-dump.md).
 
@@ -27,7 +28,12 @@ def plan_dump(
         None, help="Model .onnx file (or a folder holding one). Default: the embedded tiny INT4 LLM."),
     prepared: Optional[Path] = typer.Option(
         None, "--prepared", metavar="PATH",
-        help="The model's prepared cache: weights it holds are read packed instead of read and prepacked."),
+        help="The prepared cache's manifest (default: <model stem>.prepared.onnx beside the model, if there).",
+        show_default=False),
+    cache_policy: str = typer.Option(
+        "read-only", "--cache-policy",
+        help="The prepared cache, as run uses it (docs/cache-format.md): disabled (plan without it), read-only, "
+             "build-if-missing (the same plan), require-complete (fail unless every object is cached)."),
     fmt: str = typer.Option("table", "--format", help="table (default), json (the full plan) or dot (Graphviz)."),
     json_out: bool = typer.Option(False, "--json", help="The same as --format json."),
     scope: Optional[str] = typer.Option(None, "--scope", help="List only session or invocation tasks."),
@@ -44,13 +50,23 @@ def plan_dump(
             raise UsageError(f"--json and --format {fmt} disagree", hint="give one of them")
         if scope is not None and scope not in SCOPES:
             raise UsageError(f"--scope must be one of {', '.join(SCOPES)}, got {scope!r}")
-        if prepared is not None:
-            raise UsageError(f"--prepared {prepared}: this build has no prepared-cache reader yet",
-                             hint="drop --prepared to see the plan that reads the source weights")
+        from onnx_prep.core.cache.prepared_cache import POLICIES, PreparedCache
+
+        if cache_policy not in POLICIES:
+            raise UsageError(f"--cache-policy must be one of {', '.join(POLICIES)}, got {cache_policy!r}")
+        if prepared is not None and not prepared.is_file():
+            raise UsageError(f"--prepared {prepared}: no prepared cache there",
+                             hint="build one with `onnx-prep build-cache`, or drop --prepared")
         from onnx_prep.core.plan.plan_report import plan_dot
         from onnx_prep.core.plan.plan_report import plan_dump as build
 
-        doc = build(model_path(model), trust_symlinks=trust_symlinks, scope=scope, text=text)
+        def open_cache(resolved):  # the cache `run` would use with the same options
+            if cache_policy == "disabled":
+                return None
+            return PreparedCache(resolved, prepared, policy=cache_policy, warn=output.warn)
+
+        doc = build(model_path(model), open_cache=open_cache, trust_symlinks=trust_symlinks, scope=scope,
+                    text=text)
         if json_out or fmt == "json":
             output.emit_json(doc)
         elif fmt == "dot":
@@ -101,6 +117,9 @@ def render(doc: dict) -> None:
     for key in ("scope", "kind", "resource"):
         _row(summary, f"  by {key}", _counts(s[f"by_{key}"]))
     _row(summary, "prepared objects", f"{s['requirements']}, {_size(s['prepared_bytes'])}")
+    rc = s["recipes"]
+    _row(summary, "  by recipe", f"read packed {rc['read_packed_payload']}, read and prepacked "
+                                 f"{rc['read_source_and_prepack']}, raw reads {rc['read_source']}")
     _row(summary, "invocation steps", str(s["invocation_steps"]))
     _row(summary, "bytes to read", f"source {_size(s['bytes_to_read']['source'])}")
     _row(summary, "", f"packed {_size(s['bytes_to_read']['packed'])}")

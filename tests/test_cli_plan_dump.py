@@ -4,6 +4,7 @@ and text filters, and one line with exit 2 for each unusable input."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import jsonschema
 import pytest
@@ -12,7 +13,7 @@ from typer.testing import CliRunner
 from onnx_prep.cli.app import app
 from onnx_prep.core.plan.plan_report import plan_dump, schema_path
 
-from test_plan_report import TIED, parse_dot
+from test_plan_report import TIED, cache_path, parse_dot  # noqa: F401 - cache_path is a fixture
 from test_resolve_cli import assert_one_line_error
 from test_resolve_models import custom_op_model
 
@@ -112,5 +113,36 @@ def test_bad_options(tiny_llm_path, args, needle):
     assert_one_line_error(run(str(tiny_llm_path), *args), needle)
 
 
-def test_prepared_without_a_cache_reader(tiny_llm_path, tmp_path):
-    assert_one_line_error(run(str(tiny_llm_path), "--prepared", str(tmp_path)), "--prepared", "prepared-cache")
+def test_prepared_names_the_cache_to_plan_with(tiny_llm_path, cache_path):
+    doc = json.loads(run(str(tiny_llm_path), "--prepared", str(cache_path), "--json").stdout)
+    assert doc["summary"]["recipes"]["read_packed_payload"] == 18
+    assert doc["summary"]["by_kind"] == {"read_source": 10, "read_packed": 18, "execute": 18}
+    table = run(str(tiny_llm_path), "--prepared", str(cache_path), env={"COLUMNS": "200"})
+    assert table.exit_code == 0, table.stderr
+    assert "read packed 18, read and prepacked 0, raw reads 10" in table.stdout
+    off = json.loads(run(str(tiny_llm_path), "--prepared", str(cache_path), "--cache-policy", "disabled",
+                         "--json").stdout)
+    assert off["summary"]["recipes"]["read_packed_payload"] == 0  # the plan without the cache
+
+
+def test_the_cache_beside_the_model_is_used_as_run_uses_it(tiny_llm_path, cache_path, tmp_path):
+    """No --prepared: <model stem>.prepared.onnx beside the model, read-only, as `run`."""
+    folder = tmp_path / "m"
+    folder.mkdir()
+    for f in [*tiny_llm_path.parent.glob("tiny-llm.onnx*"), *cache_path.parent.iterdir()]:
+        shutil.copy2(f, folder / f.name)
+    result = run(str(folder / "tiny-llm.onnx"), "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["summary"]["recipes"]["read_packed_payload"] == 18
+
+
+def test_require_complete_without_a_cache(tiny_llm_path):
+    assert_one_line_error(run(str(tiny_llm_path), "--cache-policy", "require-complete"),
+                          "prepared cache is incomplete: 18 of 18")
+
+
+@pytest.mark.parametrize("args,needle", [(("--cache-policy", "sometimes"), "--cache-policy must be one of"),
+                                         (("--prepared", "/no/such.prepared.onnx"),
+                                          "--prepared /no/such.prepared.onnx: no prepared cache there")])
+def test_bad_cache_options(tiny_llm_path, args, needle):
+    assert_one_line_error(run(str(tiny_llm_path), *args), needle)

@@ -65,6 +65,7 @@ def test_summary_counts_the_tiny_llm(doc, plan):
     assert s["prepared_bytes"] == sum(r.packed_bytes for r in plan.requirements)
     assert s["lookahead"] == {"steps": plan.lookahead.steps, "bytes": plan.lookahead.bytes}
     assert s["filter"] == {"scope": None, "text": None, "shown": 81, "filtered_out": 0}
+    assert s["recipes"] == {"read_packed_payload": 0, "read_source_and_prepack": 18, "read_source": 10}
 
 
 def test_block0_reads_then_prepacks_each_weight(doc):
@@ -179,34 +180,99 @@ def test_json_tasks_rebuild_the_plan_exactly(doc, plan):
     assert doc["steps"] == [s.to_json() for s in plan.steps]
 
 
-def test_the_json_is_the_plan_a_session_executes(tiny_llm_path, doc):
+@pytest.fixture(scope="module")
+def cache_path(tiny_llm_path, tmp_path_factory):
+    """A complete prepared cache of the tiny LLM, built by build-cache's core call into
+    a folder of its own (the shared model's folder stays without one)."""
+    from onnx_prep.core.cache.cache_build import build_prepared_cache
+
+    path = tmp_path_factory.mktemp("prepared") / "tiny-llm.prepared.onnx"
+    built = build_prepared_cache(tiny_llm_path, output=path)
+    assert built["written"] == built["objects"] == 18
+    return path
+
+
+def opener(path):
+    from onnx_prep.core.cache.prepared_cache import PreparedCache
+
+    return lambda resolved: PreparedCache(resolved, path)
+
+
+@pytest.fixture(scope="module")
+def cached_doc(tiny_llm_path, cache_path):
+    return json.loads(json.dumps(plan_dump(tiny_llm_path, open_cache=opener(cache_path))))
+
+
+def test_with_a_complete_cache_one_read_packed_per_weight_publishing_the_same_key(doc, cached_doc):
+    """Every prepack of the plain plan becomes one read of its packed payload, on the
+    I/O queue, with no dependencies, publishing the same key; the raw reads stay; each
+    step waits for the same keys, now from their packed reads."""
+    validate(cached_doc)
+    prepacks = [t for t in doc["tasks"] if t["kind"] == "prepack"]
+    packed = [t for t in cached_doc["tasks"] if t["kind"] == "read_packed"]
+    assert len(packed) == len(prepacks) == 18
+    assert sorted(t["publishes"] for t in packed) == sorted(t["publishes"] for t in prepacks)
+    for t in packed:
+        assert t["id"] == f"S.read_packed:{t['publishes']}"
+        assert (t["scope"], t["resource"], t["dependencies"]) == ("session", "io", [])
+    raw = [t["id"] for t in doc["tasks"] if t["kind"] == "read_source" and t["publishes"]]
+    assert [t["id"] for t in cached_doc["tasks"] if t["kind"] == "read_source"] == raw  # 10 raw reads
+    assert not [t for t in cached_doc["tasks"] if t["kind"] == "prepack"]
+    rename = {t["id"]: f"S.read_packed:{t['publishes']}" for t in prepacks}
+    plain_steps = [t for t in doc["tasks"] if t["scope"] == "invocation"]
+    cached_steps = [t for t in cached_doc["tasks"] if t["scope"] == "invocation"]
+    assert [t["dependencies"] for t in cached_steps] == [[rename.get(d, d) for d in t["dependencies"]]
+                                                          for t in plain_steps]
+    s = cached_doc["summary"]
+    assert s["recipes"] == {"read_packed_payload": 18, "read_source_and_prepack": 0, "read_source": 10}
+    assert doc["summary"]["recipes"] == {"read_packed_payload": 0, "read_source_and_prepack": 18, "read_source": 10}
+    assert s["bytes_to_read"]["packed"] == sum(t["estimated_bytes"] for t in packed)
+    assert s["bytes_to_read"]["source"] == sum(t["estimated_bytes"] for t in cached_doc["tasks"]
+                                               if t["kind"] == "read_source")
+    assert s["by_kind"] == {"read_source": 10, "read_packed": 18, "execute": 18}
+    for q in cached_doc["requirements"]:
+        if q["selected"] != "read_source":
+            assert q["selected"] == "read_packed_payload"
+            assert [r["kind"] for r in q["recipes"]] == ["read_packed_payload", "read_source_and_prepack"]
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["sources", "prepared-cache"])
+def test_the_json_is_the_plan_a_session_executes(tiny_llm_path, doc, cached, request):
     """Run a real Session (a cold run, then prepare for whatever the run did not need)
     and read back what it executed: every session task once, by its plan id, kind and
     resource, on the dependencies the JSON lists (from the scheduler's handles); every
     step in plan order, pinning exactly the keys the JSON lists for it, whose publishers
-    are its other dependencies."""
+    are its other dependencies. With the prepared cache, the same against the JSON
+    planned with it."""
     r = resolve_model(tiny_llm_path)
+    cache = opener(request.getfixturevalue("cache_path"))(r) if cached else None
+    record = request.getfixturevalue("cached_doc") if cached else doc
     io = DecoderIO.discover(r.inputs, r.outputs)
     ids = np.array([[1, 2, 3]])
     pinned: dict[int, set] = {}
-    with Session(r) as s:
-        keys = [q.key for q in s.plan.requirements]
+    try:
+        with Session(r, cache=cache) as s:
+            keys = [q.key for q in s.plan.requirements]
 
-        def before_step(si: int) -> None:  # on the worker, the step's objects pinned
-            pinned[si] = {k for k in keys if s.store.pins(k) > 0}
+            def before_step(si: int) -> None:  # on the worker, the step's objects pinned
+                pinned[si] = {k for k in keys if s.store.pins(k) > 0}
 
-        ctx = RuntimeContext(step_feeds(io, ids, io.empty_past(1), 0), before_step=before_step)
-        s.run_async(ctx).wait()
-        s.prepare()
-        assert s.scheduler.wait_idle(timeout=60)
-        events = [e for e in s.timeline() if not e.name.startswith("run-")]
-        deps: dict[str, list[str]] = {}
-        for h in list(s.tasks.handles.values()):
-            deps[h.name] = [d.name for d in h.deps]
-            for d in h.deps:  # shared reads leave the table once consumed
-                deps.setdefault(d.name, [x.name for x in d.deps])
+            ctx = RuntimeContext(step_feeds(io, ids, io.empty_past(1), 0), before_step=before_step)
+            s.run_async(ctx).wait()
+            s.prepare()
+            assert s.scheduler.wait_idle(timeout=60)
+            events = [e for e in s.timeline() if not e.name.startswith("run-")]
+            deps: dict[str, list[str]] = {}
+            for h in list(s.tasks.handles.values()):
+                deps[h.name] = [d.name for d in h.deps]
+                for d in h.deps:  # shared reads leave the table once consumed
+                    deps.setdefault(d.name, [x.name for x in d.deps])
+    finally:
+        if cache is not None:
+            assert cache.counters["packed_reads"] == 18 and cache.counters["fallbacks"] == 0
+            cache.close()
 
-    session_rows = [t for t in doc["tasks"] if t["scope"] == "session"]
+    session_rows = [t for t in record["tasks"] if t["scope"] == "session"]
     names = [e.name for e in events]
     assert sorted(names) == sorted(t["id"] for t in session_rows)  # each exactly once
     assert all(e.state.value == "done" for e in events)
@@ -214,9 +280,9 @@ def test_the_json_is_the_plan_a_session_executes(tiny_llm_path, doc):
     assert ran == {t["id"]: (t["kind"], t["resource"]) for t in session_rows}
     assert deps == {t["id"]: t["dependencies"] for t in session_rows}
 
-    steps = [t for t in doc["tasks"] if t["scope"] == "invocation"]
+    steps = [t for t in record["tasks"] if t["scope"] == "invocation"]
     assert [si for si, *_ in ctx.step_log] == list(range(len(steps)))  # in plan order, each once
-    publisher = {q["key"]: q["publisher"] for q in doc["requirements"]}
+    publisher = {q["key"]: q["publisher"] for q in record["requirements"]}
     for si, t in enumerate(steps):
         assert pinned[si] == set(t["prepared_requirements"]), t["id"]
         previous = [steps[si - 1]["id"]] if si else []

@@ -23,8 +23,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-from onnx_prep.core.plan.execution_plan import PackedPayloadIndex, PreparedExecutionPlan, task_to_json
+from onnx_prep.core.model.resolved_model import ResolvedModel
+from onnx_prep.core.plan.execution_plan import (
+    READ_PACKED_PAYLOAD,
+    READ_SOURCE,
+    READ_SOURCE_AND_PREPACK,
+    PackedPayloadIndex,
+    PreparedExecutionPlan,
+    task_to_json,
+)
 from onnx_prep.core.plan.task import Arena, ResourceClass, TaskDescriptor, TaskKind, TaskScope
 
 __all__ = ["SCHEMA", "CostModel", "DEFAULT_COST_MODEL", "plan_dump", "plan_report", "plan_dot",
@@ -32,6 +41,7 @@ __all__ = ["SCHEMA", "CostModel", "DEFAULT_COST_MODEL", "plan_dump", "plan_repor
 
 SCHEMA = "onnx-prep.plan/1"
 SCOPES = tuple(s.value for s in TaskScope)
+RECIPE_KINDS = (READ_PACKED_PAYLOAD, READ_SOURCE_AND_PREPACK, READ_SOURCE)  # cheapest first
 
 # A cold read from a local NVMe SSD (sequential, one queue): 2 GB/s. A warm page cache
 # reads faster; a network filesystem slower: pass a CostModel of your own figures.
@@ -73,10 +83,13 @@ class CostModel:
 DEFAULT_COST_MODEL = CostModel()
 
 
-def plan_dump(model: str | Path, *, cache: PackedPayloadIndex | None = None, trust_symlinks: bool = False,
-              cost: CostModel = DEFAULT_COST_MODEL, scope: str | None = None, text: str | None = None) -> dict:
-    """``plan-dump``'s one call: resolve ``model``, build its plan as a session does
-    (with ``cache``: the prepared cache's entries where compatible) and report it."""
+def plan_dump(model: str | Path, *, open_cache: Callable[[ResolvedModel], PackedPayloadIndex | None] | None = None,
+              trust_symlinks: bool = False, cost: CostModel = DEFAULT_COST_MODEL, scope: str | None = None,
+              text: str | None = None) -> dict:
+    """``plan-dump``'s one call: resolve ``model``, build its plan as a session does and
+    report it. ``open_cache(resolved)`` opens the prepared cache to plan with (a
+    ``PackedPayloadIndex``, e.g. ``core/cache``'s ``PreparedCache``; None: no cache):
+    the plan then reads packed every object the cache holds a compatible entry for."""
     from onnx_prep.core.errors import UnsupportedOpError, Where
     from onnx_prep.core.model.resolution import resolve_model
     from onnx_prep.core.plan.execution_plan import build_prepared_execution_plan
@@ -87,7 +100,13 @@ def plan_dump(model: str | Path, *, cache: PackedPayloadIndex | None = None, tru
                         f"{', ...' if len(u.nodes) > 3 else ''})" for u in resolved.unsupported)
         raise UnsupportedOpError(f"no plan: ops with no kernel: {ops}", Where(model=str(resolved.model_path)),
                                  hint="run `onnx-prep resolve` to see what resolved")
-    plan = build_prepared_execution_plan(resolved, cache=cache)
+    cache = open_cache(resolved) if open_cache is not None else None
+    try:
+        plan = build_prepared_execution_plan(resolved, cache=cache)
+    finally:
+        close = getattr(cache, "close", None)  # the plan needs only lookups: nothing stays open
+        if close is not None:
+            close()
     return plan_report(plan, cost=cost, scope=scope, text=text)
 
 
@@ -143,6 +162,9 @@ def _summary(plan: PreparedExecutionPlan, cost: CostModel, path: list[TaskDescri
         acc["serial_ms"] += cost.seconds(t) * 1e3
     for acc in per_resource.values():
         acc["serial_ms"] = round(acc["serial_ms"], 3)
+    recipes = {kind: 0 for kind in RECIPE_KINDS}
+    for r in plan.requirements:
+        recipes[r.selected.kind] += 1
     consumers: dict[str, list[str]] = {}
     for t in plan.tasks:
         if t.kind is TaskKind.PREPACK:
@@ -158,6 +180,7 @@ def _summary(plan: PreparedExecutionPlan, cost: CostModel, path: list[TaskDescri
         "invocation_steps": len(plan.steps),
         "bytes_to_read": {"source": read_bytes(TaskKind.READ_SOURCE), "packed": read_bytes(TaskKind.READ_PACKED)},
         "prepared_bytes": sum(r.packed_bytes for r in plan.requirements),
+        "recipes": recipes,
         "critical_path": {
             "tasks": [t.id for t in path],
             "read_bytes": sum(cost.bytes_of(t) for t in path if t.resource is ResourceClass.IO),
