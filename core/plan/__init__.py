@@ -1,4 +1,4 @@
-"""The prepared execution plan: tasks, recipes, invocation steps."""
+"""The prepared execution plan: tasks, recipes, invocation steps; its report (plan-dump)."""
 from onnx_prep.core.lazy_exports import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
@@ -18,4 +18,9 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     "PackedPayloadEntry": "execution_plan",
     "PackedPayloadIndex": "execution_plan",
     "task_to_json": "execution_plan",
+    "CostModel": "plan_report",
+    "plan_dump": "plan_report",
+    "plan_report": "plan_report",
+    "plan_dot": "plan_report",
+    "task_from_json": "plan_report",
 })

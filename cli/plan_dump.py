@@ -1,0 +1,166 @@
+"""``onnx-prep plan-dump [MODEL] [--prepared PATH] [--cache-policy P]
+[--format table|json|dot] [--scope session|invocation] [--filter TEXT] [--json]``: the
+task plan a session of the model executes, before running it (with the prepared cache
+``run`` would use). One core call (``core/plan/plan_report.plan_dump``), one
+record, rendered as a summary and a table, as JSON (``core/schemas/plan.schema.json``)
+or as Graphviz (docs/plan-dump.md).
+
+Exit codes: 0 the plan was built; 2 the model is unusable (one line on stderr),
+including a model with an op that has no kernel (it has no plan)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from onnx_prep.cli import output
+from onnx_prep.cli.errors import run_guarded
+from onnx_prep.cli.model_argument import TRUST_SYMLINKS, model_path
+from onnx_prep.core.errors import EXIT_OK, UsageError
+
+FORMATS = ("table", "json", "dot")
+SCOPES = ("session", "invocation")
+
+
+def plan_dump(
+    model: Optional[Path] = typer.Argument(
+        None, help="Model .onnx file (or a folder holding one). Default: the embedded tiny INT4 LLM."),
+    prepared: Optional[Path] = typer.Option(
+        None, "--prepared", metavar="PATH",
+        help="The prepared cache's manifest (default: <model stem>.prepared.onnx beside the model, if there).",
+        show_default=False),
+    cache_policy: str = typer.Option(
+        "read-only", "--cache-policy",
+        help="The prepared cache, as run uses it (docs/cache-format.md): disabled (plan without it), read-only, "
+             "build-if-missing (the same plan), require-complete (fail unless every object is cached)."),
+    fmt: str = typer.Option("table", "--format", help="table (default), json (the full plan) or dot (Graphviz)."),
+    json_out: bool = typer.Option(False, "--json", help="The same as --format json."),
+    scope: Optional[str] = typer.Option(None, "--scope", help="List only session or invocation tasks."),
+    text: Optional[str] = typer.Option(None, "--filter", metavar="TEXT",
+                                       help="List only tasks whose id or label contains TEXT."),
+    trust_symlinks: bool = TRUST_SYMLINKS,
+) -> None:
+    """Show the task plan: summary, then each task's scope, kind, resource, dependencies, result and bytes."""
+
+    def go() -> int:
+        if fmt not in FORMATS:
+            raise UsageError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+        if json_out and fmt not in ("table", "json"):
+            raise UsageError(f"--json and --format {fmt} disagree", hint="give one of them")
+        if scope is not None and scope not in SCOPES:
+            raise UsageError(f"--scope must be one of {', '.join(SCOPES)}, got {scope!r}")
+        from onnx_prep.core.cache.prepared_cache import POLICIES, PreparedCache
+
+        if cache_policy not in POLICIES:
+            raise UsageError(f"--cache-policy must be one of {', '.join(POLICIES)}, got {cache_policy!r}")
+        if prepared is not None and not prepared.is_file():
+            raise UsageError(f"--prepared {prepared}: no prepared cache there",
+                             hint="build one with `onnx-prep build-cache`, or drop --prepared")
+        from onnx_prep.core.plan.plan_report import plan_dot
+        from onnx_prep.core.plan.plan_report import plan_dump as build
+
+        def open_cache(resolved):  # the cache `run` would use with the same options
+            if cache_policy == "disabled":
+                return None
+            return PreparedCache(resolved, prepared, policy=cache_policy, warn=output.warn)
+
+        doc = build(model_path(model), open_cache=open_cache, trust_symlinks=trust_symlinks, scope=scope,
+                    text=text)
+        if json_out or fmt == "json":
+            output.emit_json(doc)
+        elif fmt == "dot":
+            output.stdout.file.write(plan_dot(doc))
+            output.stdout.file.flush()
+        else:
+            render(doc)
+        return EXIT_OK
+
+    raise typer.Exit(run_guarded(go))
+
+
+# ------------------------------------------------------------------------- render
+
+def _size(n: int) -> str:
+    return f"{n:,} B" if n < 1 << 20 else f"{n:,} B ({n / (1 << 20):.1f} MiB)"
+
+
+def _row(table, what: str, value: str) -> None:
+    from rich.text import Text
+
+    table.add_row(what, Text(value))  # names from the model are printed as they are, never as markup
+
+
+def _result(t: dict) -> str:
+    """The key a task publishes; "its key" when the task's id already ends with it
+    (``S.prepack:<key>``, ``S.read_packed:<key>``), so the table stays readable."""
+    key = t["publishes"]
+    if key is None:
+        return "-"
+    return "its key" if t["id"].endswith(":" + key) else key
+
+
+def _counts(d: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in d.items())
+
+
+def render(doc: dict) -> None:
+    """The summary, then the task table, on stdout."""
+    from rich.table import Table
+    from rich.text import Text
+
+    s = doc["summary"]
+    summary = Table(title=Text(f"plan-dump {doc['model']}"), show_header=False, title_justify="left")
+    summary.add_column("what", style="bold")
+    summary.add_column("value")
+    _row(summary, "tasks", str(s["tasks"]))
+    for key in ("scope", "kind", "resource"):
+        _row(summary, f"  by {key}", _counts(s[f"by_{key}"]))
+    _row(summary, "prepared objects", f"{s['requirements']}, {_size(s['prepared_bytes'])}")
+    rc = s["recipes"]
+    _row(summary, "  by recipe", f"read packed {rc['read_packed_payload']}, read and prepacked "
+                                 f"{rc['read_source_and_prepack']}, raw reads {rc['read_source']}")
+    _row(summary, "invocation steps", str(s["invocation_steps"]))
+    _row(summary, "bytes to read", f"source {_size(s['bytes_to_read']['source'])}")
+    _row(summary, "", f"packed {_size(s['bytes_to_read']['packed'])}")
+    cp = s["critical_path"]
+    _row(summary, "critical path", f"{len(cp['tasks'])} tasks, {_size(cp['bytes'])}")
+    _row(summary, "", f"{cp['read_bytes']:,} B read, {cp['prepack_bytes']:,} B prepacked")
+    _row(summary, "", f"est. {cp['estimated_ms']:.2f} ms with unlimited workers")
+    for r, v in s["serial_by_resource"].items():
+        _row(summary, f"{r} queue, one worker", f"{v['tasks']} tasks, {v['bytes']:,} B, est. {v['serial_ms']:.2f} ms")
+    cm = doc["cost_model"]
+    _row(summary, "cost model", f"reads {cm['io_bytes_per_s'] / 1e9:g} GB/s; prepacks "
+                                f"{cm['prepack_bytes_per_s'] / 1e9:g} GB/s of source")
+    _row(summary, "", f"execute {cm['execute']}")
+    for f in s["fan_out"]:
+        _row(summary, "fan-out", f"{f['task']} feeds {len(f['consumers'])} prepacks")
+    _row(summary, "look-ahead", f"{s['lookahead']['steps']} steps, {_size(s['lookahead']['bytes'])}")
+    flt = s["filter"]
+    if flt["filtered_out"]:
+        by = " and ".join(x for x in (f"--scope {flt['scope']}" if flt["scope"] else "",
+                                      f"--filter {flt['text']!r}" if flt["text"] else "") if x)
+        _row(summary, "shown", f"{flt['shown']} of {s['tasks']} tasks")
+        _row(summary, "", f"{flt['filtered_out']} filtered out by {by}")
+    _row(summary, "plan build", f"{s['build_ms']:.1f} ms")
+    output.stdout.print(summary)
+
+    from rich import box
+
+    table = Table(title="tasks (* on the critical path; → the key a task publishes, where its id does not say)",
+                  title_justify="left", box=box.SIMPLE_HEAD, expand=True)
+    rows = []
+    for t in doc["tasks"]:
+        task = t["id"] if _result(t) in ("-", "its key") else f"{t['id']}\n→ {t['publishes']}"
+        rows.append((f"{t['index']}{'*' if t['critical'] else ''}", task, t["scope"], t["kind"], t["resource"],
+                     " ".join(f"#{i}" for i in t["dependency_indices"]) or "-",
+                     f"{t['estimated_bytes']:,}" if t["estimated_bytes"] else "-"))
+    # the short columns keep their width; the ids and dependencies fold
+    for i, (name, short) in enumerate((("#", True), ("task", False), ("scope", True), ("kind", True),
+                                       ("resource", True), ("depends on", False), ("est. bytes", True))):
+        width = max([len(name)] + [len(r[i]) for r in rows]) if short else None
+        table.add_column(name, justify="right" if name in ("#", "est. bytes") else "left", overflow="fold",
+                         no_wrap=short, min_width=width, ratio=None if short else {"task": 3}.get(name, 1))
+    for r in rows:
+        table.add_row(*(Text(c) for c in r))
+    output.stdout.print(table)
