@@ -70,16 +70,18 @@ def _render(doc: dict) -> None:
     for t in doc["tensors"]:
         tensors.add_row(escape(t["name"]), escape(t["file"]), f"{t['offset']:,}", f"{t['length']:,}",
                         t["sha256"][len("sha256:"):][:16] + "…", t["status"])
-    output.stdout.print(tensors)
+    if doc["tensors"]:
+        output.stdout.print(tensors)
     files = Table(title="data files", title_justify="left")
     for col in ("file", "bytes", "sha1 (checksum)", "status", "entries without it"):
         files.add_column(col, overflow="fold")
     for f in doc["files"]:
         files.add_row(escape(f["file"]), f"{f['bytes']:,}", f["sha1"], f["status"],
                       f"{f['entries_missing']} of {f['entries']}")
-    output.stdout.print(files)
+    if doc["files"]:
+        output.stdout.print(files)
     seconds = hashing["seconds"]
-    rate = f", {hashing['bytes'] / seconds / 1e6:,.0f} MB/s" if seconds > 0 else ""
+    rate = f", {hashing['bytes'] / seconds / 1e6:,.0f} MB/s" if seconds > 0 and hashing["bytes"] else ""
     say = lambda text: output.stdout.print(text, markup=False, highlight=False)  # noqa: E731
     say(f"tensors: {tot['verified']} verified, {tot['missing']} missing, {tot['added']} added "
         f"({tot['inline']} inline and {tot['unused']} unused initializers have none); "

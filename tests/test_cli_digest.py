@@ -27,6 +27,12 @@ def schema() -> dict:
     return json.loads(schema_path().read_text())
 
 
+def valid(doc: dict) -> dict:
+    """``doc``, once it validates against the documented schema."""
+    jsonschema.validate(doc, schema(), cls=jsonschema.Draft202012Validator)
+    return doc
+
+
 def one_line_error(p: subprocess.CompletedProcess) -> str:
     assert p.returncode == EXIT_UNUSABLE, p.stderr
     lines = p.stderr.splitlines()
@@ -39,20 +45,17 @@ def test_the_report_and_the_write_validate_against_the_schema(bare):
     jsonschema.Draft202012Validator.check_schema(schema())
     p = onnx_prep("digest", str(bare), "--json")
     assert p.returncode == EXIT_OK and p.stderr == "", p.stderr  # no progress bar off a terminal
-    report = json.loads(p.stdout)
-    jsonschema.validate(report, schema(), cls=jsonschema.Draft202012Validator)
+    report = valid(json.loads(p.stdout))
     assert report["write"] is None and report["totals"]["missing"] == 45
     assert {t["status"] for t in report["tensors"]} == {"missing"}
 
     p = onnx_prep("digest", str(bare), "--write", "--json")
     assert p.returncode == EXIT_OK, p.stderr
-    written = json.loads(p.stdout)
-    jsonschema.validate(written, schema(), cls=jsonschema.Draft202012Validator)
+    written = valid(json.loads(p.stdout))
     assert written["write"]["written"] is True and written["totals"]["added"] == 45
     assert [t["sha256"] for t in written["tensors"]] == [t["sha256"] for t in report["tensors"]]
 
-    again = json.loads(onnx_prep("digest", str(bare), "--json").stdout)
-    jsonschema.validate(again, schema(), cls=jsonschema.Draft202012Validator)
+    again = valid(json.loads(onnx_prep("digest", str(bare), "--json").stdout))
     assert again["totals"]["verified"] == 45 and again["files"][0]["status"] == "verified"
 
 
@@ -60,7 +63,7 @@ def test_the_schema_rejects_an_undocumented_field(bare):
     doc = json.loads(onnx_prep("digest", str(bare), "--json").stdout)
     doc["totals"]["surprise"] = 1
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(doc, schema(), cls=jsonschema.Draft202012Validator)
+        valid(doc)
 
 
 def test_the_text_report_says_what_is_missing_and_then_what_was_added(bare):
@@ -167,3 +170,28 @@ def test_a_model_with_its_digests_already_verifies_as_it_is(tiny_llm_path):
     doc = json.loads(p.stdout)
     assert doc["totals"]["verified"] == doc["totals"]["tensors"] > 0 and doc["totals"]["missing"] == 0
     assert onnx.load(str(tiny_llm_path), load_external_data=False).graph.initializer  # untouched, still parses
+
+
+def test_a_progress_bar_on_a_terminal_only(bare):
+    """On a terminal, a bar of bytes hashed on stderr (stdout stays the report); off a
+    terminal and with --json, nothing on stderr (the tests above)."""
+    import pty
+    import select
+
+    leader, follower = pty.openpty()
+    p = subprocess.Popen([*ONNX_PREP, "digest", str(bare)], stdout=subprocess.PIPE, stderr=follower)
+    os.close(follower)
+    seen = b""
+    while select.select([leader], [], [], 60)[0]:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the process closed the terminal
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(leader)
+    stdout = p.communicate(timeout=60)[0].decode()
+    assert p.returncode == EXIT_OK
+    assert b"hashing" in seen and b"13.7 MB" in seen
+    assert "hashing" not in stdout and "tensors: 0 verified, 45 missing" in stdout

@@ -279,27 +279,40 @@ def test_a_symlinked_model_is_not_replaced_in_place(bare, tmp_path):
     assert link.is_symlink()
 
 
-def test_inline_initializers_get_no_digest_and_are_counted(tmp_path):
-    """An inline initializer's bytes live in the protobuf: counted, not digested."""
+def test_inline_and_unused_initializers_get_no_sha256_and_are_counted(tmp_path):
+    """An inline initializer's bytes live in the protobuf; an unused external one is
+    never read (resolution prunes it): both counted, neither given a sha256; the unused
+    one's entry still gains its file's checksum."""
     from onnx import TensorProto, helper, numpy_helper
 
     w = np.arange(1024, dtype=np.float32).reshape(32, 32)
-    (tmp_path / "w.bin").write_bytes(w.tobytes())
-    ext = TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[32, 32], data_location=TensorProto.EXTERNAL)
-    for key, value in (("location", "w.bin"), ("offset", "0"), ("length", str(w.nbytes))):
-        ext.external_data.add(key=key, value=value)
+    u = np.full(16, 7, np.float32)
+    (tmp_path / "w.bin").write_bytes(w.tobytes() + u.tobytes())
+
+    def external(name, arr, offset):
+        t = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=arr.shape, data_location=TensorProto.EXTERNAL)
+        for key, value in (("location", "w.bin"), ("offset", str(offset)), ("length", str(arr.nbytes))):
+            t.external_data.add(key=key, value=value)
+        return t
+
     bias = numpy_helper.from_array(np.ones(32, np.float32), "b")
     graph = helper.make_graph(
         [helper.make_node("MatMul", ["x", "w"], ["y0"]), helper.make_node("Add", ["y0", "b"], ["y"])], "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32])], [ext, bias])
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32])],
+        [external("w", w, 0), bias, external("u", u, w.nbytes)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 10
     onnx.save(model, str(tmp_path / "m.onnx"))
 
     doc = digest_model(tmp_path / "m.onnx", write=True)
 
-    assert doc["totals"]["inline"] == 1 and [t["name"] for t in doc["tensors"]] == ["w"]
+    assert doc["totals"]["inline"] == 1 and doc["totals"]["unused"] == 1
+    assert [t["name"] for t in doc["tensors"]] == ["w"]
     assert doc["tensors"][0]["sha256"] == "sha256:" + hashlib.sha256(w.tobytes()).hexdigest()
+    assert doc["files"][0]["entries"] == 2 and doc["write"]["checksums_added"] == 2
     saved = {t.name: t for t in onnx.load(str(tmp_path / "m.onnx"), load_external_data=False).graph.initializer}
-    assert [p.key for p in saved["w"].metadata_props] == [TENSOR_DIGEST_KEY] and not saved["b"].metadata_props
+    assert [p.key for p in saved["w"].metadata_props] == [TENSOR_DIGEST_KEY]
+    assert not saved["b"].metadata_props and not saved["u"].metadata_props
+    sha1 = hashlib.sha1((tmp_path / "w.bin").read_bytes()).hexdigest()
+    assert ("checksum", sha1) in [(e.key, e.value) for e in saved["u"].external_data]
