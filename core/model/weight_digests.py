@@ -112,12 +112,14 @@ def compute_digests(path: str | os.PathLike, *, trust_symlinks: bool = False,
     weight the model uses; check the digests it records. Raises DigestError on the first
     mismatch, and resolution's errors for a model it refuses."""
     from onnx_prep.core.io.external_data import ExternalDataReader, file_identity
-    from onnx_prep.core.model.model_file import parse_model_file
+    from onnx_prep.core.model.model_file import find_model_file, parse_model_file
     from onnx_prep.core.model.resolution import resolve_model
 
-    resolved = resolve_model(path, trust_symlinks=trust_symlinks)
+    model_path = Path(os.path.abspath(find_model_file(Path(path), folder=True)))
+    # Before anything reads it: a model file replaced from here on is not overwritten.
+    model_identity = file_identity(os.stat(model_path))
+    resolved = resolve_model(model_path, trust_symlinks=trust_symlinks)
     model = str(resolved.model_path)
-    model_identity = file_identity(os.stat(resolved.model_path))
     proto = parse_model_file(resolved.model_path)
     recorded_sha256, recorded_sha1, entries = _recorded(proto)
     manifest = list(resolved.manifest)
