@@ -316,3 +316,23 @@ def test_inline_and_unused_initializers_get_no_sha256_and_are_counted(tmp_path):
     assert not saved["b"].metadata_props and not saved["u"].metadata_props
     sha1 = hashlib.sha1((tmp_path / "w.bin").read_bytes()).hexdigest()
     assert ("checksum", sha1) in [(e.key, e.value) for e in saved["u"].external_data]
+
+
+def test_onnx_and_onnx_runtime_load_a_model_whose_checksum_is_wrong(bare):
+    """What docs/digest.md says of the ONNX ``checksum``: neither ONNX Runtime nor onnx
+    checks it (only onnx-prep's reader does), so a wrong one loads there unnoticed."""
+    ort = ort_or_skip()
+    digest_model(bare, write=True)
+    m = onnx.load(str(bare), load_external_data=False)
+    for t in m.graph.initializer:
+        for e in t.external_data:
+            if e.key == "checksum":
+                e.value = "0" * 40
+        del t.metadata_props[:]
+    onnx.save(m, str(bare))
+
+    ort.InferenceSession(str(bare), providers=["CPUExecutionProvider"])
+    onnx.checker.check_model(str(bare), full_check=True)
+    assert onnx.load(str(bare)).graph.initializer[0].raw_data  # the data loads too
+    with pytest.raises(DigestError, match="recorded checksum"):
+        digest_model(bare)
