@@ -20,7 +20,7 @@ from onnx_prep.core.model.resolution import resolve_model
 from onnx_prep.core.model.weight_digests import schema_path
 from onnx_prep.core.model.weights import DigestSource
 from test_cli_exit_codes import ONNX_PREP, onnx_prep
-from test_digest import DATA, bare, strip_digests  # noqa: F401  (bare is a fixture)
+from test_digest import DATA, bare  # noqa: F401  (bare is a fixture)
 
 
 def schema() -> dict:
