@@ -213,6 +213,12 @@ class ReadCounters:
             self.reads += 1
             self.per_tensor[name] = self.per_tensor.get(name, 0) + n
 
+    def _add_bytes(self, n: int) -> None:
+        """A read of file bytes that belong to no one tensor (:meth:`ExternalDataReader.scan_file`)."""
+        with self._lock:
+            self.bytes_read += n
+            self.reads += 1
+
     def _add_map(self, name: str, n: int) -> None:
         with self._lock:
             self.bytes_mapped += n
@@ -344,6 +350,42 @@ class ExternalDataReader:
         (int4, uint4, float4, int2, uint2) stay packed uint8: shaped
         ``dims[:-1] + (packed bytes per row,)`` when rows are byte-aligned, else flat."""
         return as_array(desc, self.read(desc, verify=verify))
+
+    def scan_file(self, file: str, visit: Callable[[int, memoryview], None], *,
+                  chunk: int = 0) -> os.stat_result:
+        """Read the whole data file ``file`` (one the manifest names) front to back and
+        call ``visit(offset, view)`` for each chunk read; the view is valid only during
+        the call (one buffer of ``chunk`` bytes, default 1 MiB, is reused: memory stays
+        bounded whatever the file's size). Each byte is read once, so a caller hashes the
+        whole file and every tensor inside it in one pass (``core/model/weight_digests``).
+        Every path rule applies at the open; counted in ``bytes_read`` and ``reads``.
+        Returns the file's stat as the scan found it; a file whose size, modification
+        time or inode changed during the scan is an ExternalDataError."""
+        if not any(d.file == file for d in self.manifest):
+            raise ExternalDataError("read refused: no tensor of the payload manifest is in this file",
+                                    Where(model=self.model, file=file))
+        where = Where(model=self.model, file=file, offset=0)
+        fd = open_external_file(self.model_dir, file, trust_symlinks=self.trust_symlinks, where=where)
+        try:
+            before = os.fstat(fd)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            buf = memoryview(bytearray(chunk or _HASH_CHUNK))
+            pos = 0
+            while pos < before.st_size:
+                n = os.preadv(fd, [buf], pos) if hasattr(os, "preadv") else os.readv(fd, [buf])
+                if n == 0:
+                    break
+                self.counters._add_bytes(n)
+                visit(pos, buf[:n])
+                pos += n
+            after = os.fstat(fd)
+        finally:
+            os.close(fd)
+        if pos != before.st_size or file_identity(after) != file_identity(before):
+            raise ExternalDataError("external data file changed while it was read", where,
+                                    hint="do not modify a model's files while they are read; run again")
+        return before
 
     def map(self, desc: WeightDescriptor) -> np.ndarray:
         """A READ-ONLY uint8 view of the tensor's bytes through a private file mapping
@@ -614,6 +656,11 @@ class ExternalDataReader:
         if self.manifest.get(desc.name) != desc:
             raise ExternalDataError("read refused: tensor is not in the payload manifest", where)
         return where
+
+
+def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What says a file is still the one read: device, inode, size, modification time."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _close_all(fds: dict[str, int]) -> None:
