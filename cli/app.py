@@ -18,7 +18,7 @@ try:  # Ctrl-C during the start-up imports: one line and 130, never a traceback
     import typer
     from typer._click.exceptions import ClickException  # typer's own click (typer < 0.29)
 
-    from onnx_prep.cli import build_cache, demo, errors, fixture, resolve, run
+    from onnx_prep.cli import build_cache, check, demo, errors, fixture, resolve, run
 except KeyboardInterrupt:
     sys.stderr.write("interrupted\n")
     raise SystemExit(130) from None
@@ -59,6 +59,7 @@ app.command("resolve")(resolve.resolve)
 app.command("run")(run.run)
 app.command("build-cache")(build_cache.build_cache)
 app.command("demo")(demo.demo)
+app.command("check")(check.check)
 
 
 def main() -> None:

@@ -46,6 +46,8 @@ def probe(*args: str) -> tuple[int, list[str]]:
     (["resolve", "--help"], EXIT_OK),
     (["fixture", "--help"], EXIT_OK),
     (["demo", "--help"], EXIT_OK),
+    (["check", "--help"], EXIT_OK),
+    (["check", "--no-such-option"], EXIT_UNUSABLE),
     (["run", "--no-such-option"], EXIT_UNUSABLE),
     (["no-such-command"], EXIT_UNUSABLE),
     (["run", "--runtime", "tvm"], EXIT_UNUSABLE),
@@ -71,7 +73,7 @@ def test_commands_are_registered_by_name():
 
     names = [c.name for c in app.registered_commands]
     assert len(names) == len(set(names))
-    assert set(names) == {"fixture", "resolve", "run", "demo", "build-cache"}
+    assert set(names) == {"fixture", "resolve", "run", "demo", "build-cache", "check"}
 
 
 def test_a_missing_command_module_is_an_import_error():

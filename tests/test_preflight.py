@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import shutil
+from contextlib import contextmanager
 
 import jsonschema
 import onnx
@@ -207,6 +208,22 @@ def test_a_problem_in_a_tensor_no_node_reads_is_a_warning(small_copy):
     assert {(f["check"], f["subject"], f["severity"]) for f in doc["findings"]} == {
         ("external_data", "gone.data", "warning"), ("digests", "unused", "warning")}
     assert doc["exit_code"] == EXIT_OK and doc["summary"]["warnings"] == 2
+
+
+def test_verification_reports_progress_in_payload_bytes(small_llm_path):
+    events = []
+
+    @contextmanager
+    def progress(label, total):
+        events.append((label, total))
+        yield lambda nbytes: events.append(nbytes)
+
+    preflight(small_llm_path, progress=progress)
+    assert events == []  # nothing is read without verify_payloads
+    preflight(small_llm_path, verify_payloads=True, progress=progress)
+    manifest = resolve_model(small_llm_path).manifest
+    assert events[0] == ("verify payloads", manifest.total_bytes)
+    assert sorted(events[1:]) == sorted(d.length for d in manifest)
 
 
 # --------------------------------------------------------------- not a model
