@@ -75,11 +75,14 @@ def _progress(label: str, total: int) -> Iterator[Callable[[int], None]]:
 # ------------------------------------------------------------------------- render
 
 def finding_line(f: dict) -> str:
-    """One finding on one line, control characters escaped."""
+    """One finding on one line: severity, check, subject (and where in its file, or
+    which node), message; control characters escaped."""
     from onnx_prep.core.errors import terminal_safe
 
-    mark = "warning" if f["severity"] == "warning" else "error"
-    return terminal_safe(f"{mark}: {f['check']}: {f['subject']}: {f['message']}")
+    w = f["where"]
+    place = [f"{key} {w[key]}" for key in ("node", "file", "offset") if key in w and w[key] != f["subject"]]
+    subject = f"{f['subject']} ({', '.join(place)})" if place else f["subject"]
+    return terminal_safe(f"{f['severity']}: {f['check']}: {subject}: {f['message']}")
 
 
 def render(doc: dict) -> None:
@@ -106,7 +109,7 @@ def render(doc: dict) -> None:
     s = doc["summary"]
     verdict = "[red]findings[/red]" if doc["exit_code"] else "[green]clean[/green]"
     out.print(f"\n{verdict}: {s['errors']} error{'s' * (s['errors'] != 1)}, {s['warnings']} "
-              f"warning{'s' * (s['warnings'] != 1)}; {s['ok']} checks ok, {s['findings']} with findings, "
+              f"warning{'s' * (s['warnings'] != 1)}; checks: {s['ok']} ok, {s['findings']} with findings, "
               f"{s['skipped']} skipped", highlight=False)
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from onnx_prep.core.cache.preflight import CHECKS
 from onnx_prep.core.errors import EXIT_FINDINGS, EXIT_OK
+from onnx_prep.core.model.resolution import resolve_model
 from test_preflight import SMALL_DATA, _edit, _strip_digests, small_copy, validated  # noqa: F401 - a fixture
 from test_resolve_cli import assert_one_line_error, run
 from test_resolve_refusals import NORM, REFUSED
@@ -54,7 +55,9 @@ def test_findings_exit_1_one_line_each_and_one_junit_failure_each(small_copy, tm
     assert "  ✗ external_data: 1 finding" in lines and "  ✗ digests: 1 finding" in lines
     assert f"error: external_data: {SMALL_DATA}: external data file not found; copy the data file next " \
            "to the model, or fix its location" in lines
-    assert any(line.startswith(f"error: digests: {NORM}: no trusted digest") for line in lines)
+    offset = resolve_model(small_copy, stat_external=False).weights[NORM].offset
+    assert any(line.startswith(f"error: digests: {NORM} (file {SMALL_DATA}, offset {offset}): no trusted "
+                               "digest") for line in lines)
     root = junit(out)
     assert root.get("failures") == "2"
     [missing] = case(root, "external_data").findall("failure")
