@@ -86,8 +86,8 @@ def finding_line(f: dict) -> str:
 
 
 def render(doc: dict) -> None:
-    """One line per check (✓ ok, ✗ findings, - skipped), then the findings grouped by
-    check, one line each; then the summary."""
+    """One line per check (✓ ok, ✗ findings, ! warnings only, - skipped), then the
+    findings grouped by check, one line each; then the summary."""
     from onnx_prep.core.errors import terminal_safe
 
     out = output.stdout
@@ -97,8 +97,11 @@ def render(doc: dict) -> None:
             out.print(f"  [green]✓[/green] {c['id']}", highlight=False)
         elif c["status"] == "skipped":
             out.print(f"  [dim]- {c['id']}: skipped: {terminal_safe(c['reason'] or '')}[/dim]", highlight=False)
-        else:
+        elif any(f["check"] == c["id"] and f["severity"] == "error" for f in doc["findings"]):
             out.print(f"  [red]✗[/red] {c['id']}: {c['findings']} finding{'s' * (c['findings'] != 1)}",
+                      highlight=False)
+        else:  # warnings only: they do not fail it
+            out.print(f"  [yellow]![/yellow] {c['id']}: {c['findings']} warning{'s' * (c['findings'] != 1)}",
                       highlight=False)
     for c in doc["checks"]:
         group = [f for f in doc["findings"] if f["check"] == c["id"]]

@@ -84,7 +84,9 @@ def test_a_warning_is_printed_but_does_not_fail(small_copy, tmp_path):
     _edit(small_copy, edit)
     result = run("check", str(small_copy), "--junit", str(tmp_path / "check.xml"))
     assert result.exit_code == EXIT_OK, result.output
-    assert any(line.startswith("warning: external_data: gone.data: ") for line in result.stdout.splitlines())
+    lines = result.stdout.splitlines()
+    assert "  ! external_data: 1 warning" in lines and "  ! digests: 1 warning" in lines
+    assert any(line.startswith("warning: external_data: gone.data: ") for line in lines)
     root = junit(tmp_path / "check.xml")
     assert root.find(".//failure") is None and "gone.data" in case(root, "external_data").find("system-out").text
 

@@ -17,7 +17,7 @@ import pytest
 from onnx import TensorProto
 
 from onnx_prep.core.cache.preflight import CACHE_MODULE, CACHE_NOT_BUILT, CHECKS, preflight, schema_path
-from onnx_prep.core.errors import EXIT_FINDINGS, EXIT_OK, ModelFormatError, UsageError
+from onnx_prep.core.errors import EXIT_FINDINGS, EXIT_OK, ExternalDataError, ModelFormatError, UsageError, Where
 from onnx_prep.core.model.resolution import resolve_model
 from test_reader_integrity import (DATA as TINY_DATA, VICTIM, _drop_file_checksum, _drop_tensor_digests,
                                    _with_file_checksum, _zero)
@@ -71,6 +71,31 @@ def test_every_fixture_is_clean_even_reading_every_payload(request, fixture):
     assert all(s == "ok" for cid, s in statuses(doc).items() if cid != "prepared_cache")
 
 
+def prepared_cache_findings(resolved, prepared_path, *, require_complete, verify_payloads):
+    """The hook's contract, as core/cache/prepared_cache will fill it (the test below
+    points the preflight at this module): findings of the generic shape, or a typed error."""
+    if prepared_path.name == "unreadable":
+        raise ExternalDataError("prepared cache manifest is truncated", Where(file=str(prepared_path)))
+    return [{"check": "prepared_cache", "subject": "prepared/int4mm.v1.bs32:w", "severity": "error",
+             "message": f"entry missing ({len(resolved.requests)} requests, complete={require_complete}, "
+                        f"verify={verify_payloads})", "where": {"file": str(prepared_path)}}]
+
+
+def test_the_prepared_cache_hook_takes_findings_or_a_typed_error(small_llm_path, tmp_path, monkeypatch):
+    from onnx_prep.core.cache import preflight as module
+
+    monkeypatch.setattr(module, "CACHE_MODULE", __name__)
+    doc = validated(preflight(small_llm_path, prepared=tmp_path / "c", require_complete=True))
+    [f] = doc["findings"]
+    n = len(resolve_model(small_llm_path).requests)
+    assert (f["check"], f["subject"]) == ("prepared_cache", "prepared/int4mm.v1.bs32:w")
+    assert f["message"] == f"entry missing ({n} requests, complete=True, verify=False)"
+    doc = validated(preflight(small_llm_path, prepared=tmp_path / "unreadable"))
+    [f] = doc["findings"]
+    assert (f["check"], f["subject"]) == ("prepared_cache", str(tmp_path / "unreadable"))
+    assert f["message"] == "prepared cache manifest is truncated" and doc["exit_code"] == EXIT_FINDINGS
+
+
 def test_prepared_cache_is_skipped_until_the_cache_module_exists(small_llm_path, tmp_path):
     doc = preflight(small_llm_path, prepared=tmp_path / "model.prepared.onnx")
     cache = next(c for c in doc["checks"] if c["id"] == "prepared_cache")
@@ -108,6 +133,27 @@ def test_a_truncated_data_file_is_one_finding_per_tensor_past_its_end(small_copy
         assert f["where"]["tensor"] == f["subject"] and f["where"]["file"] == SMALL_DATA
     assert doc["exit_code"] == EXIT_FINDINGS
     assert findings(doc, "digests") == []  # the tensors in bounds verify; those past the end are not read
+
+
+@pytest.mark.parametrize("location, fragment", [
+    ("../outside.data", "escapes the model folder"),
+    ("/etc/passwd", "is absolute"),
+    ("link.data", "is a symlink"),
+    ("fifo.data", "not a regular file"),
+])
+def test_a_data_file_outside_the_rules_is_a_finding_naming_it(small_copy, location, fragment):
+    os.symlink(SMALL_DATA, small_copy.parent / "link.data")
+    os.mkfifo(small_copy.parent / "fifo.data")
+
+    def edit(m):
+        for e in next(t for t in m.graph.initializer if t.name == NORM).external_data:
+            if e.key == "location":
+                e.value = location
+    _edit(small_copy, edit)
+    doc = validated(preflight(small_copy))
+    [f] = doc["findings"]
+    assert (f["check"], f["subject"], f["where"]["tensors"]) == ("external_data", location, 1)
+    assert fragment in f["message"]
 
 
 def test_an_op_with_no_kernel_names_the_op_and_its_nodes(tmp_path):

@@ -182,6 +182,7 @@ class _State:
 
         from onnx_prep.core.model.resolution import weight_descriptor
 
+        seen: set[str] = set()
         for t in proto.graph.initializer:
             try:
                 d = weight_descriptor(t, self.model)
@@ -192,8 +193,9 @@ class _State:
             except ModelFormatError as exc:
                 conformance.add(finding_from_error("model.conformance", t.name, exc))
             else:
-                if t.data_location == TensorProto.EXTERNAL:
+                if t.data_location == TensorProto.EXTERNAL and d.name not in seen:  # a duplicate: conformance
                     self.external.append(d)
+                    seen.add(d.name)
 
     def resolve(self, conformance: _Check, checks: Mapping[str, _Check]) -> None:
         from onnx_prep.core.model.resolution import resolve_model
@@ -317,6 +319,10 @@ class _State:
         if self.resolved is None:
             check.skip("needs the model resolved (see model.conformance)")
             return
-        for f in fn(self.resolved, None if prepared is None else Path(prepared),
-                    require_complete=require_complete, verify_payloads=verify):
+        path = None if prepared is None else Path(prepared)
+        try:
+            found = list(fn(self.resolved, path, require_complete=require_complete, verify_payloads=verify))
+        except OnnxPrepError as exc:  # a cache that cannot be read at all: one finding, not exit 2
+            found = [finding_from_error("prepared_cache", str(path or exc.where.file or "prepared cache"), exc)]
+        for f in found:
             check.add(f if isinstance(f, Finding) else Finding(**(f.to_json() if hasattr(f, "to_json") else f)))
