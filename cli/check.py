@@ -25,12 +25,12 @@ def check(
     model: Optional[Path] = typer.Argument(
         None, help="Model .onnx file (or a folder holding one). Default: the embedded tiny INT4 LLM."),
     prepared: Optional[Path] = typer.Option(
-        None, "--prepared", help="The companion prepared cache to check (checked once the cache lands; "
-                                 "docs/check.md)."),
+        None, "--prepared", help="The prepared cache's manifest to check (default: <model stem>.prepared.onnx "
+                                 "beside the model, where one exists)."),
     require_complete: bool = typer.Option(
-        False, "--require-complete", help="A prepared object missing from the cache is a finding."),
+        False, "--require-complete", help="Every prepared object must have a usable cache entry."),
     verify_payloads: bool = typer.Option(
-        False, "--verify-payloads", help="Read every payload and check it against its digest."),
+        False, "--verify-payloads", help="Read every payload (weights and cache entries) and check its digest."),
     json_out: bool = typer.Option(False, "--json", help="Print the record as JSON (docs/check.md)."),
     junit: Optional[Path] = typer.Option(
         None, "--junit", help="Also write the result as JUnit XML to FILE (one testcase per check)."),

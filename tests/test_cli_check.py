@@ -13,6 +13,7 @@ import pytest
 from onnx_prep.core.cache.preflight import CHECKS
 from onnx_prep.core.errors import EXIT_FINDINGS, EXIT_OK
 from onnx_prep.core.model.resolution import resolve_model
+from test_prepared_cache import _flip, build
 from test_preflight import SMALL_DATA, _edit, _strip_digests, small_copy, validated  # noqa: F401 - a fixture
 from test_resolve_cli import assert_one_line_error, run
 from test_resolve_refusals import NORM, REFUSED
@@ -33,14 +34,12 @@ def test_a_clean_model_exits_0_with_a_tick_per_check_and_a_junit_file_without_fa
     result = run("check", str(small_llm_path), "--verify-payloads", "--junit", str(tmp_path / "check.xml"))
     assert result.exit_code == EXIT_OK, result.output
     lines = result.stdout.splitlines()
-    for check in CHECKS[:-1]:
+    for check in CHECKS:
         assert f"  ✓ {check}" in lines
-    assert "  - prepared_cache: skipped: the prepared cache is not built yet" in lines
     assert lines[-1].startswith("clean: 0 errors") and result.stderr == ""
     root = junit(tmp_path / "check.xml")
-    assert (root.get("tests"), root.get("failures"), root.get("skipped")) == ("5", "0", "1")
-    assert root.find(".//failure") is None
-    assert case(root, "prepared_cache").find("skipped") is not None
+    assert (root.get("tests"), root.get("failures"), root.get("skipped")) == ("5", "0", "0")
+    assert root.find(".//failure") is None and root.find(".//skipped") is None
     assert [p.name for p in tmp_path.iterdir()] == ["check.xml"]  # no temporary file left
 
 
@@ -64,6 +63,23 @@ def test_findings_exit_1_one_line_each_and_one_junit_failure_each(small_copy, tm
     assert missing.get("message").startswith(f"{SMALL_DATA}: external data file not found")
     assert case(root, "digests").find("failure").get("message").startswith(f"{NORM}: no trusted digest")
     assert case(root, "kernels").find("failure") is None
+
+
+def test_a_damaged_cache_entry_is_a_junit_failure_and_skipped_checks_say_why(small_copy, tmp_path):
+    manifest = build(small_copy)
+    _flip(small_copy, manifest)
+    result = run("check", str(small_copy), "--verify-payloads", "--junit", str(tmp_path / "check.xml"))
+    assert result.exit_code == EXIT_FINDINGS, result.output
+    assert any(line.startswith(f"error: prepared_cache: {manifest.entries[0].key} (")
+               for line in result.stdout.splitlines())
+    [failure] = case(junit(tmp_path / "check.xml"), "prepared_cache").findall("failure")
+    assert failure.get("message").startswith(manifest.entries[0].key)
+    _edit(small_copy, REFUSED["opset-99"][0])  # resolution refuses: kernels and the cache cannot be checked
+    result = run("check", str(small_copy), "--junit", str(tmp_path / "check.xml"))
+    assert "  - kernels: skipped: needs the model resolved (see model.conformance)" in result.stdout.splitlines()
+    root = junit(tmp_path / "check.xml")
+    assert root.get("skipped") == "2"
+    assert case(root, "prepared_cache").find("skipped").get("message").startswith("needs the model resolved")
 
 
 def test_json_validates_and_carries_the_exit_code(small_llm_path, small_copy):

@@ -5,7 +5,6 @@ Input that is not a model at all is raised, not reported."""
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -16,12 +15,13 @@ import onnx
 import pytest
 from onnx import TensorProto
 
-from onnx_prep.core.cache.preflight import CACHE_MODULE, CACHE_NOT_BUILT, CHECKS, preflight, schema_path
-from onnx_prep.core.errors import EXIT_FINDINGS, EXIT_OK, ExternalDataError, ModelFormatError, UsageError, Where
+from onnx_prep.core.cache.preflight import CHECKS, preflight, schema_path
+from onnx_prep.core.errors import EXIT_FINDINGS, EXIT_OK, ModelFormatError, UsageError
 from onnx_prep.core.model.resolution import resolve_model
 from test_reader_integrity import (DATA as TINY_DATA, VICTIM, _drop_file_checksum, _drop_tensor_digests,
                                    _with_file_checksum, _zero)
 from test_reader_integrity import tiny_copy  # noqa: F401 - a fixture
+from test_prepared_cache import _flip, build
 from test_resolve_models import custom_op_model
 from test_resolve_refusals import MODEL, NORM, REFUSED, _edited
 
@@ -68,42 +68,7 @@ def test_every_fixture_is_clean_even_reading_every_payload(request, fixture):
     doc = validated(preflight(request.getfixturevalue(fixture), verify_payloads=True))
     assert doc["exit_code"] == EXIT_OK and doc["findings"] == []
     assert [c["id"] for c in doc["checks"]] == list(CHECKS)
-    assert all(s == "ok" for cid, s in statuses(doc).items() if cid != "prepared_cache")
-
-
-def prepared_cache_findings(resolved, prepared_path, *, require_complete, verify_payloads):
-    """The hook's contract, as core/cache/prepared_cache will fill it (the test below
-    points the preflight at this module): findings of the generic shape, or a typed error."""
-    if prepared_path.name == "unreadable":
-        raise ExternalDataError("prepared cache manifest is truncated", Where(file=str(prepared_path)))
-    return [{"check": "prepared_cache", "subject": "prepared/int4mm.v1.bs32:w", "severity": "error",
-             "message": f"entry missing ({len(resolved.requests)} requests, complete={require_complete}, "
-                        f"verify={verify_payloads})", "where": {"file": str(prepared_path)}}]
-
-
-def test_the_prepared_cache_hook_takes_findings_or_a_typed_error(small_llm_path, tmp_path, monkeypatch):
-    from onnx_prep.core.cache import preflight as module
-
-    monkeypatch.setattr(module, "CACHE_MODULE", __name__)
-    doc = validated(preflight(small_llm_path, prepared=tmp_path / "c", require_complete=True))
-    [f] = doc["findings"]
-    n = len(resolve_model(small_llm_path).requests)
-    assert (f["check"], f["subject"]) == ("prepared_cache", "prepared/int4mm.v1.bs32:w")
-    assert f["message"] == f"entry missing ({n} requests, complete=True, verify=False)"
-    doc = validated(preflight(small_llm_path, prepared=tmp_path / "unreadable"))
-    [f] = doc["findings"]
-    assert (f["check"], f["subject"]) == ("prepared_cache", str(tmp_path / "unreadable"))
-    assert f["message"] == "prepared cache manifest is truncated" and doc["exit_code"] == EXIT_FINDINGS
-
-
-def test_prepared_cache_is_skipped_until_the_cache_module_exists(small_llm_path, tmp_path):
-    doc = preflight(small_llm_path, prepared=tmp_path / "model.prepared.onnx")
-    cache = next(c for c in doc["checks"] if c["id"] == "prepared_cache")
-    assert doc["options"]["prepared"] == str(tmp_path / "model.prepared.onnx")
-    if importlib.util.find_spec(CACHE_MODULE) is None:
-        assert (cache["status"], cache["reason"]) == ("skipped", CACHE_NOT_BUILT)
-    else:
-        assert cache["reason"] != CACHE_NOT_BUILT
+    assert set(statuses(doc).values()) == {"ok"}  # no cache beside it: nothing to say
 
 
 # ------------------------------------------------------------- one class each
@@ -117,7 +82,7 @@ def test_a_missing_data_file_is_one_finding_and_hides_no_other_check(small_copy)
     assert "not found" in f["message"] and f["where"]["file"] == SMALL_DATA
     assert f["where"]["tensors"] == len(resolve_model(small_copy, stat_external=False).manifest)
     assert statuses(doc) == {"model.conformance": "ok", "kernels": "ok", "external_data": "findings",
-                             "digests": "ok", "prepared_cache": "skipped"}
+                             "digests": "ok", "prepared_cache": "ok"}
 
 
 def test_a_truncated_data_file_is_one_finding_per_tensor_past_its_end(small_copy):
@@ -270,6 +235,35 @@ def test_verification_reports_progress_in_payload_bytes(small_llm_path):
     manifest = resolve_model(small_llm_path).manifest
     assert events[0] == ("verify payloads", manifest.total_bytes)
     assert sorted(events[1:]) == sorted(d.length for d in manifest)
+
+
+# ------------------------------------------------------------ prepared cache
+
+def test_a_built_cache_is_clean_and_a_flipped_payload_byte_is_found_by_reading_it(small_copy):
+    [f] = preflight(small_copy, require_complete=True)["findings"]
+    assert (f["check"], f["severity"]) == ("prepared_cache", "error") and "build-cache" in f["message"]
+    manifest = build(small_copy)
+    doc = validated(preflight(small_copy, require_complete=True, verify_payloads=True))
+    assert doc["exit_code"] == EXIT_OK and set(statuses(doc).values()) == {"ok"}
+    _flip(small_copy, manifest)
+    assert preflight(small_copy)["exit_code"] == EXIT_OK  # found only by reading the payloads
+    doc = validated(preflight(small_copy, verify_payloads=True))
+    [f] = doc["findings"]
+    assert (f["check"], f["subject"]) == ("prepared_cache", manifest.entries[0].key)
+    assert "does not match its digest" in f["message"] and doc["exit_code"] == EXIT_FINDINGS
+
+
+def test_a_malformed_or_absent_named_cache_is_a_finding_not_exit_2(small_copy, tmp_path):
+    (small_copy.parent / f"{small_copy.stem}.prepared.onnx").write_bytes(b"junk")
+    doc = validated(preflight(small_copy))
+    [f] = doc["findings"]
+    assert (f["check"], f["severity"]) == ("prepared_cache", "error") and "unparseable" in f["message"]
+    absent = tmp_path / "elsewhere.prepared.onnx"
+    doc = validated(preflight(small_copy, prepared=absent))
+    [f] = doc["findings"]
+    assert (f["check"], f["subject"]) == ("prepared_cache", str(absent))
+    assert f"onnx-prep build-cache -o {absent}" in f["message"] and doc["exit_code"] == EXIT_FINDINGS
+    assert doc["options"]["prepared"] == str(absent)
 
 
 # --------------------------------------------------------------- not a model

@@ -17,17 +17,18 @@ from ``parse_model_file``). Everything else becomes findings of named checks:
   ``metadata_props`` or the file's ``checksum``); with ``verify_payloads``, each
   trusted digest is checked by reading through the one reader
   (``ExternalDataReader.map_shared``: one tensor's pages at a time, released after).
-- ``prepared_cache``: the companion cache's entries, by
-  ``core/cache/prepared_cache.prepared_cache_findings`` once that module exists;
-  skipped until then.
+- ``prepared_cache``: the companion prepared cache (``--prepared``, default
+  ``<model>.prepared.onnx``), by ``core/cache/prepared_cache.prepared_cache_findings``:
+  a malformed manifest, each entry a load could not use, with ``require_complete`` each
+  missing one, with ``verify_payloads`` each payload against its digest. No cache at
+  the default path is no finding (a load then packs from the sources); a cache named
+  with ``prepared`` that is not there is one.
 
 A finding about a tensor resolution prunes (no kept node reads it) is a warning: a
 load never reads it. The record's ``exit_code`` is 1 when any finding is an error.
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
 import time
 from contextlib import contextmanager, nullcontext
@@ -48,8 +49,6 @@ from onnx_prep.core.errors import (
 CHECK_SCHEMA = "onnx-prep.check/1"
 CHECKS = ("model.conformance", "kernels", "external_data", "digests", "prepared_cache")
 DIGEST_HINT = "add digests with 'onnx-prep digest --write'"
-CACHE_MODULE = "onnx_prep.core.cache.prepared_cache"
-CACHE_NOT_BUILT = "the prepared cache is not built yet"
 STOPS = "resolution stops at its first refusal: fix this and run again to see whether more follow"
 
 # ``progress(label, total_bytes)``: a context manager around the payload verification
@@ -267,7 +266,7 @@ class _State:
         for d in self.external:
             if not d.trusted:
                 check.add(Finding("digests", d.name, f"no trusted digest: its bytes cannot be verified, and "
-                                  f"a prepared cache will not persist what it packs from them; {DIGEST_HINT}",
+                                  f"a prepared cache never reuses what it packs from them; {DIGEST_HINT}",
                                   {"model": self.model, "tensor": d.name, "file": d.file, "offset": d.offset},
                                   self._severity(d.name)))
         if not verify:
@@ -310,19 +309,20 @@ class _State:
 
     # -- prepared_cache
     def prepared_cache(self, check: _Check, prepared, require_complete: bool, verify: bool) -> None:
-        fn = None
-        if importlib.util.find_spec(CACHE_MODULE) is not None:
-            fn = getattr(importlib.import_module(CACHE_MODULE), "prepared_cache_findings", None)
-        if fn is None:
-            check.skip(CACHE_NOT_BUILT)
-            return
+        from onnx_prep.core.cache.prepared_cache import prepared_cache_findings
+
         if self.resolved is None:
             check.skip("needs the model resolved (see model.conformance)")
             return
         path = None if prepared is None else Path(prepared)
+        if path is not None and not path.exists():  # named, so expected: it is not optional here
+            check.add(Finding("prepared_cache", str(path), f"no prepared cache at {path}; build it: "
+                              f"onnx-prep build-cache -o {path}", {"model": self.model, "file": str(path)}))
+            return
         try:
-            found = list(fn(self.resolved, path, require_complete=require_complete, verify_payloads=verify))
+            found = prepared_cache_findings(self.resolved, path, require_complete=require_complete,
+                                            verify_payloads=verify)
         except OnnxPrepError as exc:  # a cache that cannot be read at all: one finding, not exit 2
             found = [finding_from_error("prepared_cache", str(path or exc.where.file or "prepared cache"), exc)]
         for f in found:
-            check.add(f if isinstance(f, Finding) else Finding(**(f.to_json() if hasattr(f, "to_json") else f)))
+            check.add(Finding(**f))
