@@ -141,3 +141,17 @@ def test_a_folder_holding_the_model_is_checked_like_the_file(small_llm_path, tmp
     shutil.copytree(small_llm_path.parent, tmp_path / "m")
     doc = json.loads(run("check", str(tmp_path / "m"), "--json").stdout)
     assert doc["model"] == os.path.abspath(tmp_path / "m" / small_llm_path.name)
+
+
+def test_the_console_script_exits_1_on_findings_and_3_on_an_internal_error(small_copy):
+    from onnx_prep.cli.errors import REPORT_REQUEST
+    from onnx_prep.core.errors import EXIT_INTERNAL
+    from test_cli_exit_codes import onnx_prep, with_fault
+
+    assert onnx_prep("check", str(small_copy)).returncode == EXIT_OK
+    (small_copy.parent / SMALL_DATA).unlink()
+    p = onnx_prep("check", str(small_copy))
+    assert p.returncode == EXIT_FINDINGS and p.stderr == "", p.stderr
+    p = with_fault("onnx_prep.core.model.resolution:resolve_model", "check", str(small_copy))
+    assert p.returncode == EXIT_INTERNAL and "injected fault" in p.stderr
+    assert p.stderr.strip().splitlines()[-1] == REPORT_REQUEST
