@@ -18,7 +18,7 @@ from ``parse_model_file``). Everything else becomes findings of named checks:
   trusted digest is checked by reading through the one reader
   (``ExternalDataReader.map_shared``: one tensor's pages at a time, released after).
 - ``prepared_cache``: the companion prepared cache (``--prepared``, default
-  ``<model>.prepared.onnx``), by ``core/cache/prepared_cache.prepared_cache_findings``:
+  ``<model stem>.prepared.onnx``), by ``core/cache/prepared_cache.prepared_cache_findings``:
   a malformed manifest, each entry a load could not use, with ``require_complete`` each
   missing one, with ``verify_payloads`` each payload against its digest. No cache at
   the default path is no finding (a load then packs from the sources); a cache named
