@@ -88,8 +88,13 @@ class UnsafePathError(ExternalDataError):
     """An external-data location is absolute, escapes the model folder, or is a symlink."""
 
 
+@dataclass
 class DigestError(OnnxPrepError):
-    """A declared digest has the wrong form, or a payload does not match its digest."""
+    """A declared digest has the wrong form, or a payload does not match its digest
+    (then ``expected`` is the declared digest and ``actual`` the bytes' own)."""
+
+    expected: str | None = None
+    actual: str | None = None
 
 
 class UnsupportedOpError(OnnxPrepError):

@@ -49,6 +49,8 @@ def probe(*args: str) -> tuple[int, list[str]]:
     (["plan-dump", "--help"], EXIT_OK),
     (["plan-dump", "--format", "svg"], EXIT_UNUSABLE),
     (["digest", "--help"], EXIT_OK),
+    (["check", "--help"], EXIT_OK),
+    (["check", "--no-such-option"], EXIT_UNUSABLE),
     (["run", "--no-such-option"], EXIT_UNUSABLE),
     (["no-such-command"], EXIT_UNUSABLE),
     (["run", "--runtime", "tvm"], EXIT_UNUSABLE),
@@ -74,7 +76,7 @@ def test_commands_are_registered_by_name():
 
     names = [c.name for c in app.registered_commands]
     assert len(names) == len(set(names))
-    assert set(names) == {"fixture", "resolve", "run", "demo", "build-cache", "plan-dump", "digest"}
+    assert set(names) == {"fixture", "resolve", "run", "demo", "build-cache", "plan-dump", "digest", "check"}
 
 
 def test_a_missing_command_module_is_an_import_error():

@@ -1,4 +1,4 @@
-"""The one reader of external data (and later of cache payloads)."""
+"""The one reader of external data (and later of cache payloads), and atomic file writes."""
 from onnx_prep.core.lazy_exports import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
@@ -8,4 +8,5 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     "check_location": "external_data",
     "check_bounds": "external_data",
     "verify_tensor_digest": "external_data",
+    "write_atomically": "atomic_file",
 })

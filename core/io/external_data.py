@@ -807,7 +807,8 @@ class _Digest:
 def _compare(expected: str, actual: str, what: str, where: Where) -> None:
     if actual != expected:
         raise DigestError(f"{what} do not match their declared digest: expected {expected}, got {actual}",
-                          where, hint="the data file changed after the model was written")
+                          where, hint="the data file changed after the model was written",
+                          expected=expected, actual=actual)
 
 
 _SHA1_DIGEST = re.compile(r"^sha1:([0-9a-f]{40})@")

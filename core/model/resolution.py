@@ -64,10 +64,13 @@ _SHA256 = re.compile(r"^sha256:([0-9a-fA-F]{64})$")
 _SHA1 = re.compile(r"^[0-9a-fA-F]{40}$")
 
 
-def resolve_model(path: str | os.PathLike, *, trust_symlinks: bool = False) -> ResolvedModel:
+def resolve_model(path: str | os.PathLike, *, trust_symlinks: bool = False,
+                  stat_external: bool = True) -> ResolvedModel:
     """Resolve ``path`` (an ``.onnx`` file, or a folder holding exactly one) without
     reading external data. Raises the typed errors of ``core/errors.py``; an op with no
     kernel is not an error here: it is listed in ``ResolvedModel.unsupported``.
+
+    ``stat_external=False`` skips step 5's stat and bounds checks (the preflight's own).
 
     ``trust_symlinks`` accepts external data reached through symlinks or hard links
     (Hugging Face cache snapshots). There is no ISA argument: every ISA reads the same
@@ -103,7 +106,7 @@ def resolve_model(path: str | os.PathLike, *, trust_symlinks: bool = False) -> R
             raise ModelFormatError("initializer without a name", Where(model=ctx.model))
         if t.name in descriptors:
             raise ModelFormatError("duplicate initializer name", Where(model=ctx.model, tensor=t.name))
-        descriptors[t.name] = _descriptor(t, ctx)
+        descriptors[t.name] = weight_descriptor(t, ctx.model)
         by_name[t.name] = t
 
     input_names = [v.name for v in graph.input]
@@ -156,6 +159,8 @@ def resolve_model(path: str | os.PathLike, *, trust_symlinks: bool = False) -> R
         if d.file is None:
             inline_values[d.name] = _inline_value(by_name[d.name], d, ctx)
             continue
+        if not stat_external:
+            continue
         where = Where(model=ctx.model, tensor=d.name, file=d.file, offset=d.offset)
         if d.file not in sizes:
             sizes[d.file] = stat_external_file(model_dir, d.file, trust_symlinks=trust_symlinks,
@@ -194,12 +199,13 @@ class _Context:
 
 # ------------------------------------------------------------------------- parsing
 
-def _descriptor(t: TensorProto, ctx: _Context) -> WeightDescriptor:
-    """One initializer's descriptor, from its protobuf fields only (no I/O)."""
+def weight_descriptor(t: TensorProto, model: str) -> WeightDescriptor:
+    """One initializer's descriptor, from its protobuf fields only (no I/O), or the typed
+    error of its first problem (the preflight asks tensor by tensor)."""
     name = t.name
 
     def where(file: str | None = None, offset: int | None = None) -> Where:
-        return Where(model=ctx.model, tensor=name, file=file, offset=offset)
+        return Where(model=model, tensor=name, file=file, offset=offset)
 
     dt = DTYPES.get(t.data_type)
     if dt is None:
