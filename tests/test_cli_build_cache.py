@@ -111,3 +111,11 @@ def test_require_complete_without_a_cache_names_what_is_missing(model):
 def test_build_if_missing_refuses_unverified_reads(model):
     p = cli("run", model, "--cache-policy", "build-if-missing", "--no-verify-digests", ok=False)
     assert p.returncode == 2 and "verified" in p.stderr
+
+
+def test_a_folder_with_its_cache_still_names_one_model(model):
+    cli("build-cache", model)
+    assert (model.parent / f"{model.stem}.prepared.onnx").is_file()
+    doc = json.loads(cli("run", model.parent, "--tokens", "2", "--json").stdout)
+    assert doc["model"].endswith(model.name) and doc["cache"]["packed_reads"] > 0
+    assert json.loads(cli("build-cache", model.parent, "--json").stdout)["written"] == 0

@@ -15,9 +15,10 @@ if TYPE_CHECKING:
 
 def find_model_file(path: Path, *, folder: bool = False) -> Path:
     """``path`` checked to be an existing file; with ``folder``, a folder stands for the
-    one ``.onnx`` file it holds. Raises ``UsageError`` naming the path."""
+    one ``.onnx`` file it holds, not counting a prepared cache's manifest
+    (``*.prepared.onnx``, docs/cache-format.md). Raises ``UsageError`` naming the path."""
     if folder and path.is_dir():
-        found = sorted(path.glob("*.onnx"))
+        found = sorted(p for p in path.glob("*.onnx") if not p.name.endswith(".prepared.onnx"))
         if len(found) != 1:
             raise UsageError(f"folder holds {len(found)} .onnx files, expected exactly one",
                              Where(model=str(path)), hint="pass the model file itself")
