@@ -1,0 +1,127 @@
+"""The batch sweep through the real runtime on the small fixture: under a budget of half
+the packed size the bytes paged per emitted token fall as 1/N and the counters repeat
+exactly; with an ample budget nothing is paged in after the prefill; row 0 of every
+batch decodes what batch 1 does; every output format parses."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+from importlib import resources
+
+import pytest
+
+from onnx_prep.core.errors import UsageError
+from onnx_prep.core.profile import sweep_report
+from onnx_prep.core.profile.batch_sweep import SweepOptions, parse_budget, record_batch_sweep
+
+
+@pytest.fixture(scope="module")
+def streaming(small_llm_path):
+    return record_batch_sweep(small_llm_path, SweepOptions(batches=(1, 2, 4, 8), tokens=5, budget="50%",
+                                                           repeat=2, cache_policy="disabled"))
+
+
+def test_bytes_paged_per_token_fall_as_one_over_n(streaming):
+    rows = streaming["rows"]
+    assert streaming["streaming"] and streaming["budget_bytes"] == streaming["packed_bytes"] // 2
+    per_step = rows[0]["bytes_paged_per_token"] * rows[0]["batch"]
+    assert per_step > 0
+    for r in rows:
+        ideal = per_step / r["batch"]
+        assert abs(r["bytes_paged_per_token"] - ideal) <= 0.05 * ideal, (r["batch"], r["bytes_paged_per_token"], ideal)
+        assert 0 < r["hit_rate"] < 1 and 0 < r["byte_hit_rate"] < 1 and r["evictions"] > 0
+
+
+def test_counters_are_identical_across_repeats(streaming):
+    assert all(r["counters_identical"] for r in streaming["rows"])
+
+
+def test_the_budget_is_held(streaming):
+    assert all(r["peak_prepared_bytes"] <= streaming["budget_bytes"] for r in streaming["rows"])
+
+
+def test_row_zero_of_every_batch_decodes_what_batch_one_does(streaming):
+    assert all(r["row_identity"] == {"identical": True, "first_divergence_step": None} for r in streaming["rows"])
+
+
+def test_streaming_rows_carry_the_pipelining_figures(streaming):
+    for r in streaming["rows"]:
+        assert r["ample_step_ms"] > 0 and r["read_ms"] > 0
+        assert r["pipelining"] == pytest.approx(r["step_ms"]["median"] / max(r["ample_step_ms"], r["read_ms"]))
+
+
+def test_an_ample_budget_pages_nothing_in_after_the_prefill(small_llm_path):
+    doc = record_batch_sweep(small_llm_path, SweepOptions(batches=(1, 2), tokens=4, budget="200%", repeat=1,
+                                                          cache_policy="disabled"))
+    assert not doc["streaming"]
+    for r in doc["rows"]:
+        assert r["page_ins"] == r["evictions"] == 0 and r["hit_rate"] == r["byte_hit_rate"] == 1.0
+        assert r["pipelining"] is None
+
+
+def test_from_the_cache_the_page_ins_read_packed_payloads(small_llm_path, tmp_path):
+    import shutil
+
+    from onnx_prep.core.cache.cache_build import build_prepared_cache
+
+    m = tmp_path / "m"
+    shutil.copytree(small_llm_path.parent, m)
+    model = m / small_llm_path.name
+    build_prepared_cache(model)
+    cached = record_batch_sweep(model, SweepOptions(batches=(1, 2), tokens=4, budget="50%", repeat=1,
+                                                    cache_policy="require-complete"))
+    plain = record_batch_sweep(model, SweepOptions(batches=(1, 2), tokens=4, budget="50%", repeat=1,
+                                                   cache_policy="disabled"))
+    # the same objects are paged in either way; only where they come from differs
+    for a, b in zip(cached["rows"], plain["rows"]):
+        assert a["page_in_bytes"] == b["page_in_bytes"] and a["row_identity"]["identical"]
+
+
+def test_the_record_validates_and_every_format_parses(streaming, tmp_path):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads(resources.files("onnx_prep.core").joinpath("schemas/batch-sweep.schema.json").read_text())
+    jsonschema.validate(json.loads(json.dumps(streaming)), schema)
+    lines = [json.loads(x) for x in sweep_report.as_jsonl(streaming).splitlines()]
+    assert [x["batch"] for x in lines] == [1, 2, 4, 8] and all(x["budget"] == "50%" for x in lines)
+    rows = list(csv.DictReader(io.StringIO(sweep_report.as_csv(streaming))))
+    assert [int(r["batch"]) for r in rows] == [1, 2, 4, 8]
+    assert list(rows[0]) == [c for c, _ in sweep_report.COLUMNS]
+    md = sweep_report.as_markdown(streaming).splitlines()
+    table = [x for x in md if x.startswith("|")]
+    assert len(table) == 2 + 4 and all(x.count("|") == table[0].count("|") for x in table)
+
+
+def test_the_plot_is_drawn(streaming, tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib not installed (pip install 'onnx-prep[plot]'): plot not drawn")
+    for name in ("sweep.png", "sweep.svg"):
+        sweep_report.plot(streaming, tmp_path / name)
+        assert (tmp_path / name).stat().st_size > 1000
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert b"<svg" in (tmp_path / "sweep.svg").read_bytes()[:2000]
+
+
+@pytest.mark.parametrize("text,want", [("50%", 500), ("1000", 1000 << 20 if False else None), ("2MiB", 2 << 20)])
+def test_budgets_parse(text, want):
+    if want is None:
+        with pytest.raises(UsageError):
+            parse_budget(text, 1000)  # a bare number under 1 MiB is no budget
+    else:
+        assert parse_budget(text, 1000) == want
+
+
+@pytest.mark.parametrize("options,needle", [
+    (dict(batches=()), "1 to 16 batch sizes"),
+    (dict(batches=(1, 1)), "repeat"),
+    (dict(batches=(0,)), "--batch-sweep"),
+    (dict(tokens=1), "--tokens"),
+    (dict(cache_policy="build-if-missing"), "build it with onnx-prep build-cache"),
+])
+def test_bad_options_are_refused(options, needle):
+    with pytest.raises(UsageError, match=needle):
+        SweepOptions(**options)
+
+
+def test_a_budget_below_the_largest_step_is_refused_before_anything_runs(small_llm_path):
+    with pytest.raises(UsageError, match="below the largest step"):
+        record_batch_sweep(small_llm_path, SweepOptions(batches=(1,), tokens=2, budget="1%", repeat=1))
