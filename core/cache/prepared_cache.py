@@ -37,7 +37,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from onnx_prep.core.cache.cache_writer import CacheWriteError, CacheWriter
+from onnx_prep.core.cache.cache_writer import CacheWriteError, CacheWriter, collect_leftovers
 from onnx_prep.core.cache.lineage import inline_digest, kernel_abi, lineage_digest, packed_format_version
 from onnx_prep.core.cache.manifest import CacheEntry, CacheManifest, SourceRecord, read_manifest
 from onnx_prep.core.errors import OnnxPrepError, UsageError, Where
@@ -384,6 +384,11 @@ class PreparedCache:
         if writer is None:
             if strict and self._write_error is not None:
                 raise CacheWriteError(self._write_error)
+            if strict and self.manifest is not None:  # build-cache, up to date: a crash's leftovers go
+                try:
+                    collect_leftovers(self.folder, self.stem, self.path.name)
+                except CacheWriteError as exc:
+                    self._note(f"{exc.one_line()}; stale files left for the next build")
             return out
         if self._write_error is not None:
             writer.discard()
