@@ -131,6 +131,7 @@ class PreparedCache:
         self._write_error: str | None = None
         self.on_persisted: Callable[[int], None] | None = None  # after each object written (progress)
         self.replace_keys: set[str] = set()  # persisted even over a compatible entry (build-cache)
+        self.write_errors_fatal = False  # build-cache: commit(strict=True) raises them, so no warning too
         self.manifest: CacheManifest | None = None
         self.outcomes: dict[str, EntryOutcome] = {}
         self._abi = _current_abi()
@@ -367,7 +368,8 @@ class PreparedCache:
     def _write_failed(self, exc: OnnxPrepError) -> None:
         if self._write_error is None:
             self._write_error = exc.one_line()
-            self._note(f"{exc.one_line()}; going on without persisting")
+            if not self.write_errors_fatal:
+                self._note(f"{exc.one_line()}; going on without persisting")
 
     def commit(self, *, strict: bool = False) -> dict:
         """Wait for queued writes, then publish them as a new generation. Returns what
