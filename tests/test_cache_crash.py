@@ -264,6 +264,9 @@ def test_two_builds_at_once_both_finish_and_leave_a_valid_cache(tiny_llm_path, t
     assert len(m.entries) == docs[0]["objects"] == docs[1]["objects"] > 0
     assert_entries_intact(model.parent, m)
     assert leftovers(model) == set()  # the loser's temporary file went too
+    if all(d["previous_generation"] is None for d in docs):  # both opened before either committed
+        # both built every object; the later commit found them all in the cache: no second generation
+        assert m.generation == 1 and sorted(d["written"] for d in docs) == [0, len(m.entries)]
     doc = run_tokens(model, "read-only")
     assert doc["tokens"] == tokens
     assert doc["cache"]["entries"]["hit"] == doc["cache"]["packed_reads"] == len(m.entries)
