@@ -82,7 +82,11 @@ def _fmt(st):
 
 
 def _drop_cache(resolved) -> None:
-    files = {resolved.model_dir / d.file for d in resolved.manifest if d.file}
+    drop_files({resolved.model_dir / d.file for d in resolved.manifest if d.file})
+
+
+def drop_files(files) -> None:
+    """Drop each file from the page cache (fsynced first: dirty pages cannot go)."""
     for f in files:
         fd = os.open(f, os.O_RDONLY)
         try:

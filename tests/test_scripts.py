@@ -2,6 +2,7 @@
 small models; the timings themselves are not asserted: benchmarks are not timed tests)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -198,3 +199,37 @@ def test_profile_ops_smoke(tmp_path):
     assert ops["Concat [numpy]"]["count"] == 17  # K and V caches of 4 blocks + rotary concats
     assert doc["actions"] == sum(row["count"] for row in doc["per_op"])
     assert abs(sum(row["share"] for row in doc["per_op"]) - 1.0) < 1e-3
+
+
+def test_bench_cache_smoke(tmp_path):
+    """The prepared-cache benchmark runs end to end on the tiny model (--quick) and prints
+    its tables and the issue's targets; what each load read is consistent."""
+    out = tmp_path / "cache.json"
+    p = _run(["scripts/bench_cache.py", "--quick", "--json", str(out)], tmp_path / "cache")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(out.read_text())
+    assert doc["repeats"] == 1 and doc["states"][0] == "warm"
+    assert doc["states"] == (["warm", "cold"] if hasattr(os, "posix_fadvise") else ["warm"])
+    for header in ("in-process load (ms)", "packed bytes read alone", "whole process", "zstd:", "bytes on disk:",
+                   "targets (ratios of medians in this run):"):
+        assert header in p.stdout
+    have_ort = importlib.util.find_spec("onnxruntime") is not None
+    assert len(doc["targets"]) == 2 * len(doc["states"]) + 3 + 3 * have_ort
+    for t in doc["targets"]:
+        assert f"{'PASS' if t['pass'] else 'FAIL'}  {t['target']}: " in p.stdout
+    sizes = doc["sizes"]
+    for state in doc["states"]:
+        loads = {c: xs[0] for c, xs in doc["in_process"][state].items()}
+        assert set(loads) == {"none", "build", "cache", "cache-zstd"}
+        # every packed object from the cache when it is complete, none when there is none
+        assert loads["cache"]["packed_bytes"] == sizes["packed"]
+        assert loads["cache-zstd"]["packed_bytes"] == sizes["zstd_stored"]
+        assert loads["none"]["packed_bytes"] == loads["build"]["packed_bytes"] == 0
+        assert loads["cache"]["source_bytes"] < loads["none"]["source_bytes"] == loads["build"]["source_bytes"]
+        assert loads["build"]["persisted_ms"] >= loads["build"]["first_output_ms"] > 0
+        procs = doc["processes"][state]
+        assert set(procs) == {"none", "build", "cache"} | ({"ort", "ort-prepacked"} if have_ort else set())
+        assert all(xs[0]["spawn_to_exit_ms"] > 0 and xs[0]["peak_rss_mib"] > 0 for xs in procs.values())
+    assert 0 < doc["zstd"]["ratio"] < 1.5 and doc["zstd"]["decode_gbps"] > 0
+    assert sizes["cache_disk"] >= sizes["packed"] > 0
+    _check_activity(doc["machine_activity"], p.stdout)

@@ -48,8 +48,8 @@ from onnx_prep.core.cache.manifest import (
 )
 from onnx_prep.core.errors import OnnxPrepError, Where
 
-__all__ = ["CacheWriteError", "CacheWriter", "cache_lock", "collect_garbage", "crash_point",
-           "payload_file_name"]
+__all__ = ["CacheWriteError", "CacheWriter", "cache_lock", "collect_garbage", "collect_leftovers",
+           "crash_point", "payload_file_name"]
 
 _CHUNK = 1 << 20
 ZSTD_LEVEL = 3
@@ -275,20 +275,47 @@ def collect_garbage(folder: Path, stem: str, live: CacheManifest | None) -> list
     """Remove payload files ``live`` does not name and temporary files no live writer
     holds. Call under :func:`cache_lock`. Returns the names removed."""
     folder = Path(folder)
-    named = live.files if live is not None else set()
     removed = []
-    prefix, gen_prefix = _temp_prefix(stem), f"{stem}.prepared.g"
-    manifest_tmp = f".{stem}.prepared.onnx.tmp-"
-    for name in sorted(os.listdir(folder)):
+    for name, temporary in _garbage(folder, stem, live):
         path = folder / name
-        if name.startswith(gen_prefix) and name.endswith(".data") and name not in named:
+        if not temporary or not _held(path):
             crash_point("gc_unlink")
             _unlink(path, removed)
-        elif name.startswith(prefix) or name.startswith(manifest_tmp):
-            if not _held(path):
-                crash_point("gc_unlink")
-                _unlink(path, removed)
     return removed
+
+
+def collect_leftovers(folder: Path, stem: str, manifest_name: str) -> list[str]:
+    """Garbage collection alone, for a build that had nothing to commit: what an
+    interrupted commit left (its temporary files, the generation it replaced, when it
+    was killed after publishing) goes now, not at the cache's next change. Takes the
+    lock only when there is something to collect. Returns the names removed."""
+    folder = Path(folder)
+    live = _live_manifest(folder / manifest_name)
+    if live is None or not _garbage(folder, stem, live):
+        return []
+    with cache_lock(folder, stem):
+        live = _live_manifest(folder / manifest_name)  # another commit may have run meanwhile
+        if live is None:
+            return []
+        try:
+            return collect_garbage(folder, stem, live)
+        except OSError as exc:
+            raise _write_error(exc, folder) from None
+
+
+def _garbage(folder: Path, stem: str, live: CacheManifest | None) -> list[tuple[str, bool]]:
+    """(name, is a temporary file) of each file garbage collection considers: payload
+    files ``live`` does not name, and temporary files (removed unless a writer holds them)."""
+    named = live.files if live is not None else set()
+    prefix, gen_prefix = _temp_prefix(stem), f"{stem}.prepared.g"
+    manifest_tmp = f".{stem}.prepared.onnx.tmp-"
+    out = []
+    for name in sorted(os.listdir(folder)):
+        if name.startswith(gen_prefix) and name.endswith(".data") and name not in named:
+            out.append((name, False))
+        elif name.startswith(prefix) or name.startswith(manifest_tmp):
+            out.append((name, True))
+    return out
 
 
 def _held(path: Path) -> bool:

@@ -37,7 +37,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from onnx_prep.core.cache.cache_writer import CacheWriteError, CacheWriter
+from onnx_prep.core.cache.cache_writer import CacheWriteError, CacheWriter, collect_leftovers
 from onnx_prep.core.cache.lineage import inline_digest, kernel_abi, lineage_digest, packed_format_version
 from onnx_prep.core.cache.manifest import CacheEntry, CacheManifest, SourceRecord, read_manifest
 from onnx_prep.core.errors import OnnxPrepError, UsageError, Where
@@ -131,6 +131,7 @@ class PreparedCache:
         self._write_error: str | None = None
         self.on_persisted: Callable[[int], None] | None = None  # after each object written (progress)
         self.replace_keys: set[str] = set()  # persisted even over a compatible entry (build-cache)
+        self.write_errors_fatal = False  # build-cache: commit(strict=True) raises them, so no warning too
         self.manifest: CacheManifest | None = None
         self.outcomes: dict[str, EntryOutcome] = {}
         self._abi = _current_abi()
@@ -367,7 +368,8 @@ class PreparedCache:
     def _write_failed(self, exc: OnnxPrepError) -> None:
         if self._write_error is None:
             self._write_error = exc.one_line()
-            self._note(f"{exc.one_line()}; going on without persisting")
+            if not self.write_errors_fatal:
+                self._note(f"{exc.one_line()}; going on without persisting")
 
     def commit(self, *, strict: bool = False) -> dict:
         """Wait for queued writes, then publish them as a new generation. Returns what
@@ -384,6 +386,11 @@ class PreparedCache:
         if writer is None:
             if strict and self._write_error is not None:
                 raise CacheWriteError(self._write_error)
+            if strict and self.manifest is not None:  # build-cache, up to date: a crash's leftovers go
+                try:
+                    collect_leftovers(self.folder, self.stem, self.path.name)
+                except CacheWriteError as exc:
+                    self._note(f"{exc.one_line()}; stale files left for the next build")
             return out
         if self._write_error is not None:
             writer.discard()
