@@ -102,3 +102,23 @@ def test_a_bad_isa_is_refused_by_every_command(tiny_llm_path):
 def test_run_takes_a_folder_and_trust_symlinks_like_resolve(tiny_llm_path):
     p = onnx_prep("run", str(tiny_llm_path.parent), "--tokens", "2", "--trust-symlinks")
     assert p.returncode == 0, p.stderr
+
+
+def test_numpy_warnings_reach_the_user_only_with_debug(small_llm_path, tmp_path):
+    """Every norm weight read one byte off (offsets + 1, digests left as they are,
+    verification off): the values are garbage, the ops overflow, and numpy warns. The
+    user sees the run's result and no warning; --debug shows them."""
+    import shutil
+
+    m = tmp_path / "m"
+    shutil.copytree(small_llm_path.parent, m)
+    model = onnx.load(str(m / small_llm_path.name), load_external_data=False)
+    for t in model.graph.initializer:
+        if t.data_type == TensorProto.FLOAT and t.data_location == TensorProto.EXTERNAL and "norm" in t.name:
+            e = {p.key: p for p in t.external_data}
+            e["offset"].value = str(int(e["offset"].value) + 1)
+    onnx.save(model, str(m / small_llm_path.name))
+    args = ["run", str(m / small_llm_path.name), "--tokens", "3", "--no-verify-digests"]
+    quiet, loud = onnx_prep(*args), onnx_prep("--debug", *args)
+    assert "RuntimeWarning" in loud.stderr, loud.stderr[-2000:]  # the control: there is something to hide
+    assert quiet.returncode == loud.returncode == 0 and "Warning" not in quiet.stderr, quiet.stderr

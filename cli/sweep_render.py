@@ -1,0 +1,63 @@
+"""How ``onnx-prep profile --batch-sweep`` shows its record: a rich table for people
+(like llama-bench's: counters first, then times), or one of the machine formats the
+core prints (core/profile/sweep_report.py): json, jsonl, csv, md."""
+from __future__ import annotations
+
+from onnx_prep.cli import output
+
+FORMATS = ("table", "json", "jsonl", "csv", "md")
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.2f}"
+
+
+def _spread(s: dict, fmt: str = "{:,.1f}") -> str:
+    return f"{fmt.format(s['median'])} ({fmt.format(s['min'])}–{fmt.format(s['max'])})"
+
+
+def render(record: dict, fmt: str) -> None:
+    import sys
+
+    from onnx_prep.core.profile import sweep_report
+
+    if fmt == "json":
+        output.emit_json(record)
+        return
+    if fmt in ("jsonl", "csv", "md"):
+        printer = {"jsonl": sweep_report.as_jsonl, "csv": sweep_report.as_csv, "md": sweep_report.as_markdown}[fmt]
+        sys.stdout.write(printer(record))
+        return
+    from rich.table import Table
+
+    budget = ("no budget" if record["budget_bytes"] is None else
+              f"budget {record['budget']} = {_mib(record['budget_bytes'])} MiB of {_mib(record['packed_bytes'])} MiB packed"
+              + (" (streaming)" if record["streaming"] else " (fits)"))
+    t = Table(title=f"batch sweep · {record['model']} · {budget} · {record['tokens']} tokens · "
+                    f"{record['repeat']} repeats · cache {record['cache_policy']}", title_justify="left")
+    cols = [("N", "right"), ("MiB paged/token", "right"), ("page-ins/token", "right"), ("hit rate", "right"),
+            ("byte hit", "right"), ("evictions", "right"), ("same counters", "center"), ("row 0 = N1", "center"),
+            ("tokens/s med (min–max)", "right"), ("ms/step med (min–max)", "right"), ("peak MiB", "right")]
+    streaming = record["streaming"]
+    if streaming:
+        cols += [("ample ms/step", "right"), ("read ms", "right"), ("pipelining", "right")]
+    ort = record["ort"] is not None
+    if ort:
+        cols.append(("ORT tokens/s (no budget)", "right"))
+    for name, just in cols:
+        t.add_column(name, justify=just)
+    for r in record["rows"]:
+        ident = r["row_identity"]
+        cells = [str(r["batch"]), _mib(r["bytes_paged_per_token"]), f"{r['page_ins_per_token']:.2f}",
+                 f"{r['hit_rate']:.3f}", f"{r['byte_hit_rate']:.3f}", str(r["evictions"]),
+                 "yes" if r["counters_identical"] else "[red]no[/red]",
+                 "yes" if ident["identical"] else f"[red]step {ident['first_divergence_step']}[/red]",
+                 _spread(r["tokens_per_s"]), _spread(r["step_ms"], "{:,.2f}"), _mib(r["peak_prepared_bytes"])]
+        if streaming:
+            cells += [f"{r['ample_step_ms']:,.2f}", f"{r['read_ms']:,.2f}", f"{r['pipelining']:.2f}×"]
+        if ort:
+            o = r["ort_tokens_per_s"]
+            cells.append("–" if o is None else o.get("error", "") or _spread(o))
+        t.add_row(*cells)
+    output.stdout.print(t)
+    output.stdout.print(f"[dim]{record['machine']}[/dim]")
