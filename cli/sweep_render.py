@@ -33,31 +33,31 @@ def render(record: dict, fmt: str) -> None:
     budget = ("no budget" if record["budget_bytes"] is None else
               f"budget {record['budget']} = {_mib(record['budget_bytes'])} MiB of {_mib(record['packed_bytes'])} MiB packed"
               + (" (streaming)" if record["streaming"] else " (fits)"))
-    t = Table(title=f"batch sweep · {record['model']} · {budget} · {record['tokens']} tokens · "
-                    f"{record['repeat']} repeats · cache {record['cache_policy']}", title_justify="left")
-    cols = [("N", "right"), ("MiB paged/token", "right"), ("page-ins/token", "right"), ("hit rate", "right"),
-            ("byte hit", "right"), ("evictions", "right"), ("same counters", "center"), ("row 0 = N1", "center"),
-            ("tokens/s med (min–max)", "right"), ("ms/step med (min–max)", "right"), ("peak MiB", "right")]
-    streaming = record["streaming"]
-    if streaming:
-        cols += [("ample ms/step", "right"), ("read ms", "right"), ("pipelining", "right")]
-    ort = record["ort"] is not None
-    if ort:
-        cols.append(("ORT tokens/s (no budget)", "right"))
-    for name, just in cols:
-        t.add_column(name, justify=just)
+    output.stdout.print(f"batch sweep · {record['model']}\n{budget} · {record['tokens']} tokens · "
+                        f"{record['repeat']} repeats · cache {record['cache_policy']}", markup=False, highlight=False)
+    counters = Table(title="weight streaming (decode steps; deterministic)", title_justify="left")
+    for name in ("N", "MiB paged/token", "page-ins/token", "hit rate", "byte hit", "evictions",
+                 "same in repeats", "row 0 = N1", "peak MiB"):
+        counters.add_column(name, justify="right")
+    streaming, ort = record["streaming"], record["ort"] is not None
+    times = Table(title="time (median, min–max over repeats)", title_justify="left")
+    for name in ("N", "tokens/s", "ms/step") + (("no-budget ms", "read ms", "pipelining") if streaming else ()) \
+            + (("ORT tokens/s (no budget)",) if ort else ()):
+        times.add_column(name, justify="right")
     for r in record["rows"]:
         ident = r["row_identity"]
-        cells = [str(r["batch"]), _mib(r["bytes_paged_per_token"]), f"{r['page_ins_per_token']:.2f}",
-                 f"{r['hit_rate']:.3f}", f"{r['byte_hit_rate']:.3f}", str(r["evictions"]),
-                 "yes" if r["counters_identical"] else "[red]no[/red]",
-                 "yes" if ident["identical"] else f"[red]step {ident['first_divergence_step']}[/red]",
-                 _spread(r["tokens_per_s"]), _spread(r["step_ms"], "{:,.2f}"), _mib(r["peak_prepared_bytes"])]
+        counters.add_row(str(r["batch"]), _mib(r["bytes_paged_per_token"]), f"{r['page_ins_per_token']:.2f}",
+                         f"{r['hit_rate']:.3f}", f"{r['byte_hit_rate']:.3f}", str(r["evictions"]),
+                         "yes" if r["counters_identical"] else "[red]no[/red]",
+                         "yes" if ident["identical"] else f"[red]step {ident['first_divergence_step']}[/red]",
+                         _mib(r["peak_prepared_bytes"]))
+        cells = [str(r["batch"]), _spread(r["tokens_per_s"]), _spread(r["step_ms"], "{:,.2f}")]
         if streaming:
             cells += [f"{r['ample_step_ms']:,.2f}", f"{r['read_ms']:,.2f}", f"{r['pipelining']:.2f}×"]
         if ort:
             o = r["ort_tokens_per_s"]
             cells.append("–" if o is None else o.get("error", "") or _spread(o))
-        t.add_row(*cells)
-    output.stdout.print(t)
+        times.add_row(*cells)
+    output.stdout.print(counters)
+    output.stdout.print(times)
     output.stdout.print(f"[dim]{record['machine']}[/dim]")

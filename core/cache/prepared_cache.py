@@ -131,6 +131,7 @@ class PreparedCache:
         self._write_error: str | None = None
         self.on_persisted: Callable[[int], None] | None = None  # after each object written (progress)
         self.replace_keys: set[str] = set()  # persisted even over a compatible entry (build-cache)
+        self._verified: set[str] = set()  # entries whose payload digest a read checked
         self.write_errors_fatal = False  # build-cache: commit(strict=True) raises them, so no warning too
         self.manifest: CacheManifest | None = None
         self.outcomes: dict[str, EntryOutcome] = {}
@@ -239,7 +240,9 @@ class PreparedCache:
 
     def read_into(self, payload: PackedPayloadEntry, out: np.ndarray) -> bool:
         """Fill ``out`` (the packed object's slot view) with the entry's bytes, decoded,
-        checking the payload digest as it reads. False when the entry proves unusable
+        checking the payload digest as it reads (the first read of each entry: a page-in
+        after an eviction reads bytes this cache already accepted; the files were opened
+        once, at open). False when the entry proves unusable
         (a warning is recorded; the caller rebuilds from sources); raises instead under
         ``require-complete``."""
         e = self.manifest.by_key[payload.key]
@@ -249,7 +252,9 @@ class PreparedCache:
             buf = out.reshape(-1).view(np.uint8)
             if buf.nbytes != e.decoded_length:
                 raise _Unusable(f"slot is {buf.nbytes} bytes, entry decodes to {e.decoded_length}")
-            h = hashlib.sha256() if self.verify_payloads else None
+            # verified on its first read in this process; a later read of the same entry
+            # (a page-in after an eviction) is of bytes already accepted
+            h = hashlib.sha256() if self.verify_payloads and e.key not in self._verified else None
             if e.encoding is None:
                 mv = memoryview(buf)
                 got = 0
@@ -277,6 +282,8 @@ class PreparedCache:
         with self._lock:
             self.counters["packed_reads"] += 1
             self.counters["packed_bytes"] += e.length
+            if h is not None:
+                self._verified.add(e.key)
         return True
 
     def _fd(self, name: str) -> int:

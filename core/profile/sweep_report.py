@@ -104,7 +104,11 @@ def plot(record: dict, path) -> None:
     if rows and rows[0]["bytes_paged_per_token"]:
         first = rows[0]["bytes_paged_per_token"] * rows[0]["batch"]
         a.plot(n, [first / x / 2**20 for x in n], "--", color="gray", label="ideal 1/N")
-    a.set_xscale("log", base=2)
+    for ax in (a, b):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(n, [str(x) for x in n])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
     a.set_xlabel("batch size N")
     a.set_ylabel("MiB paged in per emitted token")
     a.set_title("weight streaming")
@@ -114,7 +118,7 @@ def plot(record: dict, path) -> None:
         b.plot(n, [x * 1e3 / r["ample_step_ms"] for x, r in zip(n, rows)], "s--", label="onnx-prep, no budget")
     if any(r["ort_tokens_per_s_median"] for r in rows):
         b.plot(n, [r["ort_tokens_per_s_median"] for r in rows], "^:", label="ONNX Runtime, no budget")
-    b.set_xscale("log", base=2)
+    b.set_yscale("log")
     b.set_xlabel("batch size N")
     b.set_ylabel("tokens / s")
     b.set_title("decode throughput")
