@@ -40,7 +40,9 @@ Statistics: ``live(arena)``, ``peak(arena)``, ``limit(arena)``, ``global_live``,
 ``global_peak``, ``max_in_flight_bytes`` (= ``global_peak``: the most bytes held at once
 across all arenas), ``snapshot()``, ``reset_peaks()``. ``watch_peaks()`` opens a
 :class:`PeakWatch`: the peaks from now on (a session's, a run's), apart from the budget's
-own and from other watches; ``close()`` it when done.
+own and from other watches; ``close()`` it when done. ``trace_live()`` opens a
+:class:`LiveTrace`: what every arena holds after each change from now on, timestamped
+(the profiler's counters of arena bytes over time, core/profile/chrome_trace.py).
 
 ``add_release_listener(fn)``: ``fn()`` is called (outside the budget's lock, on the
 releasing thread) after any bytes are returned; the scheduler uses it to retry tasks
@@ -63,7 +65,7 @@ from dataclasses import dataclass
 from onnx_prep.core.errors import BudgetError
 from onnx_prep.core.plan.task import Arena  # the plan's vocabulary; budgets are kept here
 
-__all__ = ["Arena", "ArenaStats", "BudgetSnapshot", "MemoryBudget", "PeakWatch", "Reservation"]
+__all__ = ["Arena", "ArenaStats", "BudgetSnapshot", "LiveTrace", "MemoryBudget", "PeakWatch", "Reservation"]
 
 
 def _fmt(n: int | None) -> str:
@@ -192,6 +194,30 @@ class PeakWatch:
         self.close()
 
 
+class LiveTrace:
+    """What each arena held after every change since the trace opened
+    (:meth:`MemoryBudget.trace_live`): ``samples()`` is ``[(perf_counter_ns, {arena
+    name: bytes})]``, the first taken at opening. Costs one small dict per change while
+    open; ``close()`` stops it (idempotent)."""
+
+    __slots__ = ("_budget", "_samples")
+
+    def __init__(self, budget: MemoryBudget, live: dict[Arena, int]) -> None:
+        self._budget = budget
+        self._samples: list[tuple[int, dict[str, int]]] = []
+        self._saw(live)
+
+    def _saw(self, live: dict[Arena, int]) -> None:  # budget lock held
+        self._samples.append((time.perf_counter_ns(), {a.value: n for a, n in live.items()}))
+
+    def samples(self) -> list[tuple[int, dict[str, int]]]:
+        with self._budget._lock:
+            return list(self._samples)
+
+    def close(self) -> None:
+        self._budget._untrace(self)
+
+
 class MemoryBudget:
     """Per-arena limits under one global limit, with critical headroom. Thread-safe."""
 
@@ -224,6 +250,7 @@ class MemoryBudget:
         self._cond = threading.Condition(self._lock)
         self._listeners: list[Callable[[], None]] = []
         self._watches: list[PeakWatch] = []
+        self._traces: list[LiveTrace] = []
 
     # -- configuration and statistics -------------------------------------------------
 
@@ -281,6 +308,18 @@ class MemoryBudget:
         with self._lock:
             if watch in self._watches:
                 self._watches.remove(watch)
+
+    def trace_live(self) -> LiveTrace:
+        """Every change of what the arenas hold from now on (see :class:`LiveTrace`)."""
+        with self._lock:
+            t = LiveTrace(self, self._live)
+            self._traces.append(t)
+        return t
+
+    def _untrace(self, trace: LiveTrace) -> None:
+        with self._lock:
+            if trace in self._traces:
+                self._traces.remove(trace)
 
     def add_release_listener(self, fn: Callable[[], None]) -> None:
         with self._lock:
@@ -356,6 +395,8 @@ class MemoryBudget:
             self._global_peak = self._global_live
         for w in self._watches:
             w._saw(self._live, self._global_live)
+        for t in self._traces:
+            t._saw(self._live)
 
     def try_reserve_many(self, request: Mapping[Arena, int], *, critical: bool = True,
                          label: str = "") -> Reservation | None:
@@ -405,6 +446,8 @@ class MemoryBudget:
                 self._live[a] -= n
                 assert self._live[a] >= 0, f"arena {a.value} released more than it held"
             self._global_live -= sum(amounts.values())
+            for t in self._traces:
+                t._saw(self._live)
             self._cond.notify_all()
             listeners = list(self._listeners)
         for fn in listeners:
