@@ -18,7 +18,7 @@ try:  # Ctrl-C during the start-up imports: one line and 130, never a traceback
     import typer
     from typer._click.exceptions import ClickException  # typer's own click (typer < 0.29)
 
-    from onnx_prep.cli import build_cache, check, demo, digest, errors, fixture, plan_dump, resolve, run
+    from onnx_prep.cli import build_cache, check, demo, digest, errors, fixture, plan_dump, profile, resolve, run
 except KeyboardInterrupt:
     sys.stderr.write("interrupted\n")
     raise SystemExit(130) from None
@@ -62,6 +62,7 @@ app.command("demo")(demo.demo)
 app.command("plan-dump")(plan_dump.plan_dump)
 app.command("digest")(digest.digest)
 app.command("check")(check.check)
+app.command("profile")(profile.profile)
 
 
 def main() -> None:

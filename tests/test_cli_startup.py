@@ -51,6 +51,7 @@ def probe(*args: str) -> tuple[int, list[str]]:
     (["digest", "--help"], EXIT_OK),
     (["check", "--help"], EXIT_OK),
     (["check", "--no-such-option"], EXIT_UNUSABLE),
+    (["profile", "--help"], EXIT_OK),
     (["run", "--no-such-option"], EXIT_UNUSABLE),
     (["no-such-command"], EXIT_UNUSABLE),
     (["run", "--runtime", "tvm"], EXIT_UNUSABLE),
@@ -76,7 +77,8 @@ def test_commands_are_registered_by_name():
 
     names = [c.name for c in app.registered_commands]
     assert len(names) == len(set(names))
-    assert set(names) == {"fixture", "resolve", "run", "demo", "build-cache", "plan-dump", "digest", "check"}
+    assert set(names) == {"fixture", "resolve", "run", "demo", "build-cache", "plan-dump", "digest", "check",
+                          "profile"}
 
 
 def test_a_missing_command_module_is_an_import_error():

@@ -1,0 +1,152 @@
+"""``onnx-prep profile [MODEL]``: the load, measured per configuration (mode x cache
+policy), each repeat in a fresh process. One core call
+(``core/profile/load_profile.profile_load``), its record rendered as a table (rows:
+figures; columns: configurations; cells: min / median / max) or as JSON (schema
+``onnx-prep.profile-load/1``, docs/profile.md).
+
+Exit codes: 0 measured; 2 unusable input (a bad option, a model that cannot load)."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import typer
+
+from onnx_prep.cli import output
+from onnx_prep.cli.errors import run_guarded
+from onnx_prep.cli.model_argument import TRUST_SYMLINKS, model_path
+from onnx_prep.core.errors import EXIT_OK
+
+
+def profile(
+    model: Optional[Path] = typer.Argument(
+        None, help="Model .onnx file (or a folder holding one). Default: the embedded tiny INT4 LLM."),
+    mode: str = typer.Option("parallel", "--mode", help="Scheduler: parallel (I/O and CPU workers), sequential "
+                             "(the same tasks one at a time), or both (and their ratio)."),
+    cache_policy: str = typer.Option("read-only", "--cache-policy", metavar="POLICY[,POLICY...]",
+                                     help="The prepared cache (docs/cache-format.md): disabled, read-only, "
+                                          "build-if-missing (a first build, from an empty cache each repeat), "
+                                          "require-complete; several, comma-separated, are compared side by side."),
+    repeat: int = typer.Option(5, "--repeat", help="Loads per configuration, each in a fresh process (1 to 1,000)."),
+    cold: bool = typer.Option(False, "--cold", help="Drop the model's (and the cache's) pages from the page cache "
+                              "before each load; the output says whether the drop took."),
+    trace: Optional[Path] = typer.Option(None, "--trace", metavar="FILE",
+                                         help="Write a Chrome trace (Perfetto, chrome://tracing) of one more load "
+                                              "and its first output."),
+    compare: Optional[str] = typer.Option(None, "--compare", help="Also measure this runtime on the same prompt, "
+                                          "in fresh processes: ort."),
+    prepared: Optional[Path] = typer.Option(None, "--prepared", metavar="PATH",
+                                            help="The prepared cache's manifest (default: <model stem>.prepared.onnx "
+                                                 "beside the model)."),
+    verify_digests: bool = typer.Option(True, "--verify-digests/--no-verify-digests",
+                                        help="Check each tensor's declared digest while reading it."),
+    json_out: bool = typer.Option(False, "--json", help="Print the record as JSON (docs/profile.md)."),
+    trust_symlinks: bool = TRUST_SYMLINKS,
+) -> None:
+    """Measure the load: plan, bytes read, prepack, time to first step and output, memory peaks, overlap."""
+
+    def go() -> int:
+        from onnx_prep.core.profile.load_profile import LoadProfileOptions, parse_modes, profile_load
+
+        options = LoadProfileOptions(modes=parse_modes(mode), cache_policies=tuple(cache_policy.split(",")),
+                                     repeat=repeat, cold=cold, trace=trace, compare=compare, prepared=prepared,
+                                     verify_digests=verify_digests, trust_symlinks=trust_symlinks)
+        path = model_path(model)
+        with _progress(output.stderr.is_terminal) as progress:
+            doc = profile_load(path, options, progress=progress, warn=output.warn)
+        if json_out:
+            output.emit_json(doc)
+        else:
+            _render(doc)
+        return EXIT_OK
+
+    raise typer.Exit(run_guarded(go))
+
+
+@contextmanager
+def _progress(show: bool) -> Iterator[Callable | None]:
+    """A bar on stderr over the loads (only on a terminal: a redirected stderr would just
+    collect frames); core calls it as ``progress(done, total, label)``."""
+    if not show:
+        yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=output.stderr, transient=True) as bar:
+        task = bar.add_task("loads", total=None)
+        yield lambda done, total, label: bar.update(task, completed=done, total=total,
+                                                    description=f"loads ({label})")
+
+
+def _cell(st: dict | None, unit: str) -> str:
+    if st is None:
+        return "-"
+
+    def one(v: float) -> str:
+        if unit == "bytes":
+            return f"{v / 2**20:,.2f}"
+        if unit == "count":
+            return f"{v:,.0f}"
+        if unit == "fraction":
+            return f"{v:.2f}"
+        return f"{v:,.1f}"
+
+    lo, med, hi = (one(st[k]) for k in ("min", "median", "max"))
+    return med if lo == med == hi else f"{lo} / {med} / {hi}"
+
+
+_UNIT_LABEL = {"ms": "ms", "bytes": "MiB", "count": "", "fraction": "of 1"}
+
+
+def _render(doc: dict) -> None:
+    from rich.table import Table
+
+    from onnx_prep.core.profile.load_profile import FIGURES, ORT_FIGURES
+    from onnx_prep.core.profile.machine_activity import describe
+
+    def say(text: str) -> None:
+        output.stdout.print(text, markup=False, highlight=False)
+
+    say(f"model {doc['model']}  prompt {len(doc['prompt_ids'])} tokens  {doc['repeat']} fresh process(es) per "
+        f"configuration  page cache {'dropped before each load' if doc['cold'] else 'as found'}")
+    say(doc["machine"])
+    table = Table(title="load (min / median / max; one value where they agree)", title_justify="left")
+    table.add_column("figure", no_wrap=True)
+    table.add_column("unit", no_wrap=True)
+    for c in doc["configurations"]:
+        table.add_column(c["name"], justify="right", no_wrap=True)
+    for key, unit in FIGURES:
+        table.add_row(key, _UNIT_LABEL[unit], *(_cell(c["summary"][key], unit) for c in doc["configurations"]))
+    # wide enough for every column unwrapped, also when stdout is no terminal (80 columns)
+    output.stdout.print(table, width=max(output.stdout.width, 36 + 28 * len(doc["configurations"])))
+    for c in doc["configurations"]:
+        if c["cache"] is not None and not c["cache"]["exists"]:
+            say(f"{c['name']}: no prepared cache at {c['cache']['path']}, so it loads as without one "
+                "(build it: onnx-prep build-cache)")
+    for r in doc["ratios"]:
+        say(f"sequential / parallel, {r['cache_policy']}: {r['figure']} {r['sequential_over_parallel']:.2f}x "
+            "(medians)")
+    for c in doc["configurations"]:
+        pc = c["page_cache"]
+        if pc["cold"] and pc["all_dropped"] is not True:
+            say(f"{c['name']}: page-cache drop requested; "
+                + ("not measurable here" if pc["all_dropped"] is None else
+                   f"did NOT take: up to {pc['max_resident_after'] / 2**20:,.1f} MiB stayed resident"))
+    cmp = doc["compare"]
+    if cmp is not None:
+        t = Table(title=f"ONNX Runtime, same prompt, {cmp['decode_tokens']} decode tokens (min / median / max)",
+                  title_justify="left")
+        t.add_column("figure", no_wrap=True)
+        t.add_column("unit", no_wrap=True)
+        t.add_column("ort", justify="right", no_wrap=True)
+        for key, unit in ORT_FIGURES:
+            t.add_row(key, _UNIT_LABEL[unit], _cell(cmp["summary"][key], unit))
+        output.stdout.print(t)
+        for name, ratio in cmp["open_to_first_output_over_ort"].items():
+            say(f"{name}: open to first output {ratio:.2f}x ONNX Runtime's (medians)")
+    if doc["trace"] is not None:
+        say(f"trace of one {doc['trace']['configuration']} load: {doc['trace']['path']} "
+            "(open in https://ui.perfetto.dev or chrome://tracing)")
+    say(describe(doc["machine_activity"]))
