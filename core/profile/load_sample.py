@@ -65,16 +65,53 @@ class LoadMeasurement:
     marks: dict[str, int]  # first_step / first_output / all_ready, in ns
 
 
-def fixed_prompt_feeds(resolved) -> dict:
-    """The first forward's feeds: ids 1..PROMPT_LEN (one row), empty past."""
+def fixed_prompt_feeds(resolved, prompt_len: int = PROMPT_LEN) -> dict:
+    """The first forward's feeds: ids 1..prompt_len (one row), empty past."""
     import numpy as np
 
     from onnx_prep.core.decode.decoder_io import DecoderIO
     from onnx_prep.core.decode.generation import step_feeds
 
     io = DecoderIO.discover(resolved.inputs, resolved.outputs, model=str(resolved.model_path))
-    ids = np.arange(1, PROMPT_LEN + 1, dtype=np.int64)[None, :]
+    ids = np.arange(1, prompt_len + 1, dtype=np.int64)[None, :]
     return step_feeds(io, ids, io.empty_past(1), 0)
+
+
+@dataclass
+class FirstOutput:
+    """A load to the first output (:func:`load_to_first_output`): times from ``t0_ns``,
+    the first submission."""
+
+    t0_ns: int
+    ctx: Any  # the run's RuntimeContext (first_step_ns, done_ns, step_log)
+    first_step_ms: float  # the first invocation step starts
+    first_output_ms: float  # the forward's outputs are there
+    all_ready_ns: int  # the last session task ended
+    cpu_ms: float  # process CPU (user + system) over the load
+
+    @property
+    def all_ready_ms(self) -> float:
+        return (self.all_ready_ns - self.t0_ns) / 1e6
+
+
+def load_to_first_output(session, feeds) -> FirstOutput:
+    """The load the profile measures, on an opened session: ``run_async`` of one forward
+    first, ``prepare_async`` of every session task right behind it, both waited for."""
+    from onnx_prep.core.plan.task import TaskKind
+    from onnx_prep.core.runtime.session import RuntimeContext
+
+    cpu0 = _cpu_ms()
+    ctx = RuntimeContext(feeds)
+    t0 = time.perf_counter_ns()
+    run = session.run_async(ctx)
+    prep = session.prepare_async()
+    run.wait()
+    prep.wait()
+    cpu_ms = _cpu_ms() - cpu0
+    ctx.release()
+    ends = [e.end_ns for e in session.timeline() if e.start_ns is not None and e.kind is not TaskKind.EXECUTE]
+    return FirstOutput(t0, ctx, (ctx.first_step_ns - t0) / 1e6, (ctx.done_ns - t0) / 1e6,
+                       max(ends, default=t0), cpu_ms)
 
 
 def union_ns(intervals) -> list[tuple[int, int]]:
@@ -130,7 +167,7 @@ def measure_load(spec: LoadSpec, *, warn=None) -> LoadMeasurement:
     from onnx_prep.core.model.resolution import resolve_model
     from onnx_prep.core.plan.task import TaskKind, TaskScope
     from onnx_prep.core.runtime.arenas import MemoryBudget
-    from onnx_prep.core.runtime.session import RuntimeContext, Session, SessionOptions
+    from onnx_prep.core.runtime.session import Session, SessionOptions
 
     t = time.perf_counter_ns()
     resolved = resolve_model(Path(spec.model), trust_symlinks=spec.trust_symlinks)
@@ -151,15 +188,7 @@ def measure_load(spec: LoadSpec, *, warn=None) -> LoadMeasurement:
         try:
             session_ms = (time.perf_counter_ns() - base) / 1e6
             live = budget.trace_live()
-            cpu0 = _cpu_ms()
-            ctx = RuntimeContext(feeds)
-            t0 = time.perf_counter_ns()
-            run = s.run_async(ctx)
-            prep = s.prepare_async()
-            run.wait()
-            prep.wait()
-            cpu_ms = _cpu_ms() - cpu0
-            ctx.release()
+            load = load_to_first_output(s, feeds)
             live.close()
             events = s.timeline()
             st = s.stats()
@@ -171,17 +200,15 @@ def measure_load(spec: LoadSpec, *, warn=None) -> LoadMeasurement:
         if cache is not None:
             cache.close()
     ran = [e for e in events if e.start_ns is not None]
-    session_ran = [e for e in ran if e.kind is not TaskKind.EXECUTE]
-    plan = s.plan
+    plan, ctx, t0 = s.plan, load.ctx, load.t0_ns
     prepacks = union_ns((e.start_ns, e.end_ns) for e in ran if e.kind is TaskKind.PREPACK)
-    all_ready = max((e.end_ns for e in session_ran), default=t0)
     sample = {
         "resolve_ms": resolve_ms,
         "plan_ms": plan.build_ms,
         "session_ms": session_ms,
-        "first_step_ms": (ctx.first_step_ns - t0) / 1e6,
-        "first_output_ms": (ctx.done_ns - t0) / 1e6,
-        "all_ready_ms": (all_ready - t0) / 1e6,
+        "first_step_ms": load.first_step_ms,
+        "first_output_ms": load.first_output_ms,
+        "all_ready_ms": load.all_ready_ms,
         "open_to_first_output_ms": (ctx.done_ns - t) / 1e6,
         "prepack_ms": (st.tasks["prepack"].run_ns if "prepack" in st.tasks else 0) / 1e6,
         "prepack_wall_ms": _length(prepacks) / 1e6,
@@ -195,9 +222,10 @@ def measure_load(spec: LoadSpec, *, warn=None) -> LoadMeasurement:
         "overlap": overlap(ran),
         "session_tasks": sum(1 for t in plan.tasks if t.scope is TaskScope.SESSION),
         "executed_tasks": len(ran),
-        "cpu_ms": cpu_ms,
+        "cpu_ms": load.cpu_ms,
     }
-    marks = {"first_step": ctx.first_step_ns, "first_output": ctx.done_ns, "all_ready": all_ready}
+    marks = {"first_step": ctx.first_step_ns, "first_output": ctx.done_ns,
+             "all_ready": load.all_ready_ns}
     m = LoadMeasurement(sample=sample, plan=plan, events=events, step_log=list(ctx.step_log),
                         arena_samples=live.samples(), base_ns=base, t0_ns=t0, marks=marks)
     if spec.trace is not None:
