@@ -119,8 +119,9 @@ def _render(doc: dict) -> None:
         table.add_column(c["name"], justify="right", no_wrap=True)
     for key, unit in FIGURES:
         table.add_row(key, _UNIT_LABEL[unit], *(_cell(c["summary"][key], unit) for c in doc["configurations"]))
-    # wide enough for every column unwrapped, also when stdout is no terminal (80 columns)
-    output.stdout.print(table, width=max(output.stdout.width, 36 + 28 * len(doc["configurations"])))
+    if not output.stdout.is_terminal:  # a file or a pipe: every column unwrapped (rich assumes 80)
+        output.stdout.width = max(output.stdout.width, 40 + 30 * len(doc["configurations"]))
+    output.stdout.print(table)
     for c in doc["configurations"]:
         if c["cache"] is not None and not c["cache"]["exists"]:
             say(f"{c['name']}: no prepared cache at {c['cache']['path']}, so it loads as without one "

@@ -1,4 +1,5 @@
-"""Measurement helpers: what else used the machine during a benchmark."""
+"""Measuring: the load profile (``onnx-prep profile``), its trace, and what else used
+the machine meanwhile."""
 from onnx_prep.core.lazy_exports import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
@@ -6,4 +7,9 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     "describe": "machine_activity",
     "cpu_model": "machine",
     "describe_machine": "machine",
+    "LoadProfileOptions": "load_profile",
+    "profile_load": "load_profile",
+    "LoadSpec": "load_sample",
+    "measure_load": "load_sample",
+    "trace_document": "chrome_trace",
 })
