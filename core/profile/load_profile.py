@@ -153,7 +153,7 @@ def _cache_files(resolved, policy: str, prepared: Path | None, warn) -> tuple[li
     cache = PreparedCache(resolved, prepared, policy=policy, warn=warn)
     try:
         files = [] if cache.manifest is None else \
-            [cache.path] + [cache.folder / f for f in sorted(cache.manifest.files()) if (cache.folder / f).is_file()]
+            [cache.path] + [cache.folder / f for f in sorted(cache.manifest.files) if (cache.folder / f).is_file()]
         s = cache.summary()
         return files, {"path": s["path"], "exists": s["exists"], "generation": s["generation"],
                        "entries": s["entries"]}
