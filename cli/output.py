@@ -20,6 +20,14 @@ def emit_json(data: Any) -> None:
     sys.stdout.flush()
 
 
+def emit_record(doc: Any, as_json: bool, render) -> None:
+    """A command's record: one JSON document with ``--json``, else ``render(doc)``."""
+    if as_json:
+        emit_json(doc)
+    else:
+        render(doc)
+
+
 def _default(obj: Any) -> Any:
     if hasattr(obj, "to_json"):
         return obj.to_json()

@@ -55,10 +55,7 @@ def profile(
         path = model_path(model)
         with _progress(output.stderr.is_terminal) as progress:
             doc = profile_load(path, options, progress=progress, warn=output.warn)
-        if json_out:
-            output.emit_json(doc)
-        else:
-            _render(doc)
+        output.emit_record(doc, json_out, _render)
         return EXIT_OK
 
     raise typer.Exit(run_guarded(go))

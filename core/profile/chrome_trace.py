@@ -144,6 +144,8 @@ def _load_track(m: Any, base: int, label: str) -> list[dict]:
 def write_trace(path: Path, doc: dict) -> None:
     """Write ``doc`` to ``path`` atomically: a temporary file beside it, flushed, then
     renamed over it (a reader sees the old file or the whole new one)."""
+    from onnx_prep.core.errors import UsageError, Where
+
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -152,6 +154,8 @@ def write_trace(path: Path, doc: dict) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        raise UsageError(f"cannot write the trace: {exc.strerror}", Where(file=str(path))) from exc
     finally:
         if tmp.exists():
             tmp.unlink()

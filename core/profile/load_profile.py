@@ -12,7 +12,7 @@ with ``cold``, the model's files (and the cache's) are dropped from the page cac
 ``build-if-missing`` ("first build"), the load gets an empty cache folder of its own,
 so every repeat builds the cache from nothing (the model's own cache is never touched).
 ``trace`` adds one more load of the first configuration (parallel where asked for),
-apart from the measured ones, writing its Chrome trace; ``compare="ort"`` runs ONNX
+before the measured ones and apart from them, writing its Chrome trace; ``compare="ort"`` runs ONNX
 Runtime on the same prompt, as many times, each in a fresh process too.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from onnx_prep.core.errors import OnnxPrepError, UsageError, Where
 from onnx_prep.core.profile.load_sample import MODES, ORT_DECODE_TOKENS, PROMPT_LEN, LoadSpec
@@ -195,7 +195,12 @@ def profile_load(model_path: Path, options: LoadProfileOptions, *,
         tmp = None
         try:
             if s.cache_policy == "build-if-missing":  # a first build: an empty cache folder of its own
-                tmp = Path(tempfile.mkdtemp(prefix=".onnx-prep-profile-", dir=model_path.parent))
+                try:
+                    tmp = Path(tempfile.mkdtemp(prefix=".onnx-prep-profile-", dir=model_path.parent))
+                except OSError as exc:
+                    raise UsageError(f"a first build (build-if-missing) needs a folder it can write beside the "
+                                     f"model: {exc.strerror}", Where(file=str(model_path.parent)),
+                                     hint="copy the model somewhere writable") from exc
                 s = replace(s, prepared=str(tmp / f"{model_path.stem}.prepared.onnx"))
             if options.cold:
                 drops.append(drop_files(model_files + caches.get(s.cache_policy, ([], None))[0]))
@@ -209,6 +214,10 @@ def profile_load(model_path: Path, options: LoadProfileOptions, *,
         return sample
 
     activity0 = MachineActivity.now()
+    trace_of = None
+    if options.trace is not None:  # first: a trace that cannot be written fails before the repeats
+        trace_of = next(c for c in configs if c[0] == "parallel") if "parallel" in options.modes else configs[0]
+        load(spec(*trace_of, trace=str(Path(options.trace).resolve())), [])
     samples: dict[tuple[str, str], list[dict]] = {c: [] for c in configs}
     drops: dict[tuple[str, str], list[dict]] = {c: [] for c in configs}
     ort_samples: list[dict] = []
@@ -220,10 +229,6 @@ def profile_load(model_path: Path, options: LoadProfileOptions, *,
                 ort_samples.append(load(spec("parallel", "disabled", runtime="ort"), ort_drops))
             else:
                 samples[c].append(load(spec(*c), drops[c]))
-    trace_of = None
-    if options.trace is not None:
-        trace_of = next(c for c in configs if c[0] == "parallel") if "parallel" in options.modes else configs[0]
-        load(spec(*trace_of, trace=str(Path(options.trace).resolve())), [])
     activity = MachineActivity.now().since(activity0)
 
     rows = []
