@@ -139,6 +139,7 @@ def test_a_cached_load_reads_no_source_byte_of_a_packed_weight(model):
     assert none["packed_bytes"] == 0 and none["prepacks"] > 0
     # a first build packs everything from sources, into a cache folder of its own
     assert first["prepacks"] == none["prepacks"] and first["source_bytes"] == none["source_bytes"]
+    assert first["cache_commit_ms"] > 0 and cached["cache_commit_ms"] is None is none["cache_commit_ms"]
     assert sorted((p.name, p.stat().st_mtime_ns) for p in model.parent.iterdir()) == before
     assert doc["configurations"][1]["cache"]["path"] == str(manifest)
 

@@ -193,9 +193,12 @@ def measure_load(spec: LoadSpec, *, warn=None) -> LoadMeasurement:
             events = s.timeline()
             st = s.stats()
         finally:
+            t_close = time.perf_counter_ns()
             s.close()  # a first build's objects are written before it returns
+        commit_ms = None
         if cache is not None and spec.cache_policy == "build-if-missing":
             cache.commit()
+            commit_ms = (time.perf_counter_ns() - t_close) / 1e6
     finally:
         if cache is not None:
             cache.close()
@@ -220,6 +223,7 @@ def measure_load(spec: LoadSpec, *, warn=None) -> LoadMeasurement:
         **{f"peak_{a}_bytes": int(st.arena_peaks.get(a, 0)) for a in ("preparation", "prepared", "execution", "io")},
         "max_in_flight_bytes": st.global_peak,
         "overlap": overlap(ran),
+        "cache_commit_ms": commit_ms,
         "session_tasks": sum(1 for t in plan.tasks if t.scope is TaskScope.SESSION),
         "executed_tasks": len(ran),
         "cpu_ms": load.cpu_ms,
