@@ -22,8 +22,9 @@ from onnx_prep.core.errors import EXIT_OK
 def profile(
     model: Optional[Path] = typer.Argument(
         None, help="Model .onnx file (or a folder holding one). Default: the embedded tiny INT4 LLM."),
-    mode: str = typer.Option("parallel", "--mode", metavar="MODE", help="Scheduler: parallel (I/O and CPU workers), sequential "
-                             "(the same tasks one at a time), or both (and their ratio)."),
+    mode: str = typer.Option("parallel", "--mode", metavar="MODE",
+                             help="Scheduler: parallel (I/O and CPU workers), sequential (the same tasks one at a "
+                                  "time), or both (and their ratio)."),
     cache_policy: str = typer.Option("read-only", "--cache-policy", metavar="POLICY[,...]",
                                      help="The prepared cache (docs/cache-format.md): disabled, read-only, "
                                           "build-if-missing (a first build, from an empty cache each repeat), "

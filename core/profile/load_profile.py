@@ -43,7 +43,8 @@ FIGURES: tuple[tuple[str, str], ...] = (
     ("source_bytes", "bytes"), ("packed_bytes", "bytes"), ("prepacks", "count"), ("packed_reads", "count"),
     ("peak_preparation_bytes", "bytes"), ("peak_prepared_bytes", "bytes"),
     ("peak_execution_bytes", "bytes"), ("peak_io_bytes", "bytes"), ("max_in_flight_bytes", "bytes"),
-    ("overlap", "fraction"), ("cache_commit_ms", "ms"), ("session_tasks", "count"), ("executed_tasks", "count"), ("cpu_ms", "ms"),
+    ("overlap", "fraction"), ("cache_commit_ms", "ms"),
+    ("session_tasks", "count"), ("executed_tasks", "count"), ("cpu_ms", "ms"),
 )
 # what the sequential / parallel ratio is printed for
 RATIO_FIGURES = ("first_output_ms", "all_ready_ms", "prepack_wall_ms")
