@@ -23,7 +23,6 @@ Times are microseconds from the start of session construction.
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -142,20 +141,12 @@ def _load_track(m: Any, base: int, label: str) -> list[dict]:
 
 
 def write_trace(path: Path, doc: dict) -> None:
-    """Write ``doc`` to ``path`` atomically: a temporary file beside it, flushed, then
-    renamed over it (a reader sees the old file or the whole new one)."""
+    """Write ``doc`` to ``path`` atomically (core/io/atomic_file.py: a reader sees the old
+    file or the whole new one); a path that cannot be written is a UsageError naming it."""
     from onnx_prep.core.errors import UsageError, Where
+    from onnx_prep.core.io.atomic_file import write_atomically
 
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "w") as f:
-            json.dump(doc, f, separators=(",", ":"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomically(Path(path), json.dumps(doc, separators=(",", ":")).encode())
     except OSError as exc:
         raise UsageError(f"cannot write the trace: {exc.strerror}", Where(file=str(path))) from exc
-    finally:
-        if tmp.exists():
-            tmp.unlink()
