@@ -4,6 +4,10 @@ policy), each repeat in a fresh process. One core call
 figures; columns: configurations; cells: min / median / max) or as JSON (schema
 ``onnx-prep.profile-load/1``, docs/profile.md).
 
+``--batch-sweep 1,2,4,8``: the decode instead, across batch sizes under ``--budget``. One
+core call (``core/profile/batch_sweep.record_batch_sweep``), rendered by
+``cli/sweep_render.py`` (a table, or json / jsonl / csv / md), ``--plot`` drawn by core.
+
 Exit codes: 0 measured; 2 unusable input (a bad option, a model that cannot load)."""
 from __future__ import annotations
 
@@ -44,8 +48,32 @@ def profile(
                                         help="Check each tensor's declared digest while reading it."),
     json_out: bool = typer.Option(False, "--json", help="Print the record as JSON (docs/profile.md)."),
     trust_symlinks: bool = TRUST_SYMLINKS,
+    batch_sweep: Optional[str] = typer.Option(
+        None, "--batch-sweep", metavar="N,N,...",
+        help="Measure the decode instead: one fused forward per step over N rows, for each N (e.g. 1,2,4,8), "
+             "prepared weights held to --budget (docs/profile.md, Batch sweep)."),
+    budget: Optional[str] = typer.Option(None, "--budget", metavar="SIZE",
+                                         help="Batch sweep: prepared bytes allowed resident: 512MiB, 1.5GB, or a "
+                                              "share of the packed size like 50% (default: no limit)."),
+    tokens: int = typer.Option(16, "--tokens", help="Batch sweep: decode steps per run, the prefill included "
+                                                     "(2 to 1,048,576)."),
+    prompt_ids: str = typer.Option("1,2,3,4", "--prompt-ids", metavar="IDS",
+                                   help="Batch sweep: row 0's prompt (the other rows shift each id by the row)."),
+    fmt: str = typer.Option("table", "--format", metavar="FORMAT",
+                            help="Batch sweep output: table, json, jsonl, csv or md."),
+    plot: Optional[Path] = typer.Option(None, "--plot", metavar="FILE.png|svg",
+                                        help="Batch sweep: draw bytes paged per token and tokens/s against N "
+                                             "(needs matplotlib: pip install 'onnx-prep[plot]')."),
 ) -> None:
-    """Measure the load: plan, bytes read, prepack, time to first step and output, memory peaks, overlap."""
+    """Measure the load: plan, bytes read, prepack, time to first step and output, memory peaks, overlap.
+
+    With --batch-sweep: decode throughput and weight streaming across batch sizes under --budget."""
+
+    if batch_sweep is not None:
+        raise typer.Exit(run_guarded(lambda: _sweep(
+            model, batch_sweep, budget=budget, tokens=tokens, prompt_ids=prompt_ids, fmt=fmt, plot=plot,
+            repeat=repeat, cache_policy=cache_policy, prepared=prepared, compare=compare, json_out=json_out,
+            trust_symlinks=trust_symlinks, load_options_given=(mode != "parallel" or cold or trace is not None))))
 
     def go() -> int:
         from onnx_prep.core.profile.load_profile import LoadProfileOptions, parse_modes, profile_load
@@ -76,6 +104,49 @@ def _progress(show: bool) -> Iterator[Callable | None]:
         task = bar.add_task("loads", total=None)
         yield lambda done, total, label: bar.update(task, completed=done, total=total,
                                                     description=f"loads ({label})")
+
+
+def _sweep(model, sizes: str, *, budget, tokens, prompt_ids, fmt, plot, repeat, cache_policy, prepared, compare,
+           json_out, trust_symlinks, load_options_given) -> int:
+    from onnx_prep.cli.sweep_render import FORMATS, render
+    from onnx_prep.core.errors import UsageError
+    from onnx_prep.core.profile.batch_sweep import SweepOptions, record_batch_sweep
+
+    if load_options_given:
+        raise UsageError("--mode, --cold and --trace measure the load; --batch-sweep measures the decode",
+                         hint="run them as two profile commands")
+    fmt = "json" if json_out else fmt
+    if fmt not in FORMATS:
+        raise UsageError(f"--format must be one of {list(FORMATS)}, got {fmt!r}")
+    if compare not in (None, "ort"):
+        raise UsageError(f"--compare supports only 'ort', got {compare!r}")
+    if plot is not None and plot.suffix.lower() not in (".png", ".svg"):
+        raise UsageError(f"--plot {plot}: the file name ends in .png or .svg")
+
+    def ints(text: str, what: str) -> tuple[int, ...]:
+        try:
+            return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+        except ValueError:
+            raise UsageError(f"{what} takes comma-separated integers, got {text!r}") from None
+
+    options = SweepOptions(batches=ints(sizes, "--batch-sweep"), tokens=tokens, budget=budget, repeat=repeat,
+                           cache_policy=cache_policy, prepared=prepared, prompt=ints(prompt_ids, "--prompt-ids"),
+                           compare_ort=compare == "ort", trust_symlinks=trust_symlinks)
+    with _progress(output.stderr.is_terminal) as progress:
+        doc = record_batch_sweep(model_path(model), options,
+                                 progress=None if progress is None else (lambda label, d, t: progress(d, t, label)),
+                                 warn=output.warn)
+    render(doc, fmt)
+    if plot is not None:
+        from onnx_prep.core.profile import sweep_report
+
+        try:
+            sweep_report.plot(doc, plot)
+        except ImportError:
+            output.warn("the plot needs matplotlib: pip install 'onnx-prep[plot]'; no plot drawn")
+        else:
+            output.stderr.print(f"plot: {plot}", markup=False, highlight=False)
+    return EXIT_OK
 
 
 def _cell(st: dict | None, unit: str) -> str:

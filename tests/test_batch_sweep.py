@@ -125,3 +125,45 @@ def test_bad_options_are_refused(options, needle):
 def test_a_budget_below_the_largest_step_is_refused_before_anything_runs(small_llm_path):
     with pytest.raises(UsageError, match="below the largest step"):
         record_batch_sweep(small_llm_path, SweepOptions(batches=(1,), tokens=2, budget="1%", repeat=1))
+
+
+# ------------------------------------------------------------------ the command
+
+def _cli(*args):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(sys.executable).with_name("onnx-prep")
+    cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "onnx_prep"]
+    return subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+def test_the_command_prints_each_format_and_draws_the_plot(small_llm_path, tmp_path):
+    base = ["profile", small_llm_path, "--batch-sweep", "1,2", "--budget", "50%", "--tokens", "3",
+            "--repeat", "1", "--cache-policy", "disabled"]
+    outs = {}
+    for fmt in ("json", "jsonl", "csv", "md", "table"):
+        p = _cli(*base, "--format", fmt)
+        assert p.returncode == 0, p.stderr
+        outs[fmt] = p.stdout
+    assert [r["batch"] for r in json.loads(outs["json"])["rows"]] == [1, 2]
+    assert len(outs["jsonl"].splitlines()) == 2 and len(list(csv.DictReader(io.StringIO(outs["csv"])))) == 2
+    assert outs["md"].count("\n|") == 4 and "weight streaming" in outs["table"]
+    assert json.loads(_cli(*base, "--json").stdout)["schema"] == "onnx-prep.batch-sweep/1"
+    pytest.importorskip("matplotlib", reason="matplotlib not installed: --plot not checked")
+    p = _cli(*base, "--plot", tmp_path / "s.png")
+    assert p.returncode == 0 and (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--batch-sweep", "1,x"], "comma-separated integers"),
+    (["--batch-sweep", "1", "--format", "xml"], "--format must be one of"),
+    (["--batch-sweep", "1", "--plot", "p.gif"], ".png or .svg"),
+    (["--batch-sweep", "1", "--mode", "both"], "measures the decode"),
+    (["--batch-sweep", "1", "--budget", "lots"], "--budget must be a size"),
+    (["--batch-sweep", "1", "--cache-policy", "build-if-missing"], "build-cache"),
+])
+def test_bad_sweep_options_are_one_line_and_exit_2(small_llm_path, extra, needle):
+    p = _cli("profile", small_llm_path, *extra)
+    assert p.returncode == 2 and needle in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
