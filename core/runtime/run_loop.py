@@ -308,6 +308,16 @@ class RunLoop:
         by ``lookahead.bytes`` of not-yet-resident objects."""
         win = self.plan.lookahead
         budget = win.bytes
+        limit = self.budget.limit(Arena.PREPARED)
+        if limit is not None:
+            # NOTE: a window as large as the limit keeps only the window resident: every
+            # object behind it is evicted to make room, and the whole model streams
+            # through every run (the tiny LLM at half its packed size paged in 99% of its
+            # bytes per decode step). A quarter of the limit leaves the rest to objects the
+            # furthest-next-use choice keeps from run to run: 74% then (a half or an
+            # eighth: the same), and the medium fixture pages in exactly its packed size
+            # minus the limit, the least any policy can (it paged in 12% more).
+            budget = min(budget, limit // LIMITED_WINDOW_SHARE)
         store = self.store
         last = min(from_step + win.steps, len(self.plan.steps))
         # under a PREPARED limit, room is made for each before it is asked for: the
@@ -403,6 +413,10 @@ class _Joined:
     def release(self) -> None:
         for p in self.parts:
             _release(p)
+
+
+# Under a PREPARED limit, the look-ahead reaches at most 1/LIMITED_WINDOW_SHARE of it (_prefetch).
+LIMITED_WINDOW_SHARE = 4
 
 
 def _release(reservation) -> None:
