@@ -149,6 +149,8 @@ def test_presets():
     assert (tiny.layers, tiny.hidden, tiny.intermediate, tiny.heads, tiny.vocab, tiny.block_size) == \
         (4, 512, 2048, 8, 8192, 32)
     assert (medium.layers, medium.hidden, medium.intermediate, medium.vocab) == (16, 2048, 5632, 32000)
+    large = PRESETS["large"]  # 7B-shaped
+    assert (large.layers, large.hidden, large.intermediate, large.vocab) == (32, 4096, 11008, 32000)
     assert not tiny.fp16_scales and not tiny.zero_points
 
 
