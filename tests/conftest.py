@@ -62,6 +62,17 @@ def tiny_zp_llm_path(tmp_path_factory) -> Path:
     return generate(cfg, tmp_path_factory.mktemp("tiny-zp-llm"))
 
 
+@pytest.fixture
+def small_llm_copy(small_llm_path, tmp_path) -> Path:
+    """A private copy of the small fixture's folder (for tests that change its files or
+    write beside it: a prepared cache, a digested model)."""
+    import shutil
+
+    dst = tmp_path / "m"
+    shutil.copytree(small_llm_path.parent, dst)
+    return dst / small_llm_path.name
+
+
 def ort_or_skip():
     """ONNX Runtime is the external oracle; tests that need it skip, saying so, where absent."""
     return pytest.importorskip("onnxruntime", reason="onnxruntime not installed: oracle comparison skipped")

@@ -4,23 +4,18 @@ alone, one-line errors with exit 2."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-import sys
 from importlib import resources
 from pathlib import Path
 
 import pytest
 
-_SCRIPT = Path(sys.executable).with_name("onnx-prep")
-ONNX_PREP = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "onnx_prep"]
+from test_cli_exit_codes import ONNX_PREP
 
 
 @pytest.fixture
-def model(small_llm_path, tmp_path) -> Path:
-    dst = tmp_path / "m"
-    shutil.copytree(small_llm_path.parent, dst)
-    return dst / small_llm_path.name
+def model(small_llm_copy) -> Path:
+    return small_llm_copy
 
 
 def cli(*args, ok=True):

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -30,16 +28,12 @@ from onnx_prep.core.model.resolution import resolve_model
 from onnx_prep.core.model.weights import TENSOR_DIGEST_KEY
 from onnx_prep.core.runtime.session import Session
 
-_SCRIPT = Path(sys.executable).with_name("onnx-prep")
-ONNX_PREP = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "onnx_prep"]
+from test_cli_exit_codes import ONNX_PREP
 
 
 @pytest.fixture
-def model(small_llm_path, tmp_path) -> Path:
-    """A private copy of the small fixture (cases change its files)."""
-    dst = tmp_path / "m"
-    shutil.copytree(small_llm_path.parent, dst)
-    return dst / small_llm_path.name
+def model(small_llm_copy) -> Path:
+    return small_llm_copy
 
 
 def _feeds(path: Path) -> dict:
