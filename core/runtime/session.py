@@ -114,6 +114,9 @@ class SessionOptions:
     source_pages: str = "auto"  # keep / drop / auto (see the module docstring)
     verify_digests: bool = True  # check trusted digests as the reader reads (external_data)
     cache: PackedPayloadIndex | None = None  # a prepared cache (core/cache/prepared_cache.py)
+    # Stable slots on transparent huge pages: None is ONNX_PREP_HUGE_PAGES, except under a
+    # PREPARED limit, where it is on (see Session.__init__)
+    huge_pages: bool | None = None
 
     def __post_init__(self) -> None:
         if self.source_io not in SOURCE_IO:
@@ -162,7 +165,15 @@ class Session:
 
         # Every requirement's stable slot is reserved here, before any worker runs, so
         # materializing only populates pages (HostSlotPool.reserve says why).
-        self.slots = HostSlotPool()
+        # NOTE: under a PREPARED limit objects are evicted and paged back every run, and
+        # the same slots are committed again and again: on huge pages a 40 MB commit and
+        # decommit took 2 ms here, on 4 KiB pages 28-48 ms (one fault per page, each a
+        # trap to the host on this VM), the most of a page-in's cost. The first-use cost
+        # that keeps them off by default (docs/runtime.md) is paid once, not per step.
+        huge = opts.huge_pages
+        if huge is None and self.budget.limit(Arena.PREPARED) is not None:
+            huge = True
+        self.slots = HostSlotPool(huge_pages=huge)
         for r in plan.requirements:
             if r.packed_bytes > 0:
                 self.slots.reserve(r.key, r.packed_bytes)

@@ -116,7 +116,8 @@ class HostSlotPool:
     key's commit runs outside it (the store's load protocol gives one thread a key's
     load at a time, so nothing else creates, fills or evicts that slot meanwhile)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, huge_pages: bool | None = None) -> None:
+        self.huge_pages = huge_pages  # StableSlot's: None is ONNX_PREP_HUGE_PAGES
         self._lock = threading.Lock()
         self._reserved: dict[PreparedKey, Any] = {}  # reserved, not yet committed by a load
         self._residency: dict[PreparedKey, _Residency] = {}
@@ -131,7 +132,7 @@ class HostSlotPool:
         # (docs/runtime.md). So a session reserves every slot before any worker runs.
         from onnx_prep.native import StableSlot
 
-        slot = StableSlot(capacity)
+        slot = StableSlot(capacity, huge_pages=self.huge_pages)
         slot.open()
         with self._lock:
             self._reserved[key] = slot
@@ -157,7 +158,8 @@ class HostSlotPool:
             with warming.lock:  # the warmer's current step ends; it commits no more
                 pass
         if r is None:
-            slot = spare if spare is not None and spare.capacity >= nbytes else StableSlot(max(nbytes, 1))
+            slot = spare if spare is not None and spare.capacity >= nbytes else \
+                StableSlot(max(nbytes, 1), huge_pages=self.huge_pages)
             slot.commit(nbytes)
             raw = slot.view(nbytes)
             view = as_array(typed_as, raw) if typed_as is not None else raw
