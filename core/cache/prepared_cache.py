@@ -144,6 +144,10 @@ class PreparedCache:
             elif name in resolved.inline_values:
                 self.declared[name] = inline_digest(resolved.inline_values[name])
         self._requests = {k: r for k, r in resolved.requests.items() if r.layout != RAW_LAYOUT}
+        self._consumer = {}  # key -> its first consumer node (its attributes size the object)
+        for node in resolved.nodes:
+            for k in node.prepared_inputs:
+                self._consumer.setdefault(k, node)
         if self.policy is CachePolicy.DISABLED:
             return
         from onnx_prep.core.cache.manifest import CacheFormatError
@@ -216,10 +220,13 @@ class PreparedCache:
 
     def packed_size(self, key: str) -> int | None:
         """The packed object's exact size for this model, or None where unknown."""
-        from onnx_prep.core.kernels.prepack import consumer_node, packed_size
+        from onnx_prep.core.kernels.prepack import packed_size
 
+        node = self._consumer.get(key)
+        if node is None:
+            return None
         try:
-            return packed_size(consumer_node(self.resolved, key).kernel, self._requests[key], self.resolved)
+            return packed_size(node.kernel, self._requests[key], self.resolved, node=node)
         except OnnxPrepError:
             return None
 

@@ -60,12 +60,14 @@ def prepack(kernel_id: str, request: PrepackRequest, sources: Mapping[str, np.nd
 
 
 def packed_size(kernel_id: str | None, request: PrepackRequest, resolved: Any,
-                *, backend: str = NATIVE) -> int | None:
+                *, backend: str = NATIVE, node: Any = None) -> int | None:
     """Exact bytes of the prepared object, from descriptors only (no I/O); None if
     the kernel has no prepared form. ``resolved`` supplies the consumer node's
-    attributes and the sources' dims (the plan's size estimate calls this)."""
+    attributes (``node``, when the caller has it) and the sources' dims (the plan's size
+    estimate calls this)."""
     form = _prepared_form(kernel_id)
-    node = next((n for n in resolved.nodes if request.key in n.prepared_inputs), None)
+    if node is None:
+        node = next((n for n in resolved.nodes if request.key in n.prepared_inputs), None)
     if node is None or form is None:
         return None
     return form.packed_size(request, normalize_attributes(node.attributes), resolved.weights, backend)
