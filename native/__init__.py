@@ -1,6 +1,6 @@
 """onnx_prep.native: the cffi C core (INT4 prepack + matmul, INT4 gather, packed fp32
-Gemm, host stable-VA slots, element-wise erf) behind a numpy API. See docs/architecture.md "Native"
-and docs/kernels.md.
+Gemm, grouped-query attention, host stable-VA slots, element-wise erf) behind a numpy
+API. See docs/architecture.md "Native" and docs/kernels.md.
 
 Every kernel releases the GIL and works on a caller-given column range, so the
 runtime's executor (not a thread pool inside C) splits the work. Importing this
@@ -13,6 +13,7 @@ from onnx_prep.core.errors import NativeError
 
 try:
     from onnx_prep.native._module import NATIVE_VERSION, ffi, lib  # noqa: F401
+    from onnx_prep.native.attention import group_query_attention
     from onnx_prep.native.elementwise import erf
     from onnx_prep.native.handoff import Mailbox, MatmulBatch, matmul_nbits_batch
     from onnx_prep.native.gather_block_quantized import (
@@ -62,6 +63,7 @@ __all__ = [
     "erf",
     "gather_block_quantized",
     "gather_packed_size",
+    "group_query_attention",
     "gemm",
     "gemm_b_packed_size",
     "kernel_variants",

@@ -219,6 +219,38 @@ int op_mailbox_fork_join(op_mailbox *m, op_mm_batch *b);
 int64_t op_mailbox_serve(op_mailbox *m);
 void op_mailbox_stop(op_mailbox *m);
 
+/* ---- grouped-query attention (attention.c) --------------------------------------- */
+/* com.microsoft GroupQueryAttention, fp32, ONNX Runtime's CPU semantics (docs/ops.md):
+ * query [B, S, num_heads * H], key / value [B, S, kv_num_heads * H] (BSNH); past and
+ * present [B, kv_num_heads, len, H] (BNSH). Row b attends to total_b = seqlens_k[b] + 1
+ * positions; its new tokens go to present rows [past_b, past_b + S) with past_b = 0
+ * when first_prompt, else total_b - S. Causal: query s sees positions <= past_b + s
+ * and < total_b (a first prompt's padding rows, s >= total_b, see the row's total_b).
+ * present may be past itself (one shared buffer: only the new rows are written);
+ * otherwise present is zeroed, then rows [0, past_b) are copied from past.
+ * rotary_dim > 0: the first rotary_dim values of each query and new key head are
+ * rotated by cos / sin [cache_rows, rotary_dim / 2] at their position (past_b + s;
+ * first prompt: s, or 1 on a padding row s >= total_b).
+ * The work is cut by (batch row, kv head) units: [unit_begin, unit_end) of
+ * B * kv_num_heads; each unit writes its present rows and its heads' outputs. */
+typedef struct {
+    int64_t batch, seq, num_heads, kv_num_heads, head_size;
+    int64_t past_len;       /* past buffers' dimension 2 (0: no past) */
+    int64_t present_len;    /* present buffers' dimension 2 */
+    int64_t rotary_dim;     /* 0: no rotary; else even, <= head_size */
+    int64_t cache_rows;     /* cos / sin rows */
+    int32_t interleaved;    /* rotary pairs (2i, 2i+1) instead of (i, i + rotary_dim/2) */
+    int32_t first_prompt;   /* 1: past_b = 0 for every row */
+    float scale;            /* applied to Q.K before the softmax */
+} op_gqa_params;
+/* OP_E_ARG for a shape or a seqlens_k value outside the buffers (see above);
+ * *bad_row is then the batch row at fault (-1: not a row's). */
+int op_group_query_attention(int isa, const op_gqa_params *p, const float *query, const float *key,
+                             const float *value, const float *past_key, const float *past_value,
+                             const int64_t *seqlens_k, const float *cos_cache, const float *sin_cache,
+                             float *out, float *present_key, float *present_value,
+                             int64_t unit_begin, int64_t unit_end, int64_t *bad_row);
+
 /* ---- element-wise math (elementwise.c) ----------------------------------------- */
 /* y[i] = erf(x[i]) (libm, double precision; in place allowed). */
 void op_erf_f64(const double *x, double *y, size_t n);

@@ -1,0 +1,182 @@
+/* com.microsoft GroupQueryAttention (fp32): the driver and the scalar twin.
+ *
+ * One unit of work is one (batch row, kv head): it writes that kv head's present rows
+ * (past rows copied unless the buffer is shared, then the new rows, keys rotated) and
+ * computes the outputs of the num_heads / kv_num_heads query heads that read it. Per
+ * query row: rotate q, scores = scale * q.k over the causal span, a max-subtracted
+ * softmax, out = sum p * v. The dot products and the weighted sum go through the ISA's
+ * op_attn_table (attention_simd.c); everything else is portable C shared by all ISAs.
+ *
+ * NOTE: a padding row of a first prompt (s >= total_b: rows of different lengths in one
+ * batch) attends to the row's total_b positions, as ONNX Runtime's does (its causal
+ * span, s + 1, capped at total_b); its keys and values still go to present rows
+ * [total_b, S), as there. Nothing downstream should read them. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include "attention.h"
+
+static float dot_scalar(const float *a, const float *b, size_t n) {
+    float s = 0.0f;
+    for (size_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static void axpy_scalar(float *y, float a, const float *x, size_t n) {
+    for (size_t i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+const op_attn_table op_attn_scalar = {dot_scalar, axpy_scalar, OP_KERNEL_SCALAR};
+
+static const op_attn_table *attn_table(int isa, int *status) {
+    if (!op_isa_supported(isa)) {
+        *status = OP_E_ISA;
+        return NULL;
+    }
+    *status = OP_OK;
+    switch (isa) {
+#if OP_SIMD
+    case OP_ISA_AVX2: return &op_attn_avx2;
+    case OP_ISA_AVX512:
+    case OP_ISA_AVX512_NOVNNI: return &op_attn_avx512;
+#endif
+    default: return &op_attn_scalar;
+    }
+}
+
+/* dst = x rotated at cache row `pos` (values past rotary_dim copied as they are). */
+static void rotate(const op_gqa_params *p, const float *cos_cache, const float *sin_cache, int64_t pos,
+                   const float *x, float *dst) {
+    const int64_t h = p->head_size, rd = p->rotary_dim, half = rd / 2;
+    const float *c = cos_cache + pos * half, *s = sin_cache + pos * half;
+    if (p->interleaved) {
+        for (int64_t i = 0; i < half; i++) {
+            const float x0 = x[2 * i], x1 = x[2 * i + 1];
+            dst[2 * i] = x0 * c[i] - x1 * s[i];
+            dst[2 * i + 1] = x1 * c[i] + x0 * s[i];
+        }
+    } else {
+        for (int64_t i = 0; i < half; i++) {
+            const float x0 = x[i], x1 = x[i + half];
+            dst[i] = x0 * c[i] - x1 * s[i];
+            dst[i + half] = x1 * c[i] + x0 * s[i];
+        }
+    }
+    memcpy(dst + rd, x + rd, (size_t)(h - rd) * sizeof(float));
+}
+
+/* Row b's past length (past_b) and total length, or -1 when seqlens_k[b] does not fit
+ * the buffers. */
+static int64_t row_lengths(const op_gqa_params *p, const int64_t *seqlens_k, int64_t b, int64_t *total) {
+    const int64_t t = seqlens_k[b] + 1;
+    const int64_t past = p->first_prompt ? 0 : t - p->seq;
+    *total = t;
+    if (t < 1 || past < 0 || past + p->seq > p->present_len || (p->first_prompt && t > p->seq)) return -1;
+    if (past > 0 && past > p->past_len) return -1;
+    return past;
+}
+
+static int64_t position(const op_gqa_params *p, int64_t past, int64_t total, int64_t s) {
+    if (p->first_prompt) return s < total ? s : 1;
+    return past + s;
+}
+
+static void unit(const op_attn_table *t, const op_gqa_params *p, const float *query, const float *key,
+                 const float *value, const float *past_key, const float *past_value, int64_t b, int64_t j,
+                 int64_t past, int64_t total, const float *cos_cache, const float *sin_cache, float *out,
+                 float *present_key, float *present_value, float *scratch) {
+    const int64_t S = p->seq, H = p->head_size, N = p->num_heads, KN = p->kv_num_heads, G = N / KN;
+    const size_t row_bytes = (size_t)H * sizeof(float);
+    float *pk = present_key + (b * KN + j) * p->present_len * H;
+    float *pv = present_value + (b * KN + j) * p->present_len * H;
+    if (past_key == NULL || past_key != present_key) {  /* separate buffers */
+        memset(pk, 0, (size_t)p->present_len * row_bytes);
+        memset(pv, 0, (size_t)p->present_len * row_bytes);
+        if (past > 0) {
+            memcpy(pk, past_key + (b * KN + j) * p->past_len * H, (size_t)past * row_bytes);
+            memcpy(pv, past_value + (b * KN + j) * p->past_len * H, (size_t)past * row_bytes);
+        }
+    }
+    for (int64_t s = 0; s < S; s++) {
+        const float *k = key + ((b * S + s) * KN + j) * H, *v = value + ((b * S + s) * KN + j) * H;
+        if (p->rotary_dim > 0)
+            rotate(p, cos_cache, sin_cache, position(p, past, total, s), k, pk + (past + s) * H);
+        else
+            memcpy(pk + (past + s) * H, k, row_bytes);
+        memcpy(pv + (past + s) * H, v, row_bytes);
+    }
+    float *q = scratch, *scores = scratch + H;
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t h = j * G + g;
+        for (int64_t s = 0; s < S; s++) {
+            const float *qs = query + ((b * S + s) * N + h) * H;
+            if (p->rotary_dim > 0) {
+                rotate(p, cos_cache, sin_cache, position(p, past, total, s), qs, q);
+                qs = q;
+            }
+            const int64_t span = past + s + 1 < total ? past + s + 1 : total;
+            float mx = -INFINITY;
+            for (int64_t i = 0; i < span; i++) {
+                scores[i] = p->scale * t->dot(qs, pk + i * H, (size_t)H);
+                if (scores[i] > mx) mx = scores[i];
+            }
+            float sum = 0.0f;
+            for (int64_t i = 0; i < span; i++) {
+                scores[i] = expf(scores[i] - mx);
+                sum += scores[i];
+            }
+            const float inv = 1.0f / sum;
+            float *o = out + ((b * S + s) * N + h) * H;
+            memset(o, 0, row_bytes);
+            for (int64_t i = 0; i < span; i++) t->axpy(o, scores[i] * inv, pv + i * H, (size_t)H);
+        }
+    }
+}
+
+int op_group_query_attention(int isa, const op_gqa_params *p, const float *query, const float *key,
+                             const float *value, const float *past_key, const float *past_value,
+                             const int64_t *seqlens_k, const float *cos_cache, const float *sin_cache,
+                             float *out, float *present_key, float *present_value,
+                             int64_t unit_begin, int64_t unit_end, int64_t *bad_row) {
+    op_ran(OP_KERNEL_NONE);
+    if (bad_row) *bad_row = -1;
+    if (!p || !query || !key || !value || !seqlens_k || !out || !present_key || !present_value)
+        return OP_E_ARG;
+    if (p->batch < 0 || p->seq < 1 || p->num_heads < 1 || p->kv_num_heads < 1 || p->head_size < 1 ||
+        p->num_heads % p->kv_num_heads || p->past_len < 0 || p->present_len < p->seq ||
+        (p->past_len > 0 && (!past_key || !past_value)) || p->rotary_dim < 0 || p->rotary_dim % 2 ||
+        p->rotary_dim > p->head_size || (p->rotary_dim > 0 && (!cos_cache || !sin_cache)))
+        return OP_E_ARG;
+    const int64_t units = p->batch * p->kv_num_heads;
+    if (unit_begin < 0 || unit_end > units || unit_begin > unit_end) return OP_E_ARG;
+    if ((past_key == present_key) != (past_value == present_value) ||
+        (past_key == present_key && p->past_len != p->present_len))
+        return OP_E_ARG;  /* a shared buffer is shared for both, at one length */
+    int st;
+    const op_attn_table *t = attn_table(isa, &st);
+    if (!t) return st;
+    for (int64_t b = unit_begin / p->kv_num_heads; b * p->kv_num_heads < unit_end; b++) {
+        int64_t total;
+        const int64_t past = row_lengths(p, seqlens_k, b, &total);
+        int bad = past < 0;
+        for (int64_t s = 0; !bad && p->rotary_dim > 0 && s < p->seq; s++)
+            bad = position(p, past, total, s) >= p->cache_rows;
+        if (bad) {
+            if (bad_row) *bad_row = b;
+            return OP_E_ARG;
+        }
+    }
+    if (unit_begin == unit_end) return OP_OK;
+    float *scratch = malloc((size_t)(p->head_size + p->present_len) * sizeof(float));
+    if (!scratch) return OP_E_NOMEM;
+    for (int64_t u = unit_begin; u < unit_end; u++) {
+        const int64_t b = u / p->kv_num_heads, j = u % p->kv_num_heads;
+        int64_t total;
+        const int64_t past = row_lengths(p, seqlens_k, b, &total);
+        unit(t, p, query, key, value, past_key, past_value, b, j, past, total, cos_cache, sin_cache, out,
+             present_key, present_value, scratch);
+    }
+    free(scratch);
+    op_ran(t->code);
+    return OP_OK;
+}

@@ -1,0 +1,124 @@
+"""com.microsoft GroupQueryAttention in C (``attention.c``), with the GIL released.
+
+``group_query_attention`` takes the op's inputs as numpy arrays (fp32 compute; an
+fp16 input is widened and the outputs narrowed back) and returns ``(output,
+present_key, present_value)``. Semantics: ONNX Runtime's CPU kernel (docs/ops.md,
+"GroupQueryAttention"); the shape rules it checks are checked here, one line each.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from onnx_prep.native._module import check, ffi, lib
+from onnx_prep.native.isa import isa_id
+from onnx_prep.native.packed import ptr
+
+
+def _f32(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def _dims(what: str, x: np.ndarray, rank: int) -> tuple[int, ...]:
+    if x.ndim != rank:
+        raise ValueError(f"GroupQueryAttention: {what} has rank {x.ndim}, expected {rank}")
+    return x.shape
+
+
+def group_query_attention(query: np.ndarray, key: np.ndarray | None, value: np.ndarray | None,
+                          past_key: np.ndarray | None, past_value: np.ndarray | None,
+                          seqlens_k: np.ndarray, total_sequence_length: int | np.ndarray,
+                          cos_cache: np.ndarray | None = None, sin_cache: np.ndarray | None = None, *,
+                          num_heads: int, kv_num_heads: int, scale: float = 0.0, interleaved: bool = False,
+                          share_buffer: bool = False, isa: str | None = None
+                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Output ``[B, S, num_heads * H]`` and present key / value ``[B, kv_num_heads,
+    max(total_sequence_length, past length), H]``.
+
+    key and value None: ``query`` is packed ``[B, S, (num_heads + 2 kv_num_heads) H]``.
+    Rotary runs when cos / sin caches are given. ``share_buffer``: past_key / past_value
+    (fp32, C-contiguous, present-sized) are updated in place and returned as present.
+    """
+    out_dtype = np.asarray(query).dtype
+    B, S, D = _dims("query", np.asarray(query), 3)
+    if num_heads % kv_num_heads:
+        raise ValueError(f"GroupQueryAttention: num_heads {num_heads} is not a multiple of "
+                         f"kv_num_heads {kv_num_heads}")
+    if (key is None) != (value is None):
+        raise ValueError("GroupQueryAttention: key and value must be both present or both absent")
+    if key is None:  # packed QKV: split the last axis
+        H = D // (num_heads + 2 * kv_num_heads)
+        q32 = _f32(query)
+        query = q32[..., :num_heads * H]
+        key = q32[..., num_heads * H:(num_heads + kv_num_heads) * H]
+        value = q32[..., (num_heads + kv_num_heads) * H:]
+    else:
+        H = D // num_heads
+        for what, x in (("key", key), ("value", value)):
+            if _dims(what, np.asarray(x), 3) != (B, S, kv_num_heads * H):
+                raise ValueError(f"GroupQueryAttention: {what} shape {list(np.shape(x))} is not "
+                                 f"[{B}, {S}, {kv_num_heads * H}] (batch, sequence, kv_num_heads * head size)")
+    if H * (num_heads if key is not None else 1) == 0 or H % 8:
+        raise ValueError(f"GroupQueryAttention: head size {H} is not a positive multiple of 8")
+    q, k, v = _f32(query), _f32(key), _f32(value)
+    total = int(np.asarray(total_sequence_length).reshape(-1)[0])
+    past_len = 0
+    if (past_key is None) != (past_value is None):
+        raise ValueError("GroupQueryAttention: past_key and past_value must be both present or both absent")
+    if past_key is not None:
+        for what, x in (("past_key", past_key), ("past_value", past_value)):
+            d = _dims(what, np.asarray(x), 4)
+            if d[0] != B or d[1] != kv_num_heads or d[3] != H or d[2] != np.shape(past_key)[2]:
+                raise ValueError(f"GroupQueryAttention: {what} shape {list(d)} is not [{B}, {kv_num_heads}, "
+                                 f"past length, {H}] (BNSH)")
+        past_len = int(np.shape(past_key)[2])
+    present_len = max(total, past_len)
+    first_prompt = S == total
+    if not first_prompt and S != 1 and B != 1:
+        raise ValueError(f"GroupQueryAttention: a continued prompt (sequence {S}, total {total}) needs batch 1")
+    rotary_dim = 0
+    if (cos_cache is None) != (sin_cache is None):
+        raise ValueError("GroupQueryAttention: cos_cache and sin_cache must be both present or both absent")
+    if cos_cache is not None:
+        cos, sin = _f32(cos_cache), _f32(sin_cache)
+        if cos.ndim != 2 or cos.shape != sin.shape or 2 * cos.shape[1] > H or cos.shape[0] < total:
+            raise ValueError(f"GroupQueryAttention: cos/sin caches {list(cos.shape)} / {list(sin.shape)} are not "
+                             f"[>= total_sequence_length {total}, <= head size {H} / 2]")
+        rotary_dim = 2 * cos.shape[1]
+    else:
+        cos = sin = None
+    seq = np.ascontiguousarray(np.asarray(seqlens_k).reshape(-1), dtype=np.int64)
+    if seq.size != B:
+        raise ValueError(f"GroupQueryAttention: seqlens_k has {seq.size} values for batch {B}")
+    if share_buffer:
+        if past_key is None or past_len != present_len or any(
+                x.dtype != np.float32 or not x.flags.c_contiguous or not x.flags.writeable
+                for x in (past_key, past_value)):
+            raise ValueError("GroupQueryAttention: a shared buffer needs writable C-contiguous fp32 past "
+                             f"buffers of the present length {present_len}")
+        pk, pv = past_key, past_value
+        present_k, present_v = past_key, past_value
+    else:
+        pk = None if past_key is None else _f32(past_key)
+        pv = None if past_value is None else _f32(past_value)
+        present_k = np.empty((B, kv_num_heads, present_len, H), np.float32)
+        present_v = np.empty_like(present_k)
+    out = np.empty((B, S, num_heads * H), np.float32)
+    p = ffi.new("op_gqa_params *", dict(
+        batch=B, seq=S, num_heads=num_heads, kv_num_heads=kv_num_heads, head_size=H, past_len=past_len,
+        present_len=present_len, rotary_dim=rotary_dim, cache_rows=0 if cos is None else cos.shape[0],
+        interleaved=int(bool(interleaved)), first_prompt=int(first_prompt),
+        scale=float(scale) if scale else 1.0 / float(np.sqrt(H))))
+    bad = ffi.new("int64_t *")
+    status = lib.op_group_query_attention(
+        isa_id(isa), p, ptr(q, "float *"), ptr(k, "float *"), ptr(v, "float *"), ptr(pk, "float *"),
+        ptr(pv, "float *"), ptr(seq, "int64_t *"), ptr(cos, "float *"), ptr(sin, "float *"),
+        ptr(out, "float *"), ptr(present_k, "float *"), ptr(present_v, "float *"), 0, B * kv_num_heads, bad)
+    if status == lib.OP_E_ARG and bad[0] >= 0:
+        b = int(bad[0])
+        raise ValueError(f"GroupQueryAttention: seqlens_k[{b}] = {int(seq[b])} does not fit sequence {S}, "
+                         f"total_sequence_length {total}, past length {past_len}"
+                         + (f" and {p.cache_rows} cos/sin rows" if rotary_dim else ""))
+    check(status, "group_query_attention")
+    if out_dtype != np.float32:
+        return out.astype(out_dtype), present_k.astype(out_dtype), present_v.astype(out_dtype)
+    return out, present_k, present_v
