@@ -76,11 +76,6 @@ static int64_t row_lengths(const op_gqa_params *p, const int64_t *seqlens_k, int
     return past;
 }
 
-static int64_t position(const op_gqa_params *p, int64_t past, int64_t total, int64_t s) {
-    if (p->first_prompt) return s < total ? s : 1;
-    return past + s;
-}
-
 static void unit(const op_attn_table *t, const op_gqa_params *p, const float *query, const float *key,
                  const float *value, const float *past_key, const float *past_value, int64_t b, int64_t j,
                  int64_t past, int64_t total, const float *cos_cache, const float *sin_cache, float *out,
@@ -100,7 +95,7 @@ static void unit(const op_attn_table *t, const op_gqa_params *p, const float *qu
     for (int64_t s = 0; s < S; s++) {
         const float *k = key + ((b * S + s) * KN + j) * H, *v = value + ((b * S + s) * KN + j) * H;
         if (p->rotary_dim > 0)
-            rotate(p, cos_cache, sin_cache, position(p, past, total, s), k, pk + (past + s) * H);
+            rotate(p, cos_cache, sin_cache, past + s, k, pk + (past + s) * H);
         else
             memcpy(pk + (past + s) * H, k, row_bytes);
         memcpy(pv + (past + s) * H, v, row_bytes);
@@ -111,7 +106,7 @@ static void unit(const op_attn_table *t, const op_gqa_params *p, const float *qu
         for (int64_t s = 0; s < S; s++) {
             const float *qs = query + ((b * S + s) * N + h) * H;
             if (p->rotary_dim > 0) {
-                rotate(p, cos_cache, sin_cache, position(p, past, total, s), qs, q);
+                rotate(p, cos_cache, sin_cache, past + s, qs, q);
                 qs = q;
             }
             const int64_t span = past + s + 1 < total ? past + s + 1 : total;
@@ -158,10 +153,7 @@ int op_group_query_attention(int isa, const op_gqa_params *p, const float *query
     for (int64_t b = unit_begin / p->kv_num_heads; b * p->kv_num_heads < unit_end; b++) {
         int64_t total;
         const int64_t past = row_lengths(p, seqlens_k, b, &total);
-        int bad = past < 0;
-        for (int64_t s = 0; !bad && p->rotary_dim > 0 && s < p->seq; s++)
-            bad = position(p, past, total, s) >= p->cache_rows;
-        if (bad) {
+        if (past < 0 || (p->rotary_dim > 0 && past + p->seq > p->cache_rows)) {
             if (bad_row) *bad_row = b;
             return OP_E_ARG;
         }

@@ -229,8 +229,7 @@ void op_mailbox_stop(op_mailbox *m);
  * present may be past itself (one shared buffer: only the new rows are written);
  * otherwise present is zeroed, then rows [0, past_b) are copied from past.
  * rotary_dim > 0: the first rotary_dim values of each query and new key head are
- * rotated by cos / sin [cache_rows, rotary_dim / 2] at their position (past_b + s;
- * first prompt: s, or 1 on a padding row s >= total_b).
+ * rotated by cos / sin [cache_rows, rotary_dim / 2] at their position, past_b + s.
  * The work is cut by (batch row, kv head) units: [unit_begin, unit_end) of
  * B * kv_num_heads; each unit writes its present rows and its heads' outputs. */
 typedef struct {

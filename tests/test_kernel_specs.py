@@ -39,7 +39,7 @@ def test_registry_lists_each_kernel_once_specific_before_generic():
     assert len(set(ids)) == len(ids)
     assert registry.KERNELS == tuple(ids)
     # Resolution output orders kernels this way (onnx-prep resolve --json).
-    assert ids == ["int4_matmul", "int4_gather", "gemm_packed", "numpy", "reference"]
+    assert ids == ["int4_matmul", "int4_gather", "gqa", "gemm_packed", "numpy", "reference"]
     first_generic = next(i for i, s in enumerate(SPECS) if s.generic)
     assert all(s.generic for s in SPECS[first_generic:]), "a generic kernel would hide the ones after it"
     assert SPECS[-1].op_types is None  # the last resort takes any op

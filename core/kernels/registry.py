@@ -7,6 +7,7 @@ what one holds); the first whose ``op_types`` and ``match`` take a node runs it:
 ``int4_matmul`` com.microsoft MatMulNBits, and the fused DequantizeLinear(int4)+MatMul
                 node (``int4_matmul.py``)
 ``int4_gather`` com.microsoft GatherBlockQuantized (``int4_gather.py``)
+``gqa``         com.microsoft GroupQueryAttention (``gqa.py``)
 ``gemm_packed`` Gemm / MatMul with a constant 2-D fp32 B (``gemm_packed.py``)
 ``numpy``       a default-domain op in ``NUMPY_OPS`` (``numpy_ops.py``)
 ``reference``   any other op ``onnx.reference`` implements (``reference_ops.py``)
@@ -21,7 +22,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from onnx_prep.core.errors import UnsupportedOpError
-from onnx_prep.core.kernels import gemm_packed, int4_gather, int4_matmul, numpy_ops, reference_ops
+from onnx_prep.core.kernels import gemm_packed, gqa, int4_gather, int4_matmul, numpy_ops, reference_ops
 from onnx_prep.core.kernels.spec import UNSUPPORTED, KernelChoice, KernelSpec, MatchContext
 from onnx_prep.core.model.transforms import GraphNode
 from onnx_prep.core.model.weights import WeightDescriptor
@@ -31,6 +32,7 @@ from onnx_prep.core.ops.registry import MS_DOMAIN  # noqa: F401 - the one defini
 KERNEL_SPECS: tuple[KernelSpec, ...] = (
     int4_matmul.SPEC,
     int4_gather.SPEC,
+    gqa.SPEC,
     gemm_packed.SPEC,
     numpy_ops.SPEC,
     reference_ops.SPEC,

@@ -1,0 +1,98 @@
+"""com.microsoft GroupQueryAttention: the op the ``gqa`` kernel runs (core/kernels/gqa.py).
+
+Inputs: query, key?, value? (absent: query is packed QKV), past_key?, past_value?,
+seqlens_k (int32 [B], total length - 1 per row), total_sequence_length (int32 scalar),
+cos_cache?, sin_cache? (read when do_rotary = 1). Outputs: output, present_key,
+present_value. Semantics and layouts: docs/ops.md, "GroupQueryAttention"; the C kernel
+(``onnx_prep.native.group_query_attention``) computes it, and ``reference_gqa`` below
+is the numpy twin for machines without the native module.
+
+Present is a fresh array: past rows copied, the new rows written after them. An
+in-place path (past and present one buffer, ONNX Runtime's past_present_share_buffer)
+exists in the kernel (``share_buffer``) but the runtime does not use it yet: it needs
+the KV inputs allocated at their maximum length and the session to hand a step's
+present back as the next step's past without a copy.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from onnx_prep.core.errors import NativeError
+
+
+def _inputs(inputs: list) -> list:
+    return list(inputs) + [None] * (9 - len(inputs))
+
+
+def group_query_attention(inputs, attrs: Mapping[str, Any], prepared):
+    q, k, v, pk, pv, seqlens_k, total, cos, sin = _inputs(inputs)[:9]
+    rotary = int(attrs.get("do_rotary", 0)) == 1
+    kwargs = dict(num_heads=int(attrs["num_heads"]), kv_num_heads=int(attrs["kv_num_heads"]),
+                  scale=float(attrs.get("scale", 0.0)), interleaved=int(attrs.get("rotary_interleaved", 0)) == 1)
+    args = (q, k, v, pk, pv, seqlens_k, total, cos if rotary else None, sin if rotary else None)
+    from onnx_prep import native
+
+    try:
+        kernel = native.group_query_attention
+    except NativeError:  # pragma: no cover - only without the native module
+        kernel = reference_gqa
+    return list(kernel(*args, **kwargs))
+
+
+def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:
+    """x [..., H] rotated with cos / sin [..., rotary_dim / 2] (broadcast over x's heads)."""
+    half = cos.shape[-1]
+    y = x.copy()
+    if interleaved:
+        x0, x1 = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+        y[..., 0:2 * half:2], y[..., 1:2 * half:2] = x0 * cos - x1 * sin, x1 * cos + x0 * sin
+    else:
+        x0, x1 = x[..., :half], x[..., half:2 * half]
+        y[..., :half], y[..., half:2 * half] = x0 * cos - x1 * sin, x1 * cos + x0 * sin
+    return y
+
+
+def reference_gqa(q, k, v, past_key, past_value, seqlens_k, total_sequence_length, cos=None, sin=None, *,
+                  num_heads: int, kv_num_heads: int, scale: float = 0.0, interleaved: bool = False):
+    """The numpy twin of the C kernel (same semantics, no shape checks beyond numpy's)."""
+    out_dtype = q.dtype
+    q = q.astype(np.float32)
+    B, S, D = q.shape
+    if k is None:  # packed QKV
+        H = D // (num_heads + 2 * kv_num_heads)
+        q, k, v = np.split(q, [num_heads * H, (num_heads + kv_num_heads) * H], axis=-1)
+    H = q.shape[-1] // num_heads
+    q = q.reshape(B, S, num_heads, H)
+    k = k.astype(np.float32).reshape(B, S, kv_num_heads, H)
+    v = v.astype(np.float32).reshape(B, S, kv_num_heads, H)
+    total = int(np.asarray(total_sequence_length).reshape(-1)[0])
+    past_len = 0 if past_key is None else past_key.shape[2]
+    present_len = max(total, past_len)
+    first = S == total
+    pk = np.zeros((B, kv_num_heads, present_len, H), np.float32)
+    pv = np.zeros_like(pk)
+    out = np.empty((B, S, num_heads, H), np.float32)
+    alpha = np.float32(scale) if scale else np.float32(1.0 / np.sqrt(H))
+    G = num_heads // kv_num_heads
+    for b in range(B):
+        t = int(seqlens_k[b]) + 1
+        past = 0 if first else t - S
+        pos = past + np.arange(S)
+        qb, kb = q[b], k[b]
+        if cos is not None:
+            c, s_ = cos[pos][:, None, :], sin[pos][:, None, :]
+            qb, kb = _rotate(qb, c, s_, interleaved), _rotate(kb, c, s_, interleaved)
+        if past:
+            pk[b, :, :past], pv[b, :, :past] = past_key[b, :, :past], past_value[b, :, :past]
+        pk[b, :, past:past + S], pv[b, :, past:past + S] = kb.transpose(1, 0, 2), v[b].transpose(1, 0, 2)
+        for h in range(num_heads):
+            kh, vh = pk[b, h // G], pv[b, h // G]
+            for s in range(S):
+                span = min(past + s + 1, t)
+                w = alpha * (kh[:span] @ qb[s, h])
+                w = np.exp(w - w.max())
+                out[b, s, h] = (w / w.sum()) @ vh[:span]
+    out = out.reshape(B, S, num_heads * H)
+    return tuple(x if x.dtype == out_dtype else x.astype(out_dtype) for x in (out, pk, pv))

@@ -1,0 +1,247 @@
+"""com.microsoft GroupQueryAttention (the ``gqa`` kernel: native/attention.c through
+core/ops/attention.py) against ONNX Runtime on one-node graphs: random shapes
+(hypothesis) over batch 1-3, query / kv head ratios 1, 2, 4, head sizes 16-64, first
+prompts (rows of different lengths: padding), decode steps on growing and on fixed-length
+past buffers (rows of different lengths), continued prompts, rotary on / off,
+interleaved or not, packed QKV. Then each ISA against the scalar twin, the numpy twin,
+the shared (in-place) buffer, a model through resolve and a session, and every refusal.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from onnx import TensorProto, helper
+
+from conftest import ort_or_skip
+from ops_oracle import one_node_model, run_ort, run_ours
+from test_resolve_models import from_array, write_model
+
+from onnx_prep import native
+from onnx_prep.core.errors import ModelFormatError
+from onnx_prep.core.model.resolution import resolve_model
+from onnx_prep.core.ops.attention import reference_gqa
+
+MS = "com.microsoft"
+# Output: fp32 dot products over <= 64 values, a softmax over <= ~20 positions and a
+# weighted sum, summed in another order than ONNX Runtime's GEMMs, and its softmax's
+# exp is MLAS's polynomial, not libm's: observed <= 4e-7 on values of order 1.
+OUT_ATOL, OUT_RTOL = 1e-5, 1e-5
+# Present keys: one rotation (two products and a sum per value) or a copy: <= 2.4e-7.
+KEY_ATOL = 1e-6
+# ISA paths against the scalar twin: the same products summed in another order.
+ISA_ATOL, ISA_RTOL = 1e-5, 1e-5
+
+
+def gqa_inputs(rng, *, B, S, N, KN, H, lens, total, past_len, rotary, packed=False):
+    """The op's nine inputs in order (None where absent)."""
+    f = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    if packed:
+        q, k, v = f(B, S, (N + 2 * KN) * H), None, None
+    else:
+        q, k, v = f(B, S, N * H), f(B, S, KN * H), f(B, S, KN * H)
+    pk, pv = (f(B, KN, past_len, H), f(B, KN, past_len, H)) if past_len else (None, None)
+    seqlens = np.asarray(lens, np.int32) - 1
+    cos = sin = None
+    if rotary:
+        angles = rng.uniform(0, 2 * np.pi, (total + 4, H // 2)).astype(np.float32)
+        cos, sin = np.cos(angles), np.sin(angles)
+    return [q, k, v, pk, pv, seqlens, np.array([total], np.int32), cos, sin]
+
+
+def attrs_of(N, KN, rotary, interleaved, **more):
+    return dict(num_heads=N, kv_num_heads=KN, do_rotary=int(rotary), rotary_interleaved=int(interleaved), **more)
+
+
+def ort_gqa(inputs, attrs):
+    model = one_node_model("GroupQueryAttention", inputs, attrs, opset=17, n_out=3, domain=MS)
+    return run_ort(model, inputs)
+
+
+def ours(inputs, attrs):
+    return run_ours("GroupQueryAttention", inputs, attrs, opset=17, n_out=3, domain=MS, kernel="gqa")
+
+
+def assert_matches(got, want):
+    assert [g.shape for g in got] == [w.shape for w in want]
+    np.testing.assert_allclose(got[0], want[0], rtol=OUT_RTOL, atol=OUT_ATOL)
+    np.testing.assert_allclose(got[1], want[1], rtol=0, atol=KEY_ATOL)
+    np.testing.assert_array_equal(got[2], want[2])  # values are copied, never computed
+
+
+@st.composite
+def cases(draw):
+    B = draw(st.integers(1, 3))
+    KN = draw(st.integers(1, 2))
+    N = KN * draw(st.sampled_from([1, 2, 4]))
+    rotary = draw(st.booleans())
+    H = draw(st.sampled_from([16, 32, 48, 64] if rotary else [16, 24, 40, 64]))  # rotary: H % 16 == 0
+    mode = draw(st.sampled_from(["prompt", "decode-growing", "decode-fixed", "continued"]))
+    if mode == "continued":
+        B = 1
+    if mode == "prompt":
+        S = draw(st.integers(1, 6))
+        lens = [draw(st.integers(1, S)) for _ in range(B)]
+        lens[draw(st.integers(0, B - 1))] = S
+        total, past_len = S, draw(st.sampled_from([0, S + 3]))  # no past, or an empty max-length buffer
+    elif mode == "decode-growing":
+        S, past_len = 1, draw(st.integers(1, 12))
+        lens, total = [past_len + 1] * B, past_len + 1
+    elif mode == "decode-fixed":  # rows of different lengths in one max-length buffer
+        S, past_len = 1, draw(st.integers(2, 12))
+        lens = [draw(st.integers(1, past_len)) for _ in range(B)]
+        total = max(lens)
+    else:
+        S, past_len = draw(st.integers(2, 4)), draw(st.integers(1, 8))
+        total = past_len + S
+        lens = [total]
+    return dict(B=B, S=S, N=N, KN=KN, H=H, lens=lens, total=total, past_len=past_len, rotary=rotary,
+                packed=draw(st.booleans())), draw(st.booleans()), draw(st.integers(0, 2**31 - 1))
+
+
+@given(cases())
+def test_gqa_matches_onnx_runtime(case):
+    ort_or_skip()
+    shape, interleaved, seed = case
+    inputs = gqa_inputs(np.random.default_rng(seed), **shape)
+    attrs = attrs_of(shape["N"], shape["KN"], shape["rotary"], interleaved)
+    assert_matches(ours(inputs, attrs), ort_gqa(inputs, attrs))
+
+
+def test_gqa_scale_attribute_and_rows_of_different_lengths_match_onnx_runtime():
+    ort_or_skip()
+    shape = dict(B=3, S=1, N=8, KN=2, H=32, lens=[3, 9, 6], total=9, past_len=10, rotary=True)
+    inputs = gqa_inputs(np.random.default_rng(1), **shape)
+    attrs = attrs_of(8, 2, True, False, scale=0.3)
+    want = ort_gqa(inputs, attrs)
+    assert_matches(ours(inputs, attrs), want)
+    # The rows really differ in length: row 0's present keeps the past's first 2 rows,
+    # its new key at row 2, zeros after.
+    assert np.all(want[2][0, :, 3:] == 0) and np.any(want[2][1, :, 8] != 0)
+
+
+@pytest.mark.parametrize("rotary,interleaved", [(False, False), (True, False), (True, True)])
+def test_numpy_twin_matches_onnx_runtime(rotary, interleaved):
+    ort_or_skip()
+    rng = np.random.default_rng(7)
+    for shape in (dict(B=2, S=4, N=4, KN=2, H=32, lens=[2, 4], total=4, past_len=0, rotary=rotary),
+                  dict(B=3, S=1, N=4, KN=1, H=16, lens=[5, 2, 7], total=7, past_len=8, rotary=rotary)):
+        inputs = gqa_inputs(rng, **shape)
+        attrs = attrs_of(shape["N"], shape["KN"], rotary, interleaved)
+        cos, sin = (inputs[7], inputs[8]) if rotary else (None, None)
+        got = reference_gqa(*inputs[:7], cos, sin, num_heads=shape["N"], kv_num_heads=shape["KN"],
+                            interleaved=interleaved)
+        assert_matches(list(got), ort_gqa(inputs, attrs))
+
+
+@pytest.mark.parametrize("isa", [i for i in ("avx2", "avx512") if native.unavailable_reason(i) is None] or
+                         [pytest.param("avx2", marks=pytest.mark.skip(reason="no SIMD ISA on this CPU/build"))])
+def test_isa_paths_match_the_scalar_twin(isa):
+    rng = np.random.default_rng(3)
+    # Head sizes that leave tails after the 8- / 16-wide vectors, and past the 4-way unroll.
+    for H, lens, past in ((24, [5, 3], 6), (64, [9, 9], 8), (136, [4, 1], 4)):
+        inputs = gqa_inputs(rng, B=2, S=1, N=4, KN=2, H=H, lens=lens, total=max(lens), past_len=past,
+                            rotary=False)
+        kw = dict(num_heads=4, kv_num_heads=2)
+        scalar = native.group_query_attention(*inputs[:7], isa="scalar", **kw)
+        assert native.last_kernel() == "scalar"
+        got = native.group_query_attention(*inputs[:7], isa=isa, **kw)
+        assert native.last_kernel() == isa
+        np.testing.assert_allclose(got[0], scalar[0], rtol=ISA_RTOL, atol=ISA_ATOL)
+        np.testing.assert_array_equal(got[1], scalar[1])
+        np.testing.assert_array_equal(got[2], scalar[2])
+
+
+def test_shared_buffer_is_updated_in_place_and_gives_the_same_output():
+    rng = np.random.default_rng(4)
+    inputs = gqa_inputs(rng, B=2, S=1, N=4, KN=2, H=32, lens=[4, 7], total=7, past_len=10, rotary=True)
+    kw = dict(num_heads=4, kv_num_heads=2)
+    fresh = native.group_query_attention(*inputs, **kw)
+    pk, pv = inputs[3].copy(), inputs[4].copy()
+    out, k, v = native.group_query_attention(*inputs[:3], pk, pv, *inputs[5:], share_buffer=True, **kw)
+    assert k is pk and v is pv
+    np.testing.assert_array_equal(out, fresh[0])
+    for b, n in enumerate([4, 7]):  # the rows the step wrote and read; the rest is the past's
+        np.testing.assert_array_equal(pk[b, :, :n], fresh[1][b, :, :n])
+        np.testing.assert_array_equal(pv[b, :, n:], inputs[4][b, :, n:])
+
+
+def test_a_seqlens_value_outside_the_buffers_is_one_line_naming_the_row():
+    inputs = gqa_inputs(np.random.default_rng(5), B=2, S=1, N=2, KN=2, H=16, lens=[3, 4], total=4, past_len=4,
+                        rotary=False)
+    inputs[5] = np.array([2, 9], np.int32)
+    with pytest.raises(ValueError, match=r"seqlens_k\[1\] = 9 does not fit") as e:
+        native.group_query_attention(*inputs[:7], num_heads=2, kv_num_heads=2)
+    assert "\n" not in str(e.value)
+
+
+def gqa_model(out_dir: Path, attrs: dict, *, extra_inputs: tuple[str, ...] = (), n_out: int = 3) -> Path:
+    """A decoder layer's attention as the builder writes it: growing BNSH KV, rotary
+    caches as external initializers."""
+    N, KN, H = attrs["num_heads"], attrs["kv_num_heads"], 16
+    names = ["q", "k", "v", "past_key", "past_value", "seqlens_k", "total_sequence_length", "cos", "sin"]
+    node = helper.make_node("GroupQueryAttention", names + list(extra_inputs),
+                            ["y", "present_key", "present_value", "qk"][:n_out], name="attn0", domain=MS, **attrs)
+    f, i32 = TensorProto.FLOAT, TensorProto.INT32
+    vi = helper.make_tensor_value_info
+    inputs = [vi("q", f, ["b", "s", N * H]), vi("k", f, ["b", "s", KN * H]), vi("v", f, ["b", "s", KN * H]),
+              vi("past_key", f, ["b", KN, "p", H]), vi("past_value", f, ["b", KN, "p", H]),
+              vi("seqlens_k", i32, ["b"]), vi("total_sequence_length", i32, [])]
+    inputs += [vi(n, f, None) for n in extra_inputs]
+    angles = np.random.default_rng(0).uniform(0, 6, (32, H // 2)).astype(np.float32)
+    outputs = [vi(n, f, None) for n in ["y", "present_key", "present_value", "qk"][:n_out]]
+    return write_model(out_dir, [node], [from_array("cos", np.cos(angles)), from_array("sin", np.sin(angles))],
+                       inputs, outputs, opsets={"": 17, MS: 1})
+
+
+def test_a_builder_style_model_resolves_to_gqa_and_runs_in_a_session(tmp_path):
+    from onnx_prep.core.runtime.session import Session
+
+    ort = ort_or_skip()
+    path = gqa_model(tmp_path, attrs_of(4, 2, True, False))
+    resolved = resolve_model(path)
+    assert [n.kernel for n in resolved.nodes] == ["gqa"] and not resolved.unsupported
+    rng = np.random.default_rng(6)
+    inputs = gqa_inputs(rng, B=2, S=1, N=4, KN=2, H=16, lens=[6, 6], total=6, past_len=5, rotary=False)
+    feeds = dict(zip(["q", "k", "v", "past_key", "past_value", "seqlens_k", "total_sequence_length"], inputs))
+    with Session(resolved) as session:
+        got = session.run(feeds)
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)
+    assert_matches([got["y"], got["present_key"], got["present_value"]], want)
+
+
+@pytest.mark.parametrize("attrs,extra,n_out,needle", [
+    (dict(local_window_size=128), (), 3, "local_window_size = 128: a sliding window"),
+    (dict(softcap=30.0), (), 3, "softcap = 30.0: softcap"),
+    (dict(smooth_softmax=1), (), 3, "smooth_softmax = 1: smooth softmax"),
+    (dict(kv_num_heads=3), (), 3, "num_heads 4 is not a multiple of kv_num_heads 3"),
+    (dict(), ("position_ids",), 3, "input 9 (position_ids) is not implemented"),
+    (dict(), ("position_ids", "attention_bias"), 3, "input 10 (attention_bias) is not implemented"),
+    (dict(), (), 4, "output 3 (output_qk) is not implemented"),
+])
+def test_what_the_kernel_does_not_implement_is_refused_at_resolve(tmp_path, attrs, extra, n_out, needle):
+    base = attrs_of(4, 2, True, False)
+    base.update(attrs)
+    if extra == ("position_ids", "attention_bias"):  # position_ids absent, attention_bias given
+        extra = ("", "attention_bias")
+    path = gqa_model(tmp_path, base, extra_inputs=tuple(x for x in extra), n_out=n_out)
+    with pytest.raises(ModelFormatError, match=re.escape(needle)) as e:
+        resolve_model(path)
+    assert "attn0" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_refusal_is_exit_2_in_one_line_through_the_cli(tmp_path):
+    from typer.testing import CliRunner
+
+    from onnx_prep.cli.app import app
+
+    path = gqa_model(tmp_path, attrs_of(4, 2, True, False, softcap=50.0))
+    result = CliRunner().invoke(app, ["resolve", str(path)])
+    assert result.exit_code == 2
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert any("softcap = 50.0" in line and "attn0" in line for line in lines)
+    assert "Traceback" not in result.output
