@@ -33,6 +33,9 @@ MS = "com.microsoft"
 OUT_ATOL, OUT_RTOL = 1e-5, 1e-5
 # Present keys: one rotation (two products and a sum per value) or a copy: <= 2.4e-7.
 KEY_ATOL = 1e-6
+# fp16 inputs: both compute in fp32 and round once to fp16; fp32 results ~1e-6 apart can
+# round to neighbouring fp16 values: one ulp (2^-10 for |x| in [1, 2); outputs are < 2).
+F16_ATOL = 2.0 ** -10
 # ISA paths against the scalar twin: the same products summed in another order.
 ISA_ATOL, ISA_RTOL = 1e-5, 1e-5
 
@@ -122,6 +125,20 @@ def test_gqa_scale_attribute_and_rows_of_different_lengths_match_onnx_runtime():
     # The rows really differ in length: row 0's present keeps the past's first 2 rows,
     # its new key at row 2, zeros after.
     assert np.all(want[2][0, :, 3:] == 0) and np.any(want[2][1, :, 8] != 0)
+
+
+def test_fp16_inputs_compute_in_fp32_and_match_onnx_runtime_to_one_ulp():
+    ort_or_skip()
+    inputs = gqa_inputs(np.random.default_rng(2), B=2, S=1, N=4, KN=2, H=32, lens=[5, 8], total=8, past_len=8,
+                        rotary=True)
+    inputs = [x.astype(np.float16) if x is not None and x.dtype == np.float32 else x for x in inputs]
+    attrs = attrs_of(4, 2, True, True)
+    got, want = ours(inputs, attrs), ort_gqa(inputs, attrs)
+    assert [g.dtype for g in got] == [np.float16] * 3
+    assert np.abs(want[0]).max() < 2
+    np.testing.assert_allclose(got[0].astype(np.float32), want[0].astype(np.float32), rtol=0, atol=F16_ATOL)
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(got[2], want[2])
 
 
 @pytest.mark.parametrize("rotary,interleaved", [(False, False), (True, False), (True, True)])
