@@ -40,14 +40,15 @@ F16_ATOL = 2.0 ** -10
 ISA_ATOL, ISA_RTOL = 1e-5, 1e-5
 
 
-def gqa_inputs(rng, *, B, S, N, KN, H, lens, total, past_len, rotary, packed=False):
-    """The op's nine inputs in order (None where absent)."""
+def gqa_inputs(rng, *, B, S, N, KN, H, lens, total, past_len, rotary, packed=False, empty_past=False):
+    """The op's nine inputs in order (None where absent; ``empty_past``: past buffers of
+    length 0, as a decoder's first step feeds them)."""
     f = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
     if packed:
         q, k, v = f(B, S, (N + 2 * KN) * H), None, None
     else:
         q, k, v = f(B, S, N * H), f(B, S, KN * H), f(B, S, KN * H)
-    pk, pv = (f(B, KN, past_len, H), f(B, KN, past_len, H)) if past_len else (None, None)
+    pk, pv = (f(B, KN, past_len, H), f(B, KN, past_len, H)) if past_len or empty_past else (None, None)
     seqlens = np.asarray(lens, np.int32) - 1
     cos = sin = None
     if rotary:
@@ -90,7 +91,7 @@ def cases(draw):
         S = draw(st.integers(1, 6))
         lens = [draw(st.integers(1, S)) for _ in range(B)]
         lens[draw(st.integers(0, B - 1))] = S
-        total, past_len = S, draw(st.sampled_from([0, S + 3]))  # no past, or an empty max-length buffer
+        total, past_len = S, draw(st.sampled_from([0, S + 3]))  # no past, or a max-length buffer
     elif mode == "decode-growing":
         S, past_len = 1, draw(st.integers(1, 12))
         lens, total = [past_len + 1] * B, past_len + 1
@@ -103,7 +104,8 @@ def cases(draw):
         total = past_len + S
         lens = [total]
     return dict(B=B, S=S, N=N, KN=KN, H=H, lens=lens, total=total, past_len=past_len, rotary=rotary,
-                packed=draw(st.booleans())), draw(st.booleans()), draw(st.integers(0, 2**31 - 1))
+                packed=draw(st.booleans()), empty_past=past_len == 0 and draw(st.booleans())
+                ), draw(st.booleans()), draw(st.integers(0, 2**31 - 1))
 
 
 @given(cases())
