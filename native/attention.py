@@ -45,20 +45,21 @@ def group_query_attention(query: np.ndarray, key: np.ndarray | None, value: np.n
                          f"kv_num_heads {kv_num_heads}")
     if (key is None) != (value is None):
         raise ValueError("GroupQueryAttention: key and value must be both present or both absent")
+    heads = num_heads if key is not None else num_heads + 2 * kv_num_heads
+    H = D // heads
+    if H < 1 or H % 8 or H * heads != D:
+        raise ValueError(f"GroupQueryAttention: query's last dimension {D} is not {heads} heads "
+                         f"({'num_heads' if key is not None else 'packed QKV'}) of a multiple of 8")
     if key is None:  # packed QKV: split the last axis
-        H = D // (num_heads + 2 * kv_num_heads)
         q32 = _f32(query)
         query = q32[..., :num_heads * H]
         key = q32[..., num_heads * H:(num_heads + kv_num_heads) * H]
         value = q32[..., (num_heads + kv_num_heads) * H:]
     else:
-        H = D // num_heads
         for what, x in (("key", key), ("value", value)):
             if _dims(what, np.asarray(x), 3) != (B, S, kv_num_heads * H):
                 raise ValueError(f"GroupQueryAttention: {what} shape {list(np.shape(x))} is not "
                                  f"[{B}, {S}, {kv_num_heads * H}] (batch, sequence, kv_num_heads * head size)")
-    if H * (num_heads if key is not None else 1) == 0 or H % 8:
-        raise ValueError(f"GroupQueryAttention: head size {H} is not a positive multiple of 8")
     q, k, v = _f32(query), _f32(key), _f32(value)
     total = int(np.asarray(total_sequence_length).reshape(-1)[0])
     past_len = 0

@@ -198,6 +198,23 @@ def test_a_seqlens_value_outside_the_buffers_is_one_line_naming_the_row():
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("change,needle", [
+    (lambda x: x.__setitem__(0, x[0][..., :60]), "query's last dimension 60 is not 4 heads (num_heads)"),
+    (lambda x: x.__setitem__(1, x[1][:, :, :16]), "key shape [2, 1, 16] is not [2, 1, 32]"),
+    (lambda x: x.__setitem__(3, x[3][:, :1]), "past_key shape [2, 1, 6, 16] is not [2, 2, past length, 16]"),
+    (lambda x: x.__setitem__(4, None), "past_key and past_value must be both present or both absent"),
+    (lambda x: x.__setitem__(7, x[7][:4]), "cos/sin caches [4, 8] / [11, 8] are not [>= total_sequence_length 7"),
+    (lambda x: x.__setitem__(5, x[5][:1]), "seqlens_k has 1 values for batch 2"),
+])
+def test_inputs_the_kernel_cannot_take_are_one_line_naming_the_input(change, needle):
+    inputs = gqa_inputs(np.random.default_rng(8), B=2, S=1, N=4, KN=2, H=16, lens=[7, 7], total=7, past_len=6,
+                        rotary=True)
+    change(inputs)
+    with pytest.raises(ValueError, match=re.escape(needle)) as e:
+        native.group_query_attention(*inputs, num_heads=4, kv_num_heads=2)
+    assert "\n" not in str(e.value)
+
+
 def gqa_model(out_dir: Path, attrs: dict, *, extra_inputs: tuple[str, ...] = (), n_out: int = 3) -> Path:
     """A decoder layer's attention as the builder writes it: growing BNSH KV, rotary
     caches as external initializers."""
