@@ -84,9 +84,10 @@ static void unit(const op_attn_table *t, const op_gqa_params *p, const float *qu
     const size_t row_bytes = (size_t)H * sizeof(float);
     float *pk = present_key + (b * KN + j) * p->present_len * H;
     float *pv = present_value + (b * KN + j) * p->present_len * H;
-    if (past_key == NULL || past_key != present_key) {  /* separate buffers */
-        memset(pk, 0, (size_t)p->present_len * row_bytes);
-        memset(pv, 0, (size_t)p->present_len * row_bytes);
+    if (past_key == NULL || past_key != present_key) {  /* separate buffers: zeros after the new rows */
+        const size_t tail = (size_t)(p->present_len - past - S) * row_bytes;
+        memset(pk + (past + S) * H, 0, tail);
+        memset(pv + (past + S) * H, 0, tail);
         if (past > 0) {
             memcpy(pk, past_key + (b * KN + j) * p->past_len * H, (size_t)past * row_bytes);
             memcpy(pv, past_value + (b * KN + j) * p->past_len * H, (size_t)past * row_bytes);
