@@ -76,23 +76,30 @@ static int64_t row_lengths(const op_gqa_params *p, const int64_t *seqlens_k, int
     return past;
 }
 
+static int64_t stride(int64_t given, int64_t len) { return given > 0 ? given : len; }
+
+/* Present rows other than the new ones of kv head j of row b (pk: its first row): none
+ * to write when present is the past's own buffer (shared); otherwise the past's first
+ * `past` rows, then zeros after the new rows. */
+static void place_past(const op_gqa_params *p, const float *past_buf, int64_t past_stride, const float *present_buf,
+                       float *pk, int64_t b, int64_t j, int64_t past) {
+    const int64_t H = p->head_size, S = p->seq;
+    if (past_buf != NULL && past_buf == present_buf) return;
+    memset(pk + (past + S) * H, 0, (size_t)(p->present_len - past - S) * (size_t)H * sizeof(float));
+    if (past > 0)
+        memcpy(pk, past_buf + (b * p->kv_num_heads + j) * past_stride * H, (size_t)(past * H) * sizeof(float));
+}
+
 static void unit(const op_attn_table *t, const op_gqa_params *p, const float *query, const float *key,
                  const float *value, const float *past_key, const float *past_value, int64_t b, int64_t j,
                  int64_t past, int64_t total, const float *cos_cache, const float *sin_cache, float *out,
                  float *present_key, float *present_value, float *scratch) {
     const int64_t S = p->seq, H = p->head_size, N = p->num_heads, KN = p->kv_num_heads, G = N / KN;
     const size_t row_bytes = (size_t)H * sizeof(float);
-    float *pk = present_key + (b * KN + j) * p->present_len * H;
-    float *pv = present_value + (b * KN + j) * p->present_len * H;
-    if (past_key == NULL || past_key != present_key) {  /* separate buffers: zeros after the new rows */
-        const size_t tail = (size_t)(p->present_len - past - S) * row_bytes;
-        memset(pk + (past + S) * H, 0, tail);
-        memset(pv + (past + S) * H, 0, tail);
-        if (past > 0) {
-            memcpy(pk, past_key + (b * KN + j) * p->past_len * H, (size_t)past * row_bytes);
-            memcpy(pv, past_value + (b * KN + j) * p->past_len * H, (size_t)past * row_bytes);
-        }
-    }
+    float *pk = present_key + (b * KN + j) * stride(p->present_key_stride, p->present_len) * H;
+    float *pv = present_value + (b * KN + j) * stride(p->present_value_stride, p->present_len) * H;
+    place_past(p, past_key, stride(p->past_key_stride, p->past_len), present_key, pk, b, j, past);
+    place_past(p, past_value, stride(p->past_value_stride, p->past_len), present_value, pv, b, j, past);
     for (int64_t s = 0; s < S; s++) {
         const float *k = key + ((b * S + s) * KN + j) * H, *v = value + ((b * S + s) * KN + j) * H;
         if (p->rotary_dim > 0)
@@ -145,9 +152,13 @@ int op_group_query_attention(int isa, const op_gqa_params *p, const float *query
         return OP_E_ARG;
     const int64_t units = p->batch * p->kv_num_heads;
     if (unit_begin < 0 || unit_end > units || unit_begin > unit_end) return OP_E_ARG;
-    if ((past_key == present_key) != (past_value == present_value) ||
-        (past_key == present_key && p->past_len != p->present_len))
-        return OP_E_ARG;  /* a shared buffer is shared for both, at one length */
+    const int64_t pks = stride(p->past_key_stride, p->past_len), pvs = stride(p->past_value_stride, p->past_len);
+    const int64_t qks = stride(p->present_key_stride, p->present_len);
+    const int64_t qvs = stride(p->present_value_stride, p->present_len);
+    if (pks < p->past_len || pvs < p->past_len || qks < p->present_len || qvs < p->present_len ||
+        (past_key && past_key == present_key && pks != qks) ||
+        (past_value && past_value == present_value && pvs != qvs))
+        return OP_E_ARG;  /* a shared buffer has one stride */
     int st;
     const op_attn_table *t = attn_table(isa, &st);
     if (!t) return st;

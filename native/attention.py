@@ -24,19 +24,43 @@ def _dims(what: str, x: np.ndarray, rank: int) -> tuple[int, ...]:
     return x.shape
 
 
+def _kv_buffer(x: np.ndarray | None, shape: tuple, *, writable: bool = True) -> tuple[np.ndarray, int] | None:
+    """(x, rows from one head to the next) when x is an fp32 ``shape`` array laid out as
+    the kernel reads KV (C-contiguous but for room along axis 2), else None."""
+    if x is None or x.dtype != np.float32 or x.shape != tuple(shape) or (writable and not x.flags.writeable):
+        return None
+    B, KN, L, H = x.shape
+    st = x.strides
+    if x.flags.c_contiguous:
+        return x, L
+    if st[3] != 4 or st[2] != 4 * H or st[1] % (4 * H) or st[1] // (4 * H) < L or (B > 1 and st[0] != KN * st[1]):
+        return None
+    return x, st[1] // (4 * H)
+
+
+def _address(x: np.ndarray | None):
+    """A float pointer to x's first element (x may be a strided view; the caller keeps
+    x alive for the call)."""
+    return ffi.NULL if x is None else ffi.cast("float *", x.ctypes.data)
+
+
 def group_query_attention(query: np.ndarray, key: np.ndarray | None, value: np.ndarray | None,
                           past_key: np.ndarray | None, past_value: np.ndarray | None,
                           seqlens_k: np.ndarray, total_sequence_length: int | np.ndarray,
                           cos_cache: np.ndarray | None = None, sin_cache: np.ndarray | None = None, *,
                           num_heads: int, kv_num_heads: int, scale: float = 0.0, interleaved: bool = False,
-                          share_buffer: bool = False, isa: str | None = None
+                          present: tuple[np.ndarray, np.ndarray] | None = None, isa: str | None = None
                           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Output ``[B, S, num_heads * H]`` and present key / value ``[B, kv_num_heads,
     max(total_sequence_length, past length), H]``.
 
     key and value None: ``query`` is packed ``[B, S, (num_heads + 2 kv_num_heads) H]``.
-    Rotary runs when cos / sin caches are given. ``share_buffer``: past_key / past_value
-    (fp32, C-contiguous, present-sized) are updated in place and returned as present.
+    Rotary runs when cos / sin caches are given. ``present``: the (key, value) arrays to
+    write present into (fp32, C-contiguous but for room after their rows along axis 2,
+    as a prefix view of a longer buffer is); one that starts where its past starts is
+    the past's own buffer: only the new rows are written (ONNX Runtime's shared buffer,
+    and the runtime's append buffers). Past buffers with room after their rows are read
+    in place, any other past is copied to fp32 first.
     """
     out_dtype = np.asarray(query).dtype
     B, S, D = _dims("query", np.asarray(query), 3)
@@ -90,30 +114,35 @@ def group_query_attention(query: np.ndarray, key: np.ndarray | None, value: np.n
     seq = np.ascontiguousarray(np.asarray(seqlens_k).reshape(-1), dtype=np.int64)
     if seq.size != B:
         raise ValueError(f"GroupQueryAttention: seqlens_k has {seq.size} values for batch {B}")
-    if share_buffer:
-        if past_key is None or past_len != present_len or any(
-                x.dtype != np.float32 or not x.flags.c_contiguous or not x.flags.writeable
-                for x in (past_key, past_value)):
-            raise ValueError("GroupQueryAttention: a shared buffer needs writable C-contiguous fp32 past "
-                             f"buffers of the present length {present_len}")
-        pk, pv = past_key, past_value
-        present_k, present_v = past_key, past_value
-    else:
-        pk = None if past_key is None else _f32(past_key)
-        pv = None if past_value is None else _f32(past_value)
+    if present is None:
         present_k = np.empty((B, kv_num_heads, present_len, H), np.float32)
         present_v = np.empty_like(present_k)
+    else:
+        present_k, present_v = present
+    kv = []  # (past, past stride, present, present stride) for keys, then values
+    for name, past_x, present_x in (("key", past_key, present_k), ("value", past_value, present_v)):
+        dest = _kv_buffer(present_x, (B, kv_num_heads, present_len, H))
+        if dest is None:
+            raise ValueError(f"GroupQueryAttention: present_{name} must be a writable fp32 [{B}, {kv_num_heads}, "
+                             f"{present_len}, {H}] array, C-contiguous but for room after its rows")
+        src = None if past_x is None else (_kv_buffer(np.asarray(past_x), np.shape(past_x), writable=False)
+                                           or (_f32(past_x), 0))
+        kv.append((src, dest))
     out = np.empty((B, S, num_heads * H), np.float32)
+    (pk, pk_rows), (pv, pv_rows) = [src or (None, 0) for src, _ in kv]
+    (_, qk_rows), (_, qv_rows) = [dest for _, dest in kv]
     p = ffi.new("op_gqa_params *", dict(
+        past_key_stride=pk_rows, past_value_stride=pv_rows, present_key_stride=qk_rows,
+        present_value_stride=qv_rows,
         batch=B, seq=S, num_heads=num_heads, kv_num_heads=kv_num_heads, head_size=H, past_len=past_len,
         present_len=present_len, rotary_dim=rotary_dim, cache_rows=0 if cos is None else cos.shape[0],
         interleaved=int(bool(interleaved)), first_prompt=int(first_prompt),
         scale=float(scale) if scale else 1.0 / float(np.sqrt(H))))
     bad = ffi.new("int64_t *")
     status = lib.op_group_query_attention(
-        isa_id(isa), p, ptr(q, "float *"), ptr(k, "float *"), ptr(v, "float *"), ptr(pk, "float *"),
-        ptr(pv, "float *"), ptr(seq, "int64_t *"), ptr(cos, "float *"), ptr(sin, "float *"),
-        ptr(out, "float *"), ptr(present_k, "float *"), ptr(present_v, "float *"), 0, B * kv_num_heads, bad)
+        isa_id(isa), p, ptr(q, "float *"), ptr(k, "float *"), ptr(v, "float *"), _address(pk),
+        _address(pv), ptr(seq, "int64_t *"), ptr(cos, "float *"), ptr(sin, "float *"),
+        ptr(out, "float *"), _address(present_k), _address(present_v), 0, B * kv_num_heads, bad)
     if status == lib.OP_E_ARG and bad[0] >= 0:
         b = int(bad[0])
         raise ValueError(f"GroupQueryAttention: seqlens_k[{b}] = {int(seq[b])} does not fit sequence {S}, "

@@ -226,8 +226,12 @@ void op_mailbox_stop(op_mailbox *m);
  * positions; its new tokens go to present rows [past_b, past_b + S) with past_b = 0
  * when first_prompt, else total_b - S. Causal: query s sees positions <= past_b + s
  * and < total_b (a first prompt's padding rows, s >= total_b, see the row's total_b).
- * present may be past itself (one shared buffer: only the new rows are written);
- * otherwise present is zeroed, then rows [0, past_b) are copied from past.
+ * present_key may be past_key itself (one shared buffer: only the new rows are
+ * written), and so may present_value be past_value; otherwise present rows
+ * [0, past_b) are copied from past and the rows after the new ones zeroed.
+ * Strides: rows from one (batch row, kv head) to the next in each buffer, >= its length
+ * (0: the length; a shared buffer has one stride), so a buffer may have room after
+ * its rows (the runtime's append buffers).
  * rotary_dim > 0: the first rotary_dim values of each query and new key head are
  * rotated by cos / sin [cache_rows, rotary_dim / 2] at their position, past_b + s.
  * The work is cut by (batch row, kv head) units: [unit_begin, unit_end) of
@@ -238,6 +242,7 @@ typedef struct {
     int64_t present_len;    /* present buffers' dimension 2 */
     int64_t rotary_dim;     /* 0: no rotary; else even, <= head_size */
     int64_t cache_rows;     /* cos / sin rows */
+    int64_t past_key_stride, past_value_stride, present_key_stride, present_value_stride;
     int32_t interleaved;    /* rotary pairs (2i, 2i+1) instead of (i, i + rotary_dim/2) */
     int32_t first_prompt;   /* 1: past_b = 0 for every row */
     float scale;            /* applied to Q.K before the softmax */

@@ -181,7 +181,7 @@ def test_shared_buffer_is_updated_in_place_and_gives_the_same_output():
     kw = dict(num_heads=4, kv_num_heads=2)
     fresh = native.group_query_attention(*inputs, **kw)
     pk, pv = inputs[3].copy(), inputs[4].copy()
-    out, k, v = native.group_query_attention(*inputs[:3], pk, pv, *inputs[5:], share_buffer=True, **kw)
+    out, k, v = native.group_query_attention(*inputs[:3], pk, pv, *inputs[5:], present=(pk, pv), **kw)
     assert k is pk and v is pv
     np.testing.assert_array_equal(out, fresh[0])
     for b, n in enumerate([4, 7]):  # the rows the step wrote and read; the rest is the past's
@@ -248,6 +248,72 @@ def test_a_builder_style_model_resolves_to_gqa_and_runs_in_a_session(tmp_path):
         got = session.run(feeds)
     want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)
     assert_matches([got["y"], got["present_key"], got["present_value"]], want)
+
+
+def test_a_session_decode_appends_present_in_place_and_matches_onnx_runtime(tmp_path):
+    """A prompt then decode steps, each step's present fed back as its past (as the
+    decode loop does): the runtime's presents are prefix views of one append buffer per
+    tensor (rows handed out are never written again) and every step matches ONNX Runtime
+    fed its own presents."""
+    from onnx_prep.core.runtime.session import Session
+
+    ort = ort_or_skip()
+    path = gqa_model(tmp_path, attrs_of(4, 2, True, True))
+    oracle = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(9)
+    B, KN, H = 2, 2, 16
+    empty = np.zeros((B, KN, 0, H), np.float32)
+    ours_kv, theirs_kv, total, seen = (empty, empty), (empty, empty), 0, []
+    with Session(resolve_model(path)) as session:
+        for S in (3, 1, 1, 1):
+            total += S
+            step = {"q": rng.standard_normal((B, S, 4 * H)).astype(np.float32),
+                    "k": rng.standard_normal((B, S, KN * H)).astype(np.float32),
+                    "v": rng.standard_normal((B, S, KN * H)).astype(np.float32),
+                    "seqlens_k": np.full(B, total - 1, np.int32),
+                    "total_sequence_length": np.array(total, np.int32)}
+            got = session.run({**step, "past_key": ours_kv[0], "past_value": ours_kv[1]})
+            want = oracle.run(None, {**step, "past_key": theirs_kv[0], "past_value": theirs_kv[1]})
+            assert_matches([got["y"], got["present_key"], got["present_value"]], want)
+            seen.append((got["present_key"], got["present_key"].copy()))
+            ours_kv, theirs_kv = (got["present_key"], got["present_value"]), (want[1], want[2])
+    first = seen[0][0]
+    assert all(np.shares_memory(k, first) for k, _ in seen[1:])  # appended, not copied
+    for k, snapshot in seen:  # no step wrote rows an earlier step handed out
+        np.testing.assert_array_equal(k, snapshot)
+
+
+def test_a_marked_node_with_rows_of_different_lengths_does_not_append():
+    """Present is past + S rows only when every row is at the past's length; rows of
+    different lengths (new rows inside the past's span) take a fresh buffer, and the
+    past's rows are left as they were."""
+    from onnx_prep.core.kernels.binding import get_op
+    from onnx_prep.core.ops import append_buffer
+    from onnx_prep.core.ops.attributes import APPEND_IN_PLACE
+
+    ort_or_skip()
+    inputs = gqa_inputs(np.random.default_rng(10), B=2, S=1, N=4, KN=2, H=16, lens=[6, 4], total=6, past_len=5,
+                        rotary=True)
+    pasts = []
+    for x in inputs[3:5]:  # the past as the claimed prefix of an append buffer with room
+        view, _ = append_buffer.extend(np.zeros((2, 2, 0, 16), np.float32), 2, 5)
+        view[...] = x
+        pasts.append(view)
+    inputs[3:5] = pasts
+    before = [p.copy() for p in pasts]
+    attrs = attrs_of(4, 2, True, False)
+    want = ort_gqa([*inputs[:3], *before, *inputs[5:]], attrs)
+    op = get_op("GroupQueryAttention", MS, "gqa")
+    got = op(inputs, {**attrs, APPEND_IN_PLACE: (0, 1)}, {})
+    assert_matches(got, want)
+    assert not np.shares_memory(got[1], pasts[0])
+    for p, b in zip(pasts, before):
+        np.testing.assert_array_equal(p, b)
+    # The same past with equal rows appends in place.
+    inputs[5] = np.array([5, 5], np.int32)
+    got = op(inputs, {**attrs, APPEND_IN_PLACE: (0, 1)}, {})
+    assert np.shares_memory(got[1], pasts[0]) and np.shares_memory(got[2], pasts[1])
+    assert_matches(got, ort_gqa([*inputs[:3], *before, *inputs[5:]], attrs))
 
 
 @pytest.mark.parametrize("attrs,extra,n_out,needle", [

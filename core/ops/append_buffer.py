@@ -163,6 +163,22 @@ def concat(parts: list[np.ndarray], axis: int, *, spread: float = 0.5) -> np.nda
         return np.concatenate(parts, axis=axis)  # numpy's result and numpy's errors
     length = past.shape[axis]
     total = length + sum(p.shape[axis] for p in rest)
+    out, in_place = extend(past, axis, total, spread=spread)
+    if in_place:  # rows [length, total) are this call's alone now
+        np.concatenate(rest, axis=axis, out=_rows(out, axis, length, total))
+    else:
+        np.concatenate(parts, axis=axis, out=out)
+    return out
+
+
+def extend(past: np.ndarray, axis: int, total: int, *, spread: float = 0.5) -> tuple[np.ndarray, bool]:
+    """Room for ``total`` rows along ``axis`` after ``past``: ``(view, True)`` when
+    ``past`` is the claimed prefix of a live append buffer with room (the view is the
+    longer prefix; its first rows are the past's, and rows [past's length, total) are
+    the caller's alone to write), else ``(view, False)``: a prefix view of a fresh
+    buffer with room (``concat``'s rule), every row of it the caller's to write. Counts
+    ``kv_appended_in_place`` or ``kv_copied``."""
+    length = past.shape[axis]
     found = _claim_of(past, axis)
     if found is not None:
         base, claim = found
@@ -170,10 +186,9 @@ def concat(parts: list[np.ndarray], axis: int, *, spread: float = 0.5) -> np.nda
             ok = claim.length == length and total <= base.shape[axis]
             if ok:
                 claim.length = total
-        if ok:  # rows [length, total) are this call's alone now
-            np.concatenate(rest, axis=axis, out=_rows(base, axis, length, total))
+        if ok:
             run_counters.count("kv_appended_in_place")
-            return _prefix(base, axis, total)
+            return _prefix(base, axis, total), True
     shape = list(past.shape)
     default = total + room_after(total, spread)
     shape[axis] = max(default, _ROOM.get())
@@ -182,10 +197,8 @@ def concat(parts: list[np.ndarray], axis: int, *, spread: float = 0.5) -> np.nda
     except MemoryError:  # a hint too large for this machine: the default room
         shape[axis] = default
         base = np.empty(shape, dtype=past.dtype)
-    out = _prefix(base, axis, total)
-    np.concatenate(parts, axis=axis, out=out)
     key = id(base)
     _claims[key] = _Claim(base, total)
     weakref.finalize(base, _claims.pop, key, None)
     run_counters.count("kv_copied")
-    return out
+    return _prefix(base, axis, total), False

@@ -7,11 +7,17 @@ present_value. Semantics and layouts: docs/ops.md, "GroupQueryAttention"; the C 
 (``onnx_prep.native.group_query_attention``) computes it, and ``reference_gqa`` below
 is the numpy twin for machines without the native module.
 
-Present is a fresh array: past rows copied, the new rows written after them. An
-in-place path (past and present one buffer, ONNX Runtime's past_present_share_buffer)
-exists in the kernel (``share_buffer``) but the runtime does not use it yet: it needs
-the KV inputs allocated at their maximum length and the session to hand a step's
-present back as the next step's past without a copy.
+Present: a node the action program marks (``APPEND_IN_PLACE``: past inputs from graph
+inputs, present outputs to graph outputs, the decoder's KV cache) writes it into an
+append buffer (core/ops/append_buffer.py), as a marked Concat does: a present of
+``past + S`` rows (a growing cache, every batch row at the same length) whose past is
+the claimed prefix of a buffer with room gets only its S new rows written, the past
+rows stay where they are; otherwise a fresh buffer with room is filled (past rows
+copied). Other nodes get fresh arrays, as ONNX Runtime writes them without a shared
+buffer. ONNX Runtime's own shared buffer (past and present one max-length array, the
+lengths in seqlens_k) is the kernel's ``present=(past_key, past_value)``; the runtime
+does not bind it: a session would have to allocate the KV inputs at their maximum
+length once and feed each step's present back as its past.
 """
 from __future__ import annotations
 
@@ -20,6 +26,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from onnx_prep.core.errors import NativeError
+from onnx_prep.core.ops import append_buffer
+from onnx_prep.core.ops.attributes import APPEND_IN_PLACE
 
 
 def _inputs(inputs: list) -> list:
@@ -37,8 +45,25 @@ def group_query_attention(inputs, attrs: Mapping[str, Any], prepared):
     try:
         kernel = native.group_query_attention
     except NativeError:  # pragma: no cover - only without the native module
-        kernel = reference_gqa
+        return list(reference_gqa(*args, **kwargs))
+    mark = attrs.get(APPEND_IN_PLACE)
+    if mark and _appends(q, pk, pv, seqlens_k, total):
+        position, count = mark
+        rows = int(np.asarray(total).reshape(-1)[0])
+        kwargs["present"] = tuple(append_buffer.extend(x, 2, rows, spread=(position + 0.5) / count)[0]
+                                  for x in (pk, pv))
     return list(kernel(*args, **kwargs))
+
+
+def _appends(q, past_key, past_value, seqlens_k, total) -> bool:
+    """Present is the past with S rows appended: fp32, and every row's total length is
+    ``past + S`` (a first prompt's rows, padding included, are all new)."""
+    if past_key is None or past_value is None or q.dtype != np.float32:
+        return False
+    if past_key.dtype != np.float32 or past_value.dtype != np.float32 or past_key.shape != past_value.shape:
+        return False
+    S, P, t = q.shape[1], past_key.shape[2], int(np.asarray(total).reshape(-1)[0])
+    return t == P + S and (P == 0 or bool(np.all(np.asarray(seqlens_k) + 1 == t)))
 
 
 def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:

@@ -36,6 +36,7 @@ import numpy as np
 
 from onnx_prep.core.errors import ModelIOError, OnnxPrepError, TaskFailedError, Where
 from onnx_prep.core.ops.attributes import APPEND_IN_PLACE
+from onnx_prep.core.ops.registry import MS_DOMAIN
 from onnx_prep.core.kernels.binding import bind_node
 from onnx_prep.core.kernels.registry import prepared_position
 from onnx_prep.core.model.prepared_key import PreparedKey
@@ -120,9 +121,10 @@ class ActionProgram:
         """Compile ``resolved`` (frozen) into an action list.
 
         ``append_in_place`` marks each ``Concat`` from a graph input to a graph output
-        (the KV cache, ``present = Concat(past, new)``) so that it appends into room
-        after the past instead of copying it (core/ops/append_buffer.py); False keeps
-        plain copies (benchmarks compare both).
+        (the KV cache, ``present = Concat(past, new)``), and each GroupQueryAttention
+        from past to present KV, so that it appends into room after the past instead
+        of copying it (core/ops/append_buffer.py); False keeps plain copies
+        (benchmarks compare both).
 
         ``use_prepared=False`` ignores the prepared requirements: every INT4 / packed
         node reads its raw initializers (supplied as ``weights``) and dequantizes per
@@ -147,9 +149,7 @@ class ActionProgram:
         raw_weights: dict[str, None] = {}
         outputs_set = frozenset(output_names)
         appends = [i for i, node in enumerate(resolved.nodes)
-                   if append_in_place and node.op_type == "Concat" and node.domain in ("", "ai.onnx")
-                   and node.inputs and node.inputs[0] in input_names
-                   and node.outputs and node.outputs[0] in outputs_set]
+                   if append_in_place and _appends_kv(node, input_names, outputs_set)]
         append_position = {i: pos for pos, i in enumerate(appends)}
         for i, node in enumerate(resolved.nodes):
             fn, attrs, implicit = bind_node(node, resolved.opsets, resolved.weights)
@@ -334,3 +334,16 @@ def direct_replay(program: ActionProgram | ResolvedModel, feeds: Mapping[str, np
     if not isinstance(program, ActionProgram):
         program = ActionProgram.compile(program)
     return program.run(feeds, prepared, weights=weights)
+
+
+def _appends_kv(node, input_names, outputs) -> bool:
+    """A node that extends a graph input into a graph output (the KV cache): ``present =
+    Concat(past, new)``, or GroupQueryAttention's past_key / past_value (inputs 3, 4)
+    into present_key / present_value (outputs 1, 2)."""
+    if node.op_type == "Concat" and node.domain in ("", "ai.onnx"):
+        return bool(node.inputs) and node.inputs[0] in input_names and bool(node.outputs) \
+            and node.outputs[0] in outputs
+    if node.op_type == "GroupQueryAttention" and node.domain == MS_DOMAIN:
+        ins, outs = list(node.inputs) + [""] * 5, list(node.outputs) + [""] * 3
+        return all(ins[i] in input_names for i in (3, 4)) and all(outs[i] in outputs for i in (1, 2))
+    return False
