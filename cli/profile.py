@@ -188,9 +188,10 @@ def _render(doc: dict) -> None:
         table.add_column(c["name"], justify="right", no_wrap=True)
     for key, unit in FIGURES:
         table.add_row(key, _UNIT_LABEL[unit], *(_cell(c["summary"][key], unit) for c in doc["configurations"]))
-    if not output.stdout.is_terminal:  # a file or a pipe: every column unwrapped (rich assumes 80)
-        output.stdout.width = max(output.stdout.width, 40 + 30 * len(doc["configurations"]))
-    output.stdout.print(table)
+    # a file or a pipe: every column unwrapped (rich assumes 80); for this table only (the
+    # console is shared: the demo runs other commands after this one, in this process)
+    width = None if output.stdout.is_terminal else max(output.stdout.width, 40 + 30 * len(doc["configurations"]))
+    output.stdout.print(table, width=width)
     for c in doc["configurations"]:
         if c["cache"] is not None and not c["cache"]["exists"]:
             say(f"{c['name']}: no prepared cache at {c['cache']['path']}, so it loads as without one "
