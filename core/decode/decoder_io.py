@@ -26,8 +26,11 @@ common exporter layout) or ``bshd``; the sequence dim is the symbolic one among 
 1 and 2 (the other is the static head count). When both are symbolic, the dim whose
 symbol names a sequence, or whose symbol differs between past and present, wins.
 
-NOTE: KV heads and head dims must be known (static in the model, or given in the
-io-map) because the first step feeds an empty past of shape (batch, heads, 0, dim).
+KV heads and head dims must be known because the first step feeds an empty past of
+shape (batch, heads, 0, dim): the io-map's ``kv_heads``/``head_dim`` win, then the
+static dims of the past input, then ``ExportHints`` (export_hints.py: the builder's
+``genai_config.json`` or the graph's GroupQueryAttention), which the callers that know
+the model file pass as ``hints``.
 Known gaps: fused 5-D KV (``past_N`` = stack(key, value)), shared-buffer KV whose
 past has a static max length, and left-padded batches are not supported.
 """
@@ -40,10 +43,11 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from onnx_prep.core.decode.export_hints import ExportHints
 from onnx_prep.core.errors import ModelIOError, UsageError, Where
 from onnx_prep.core.model.dtypes import DTYPES, dtype_of_type_string
 from onnx_prep.core.model.model_file import find_model_file, parse_model_file
@@ -169,18 +173,22 @@ class DecoderIO:
 
     @classmethod
     def discover(cls, inputs: Sequence[ValueInfo], outputs: Sequence[ValueInfo],
-                 io_map: Mapping[str, Any] | None = None, *, model: str | None = None) -> "DecoderIO":
+                 io_map: Mapping[str, Any] | None = None, *, model: str | None = None,
+                 hints: ExportHints | Callable[[], ExportHints] | None = None) -> "DecoderIO":
         """Place every graph input in a role, or raise ``ModelIOError`` naming the
         inputs that fit none. ``io_map`` (already parsed, see ``load_io_map``) wins
-        over discovery for every role it names. ``model`` is only for error messages."""
-        return _Discovery(inputs, outputs, io_map or {}, model).run()
+        over discovery for every role it names; ``hints`` fill KV dims the value infos
+        leave symbolic (a function is called only then). ``model`` is only for error messages."""
+        return _Discovery(inputs, outputs, io_map or {}, model, hints).run()
 
     @classmethod
     def from_model(cls, model: Any, io_map: Mapping[str, Any] | None = None) -> "DecoderIO":
         """Discover from an ONNX file path or ``onnx.ModelProto`` (no payload read)."""
         inputs, outputs = value_infos_from_model(model)
-        name = str(model) if isinstance(model, (str, Path)) else None
-        return cls.discover(inputs, outputs, io_map, model=name)
+        if isinstance(model, (str, Path)):
+            return cls.discover(inputs, outputs, io_map, model=str(model),
+                                hints=lambda: ExportHints.for_model(model))
+        return cls.discover(inputs, outputs, io_map, hints=lambda: ExportHints.for_model(None, graph=model.graph))
 
 
 # ---------------------------------------------------------------- value infos
@@ -341,12 +349,20 @@ def _has_word(name: str, *words: str) -> bool:
 
 class _Discovery:
     def __init__(self, inputs: Sequence[ValueInfo], outputs: Sequence[ValueInfo],
-                 io_map: Mapping[str, Any], model: str | None) -> None:
+                 io_map: Mapping[str, Any], model: str | None,
+                 hints: ExportHints | Callable[[], ExportHints] | None) -> None:
+        self._hints = hints
         self.inputs = {vi.name: vi for vi in inputs}
         self.outputs = {vi.name: vi for vi in outputs}
         self.map = validate_io_map(dict(io_map))
         self.model = model
         self.placed: set[str] = set()
+
+    @property
+    def hints(self) -> ExportHints:
+        if callable(self._hints):
+            self._hints = self._hints()
+        return self._hints or ExportHints()
 
     def where(self, tensor: str | None = None) -> Where:
         return Where(model=self.model, tensor=tensor)
@@ -522,7 +538,11 @@ class _Discovery:
                 raise ModelIOError(f"past KV input has shape {s.shape}; only rank-4 KV is supported",
                                    self.where(s.name))
             heads = self.map.get("kv_heads", s.shape[heads_axis])
+            if not isinstance(heads, int):
+                heads = self.hints.kv_heads
             dim = s.shape[3] if isinstance(s.shape[3], int) else self.map.get("head_dim")
+            if not isinstance(dim, int):
+                dim = self.hints.head_dim
             if not isinstance(heads, int) or not isinstance(dim, int):
                 raise ModelIOError(
                     f"past KV input shape {list(s.shape)} ({layout}) has no static heads/head_dim",

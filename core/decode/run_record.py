@@ -127,6 +127,7 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
     import numpy as np
 
     from onnx_prep.core.decode.decoder_io import DecoderIO, load_io_map, value_infos_from_model
+    from onnx_prep.core.decode.export_hints import ExportHints, check_request
     from onnx_prep.core.decode.generation import compare_generations
     from onnx_prep.core.decode.run_memory import admit, default_memory_budget, estimate_run_memory
 
@@ -153,7 +154,12 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
     else:
         inputs, outputs = value_infos_from_model(path)
     opened["ort"] = lambda: (0.0, _open_ort(path, options.threads))
-    io = DecoderIO.discover(inputs, outputs, mapping, model=str(path))
+    # the config only here: the graph is parsed again only if discovery needs it
+    hints = ExportHints.from_config(path)
+    io = DecoderIO.discover(inputs, outputs, mapping, model=str(path),
+                            hints=hints or (lambda: ExportHints.for_model(path)))
+    check_request(io, hints or ExportHints(), batch=len(options.prompt_ids), prompt_len=len(options.prompt_ids[0]),
+                  tokens=options.tokens, model=str(path))
     top = max(max(row) for row in options.distinct_rows)
     if io.vocab_size is not None and top >= io.vocab_size:
         raise UsageError(f"prompt id {top} is outside the vocabulary (size {io.vocab_size})", Where(model=str(path)))

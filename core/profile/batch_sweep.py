@@ -111,12 +111,14 @@ def record_batch_sweep(model: Path, options: SweepOptions, *, progress: SweepPro
     import numpy as np
 
     from onnx_prep.core.decode.decoder_io import DecoderIO
+    from onnx_prep.core.decode.export_hints import ExportHints
     from onnx_prep.core.model.resolution import resolve_model
     from onnx_prep.core.plan.execution_plan import build_prepared_execution_plan
     from onnx_prep.core.profile.machine import describe_machine
 
     resolved = resolve_model(Path(model), trust_symlinks=options.trust_symlinks)
-    io = DecoderIO.discover(resolved.inputs, resolved.outputs, None, model=str(resolved.model_path))
+    io = DecoderIO.discover(resolved.inputs, resolved.outputs, None, model=str(resolved.model_path),
+                            hints=lambda: ExportHints.for_model(resolved.model_path))
     plan = build_prepared_execution_plan(resolved)
     packed = sum(r.packed_bytes for r in plan.requirements)
     budget = parse_budget(options.budget, packed)

@@ -70,9 +70,11 @@ def fixed_prompt_feeds(resolved, prompt_len: int = PROMPT_LEN) -> dict:
     import numpy as np
 
     from onnx_prep.core.decode.decoder_io import DecoderIO
+    from onnx_prep.core.decode.export_hints import ExportHints
     from onnx_prep.core.decode.generation import step_feeds
 
-    io = DecoderIO.discover(resolved.inputs, resolved.outputs, model=str(resolved.model_path))
+    io = DecoderIO.discover(resolved.inputs, resolved.outputs, model=str(resolved.model_path),
+                            hints=lambda: ExportHints.for_model(resolved.model_path))
     ids = np.arange(1, prompt_len + 1, dtype=np.int64)[None, :]
     return step_feeds(io, ids, io.empty_past(1), 0)
 
@@ -243,6 +245,7 @@ def measure_ort(spec: LoadSpec) -> dict[str, Any]:
     """ONNX Runtime on the same prompt: session creation (its parse included), the first
     run, then ORT_DECODE_TOKENS greedy decode steps (ms per token)."""
     from onnx_prep.core.decode.decoder_io import DecoderIO
+    from onnx_prep.core.decode.export_hints import ExportHints
     from onnx_prep.core.decode.generation import greedy_decode
     from onnx_prep.core.decode.ort_runner import OrtRunner
 
@@ -253,7 +256,8 @@ def measure_ort(spec: LoadSpec) -> dict[str, Any]:
     create_ms = (time.perf_counter_ns() - t) / 1e6
     try:
         inputs, outputs = runner.value_infos()
-        io = DecoderIO.discover(inputs, outputs, model=spec.model)
+        io = DecoderIO.discover(inputs, outputs, model=spec.model,
+                                hints=lambda: ExportHints.for_model(spec.model))
         prompt = np.arange(1, PROMPT_LEN + 1, dtype=np.int64)[None, :]
         result = greedy_decode(runner, io, prompt, 1 + ORT_DECODE_TOKENS, model=spec.model)
     finally:

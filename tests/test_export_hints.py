@@ -1,0 +1,112 @@
+"""ExportHints (core/decode/export_hints.py) on the small fixture with its declared
+shapes edited the way exporters write them: a symbolic head dim given by a
+``genai_config.json`` beside the model, a fixed batch or sequence dim, a context length.
+Needs no extra: the real exports' own tests are in test_real_exports.py."""
+from __future__ import annotations
+
+import json
+
+import onnx
+import pytest
+from typer.testing import CliRunner
+
+from onnx_prep.cli.app import app
+from onnx_prep.core.decode.decoder_io import DecoderIO
+from onnx_prep.core.decode.export_hints import ExportHints
+from onnx_prep.core.errors import EXIT_OK, EXIT_UNUSABLE, ModelIOError
+
+cli = CliRunner()
+KV_HEADS, HEAD_DIM = 4, 32  # the small fixture: hidden 128, 4 heads
+
+
+def _edit_inputs(path, edit) -> None:
+    """Rewrite the model file's graph inputs in place (its data file is untouched)."""
+    proto = onnx.load(path, load_external_data=False)
+    for vi in proto.graph.input:
+        edit(vi.name, vi.type.tensor_type.shape.dim)
+    path.write_bytes(proto.SerializeToString())
+
+
+def _symbolic_head_dim(name, dims):
+    if name.startswith("past_key_values"):
+        dims[3].Clear()
+        dims[3].dim_param = "kv_cache_dim"
+
+
+def _genai_config(path, **decoder) -> None:
+    doc = {"model": {"context_length": decoder.pop("context_length", 64),
+                     "decoder": {"filename": path.name, "num_key_value_heads": KV_HEADS,
+                                 "head_size": HEAD_DIM, **decoder}}}
+    (path.parent / "genai_config.json").write_text(json.dumps(doc))
+
+
+def test_symbolic_head_dim_needs_a_hint(small_llm_copy):
+    _edit_inputs(small_llm_copy, _symbolic_head_dim)
+    with pytest.raises(ModelIOError, match="no static heads/head_dim"):
+        DecoderIO.from_model(small_llm_copy)
+
+
+def test_symbolic_head_dim_from_genai_config(small_llm_copy):
+    _edit_inputs(small_llm_copy, _symbolic_head_dim)
+    _genai_config(small_llm_copy)
+    io = DecoderIO.from_model(small_llm_copy)
+    assert {(p.kv_heads, p.key_head_dim, p.value_head_dim) for p in io.kv} == {(KV_HEADS, HEAD_DIM, HEAD_DIM)}
+    assert io.empty_past(2)["past_key_values.0.key"].shape == (2, KV_HEADS, 0, HEAD_DIM)
+
+
+def test_genai_config_of_another_file_is_ignored(small_llm_copy):
+    _genai_config(small_llm_copy, filename="other.onnx")
+    assert ExportHints.for_model(small_llm_copy).source is None  # the graph (no GQA) says nothing
+
+
+def test_io_map_wins_over_the_hints(small_llm_copy):
+    _edit_inputs(small_llm_copy, _symbolic_head_dim)
+    _genai_config(small_llm_copy, head_size=HEAD_DIM * 2)
+    io = DecoderIO.from_model(small_llm_copy, io_map={"head_dim": HEAD_DIM})
+    assert io.kv[0].key_head_dim == HEAD_DIM
+
+
+def test_run_with_symbolic_head_dim_decodes_as_the_original(small_llm_path, small_llm_copy):
+    """The hinted model decodes the same tokens as the untouched fixture."""
+    pytest.importorskip("onnxruntime", reason="onnxruntime not installed: run --runtime ort skipped")
+    _edit_inputs(small_llm_copy, _symbolic_head_dim)
+    _genai_config(small_llm_copy)
+    docs = []
+    for path in (small_llm_path, small_llm_copy):
+        result = cli.invoke(app, ["run", str(path), "--runtime", "ort", "--tokens", "6", "--json"])
+        assert result.exit_code == EXIT_OK, result.output
+        docs.append(json.loads(result.stdout))
+    assert docs[0]["tokens"] == docs[1]["tokens"]
+
+
+def _refused(path, *args) -> str:
+    result = cli.invoke(app, ["run", str(path), *args])
+    assert result.exit_code == EXIT_UNUSABLE, result.output
+    line = result.output.strip()
+    assert "\n" not in line and "Traceback" not in line
+    return line
+
+
+def test_fixed_batch_refused_before_loading(small_llm_copy):
+    def fix_batch(name, dims):
+        dims[0].Clear()
+        dims[0].dim_value = 1
+    _edit_inputs(small_llm_copy, fix_batch)
+    line = _refused(small_llm_copy, "--batch", "2", "--tokens", "4")
+    assert "fixes the batch at 1" in line and "'input_ids'" in line and "--batch 1" in line
+
+
+def test_fixed_sequence_refused_before_loading(small_llm_copy):
+    def fix_seq(name, dims):
+        if name in ("input_ids", "position_ids"):
+            dims[1].Clear()
+            dims[1].dim_value = 1
+    _edit_inputs(small_llm_copy, fix_seq)
+    line = _refused(small_llm_copy, "--prompt-ids", "1,2,3", "--tokens", "4")
+    assert "fixes the sequence length at 1" in line and "a step of 3 token(s)" in line
+
+
+def test_context_length_refused_before_loading(small_llm_copy):
+    _genai_config(small_llm_copy, context_length=8)
+    line = _refused(small_llm_copy, "--prompt-ids", "1,2,3", "--tokens", "7")
+    assert "need 9 positions" in line and "context length 8" in line and "genai_config.json" in line
