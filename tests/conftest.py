@@ -76,3 +76,32 @@ def small_llm_copy(small_llm_path, tmp_path) -> Path:
 def ort_or_skip():
     """ONNX Runtime is the external oracle; tests that need it skip, saying so, where absent."""
     return pytest.importorskip("onnxruntime", reason="onnxruntime not installed: oracle comparison skipped")
+
+
+def real_export(name: str) -> Path:
+    """A real export (fixtures/real_exports.py) from the fixture cache, generated once per
+    machine; skips, saying which tools are missing, where the ``exports`` extra is absent."""
+    from onnx_prep.fixtures import real_exports
+
+    missing = real_exports.missing_tools()
+    if missing:
+        pytest.skip(f"real exports need the 'exports' extra ({', '.join(missing)} not installed)")
+    return real_exports.ensure_export(name)
+
+
+def _export_names(tool: str) -> list[str]:
+    from onnx_prep.fixtures.real_exports import EXPORTS
+
+    return sorted(n for n, spec in EXPORTS.items() if spec.tool == tool)
+
+
+@pytest.fixture(scope="session", params=_export_names("builder"))
+def builder_export(request) -> Path:
+    """Each onnxruntime-genai builder export (GroupQueryAttention, genai_config.json)."""
+    return real_export(request.param)
+
+
+@pytest.fixture(scope="session", params=_export_names("quantizer"))
+def quantizer_export(request) -> Path:
+    """Each torch-exported Llama quantized by ONNX Runtime's MatMulNBitsQuantizer."""
+    return real_export(request.param)
