@@ -11,7 +11,8 @@ from onnx_prep.cli.errors import run_guarded
 
 
 def fixture(
-    name: str = typer.Argument(..., help="Preset: tiny-llm or medium."),
+    name: str = typer.Argument(..., help="Preset: tiny-llm or medium; or a real export (builder-llama-acc4-b32, "
+                                         "...: docs/fixture.md, needs the 'exports' extra)."),
     out_dir: Path = typer.Argument(..., help="Folder to write <name>.onnx and <name>.onnx.data into."),
     layers: Optional[int] = typer.Option(None, "--layers", help="Decoder blocks (1 to 1,024)."),
     hidden: Optional[int] = typer.Option(
@@ -35,6 +36,8 @@ def fixture(
 
         overrides = {k: v for k, v in dict(layers=layers, hidden=hidden, intermediate=intermediate, heads=heads,
                                            vocab=vocab, block_size=block_size, seed=seed).items() if v is not None}
+        if name.startswith(REAL_EXPORT_PREFIXES):
+            return _real_export(name, out_dir, bool(overrides or fp16_scales or zero_points), json_out)
         for key, value in overrides.items():
             option = "--" + key.replace("_", "-")
             check_range(option, value, *FIXTURE_RANGES[option])
@@ -53,6 +56,24 @@ def fixture(
         return 0
 
     raise typer.Exit(run_guarded(go))
+
+
+REAL_EXPORT_PREFIXES = ("builder-", "quantizer-")  # fixtures/real_exports.py EXPORTS
+
+
+def _real_export(name: str, out_dir: Path, shaped: bool, json_out: bool) -> int:
+    from onnx_prep.core.errors import UsageError
+    from onnx_prep.fixtures.real_exports import write_export
+
+    if shaped:
+        raise UsageError("shape and encoding options apply to the synthetic presets, not to a real export")
+    doc = write_export(name, out_dir)
+    if json_out:
+        output.emit_json(doc)
+    else:
+        beside = [f for f in doc["files"] if f != "model.onnx"]
+        output.stdout.print(f"{doc['name']} ({doc['tool']}): {doc['model']}, with {', '.join(beside)}")
+    return 0
 
 
 def _render(doc: dict) -> None:

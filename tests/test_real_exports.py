@@ -185,3 +185,19 @@ def test_generation_is_deterministic(tmp_path, monkeypatch):
     assert again != first
     for name in ("model.onnx", "model.onnx.data"):
         assert (again.parent / name).read_bytes() == (first.parent / name).read_bytes(), name
+
+
+def test_fixture_command_writes_a_real_export(quantizer_export, tmp_path):
+    out = tmp_path / "out"
+    result = cli.invoke(app, ["fixture", _name(quantizer_export), str(out), "--json"])
+    assert result.exit_code == EXIT_OK, result.output
+    doc = json.loads(result.stdout)
+    assert doc["model"] == str(out / "model.onnx") and doc["cached"] == str(quantizer_export)
+    assert (out / "model.onnx.data").read_bytes() == (quantizer_export.parent / "model.onnx.data").read_bytes()
+
+
+def test_fixture_command_refuses_an_unknown_export_and_shape_options(tmp_path):
+    result = cli.invoke(app, ["fixture", "builder-nope", str(tmp_path)])
+    assert result.exit_code == EXIT_UNUSABLE and "unknown real export 'builder-nope'" in result.output
+    result = cli.invoke(app, ["fixture", "builder-llama-acc4-b32", str(tmp_path), "--layers", "3"])
+    assert result.exit_code == EXIT_UNUSABLE and "synthetic presets" in result.output
