@@ -177,14 +177,20 @@ def test_export_is_cached_by_content(builder_export):
 
 
 def test_generation_is_deterministic(tmp_path, monkeypatch):
-    """Generated again into an empty cache, a builder export has the same bytes (the
-    builder runs outside any git checkout: it stamps the folder's commit into the model)."""
+    """Generated again into an empty cache, a builder export has the same bytes, and
+    its producer_version is the builder's release, not the commit of the checkout its
+    venv lies in (which would change the bytes with every commit here)."""
     first = real_export("builder-llama-acc4-b32")
     monkeypatch.setenv("ONNX_PREP_CACHE", str(tmp_path / "cache"))
     again = real_export("builder-llama-acc4-b32")
     assert again != first
     for name in ("model.onnx", "model.onnx.data"):
         assert (again.parent / name).read_bytes() == (first.parent / name).read_bytes(), name
+    import onnx
+    import onnxruntime_genai
+
+    stamped = onnx.load(again, load_external_data=False).producer_version
+    assert stamped.endswith(f"+{onnxruntime_genai.__commit__[:7]}"), stamped
 
 
 def test_fixture_command_writes_a_real_export(quantizer_export, tmp_path):
