@@ -15,7 +15,9 @@ line naming the node, attribute or tensor and the rule:
   each once; offset and length ASCII decimal digits (ONNX Runtime parses them in the
   classic locale and refuses spaces, signs and other digits); a location that names
   a file (no trailing ``/``);
-- the ONNX checker and strict type and shape inference. Inference does not know the
+- the ONNX checker and strict type and shape inference (a declared shape that
+  disagrees with the inferred one is not refused: ONNX Runtime merges those leniently;
+  a type error is). Inference does not know the
   contrib ops, so the outputs of ``MatMulNBits`` and ``GatherBlockQuantized`` are given
   their schema's type first (the scales' type, T1/T2 in ONNX Runtime's contrib schema):
   a norm weight stored as INT32 then meets a float tensor in a ``Mul`` and is refused,
@@ -121,10 +123,42 @@ def check_onnx_rules(proto: onnx.ModelProto, order: Sequence[int], model: str) -
     for t in shapeless:
         t.ClearField("shape")
     try:
-        inferred = onnx.shape_inference.infer_shapes(typed, check_type=True, strict_mode=True)
-    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError, *_ONNX_ALSO_RAISES) as exc:
+        inferred = _infer(typed)
+    except onnx.shape_inference.InferenceError as exc:
+        if _SHAPE_MERGE not in str(exc):
+            raise ModelFormatError(f"type and shape inference: {_first_line(exc)}", where) from None
+        # NOTE: an inferred shape that disagrees with a declared one is not an error to
+        # ONNX Runtime: it logs a warning and merges leniently (the onnxruntime-genai
+        # builder declares a rank-0 shape for a Constant of shape [1], and ONNX Runtime
+        # loads the model). Type errors stay fatal there, and here: inference runs again
+        # with every declared shape dropped and every declared type kept.
+        inferred = _infer(_without_declared_shapes(typed), where)
+    except (onnx.checker.ValidationError, *_ONNX_ALSO_RAISES) as exc:
         raise ModelFormatError(f"type and shape inference: {_first_line(exc)}", where) from None
     _check_contrib_input_types(inferred, model)
+
+
+_SHAPE_MERGE = "Inferred shape and existing shape differ"
+
+
+def _infer(model: onnx.ModelProto, where: Where | None = None) -> onnx.ModelProto:
+    """Strict type and shape inference; with ``where``, its failure is the refusal."""
+    if where is None:
+        return onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
+    try:
+        return onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError, *_ONNX_ALSO_RAISES) as exc:
+        raise ModelFormatError(f"type and shape inference: {_first_line(exc)}", where) from None
+
+
+def _without_declared_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy whose value_info and graph outputs keep their types but not their shapes."""
+    relaxed = onnx.ModelProto()
+    relaxed.CopyFrom(model)
+    for v in (*relaxed.graph.value_info, *relaxed.graph.output):
+        if v.type.HasField("tensor_type"):
+            v.type.tensor_type.ClearField("shape")
+    return relaxed
 
 
 def _check_contrib_input_types(inferred: onnx.ModelProto, model: str) -> None:
