@@ -38,7 +38,9 @@ try:
         matmul_nbits_parts,
         prepack_matmul_nbits,
     )
+    from onnx_prep.native.norm import NormResult, norm_rows
     from onnx_prep.native.packed import PackedHeader, packed_header
+    from onnx_prep.native.rotary import rotary_embedding
     from onnx_prep.native.stable_slot import GRANULE, StableSlot
 except NativeError as _error:  # not built, or built for another version
     _NATIVE_ERROR = _error
@@ -72,9 +74,12 @@ __all__ = [
     "matmul_nbits_batch",
     "matmul_nbits_packed_size",
     "matmul_nbits_parts",
+    "norm_rows",
+    "NormResult",
     "packed_header",
     "prepack_gather_block_quantized",
     "prepack_gemm_b",
     "prepack_matmul_nbits",
+    "rotary_embedding",
     "unavailable_reason",
 ]

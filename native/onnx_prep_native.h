@@ -259,6 +259,26 @@ int op_group_query_attention(int isa, const op_gqa_params *p, const float *query
 /* y[i] = erf(x[i]) (libm, double precision; in place allowed). */
 void op_erf_f64(const double *x, double *y, size_t n);
 
+/* ---- row normalization (norm.c) and rotary embedding (rotary.c) ---------------- */
+/* Per row r of `rows` rows of n floats: v = x + skip (+ bias) when skip or bias is
+ * given (skip: skip_rows rows, row r reads skip row r % skip_rows; written to sum_out
+ * when given, else to y), else v = x; then simplified 1 (RMSNorm):
+ * y = (v * inv) * gamma with inv = 1 / sqrt(mean(v^2) + epsilon); simplified 0
+ * (LayerNorm): y = ((v - mean) * inv) * gamma (+ beta), inv = 1 / sqrt(mean((v -
+ * mean)^2) + epsilon). mean_out / inv_out (may be NULL): [rows]. Every ISA gives the
+ * scalar path's bits. */
+int op_norm_rows(int isa, const float *x, const float *skip, size_t skip_rows, const float *bias,
+                 const float *gamma, const float *beta, size_t rows, size_t n, float epsilon,
+                 int simplified, float *y, float *sum_out, float *mean_out, float *inv_out);
+/* com.microsoft RotaryEmbedding: x and y [batch, seq, heads, head_size] (transposed 0)
+ * or [batch, heads, seq, head_size] (transposed 1); pos: [batch * seq] ids
+ * (pos_per_token 1) or one start id, token s at pos[0] + s (0); caches [max_pos,
+ * rot_dim / 2]. OP_E_INDEX with *bad_position for a position outside [0, max_pos). */
+int op_rotary_embedding(const float *x, float *y, size_t batch, size_t seq, size_t heads,
+                        size_t head_size, size_t rot_dim, int transposed, int interleaved,
+                        const int64_t *pos, int pos_per_token, const float *cos_cache,
+                        const float *sin_cache, size_t max_pos, size_t *bad_position);
+
 /* ---- benchmark probes (scripts/bench_kernels.py) ------------------------------- */
 uint64_t op_bench_read(const uint8_t *p, size_t n);   /* reads n bytes (p 8-aligned) */
 /* reads n bytes as 1, 2, 4 or 8 sequential streams in lockstep; returns the bytes read

@@ -1,0 +1,116 @@
+"""Row normalization ops: LayerNormalization, SimplifiedLayerNormalization (RMSNorm,
+registered by ONNX Runtime in the default domain) and com.microsoft
+SkipLayerNormalization / SkipSimplifiedLayerNormalization, over the native kernel
+(``onnx_prep.native.norm_rows``), or numpy where the native module is absent.
+
+Semantics (ONNX Runtime's CPU kernels; tests/test_native_norm.py checks them against it):
+
+- ``v = input + skip (+ bias)`` for the Skip forms (skip ``[H]``-rowed: ``[S, H]`` or
+  ``[B, S, H]``, repeating over the input's rows), else ``v = X``;
+- RMSNorm: ``y = v / sqrt(mean(v^2) + epsilon) * gamma``; LayerNorm: ``y = (v - mean) /
+  sqrt(var + epsilon) * gamma (+ beta)``, over the last axis (LayerNormalization and
+  SimplifiedLayerNormalization: over the axes from ``axis`` on, scale / bias
+  broadcasting to them);
+- optional outputs: LayerNormalization Mean, InvStdDev; SimplifiedLayerNormalization
+  inv_std_var; the Skip forms mean (0 for SkipSimplifiedLayerNormalization, which
+  subtracts none), inv_std_var, input_skip_bias_sum (each statistic with the
+  normalized axes kept as 1; float32).
+
+float16 inputs are computed in float32 and rounded back, as ONNX Runtime does.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from onnx_prep.core.errors import NativeError
+from onnx_prep.core.ops.attributes import axis_index
+
+_DEFAULT_EPSILON = 1e-5
+
+
+def _norm_rows(x2, gamma, beta, skip2, bias, eps, simplified, want_sum, want_stats):
+    try:
+        from onnx_prep import native
+
+        return tuple(native.norm_rows(x2, gamma, beta=beta, skip=skip2, bias=bias, epsilon=eps,
+                                      simplified=simplified, want_sum=want_sum, want_stats=want_stats))
+    except NativeError:
+        return _norm_rows_numpy(x2, gamma, beta, skip2, bias, eps, simplified)
+
+
+def _norm_rows_numpy(x2, gamma, beta, skip2, bias, eps, simplified):
+    """The same computation in numpy (float32 throughout; sums in numpy's order)."""
+    v = x2
+    if skip2 is not None:
+        v = (v.reshape(-1, *skip2.shape) + skip2).reshape(x2.shape)
+    if bias is not None:
+        v = v + bias
+    mean = v.mean(axis=-1, dtype=np.float32)
+    d = v if simplified else v - mean[:, None]
+    inv = (np.float32(1) / np.sqrt((d * d).mean(axis=-1, dtype=np.float32) + np.float32(eps))).astype(np.float32)
+    y = (d * inv[:, None]) * gamma
+    if beta is not None and not simplified:
+        y = y + beta
+    return y, v, mean, inv
+
+
+def _flat(a, n):
+    return None if a is None else np.ascontiguousarray(np.broadcast_to(np.asarray(a, np.float32), (n,)))
+
+
+def _axis_norm(inputs, attrs, simplified: bool):
+    x, scale = inputs[0], inputs[1]
+    bias = inputs[2] if len(inputs) > 2 and not simplified else None
+    axis = axis_index(attrs.get("axis", -1), x.ndim)
+    norm_shape = x.shape[axis:]
+    n = int(np.prod(norm_shape, dtype=np.int64))
+    rows = x.size // n if n else 0
+    gamma = np.ascontiguousarray(np.broadcast_to(np.asarray(scale, np.float32), norm_shape)).reshape(n)
+    beta = None if bias is None else np.ascontiguousarray(
+        np.broadcast_to(np.asarray(bias, np.float32), norm_shape)).reshape(n)
+    y, _, mean, inv = _norm_rows(x.astype(np.float32, copy=False).reshape(rows, n), gamma, beta, None, None,
+                                 float(attrs.get("epsilon", _DEFAULT_EPSILON)), simplified, False, True)
+    stat_shape = x.shape[:axis] + (1,) * (x.ndim - axis)
+    return y.reshape(x.shape).astype(x.dtype, copy=False), mean.reshape(stat_shape), inv.reshape(stat_shape)
+
+
+def layer_normalization(inputs, attrs, prepared):
+    """LayerNormalization(X, Scale, B?) -> Y, Mean, InvStdDev."""
+    return list(_axis_norm(inputs, attrs, simplified=False))
+
+
+def simplified_layer_normalization(inputs, attrs, prepared):
+    """SimplifiedLayerNormalization(X, scale) -> Y, inv_std_var."""
+    y, _, inv = _axis_norm(inputs, attrs, simplified=True)
+    return [y, inv]
+
+
+def _skip_norm(inputs, attrs, simplified: bool):
+    x, skip, gamma = inputs[0], inputs[1], inputs[2]
+    beta = None if simplified or len(inputs) <= 3 else inputs[3]
+    bias = inputs[3] if simplified and len(inputs) > 3 else (inputs[4] if len(inputs) > 4 else None)
+    n = x.shape[-1]
+    rows = x.size // n if n else 0
+    skip2 = np.asarray(skip).reshape(-1, n) if n else np.asarray(skip).reshape(0, 0)
+    y, total, mean, inv = _norm_rows(
+        x.astype(np.float32, copy=False).reshape(rows, n), _flat(gamma, n), _flat(beta, n),
+        skip2.astype(np.float32, copy=False), _flat(bias, n), float(attrs.get("epsilon", _DEFAULT_EPSILON)),
+        simplified, True, True)
+    stat_shape = x.shape[:-1] + (1,)
+    if simplified:  # RMSNorm subtracts no mean: ONNX Runtime's mean output is 0
+        mean = np.zeros_like(mean)
+    # mean and inv_std_var are float32 (the schema's type U) whatever the input type
+    return [y.reshape(x.shape).astype(x.dtype, copy=False), mean.reshape(stat_shape), inv.reshape(stat_shape),
+            total.reshape(x.shape).astype(x.dtype, copy=False)]
+
+
+def skip_layer_normalization(inputs, attrs, prepared):
+    """com.microsoft SkipLayerNormalization(input, skip, gamma, beta?, bias?) ->
+    output, mean, inv_std_var, input_skip_bias_sum."""
+    return _skip_norm(inputs, attrs, simplified=False)
+
+
+def skip_simplified_layer_normalization(inputs, attrs, prepared):
+    """com.microsoft SkipSimplifiedLayerNormalization(input, skip, gamma, bias?) ->
+    output, mean, inv_std_var, input_skip_bias_sum."""
+    return _skip_norm(inputs, attrs, simplified=True)

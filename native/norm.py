@@ -1,0 +1,62 @@
+"""Row normalization in C (``norm.c``, ``norm_simd.c``): LayerNorm and RMSNorm over the
+last axis of a 2-D float32 array, with the Skip forms' residual sum, GIL released.
+
+Every ISA gives the scalar path's bits (the lane contract of ``norm.h``); ``isa=``
+forces a path (tests, benchmarks)."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from onnx_prep.native._module import check, lib
+from onnx_prep.native.isa import isa_id
+from onnx_prep.native.packed import ptr
+
+
+class NormResult(NamedTuple):
+    y: np.ndarray                 # [rows, n]
+    sum: np.ndarray | None        # [rows, n] x + skip (+ bias), when asked for
+    mean: np.ndarray | None       # [rows], when asked for
+    inv_std: np.ndarray | None    # [rows], when asked for
+
+
+def _f32(a: np.ndarray | None, n: int | None, what: str) -> np.ndarray | None:
+    if a is None:
+        return None
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if n is not None and a.shape != (n,):
+        raise ValueError(f"norm_rows: {what} has shape {a.shape}, expected ({n},)")
+    return a
+
+
+def norm_rows(x: np.ndarray, gamma: np.ndarray, *, beta: np.ndarray | None = None,
+              skip: np.ndarray | None = None, bias: np.ndarray | None = None, epsilon: float,
+              simplified: bool, want_sum: bool = False, want_stats: bool = False,
+              isa: str | None = None) -> NormResult:
+    """Normalize each row of ``x`` ([rows, n] float32): RMSNorm when ``simplified``, else
+    LayerNorm (``beta`` optional), after adding ``skip`` ([skip_rows, n], rows a multiple
+    of skip_rows: row r adds skip row r % skip_rows) and ``bias`` ([n]) when given.
+    See ``op_norm_rows`` in ``onnx_prep_native.h`` for the exact arithmetic."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2:
+        raise ValueError(f"norm_rows: x must be 2-D, got shape {x.shape}")
+    rows, n = x.shape
+    gamma, beta, bias = _f32(gamma, n, "gamma"), _f32(beta, n, "beta"), _f32(bias, n, "bias")
+    skip_rows = 0
+    if skip is not None:
+        skip = np.ascontiguousarray(skip, dtype=np.float32)
+        if skip.ndim != 2 or skip.shape[1] != n or skip.shape[0] == 0 or rows % skip.shape[0]:
+            raise ValueError(f"norm_rows: skip of shape {skip.shape} does not repeat over x of shape {x.shape}")
+        skip_rows = skip.shape[0]
+    y = np.empty_like(x)
+    total = np.empty_like(x) if want_sum else None
+    mean = np.empty(rows, np.float32) if want_stats else None
+    inv = np.empty(rows, np.float32) if want_stats else None
+    check(lib.op_norm_rows(isa_id(isa), ptr(x, "float *"), ptr(skip, "float *"), skip_rows,
+                           ptr(bias, "float *"), ptr(gamma, "float *"), ptr(beta, "float *"), rows, n,
+                           float(epsilon), int(bool(simplified)), ptr(y, "float *"), ptr(total, "float *"),
+                           ptr(mean, "float *"), ptr(inv, "float *")), "norm_rows")
+    if want_sum and skip is None and bias is None:
+        total = x.copy()  # nothing was added: the sum is the input
+    return NormResult(y, total, mean, inv)
