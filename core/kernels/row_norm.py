@@ -33,8 +33,9 @@ def match(node: GraphNode, ctx: MatchContext) -> KernelChoice | None:
     if skip_form:
         if len(node.inputs) < 3 or not all(node_input(node, i) for i in range(3)):
             raise refuse(node, "input, skip and gamma are required")
-        if float(node.attributes.get("epsilon", 1e-12)) < 0:
-            raise refuse(node, f"epsilon {node.attributes['epsilon']} is negative")
+        eps = float(node.attributes.get("epsilon", 1e-12))
+        if eps < 0:
+            raise refuse(node, f"epsilon {eps:g} is negative")
     elif len(node.inputs) < 2 or not node_input(node, 1):
         raise refuse(node, "X and scale are required")
     for i in range(len(node.inputs)):

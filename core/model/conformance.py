@@ -45,6 +45,11 @@ _DECIMAL = re.compile(r"-?[0-9]+", re.ASCII)  # a negative number has its own me
 _ONNX_ALSO_RAISES = (ValueError, TypeError, RuntimeError, IndexError)
 # Contrib ops whose output type is their scales' type (input 2), per ONNX Runtime's schema.
 _TYPED_BY_SCALES = {("com.microsoft", "MatMulNBits"), ("com.microsoft", "GatherBlockQuantized")}
+# Ops ONNX Runtime registers in the default domain that ONNX does not define (the
+# onnxruntime-genai builder emits them there): the checker would call them unknown, so
+# its copy moves them to a domain of their own, whose ops it does not check.
+_ORT_DEFAULT_DOMAIN_OPS = frozenset({"SimplifiedLayerNormalization"})
+_CHECKER_ORT_DOMAIN = "onnx_prep.ort_default_domain"
 
 
 def check_versions(proto: onnx.ModelProto, model: str) -> None:
@@ -201,6 +206,11 @@ def _checkable_copy(proto: onnx.ModelProto, order: Sequence[int]) -> onnx.ModelP
     g.initializer.extend(t for t in graph.initializer if t.data_location != TensorProto.EXTERNAL)
     g.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
                    for t in external if t.name not in inputs)
+    moved = [n for n in g.node if n.domain in ("", "ai.onnx") and n.op_type in _ORT_DEFAULT_DOMAIN_OPS]
+    for n in moved:
+        n.domain = _CHECKER_ORT_DOMAIN
+    if moved:
+        typed.opset_import.append(onnx.helper.make_opsetid(_CHECKER_ORT_DOMAIN, 1))
     for n in graph.node:
         domain = n.domain or ""
         if (domain, n.op_type) not in _TYPED_BY_SCALES or len(n.input) < 3 or not n.output:
