@@ -24,18 +24,8 @@ static void add_scalar(const float *x, const float *skip, const float *bias, flo
     }
 }
 
-static void sums_scalar(const float *v, size_t n, float s[OP_NORM_LANES], float ss[OP_NORM_LANES]) {
-    for (int j = 0; j < OP_NORM_LANES; j++) s[j] = ss[j] = 0.0f;
-    for (size_t i = 0; i < n; i += OP_NORM_LANES)
-        for (int j = 0; j < OP_NORM_LANES; j++) {
-            const float a = i + j < n ? v[i + j] : 0.0f;
-            s[j] = s[j] + a;
-            ss[j] = fmaf(a, a, ss[j]);
-        }
-}
-
-static void centered_scalar(const float *v, size_t n, float mean, float sd[OP_NORM_LANES],
-                            float ss[OP_NORM_LANES]) {
+static void sums_scalar(const float *v, size_t n, float mean, float sd[OP_NORM_LANES],
+                        float ss[OP_NORM_LANES]) {
     for (int j = 0; j < OP_NORM_LANES; j++) sd[j] = ss[j] = 0.0f;
     for (size_t i = 0; i < n; i += OP_NORM_LANES)
         for (int j = 0; j < OP_NORM_LANES; j++) {
@@ -53,8 +43,7 @@ static void apply_scalar(const float *v, size_t n, float mean, float inv, const 
     }
 }
 
-const op_norm_table op_norm_scalar = {OP_KERNEL_SCALAR, add_scalar, sums_scalar, centered_scalar,
-                                      apply_scalar};
+const op_norm_table op_norm_scalar = {OP_KERNEL_SCALAR, add_scalar, sums_scalar, apply_scalar};
 
 static const op_norm_table *norm_table(int isa) {
     switch (isa) {
@@ -84,7 +73,7 @@ int op_norm_rows(int isa, const float *x, const float *skip, size_t skip_rows, c
             t->add(v, skip ? skip + (r % skip_rows) * n : NULL, bias, dst, n);
             v = dst;
         }
-        t->sums(v, n, s, ss);
+        t->sums(v, n, 0.0f, s, ss);
         float mean = op_norm_fold(s) / (float)n, var;
         if (simplified) {
             var = op_norm_fold(ss) / (float)n;
@@ -92,7 +81,7 @@ int op_norm_rows(int isa, const float *x, const float *skip, size_t skip_rows, c
             /* The corrected two-pass form: the deviations' own sum corrects the
              * rounding of the first pass's mean (which, with |mean| >> std, is a
              * visible fraction of std), and takes its square off the variance. */
-            t->centered(v, n, mean, sd, ss);
+            t->sums(v, n, mean, sd, ss);
             const float dsum = op_norm_fold(sd);
             var = (op_norm_fold(ss) - dsum * (dsum / (float)n)) / (float)n;
             var = var > 0.0f ? var : 0.0f;

@@ -17,12 +17,11 @@ typedef struct {
     int code; /* op_kernel_code of this table's loops */
     /* out[i] = x[i] + skip[i] (+ bias[i]) for i < n; skip or bias may be NULL. */
     void (*add)(const float *x, const float *skip, const float *bias, float *out, size_t n);
-    /* Lane sums of v (s) and of v * v (ss, one fused multiply-add per element). */
-    void (*sums)(const float *v, size_t n, float s[OP_NORM_LANES], float ss[OP_NORM_LANES]);
-    /* Lane sums of d (sd) and of d * d (ss, fused multiply-add) with d = v - mean,
-     * padding lanes d = 0. */
-    void (*centered)(const float *v, size_t n, float mean, float sd[OP_NORM_LANES],
-                     float ss[OP_NORM_LANES]);
+    /* Lane sums of d (sd) and of d * d (ss, one fused multiply-add per element) with
+     * d = v - mean, padding lanes d = 0. With mean 0 they are v's own sums (v - 0 is
+     * v exactly, -0 included). */
+    void (*sums)(const float *v, size_t n, float mean, float sd[OP_NORM_LANES],
+                 float ss[OP_NORM_LANES]);
     /* y[i] = ((v[i] - mean) * inv) * gamma[i] (+ beta[i]); y may alias v. */
     void (*apply)(const float *v, size_t n, float mean, float inv, const float *gamma,
                   const float *beta, float *y);

@@ -43,24 +43,8 @@ static void add_avx2(const float *x, const float *skip, const float *bias, float
     }
 }
 
-static void sums_avx2(const float *v, size_t n, float s[OP_NORM_LANES], float ss[OP_NORM_LANES]) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0, q0 = s0, q1 = s0;
-    __m256i m;
-    for (size_t i = 0; i < n; i += OP_NORM_LANES) {
-        const __m256 a = avx2_chunk(v, i, n, 0, &m), b = avx2_chunk(v, i, n, 1, &m);
-        s0 = _mm256_add_ps(s0, a);
-        s1 = _mm256_add_ps(s1, b);
-        q0 = _mm256_fmadd_ps(a, a, q0);
-        q1 = _mm256_fmadd_ps(b, b, q1);
-    }
-    _mm256_storeu_ps(s, s0);
-    _mm256_storeu_ps(s + 8, s1);
-    _mm256_storeu_ps(ss, q0);
-    _mm256_storeu_ps(ss + 8, q1);
-}
-
-static void centered_avx2(const float *v, size_t n, float mean, float sd[OP_NORM_LANES],
-                          float ss[OP_NORM_LANES]) {
+static void sums_avx2(const float *v, size_t n, float mean, float sd[OP_NORM_LANES],
+                      float ss[OP_NORM_LANES]) {
     const __m256 mu = _mm256_set1_ps(mean);
     __m256 q0 = _mm256_setzero_ps(), q1 = q0, d0 = q0, d1 = q0;
     __m256i m0, m1;
@@ -95,7 +79,7 @@ static void apply_avx2(const float *v, size_t n, float mean, float inv, const fl
     }
 }
 
-const op_norm_table op_norm_avx2 = {OP_KERNEL_AVX2, add_avx2, sums_avx2, centered_avx2, apply_avx2};
+const op_norm_table op_norm_avx2 = {OP_KERNEL_AVX2, add_avx2, sums_avx2, apply_avx2};
 
 #pragma GCC pop_options
 
@@ -116,19 +100,8 @@ static void add_avx512(const float *x, const float *skip, const float *bias, flo
     }
 }
 
-static void sums_avx512(const float *v, size_t n, float s[OP_NORM_LANES], float ss[OP_NORM_LANES]) {
-    __m512 sa = _mm512_setzero_ps(), qa = sa;
-    for (size_t i = 0; i < n; i += 16) {
-        const __m512 a = _mm512_maskz_loadu_ps(avx512_mask(i, n), v + i);
-        sa = _mm512_add_ps(sa, a);
-        qa = _mm512_fmadd_ps(a, a, qa);
-    }
-    _mm512_storeu_ps(s, sa);
-    _mm512_storeu_ps(ss, qa);
-}
-
-static void centered_avx512(const float *v, size_t n, float mean, float sd[OP_NORM_LANES],
-                            float ss[OP_NORM_LANES]) {
+static void sums_avx512(const float *v, size_t n, float mean, float sd[OP_NORM_LANES],
+                        float ss[OP_NORM_LANES]) {
     const __m512 mu = _mm512_set1_ps(mean);
     __m512 qa = _mm512_setzero_ps(), da = qa;
     for (size_t i = 0; i < n; i += 16) {
@@ -153,8 +126,7 @@ static void apply_avx512(const float *v, size_t n, float mean, float inv, const 
     }
 }
 
-const op_norm_table op_norm_avx512 = {OP_KERNEL_AVX512, add_avx512, sums_avx512, centered_avx512,
-                                      apply_avx512};
+const op_norm_table op_norm_avx512 = {OP_KERNEL_AVX512, add_avx512, sums_avx512, apply_avx512};
 
 #pragma GCC pop_options
 #endif

@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import pytest
 
+from gil_release import run_checking_gil_release
 from onnx_prep import native
 from onnx_prep.core.errors import NativeError
 from test_native_reference import (
@@ -198,33 +199,10 @@ def test_leading_dimensions_are_kept():
 
 
 def test_kernels_release_the_gil():
-    """With a huge switch interval a Python thread gives up the GIL only when it blocks
-    or enters C code that releases it. The worker signals, then enters a long kernel
-    while holding the GIL; the main thread, waiting on the event, can wake up only
-    when the worker lets go. It must find the worker still inside the kernel."""
-    import sys
-
     A, packed, _, _ = _case(8, 64, 2048, 512, 32, "none")
     want = native.matmul_nbits(A, packed, isa="scalar")
-    entered, finished, result = threading.Event(), [False], [None]
-
-    def worker():
-        entered.set()  # does not release the GIL
-        result[0] = native.matmul_nbits(A, packed, isa="scalar")
-        finished[0] = True
-
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(30.0)
-    try:
-        t = threading.Thread(target=worker)
-        t.start()
-        entered.wait()
-        inside = not finished[0]
-    finally:
-        sys.setswitchinterval(old)
-    t.join()
-    assert inside, "the main thread could not run while the worker was in the kernel"
-    np.testing.assert_array_equal(result[0], want)
+    got = run_checking_gil_release(lambda: native.matmul_nbits(A, packed, isa="scalar"))
+    np.testing.assert_array_equal(got, want)
 
 
 def test_two_threads_on_column_halves_give_the_full_result():

@@ -4,9 +4,6 @@ and values (hypothesis), accuracy against float64, GIL release, and what resolve
 refuses or leaves unsupported."""
 from __future__ import annotations
 
-import sys
-import threading
-
 import numpy as np
 import onnx
 import pytest
@@ -15,6 +12,7 @@ from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 from conftest import ort_or_skip
+from gil_release import run_checking_gil_release
 from ops_oracle import one_node_model, run_ort, run_ours
 from onnx_prep import native
 from onnx_prep.core.errors import ModelFormatError
@@ -128,30 +126,11 @@ def test_layernorm_with_a_large_mean_stays_at_fp32s_limit():
 
 
 def test_norm_rows_releases_the_gil():
-    """With a huge switch interval the main thread runs again only when the worker
-    blocks or enters C code that releases the GIL: it must find the worker inside."""
     rng = np.random.default_rng(6)
     x, g = _values(rng, (3000, 4096)), _values(rng, 4096)
     want = native.norm_rows(x, g, epsilon=1e-6, simplified=False, isa="scalar").y
-    entered, finished, result = threading.Event(), [False], [None]
-
-    def worker():
-        entered.set()
-        result[0] = native.norm_rows(x, g, epsilon=1e-6, simplified=False, isa="scalar").y
-        finished[0] = True
-
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(30.0)
-    try:
-        t = threading.Thread(target=worker)
-        t.start()
-        entered.wait()
-        inside = not finished[0]
-    finally:
-        sys.setswitchinterval(old)
-    t.join()
-    assert inside, "the main thread could not run while the worker was in the kernel"
-    np.testing.assert_array_equal(result[0], want)
+    got = run_checking_gil_release(lambda: native.norm_rows(x, g, epsilon=1e-6, simplified=False, isa="scalar").y)
+    np.testing.assert_array_equal(got, want)
 
 
 def test_bad_arguments_are_value_errors():
