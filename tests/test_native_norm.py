@@ -296,3 +296,23 @@ def test_a_double_gamma_is_listed_unsupported_not_refused(tmp_path):
     node = helper.make_node("SimplifiedLayerNormalization", ["x", "gamma"], ["y"], name="n")
     resolved = resolve_model(_model(tmp_path, node, {"gamma": np.ones(64, np.float64)}))
     assert [(u.op_type, u.nodes) for u in resolved.unsupported] == [("SimplifiedLayerNormalization", ("n",))]
+
+
+@given(shape=rows_n, simplified=st.booleans(), skip=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_the_numpy_form_agrees_with_the_kernel(shape, simplified, skip, seed):
+    """Where the native module is absent the ops compute in numpy (float32, numpy's
+    summation order): within the tolerances against ONNX Runtime of the kernel."""
+    from onnx_prep.core.ops.norm import _norm_rows_numpy
+
+    rng = np.random.default_rng(seed)
+    x, sk = _values(rng, shape), _values(rng, shape)
+    g, b = _values(rng, shape[1]), _values(rng, shape[1])
+    beta = None if simplified else b
+    got = _norm_rows_numpy(x, g, beta, sk if skip else None, None, 1e-5, simplified)
+    want = native.norm_rows(x, g, beta=beta, skip=sk if skip else None, epsilon=1e-5, simplified=simplified,
+                            want_sum=True, want_stats=True)
+    np.testing.assert_array_equal(got[1], want.sum)
+    cond = 1.0 if simplified else _cond(want.sum)
+    _close(got[0], want.y, LAYERNORM_RTOL * cond * (np.abs(want.y) + np.abs(g)), "y")
+    _close(got[3], want.inv_std, LAYERNORM_RTOL * cond[..., 0] * np.abs(want.inv_std) if not simplified
+           else RMSNORM_RTOL * np.abs(want.inv_std), "inv_std")

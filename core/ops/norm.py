@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from onnx_prep.core.errors import NativeError
-from onnx_prep.core.ops.attributes import axis_index
+from onnx_prep.core.ops.attributes import N_OUTPUTS, axis_index
 
 _DEFAULT_EPSILON = 1e-5
 
@@ -68,21 +68,26 @@ def _axis_norm(inputs, attrs, simplified: bool):
     gamma = np.ascontiguousarray(np.broadcast_to(np.asarray(scale, np.float32), norm_shape)).reshape(n)
     beta = None if bias is None else np.ascontiguousarray(
         np.broadcast_to(np.asarray(bias, np.float32), norm_shape)).reshape(n)
+    stats = attrs.get(N_OUTPUTS, 3) > 1
     y, _, mean, inv = _norm_rows(x.astype(np.float32, copy=False).reshape(rows, n), gamma, beta, None, None,
-                                 float(attrs.get("epsilon", _DEFAULT_EPSILON)), simplified, False, True)
+                                 float(attrs.get("epsilon", _DEFAULT_EPSILON)), simplified, False, stats)
+    y = y.reshape(x.shape).astype(x.dtype, copy=False)
+    if not stats:
+        return y, None, None
     stat_shape = x.shape[:axis] + (1,) * (x.ndim - axis)
-    return y.reshape(x.shape).astype(x.dtype, copy=False), mean.reshape(stat_shape), inv.reshape(stat_shape)
+    return y, mean.reshape(stat_shape), inv.reshape(stat_shape)
 
 
 def layer_normalization(inputs, attrs, prepared):
     """LayerNormalization(X, Scale, B?) -> Y, Mean, InvStdDev."""
-    return list(_axis_norm(inputs, attrs, simplified=False))
+    y, mean, inv = _axis_norm(inputs, attrs, simplified=False)
+    return [y] if mean is None else [y, mean, inv]
 
 
 def simplified_layer_normalization(inputs, attrs, prepared):
     """SimplifiedLayerNormalization(X, scale) -> Y, inv_std_var."""
     y, _, inv = _axis_norm(inputs, attrs, simplified=True)
-    return [y, inv]
+    return [y] if inv is None else [y, inv]
 
 
 def _skip_norm(inputs, attrs, simplified: bool):
@@ -92,16 +97,19 @@ def _skip_norm(inputs, attrs, simplified: bool):
     n = x.shape[-1]
     rows = x.size // n if n else 0
     skip2 = np.asarray(skip).reshape(-1, n) if n else np.asarray(skip).reshape(0, 0)
+    n_out = attrs.get(N_OUTPUTS, 4)  # the statistics and the sum only when asked for
     y, total, mean, inv = _norm_rows(
         x.astype(np.float32, copy=False).reshape(rows, n), _flat(gamma, n), _flat(beta, n),
         skip2.astype(np.float32, copy=False), _flat(bias, n), float(attrs.get("epsilon", _DEFAULT_EPSILON)),
-        simplified, True, True)
+        simplified, n_out > 3, n_out > 1)
+    if n_out <= 1:
+        return [y.reshape(x.shape).astype(x.dtype, copy=False)]
     stat_shape = x.shape[:-1] + (1,)
     if simplified:  # RMSNorm subtracts no mean: ONNX Runtime's mean output is 0
         mean = np.zeros_like(mean)
     # mean and inv_std_var are float32 (the schema's type U) whatever the input type
     return [y.reshape(x.shape).astype(x.dtype, copy=False), mean.reshape(stat_shape), inv.reshape(stat_shape),
-            total.reshape(x.shape).astype(x.dtype, copy=False)]
+            None if total is None else total.reshape(x.shape).astype(x.dtype, copy=False)]
 
 
 def skip_layer_normalization(inputs, attrs, prepared):
