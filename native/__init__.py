@@ -1,6 +1,6 @@
 """onnx_prep.native: the cffi C core (INT4 prepack + matmul, INT4 gather, packed fp32
-Gemm, grouped-query attention, host stable-VA slots, element-wise erf) behind a numpy
-API. See docs/architecture.md "Native" and docs/kernels.md.
+Gemm, grouped-query attention, row normalization, rotary embedding, host stable-VA
+slots, element-wise erf) behind a numpy API. See docs/architecture.md "Native" and docs/kernels.md.
 
 Every kernel releases the GIL and works on a caller-given column range, so the
 runtime's executor (not a thread pool inside C) splits the work. Importing this

@@ -64,10 +64,9 @@ def graph_value_infos(graph: Any) -> tuple[tuple[ValueInfo, ...], tuple[ValueInf
 class NodeKernel:
     """One reachable node, in topological order, with its kernel choice.
 
-    ``kernel`` is a kernel id from the kernel registry ("int4_matmul",
-    "int4_gather", "gqa", "gemm_packed", "row_norm", "rotary", "numpy", "reference") or None when no
-    kernel
-    exists (then the model is listed in ``ResolvedModel.unsupported``).
+    ``kernel`` is a kernel id from the kernel registry ("int4_matmul", "int4_gather",
+    "gqa", "gemm_packed", "row_norm", "rotary", "numpy", "reference") or None when no
+    kernel exists (then the model is listed in ``ResolvedModel.unsupported``).
     ``requirements`` are the prepared objects the node consumes; ``prepared_inputs``
     maps each requirement's key to the input names it replaces (the kernel reads the
     packed object instead of those raw initializers).
