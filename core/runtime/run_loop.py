@@ -152,9 +152,17 @@ class RunLoop:
         first = self._submit_continuation(run, deps=())
         # NOTE: the handle is built around the first continuation; the continuation
         # touches run.handle only after handle_ready is set (a race of a few microseconds).
-        run.handle = ExecutionHandle(owned=(first,), name=run.name, keepalive=ctx,
-                                     stats=lambda: self._stats.finish(since, ctx.counters.snapshot()))
-        run.handle_ready.set()
+        # handle_ready is set whatever happens here: a Ctrl-C between the submit and the
+        # handle (a KeyboardInterrupt on this thread) left a continuation that yielded
+        # waiting for it forever, and the session's close waiting for that worker (a
+        # run under load that ignored Ctrl-C). Without a handle the run is abandoned.
+        try:
+            run.handle = ExecutionHandle(owned=(first,), name=run.name, keepalive=ctx,
+                                         stats=lambda: self._stats.finish(since, ctx.counters.snapshot()))
+        finally:
+            if run.handle is None:
+                first.cancel()
+            run.handle_ready.set()
         run.handle.add_finalizer(lambda r=run: _release(r.exec_reservation))
         return run.handle
 
@@ -272,6 +280,9 @@ class RunLoop:
                     ctx.counters.add("yields")
                     nxt = self._submit_continuation(run, deps=waiting)  # yield until they publish
                     run.handle_ready.wait()
+                    if run.handle is None:  # abandoned before its handle existed (run_async)
+                        nxt.cancel()
+                        return
                     for h in waiting:
                         run.handle.add(h, shared=True)
                     run.handle.add(nxt)
