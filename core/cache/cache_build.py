@@ -47,7 +47,7 @@ def build_prepared_cache(model: Path, *, output: Path | None = None, cache_dir: 
     cache = PreparedCache(resolved, path, policy=CachePolicy.BUILD_IF_MISSING, compress=compress,
                           device=device, ignore_invalid=rebuild, warn=warn)
     cache.write_errors_fatal = True  # a folder that cannot take the cache is the error, one line
-    before = {k: o for k, o in cache.outcomes.items()}
+    before = dict(cache.outcomes)
     previous = cache.manifest.generation if cache.manifest is not None else None
     # Built again: every object without a compatible entry; with --rebuild every object;
     # and entries stored in another encoding than asked for (--compress).

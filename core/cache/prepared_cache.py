@@ -26,6 +26,7 @@ warning; an error under ``require-complete``).
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import os
 import queue
@@ -135,14 +136,7 @@ class PreparedCache:
         self.write_errors_fatal = False  # build-cache: commit(strict=True) raises them, so no warning too
         self.manifest: CacheManifest | None = None
         self.outcomes: dict[str, EntryOutcome] = {}
-        self._abi = _current_abi()
-        # each source's content digest as the model declares it (inline: hashed now)
-        self.declared: dict[str, str | None] = {}
-        for name, wd in resolved.weights.items():
-            if wd.external:
-                self.declared[name] = wd.digest if wd.trusted else None
-            elif name in resolved.inline_values:
-                self.declared[name] = inline_digest(resolved.inline_values[name])
+        self._abi = kernel_abi()
         self._requests = {k: r for k, r in resolved.requests.items() if r.layout != RAW_LAYOUT}
         self._consumer = {}  # key -> its first consumer node (its attributes size the object)
         for node in resolved.nodes:
@@ -182,6 +176,19 @@ class PreparedCache:
                     Where(file=str(self.path)), hint="build it: onnx-prep build-cache")
 
     # ---------------------------------------------------------------- compatibility
+    @functools.cached_property
+    def declared(self) -> dict[str, str | None]:
+        """Each source's content digest as the model declares it (inline weights: hashed,
+        the first time an entry is compared or persisted; a run with no cache hashes
+        nothing)."""
+        out: dict[str, str | None] = {}
+        for name, wd in self.resolved.weights.items():
+            if wd.external:
+                out[name] = wd.digest if wd.trusted else None
+            elif name in self.resolved.inline_values:
+                out[name] = inline_digest(self.resolved.inline_values[name])
+        return out
+
     def expected_lineage(self, req: PrepackRequest) -> str | None:
         return lineage_digest(req, self.resolved.weights, self.declared)
 
@@ -509,10 +516,6 @@ def prepared_cache_findings(resolved: ResolvedModel, prepared_path: Path | None 
     finally:
         cache.close()
     return findings
-
-
-def _current_abi() -> str:
-    return kernel_abi()
 
 
 def _decode_zstd(fd: int, e: CacheEntry, buf: np.ndarray, h) -> None:
