@@ -177,6 +177,14 @@ int op_slot_release(void *p, size_t n);
  * in 2 MiB steps), with the GIL released (cffi): a file mapping's pages are read now.
  * p page-aligned. 0, or -errno (-EINVAL: kernel < 5.14, nothing done). */
 int op_populate_read(const void *p, size_t n);
+/* Map [offset, offset + n) of the file fd read-only at [p, p + round_up(n, page)) of a
+ * reserved slot (MAP_FIXED | MAP_PRIVATE, no populate: op_populate_read does that in
+ * steps): the slot's bytes ARE the page cache, no copy, no fresh page. p and offset
+ * page-aligned. Writing to it faults. 0 or -errno. */
+int op_slot_map_file(void *p, size_t n, int fd, int64_t offset);
+/* Replace a file mapping made by op_slot_map_file over [p, p+n) (n page-aligned) by
+ * an inaccessible reservation again (the address range stays the slot's). 0 or -errno. */
+int op_slot_unmap_file(void *p, size_t n);
 /* Source guard (source_guard.c): a SIGBUS in a registered read-only file mapping
  * [p, p+n) (the file shrank under it) maps a zero page there and marks the slot hit
  * instead of killing the process. add: the slot (>= 0) or -errno (-ENOSPC: all in use,
@@ -287,6 +295,17 @@ uint64_t op_bench_read_streams(const uint8_t *p, size_t n, int streams);
 void op_bench_copy(uint8_t *dst, const uint8_t *src, size_t n);   /* memcpy */
 uint32_t op_bench_spin_wait(volatile uint32_t *flag, uint32_t value); /* spin until value or PARK */
 void op_bench_store(volatile uint32_t *flag, uint32_t value);     /* release store */
+/* ---- payload checksum (checksum.c): XXH64, streaming ---------------------------- */
+typedef struct {
+    uint64_t v[4];
+    uint64_t total;
+    uint64_t seed;
+    uint8_t buf[32];
+    uint32_t buffered;
+} op_xxh64_state;
+void op_xxh64_reset(op_xxh64_state *s, uint64_t seed);
+void op_xxh64_update(op_xxh64_state *s, const void *data, size_t n);
+uint64_t op_xxh64_digest(const op_xxh64_state *s);
 /* CDEF-END */
 
 #endif

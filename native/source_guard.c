@@ -29,7 +29,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#define OP_GUARDS 256
+#define OP_GUARDS 4096 /* source mappings and file-mapped prepared slots (stable_slot.py) */
 
 static struct {
     _Atomic uintptr_t lo, hi;

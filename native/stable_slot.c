@@ -122,6 +122,24 @@ int op_populate_read(const void *p, size_t n) {
     return 0;
 }
 
+int op_slot_map_file(void *p, size_t n, int fd, int64_t offset) {
+    size_t ps = op_page_size();
+    if (!p || n == 0 || fd < 0 || offset < 0 || ((uintptr_t)p % ps) || ((uint64_t)offset % ps))
+        return -EINVAL;
+    size_t len = (n + ps - 1) / ps * ps;
+    /* NOTE: PROT_READ only: populating a private WRITABLE file mapping breaks COW
+     * page by page (a copy of every byte, the cost this avoids). */
+    void *q = mmap(p, len, PROT_READ, MAP_PRIVATE | MAP_FIXED, fd, (off_t)offset);
+    return q == MAP_FAILED ? -errno : 0;
+}
+
+int op_slot_unmap_file(void *p, size_t n) {
+    if (!p || !aligned(p, n)) return -EINVAL;
+    if (n == 0) return 0;
+    void *q = mmap(p, n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+    return q == MAP_FAILED ? -errno : 0;
+}
+
 int op_slot_decommit(void *p, size_t n) {
     if (!p || !aligned(p, n)) return -EINVAL;
     if (n == 0) return 0;
@@ -158,5 +176,7 @@ int op_slot_reserve(size_t size, void **out) { (void)size; (void)out; return -38
 int op_slot_commit(void *p, size_t n) { (void)p; (void)n; return -38; }
 int op_slot_decommit(void *p, size_t n) { (void)p; (void)n; return -38; }
 int op_slot_release(void *p, size_t n) { (void)p; (void)n; return -38; }
+int op_slot_map_file(void *p, size_t n, int fd, int64_t offset) { (void)p; (void)n; (void)fd; (void)offset; return -38; }
+int op_slot_unmap_file(void *p, size_t n) { (void)p; (void)n; return -38; }
 int64_t op_resident_bytes(const void *p, size_t n) { (void)p; (void)n; return -38; }
 #endif

@@ -83,6 +83,13 @@ class StableSlot:
             self.huge_pages = rc == 0
         self.committed_bytes = 0
         self.open_bytes = 0  # accessible prefix (>= committed_bytes); see open()
+        self.mapped_bytes = 0  # > 0: the committed prefix is a file mapping; see map_file()
+        self._guard = -1  # the source guard's slot over the mapping (source_guard.c)
+
+    def __del__(self) -> None:
+        guard = getattr(self, "_guard", -1)
+        if guard >= 0:
+            lib.op_guard_remove(guard)
 
     @staticmethod
     def _releaser(size: int):
@@ -97,6 +104,8 @@ class StableSlot:
         want = _round_up(int(nbytes), GRANULE)
         if want < 0 or want > self.capacity:
             raise ValueError(f"commit of {nbytes} bytes exceeds the slot's capacity {self.capacity}")
+        if self.mapped_bytes:
+            self._unmap()
         have = self.committed_bytes
         if want > have:
             if want > self.open_bytes:
@@ -111,6 +120,49 @@ class StableSlot:
                 raise _os_error(rc, f"decommitting {top - want} bytes")
             self.open_bytes = want
         self.committed_bytes = want
+
+    def map_file(self, fd: int, offset: int, nbytes: int) -> None:
+        """Make the first ``nbytes`` the bytes of file ``fd`` from ``offset`` (a multiple
+        of the page size): a read-only private mapping at the slot's address, its pages
+        faulted in now (2 MiB at a time, the GIL released). No page is allocated or
+        copied: with the file in the page cache, this costs page-table updates only.
+        The slot must hold nothing (a fresh or decommitted slot). Writing to the view
+        faults; :meth:`commit` or :meth:`decommit` replace the mapping by anonymous
+        memory again. A file shorter than the range faults (SIGBUS) when touched: the
+        caller checks the length first."""
+        page = int(lib.op_page_size())
+        n = _round_up(int(nbytes), page)
+        if self.committed_bytes or self.mapped_bytes:
+            raise ValueError("map_file needs a slot that holds nothing (decommit it first)")
+        if n <= 0 or n > self.capacity:
+            raise ValueError(f"mapping {nbytes} bytes into a slot of {self.capacity}")
+        rc = lib.op_slot_map_file(self._base, n, int(fd), int(offset))
+        if rc:
+            raise _os_error(rc, f"mapping {n} bytes of fd {fd} at offset {offset} to {self.address:#x}")
+        self.mapped_bytes = self.committed_bytes = n
+        # A file that shrinks under the mapping reads zeros past its new end instead of
+        # killing the process (SIGBUS); mapping_intact() says whether that happened.
+        self._guard = int(lib.op_guard_add(self._base, n))
+        rc = lib.op_populate_read(self._base, n)
+        if rc and rc != -errno.EINVAL:  # EINVAL: kernel < 5.14, pages fault on first touch
+            self._unmap()
+            raise _os_error(rc, f"reading {n} mapped bytes at {self.address:#x}")
+
+    def _unmap(self) -> None:
+        """Replace the file mapping (and any open tail) by an inaccessible reservation."""
+        n = max(self.mapped_bytes, self.open_bytes)
+        rc = lib.op_slot_unmap_file(self._base, n)
+        if rc:
+            raise _os_error(rc, f"unmapping {n} bytes at {self.address:#x}")
+        if self._guard >= 0:
+            lib.op_guard_remove(self._guard)
+            self._guard = -1
+        self.mapped_bytes = self.committed_bytes = self.open_bytes = 0
+
+    def mapping_intact(self) -> bool:
+        """False once a read of the file mapping found the file shorter than mapped (the
+        guard gave zeros there instead of a SIGBUS); True for anonymous memory."""
+        return self._guard < 0 or lib.op_guard_hit(self._guard) != 1
 
     def open(self, nbytes: int | None = None) -> None:
         """Make the first ``nbytes`` (default: the whole capacity, rounded up to the

@@ -25,7 +25,6 @@ test writes a line to each) both exit 0 and leave one valid, clean cache.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -39,6 +38,7 @@ from typer.testing import CliRunner
 
 from onnx_prep.cli.app import app
 from onnx_prep.core.cache.manifest import CacheManifest, read_manifest
+from onnx_prep.core.cache.payload_digest import payload_digest_of
 from test_cli_exit_codes import ONNX_PREP
 
 SEED = 17  # the cases below are a function of it alone: a failure reruns as it failed
@@ -132,7 +132,7 @@ def assert_entries_intact(folder: Path, m: CacheManifest) -> None:
         with open(folder / e.file, "rb") as f:
             f.seek(e.offset)
             data = f.read(e.length)
-        assert len(data) == e.length and "sha256:" + hashlib.sha256(data).hexdigest() == e.payload_digest, e.key
+        assert len(data) == e.length and payload_digest_of(data) == e.payload_digest, e.key
 
 
 def leftovers(model: Path) -> set[str]:

@@ -12,6 +12,7 @@ import pytest
 
 from onnx_prep.core.cache import manifest as mf
 from onnx_prep.core.cache.cache_writer import CacheWriter
+from onnx_prep.core.cache.payload_digest import payload_digest_of
 from onnx_prep.core.cache.manifest import (
     CacheEntry,
     CacheFormatError,
@@ -53,11 +54,12 @@ def test_golden_bytes_pin_the_writer(cache):
     m = read_manifest(folder / "m.prepared.onnx")
     assert [(e.key, e.offset, e.length) for e in m.entries] == [
         ("P:a|int4mm.v1.bs32|cpu", 0, 5000), ("P:b|int4mm.v1.bs32|cpu", 8192, 100)]
-    assert m.entries[0].payload_digest == "sha256:" + hashlib.sha256(np.arange(5000, dtype=np.uint8)).hexdigest()
+    assert m.entries[0].payload_digest == payload_digest_of(np.arange(5000, dtype=np.uint8))
+    assert m.entries[0].payload_digest.startswith("xxh64:")
     assert sorted(os.listdir(folder)) == ["m.prepared.g1.data", "m.prepared.lock", "m.prepared.onnx"]
 
 
-GOLDEN_MANIFEST = "dc43726433d4a7fa45c6d5a43a9fc023610c1f804ea747f6a08810d1f0bc32ff"
+GOLDEN_MANIFEST = "6e72a43623c6b3f4d34683fc9e551fe975f3e7d1d77ae4100b727feae8f8d10f"
 GOLDEN_PAYLOAD = "15c087254e06f1136d1ec04144eec9de5db55e3991d8272b4589e71dc25350a3"
 
 
@@ -77,7 +79,7 @@ def _t(m, i=0):
 
 # each case: (reason, a change to the parsed manifest)
 CASES = {
-    "format_version": lambda m: setattr(_prop(m.metadata_props, mf.META_FORMAT), "value", "2"),
+    "format_version": lambda m: setattr(_prop(m.metadata_props, mf.META_FORMAT), "value", "3"),
     "missing_field": lambda m: m.metadata_props.remove(_prop(m.metadata_props, mf.META_GENERATION)),
     "bad_number:space": lambda m: setattr(_prop(m.metadata_props, mf.META_GENERATION), "value", " 1"),
     "bad_number:arabic": lambda m: setattr(_prop(_t(m).external_data, "offset"), "value", "\u0660"),

@@ -176,3 +176,67 @@ def test_huge_pages_default_comes_from_the_environment(monkeypatch):
 
     with pytest.raises(UsageError, match="ONNX_PREP_HUGE_PAGES='yes please' is not a valid setting"):
         native.StableSlot(2 * MIB)
+
+
+def _data_file(tmp_path, nbytes: int, seed: int = 3):
+    data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+    path = tmp_path / "payload.bin"
+    path.write_bytes(data.tobytes())
+    return path, data
+
+
+def test_a_file_range_maps_at_the_slot_address_without_a_copy(tmp_path):
+    import os
+
+    page = os.sysconf("SC_PAGESIZE")
+    path, data = _data_file(tmp_path, 3 * MIB + 5000)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        slot = native.StableSlot(3 * MIB)
+        addr = slot.address
+        slot.map_file(fd, page, 3 * MIB)  # the second page on: an offset of whole pages
+        v = slot.view(3 * MIB)
+        assert v.ctypes.data == addr
+        assert np.array_equal(v, data[page:page + 3 * MIB])
+        assert slot.mapped_bytes == slot.committed_bytes == 3 * MIB and slot.mapping_intact()
+        with pytest.raises(ValueError, match="holds nothing"):
+            slot.map_file(fd, 0, MIB)  # one mapping at a time
+        with pytest.raises(OSError):
+            native.StableSlot(MIB).map_file(fd, 100, MIB)  # not page-aligned
+        del v
+        slot.decommit()  # back to an inaccessible reservation at the same address
+        assert slot.committed_bytes == slot.mapped_bytes == 0
+        slot.commit(MIB)  # anonymous again: zeros, writable
+        w = slot.view(MIB)
+        assert w.ctypes.data == addr and not w.any()
+        w[:] = 7
+        assert data[page] != 7 or data[page + 1] != 7  # the file is untouched
+        del w
+        slot.decommit()
+        slot.map_file(fd, 0, 5000)  # a partial last page maps too
+        assert np.array_equal(slot.view(5000), data[:5000])
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == data.tobytes()
+
+
+def test_a_mapped_file_that_shrinks_reads_zeros_and_says_so(tmp_path):
+    import os
+
+    page = os.sysconf("SC_PAGESIZE")
+    path, data = _data_file(tmp_path, 8 * page)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        slot = native.StableSlot(8 * page)
+        slot.map_file(fd, 0, 8 * page)
+        assert slot.mapping_intact()
+        os.truncate(path, 2 * page)  # someone else shrinks the file under the mapping
+        v = slot.view(8 * page)
+        assert np.array_equal(v[:2 * page], data[:2 * page])
+        assert not v[5 * page:6 * page].any()  # past the new end: zeros, not SIGBUS
+        assert not slot.mapping_intact()
+        del v
+        slot.decommit()
+        assert slot.mapping_intact()  # anonymous memory again
+    finally:
+        os.close(fd)

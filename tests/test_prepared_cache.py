@@ -107,6 +107,33 @@ def test_a_cached_load_reads_packed_payloads_only_and_gives_identical_outputs(mo
     assert not sources_touched(counters) & packed_sources(model)
 
 
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "read"])
+def test_payloads_are_mapped_into_their_slots_or_read_with_the_same_outputs(model, monkeypatch, mapped):
+    want = reference(model)
+    manifest = build(model)
+    monkeypatch.setenv("ONNX_PREP_MAP_CACHE", "1" if mapped else "0")
+    out, cache, _, stats = load(model, "read-only")
+    assert same(out, want)
+    total = sum(e.length for e in manifest.entries)
+    assert stats.packed_bytes_read == total and stats.prepacks == 0
+    assert stats.packed_bytes_mapped == (total if mapped else 0)  # mapped: nothing copied
+
+
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "read"])
+def test_a_flipped_payload_byte_is_caught_whether_mapped_or_read(model, monkeypatch, mapped):
+    manifest = build(model)
+    _flip(model, manifest)
+    f, bad = _payload(model, manifest)
+    want = reference(model)
+    monkeypatch.setenv("ONNX_PREP_MAP_CACHE", "1" if mapped else "0")
+    out, cache, _, stats = load(model, "read-only")
+    assert same(out, want)  # the flipped entry was rebuilt from its sources in its task
+    assert cache.counters["fallbacks"] == 1 and stats.prepacks == 1
+    assert "does not match its digest" in cache.warnings[0] and bad.key in cache.warnings[0]
+    total = sum(e.length for e in manifest.entries)
+    assert stats.packed_bytes_mapped == (total - bad.length if mapped else 0)
+
+
 def test_a_new_process_reads_the_cache_and_decodes_the_same_tokens(model):
     def run(*args):
         p = subprocess.run([*ONNX_PREP, "run", str(model), "--tokens", "6", "--json", *args],

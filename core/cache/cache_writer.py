@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import os
 import secrets
 import signal
@@ -38,6 +37,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
+from onnx_prep.core.cache.payload_digest import PayloadHasher, payload_digest_of
 from onnx_prep.core.cache.manifest import (
     ALIGNMENT,
     CacheEntry,
@@ -148,7 +148,7 @@ class CacheWriter:
         blob, encoding = raw, None
         if self.compress == "zstd":
             blob, encoding = _zstd(raw), "zstd"
-        digest = hashlib.sha256(blob).hexdigest()
+        digest = payload_digest_of(blob)
         with self._lock:
             offset = -(-self._end // ALIGNMENT) * ALIGNMENT
             try:
@@ -159,7 +159,7 @@ class CacheWriter:
                 raise _write_error(exc, self.folder) from None
             self._end = offset + len(blob)
             entry = replace(identity, file=self.temp.name, offset=offset, length=len(blob),
-                            payload_digest="sha256:" + digest, encoding=encoding, decoded_length=len(raw))
+                            payload_digest=digest, encoding=encoding, decoded_length=len(raw))
             self.entries.append(entry)
             self.bytes_written += len(blob)
         return entry
@@ -223,7 +223,7 @@ class CacheWriter:
         crash_point("payload_fsync")
         os.fsync(self._fd)
         for e in self.entries:
-            h = hashlib.sha256()
+            h = PayloadHasher.matching(e.payload_digest)
             for lo in range(0, e.length, _CHUNK):
                 n = min(_CHUNK, e.length - lo)
                 chunk = os.pread(self._fd, n, e.offset + lo)
@@ -231,7 +231,7 @@ class CacheWriter:
                     raise OnnxPrepError(f"prepared cache payload {self.temp.name} is short after writing",
                                         Where(file=str(self.temp), tensor=e.key, offset=e.offset))
                 h.update(chunk)
-            if "sha256:" + h.hexdigest() != e.payload_digest:
+            if h.digest() != e.payload_digest:
                 raise OnnxPrepError("prepared cache payload does not read back as written",
                                     Where(file=str(self.temp), tensor=e.key, offset=e.offset))
         crash_point("payload_validated")

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+from onnx_prep.core.cache.payload_digest import PAYLOAD_DIGEST
 from onnx_prep.core.errors import OnnxPrepError, Where
 
 __all__ = [
@@ -32,7 +33,10 @@ __all__ = [
     "read_manifest",
 ]
 
-CACHE_FORMAT_VERSION = 1  # the container's version (model metadata); entries carry the packed format's
+CACHE_FORMAT_VERSION = 2  # the container's version (model metadata); entries carry the packed format's
+# Versions this reader reads: 1 differs from 2 only in its payload digests (sha256; 2
+# writes xxh64, payload_digest.py), which the reader checks in either algorithm.
+READABLE_VERSIONS = (1, 2)
 ALIGNMENT = 4096  # every payload starts on a 4 KiB boundary: it can be read straight into its slot
 ENCODINGS = ("zstd",)  # stored-bytes encodings besides none
 
@@ -101,7 +105,7 @@ class CacheEntry:
     file: str
     offset: int
     length: int
-    payload_digest: str  # sha256 of the stored bytes
+    payload_digest: str  # xxh64 (or sha256) of the stored bytes: payload_digest.py
     lineage_digest: str
     source_lineage: tuple[str, ...]
     layout: str
@@ -240,9 +244,9 @@ def decode_manifest(data: bytes, folder: Path, *, where: Where | None = None) ->
         raise CacheFormatError("unparseable", f"not an ONNX protobuf ({exc})", where) from None
     meta = _unique_props(model.metadata_props, where, "model metadata")
     version = _int_field(meta, META_FORMAT, where, "model metadata")
-    if version != CACHE_FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise CacheFormatError("format_version", f"container format version {version}; this "
-                               f"onnx-prep reads version {CACHE_FORMAT_VERSION}", where)
+                               f"onnx-prep reads versions {', '.join(map(str, READABLE_VERSIONS))}", where)
     generation = _int_field(meta, META_GENERATION, where, "model metadata")
     source_model = _digest_field(meta, META_SOURCE_MODEL, where, "model metadata")
     sources = _sources(meta.get(META_SOURCES), where)
@@ -295,6 +299,14 @@ def _digest_field(props: Mapping[str, str], key: str, where: Where, what: str) -
     value = _required(props, key, where, what)
     if not _SHA256.match(value):
         raise CacheFormatError("bad_digest", f"{what} {key!r} is not sha256:<64 hex digits>", where)
+    return value
+
+
+def _payload_digest_field(props: Mapping[str, str], where: Where) -> str:
+    value = _required(props, T_PAYLOAD_DIGEST, where, "metadata_props")
+    if not PAYLOAD_DIGEST.match(value):
+        raise CacheFormatError("bad_digest", f"metadata_props {T_PAYLOAD_DIGEST!r} is not "
+                               "xxh64:<16 hex digits> or sha256:<64 hex digits>", where)
     return value
 
 
@@ -362,7 +374,7 @@ def _entry(t, where: Where) -> CacheEntry:
     decoded = _int_field(props, T_DECODED_LENGTH, where, "metadata_props") if encoding else length
     return CacheEntry(
         key=key, file=location, offset=offset, length=length,
-        payload_digest=_digest_field(props, T_PAYLOAD_DIGEST, where, "metadata_props"),
+        payload_digest=_payload_digest_field(props, where),
         lineage_digest=_digest_field(props, T_LINEAGE_DIGEST, where, "metadata_props"),
         source_lineage=tuple(lineage), layout=layout, device=device, kernel_abi=props[T_KERNEL_ABI],
         format_version=_int_field(props, T_FORMAT, where, "metadata_props", cap=1 << 31),

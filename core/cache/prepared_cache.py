@@ -28,6 +28,7 @@ from __future__ import annotations
 import enum
 import functools
 import hashlib
+import mmap
 import os
 import queue
 import stat
@@ -41,6 +42,8 @@ import numpy as np
 from onnx_prep.core.cache.cache_writer import CacheWriteError, CacheWriter, collect_leftovers
 from onnx_prep.core.cache.lineage import inline_digest, kernel_abi, lineage_digest, packed_format_version
 from onnx_prep.core.cache.manifest import CacheEntry, CacheManifest, SourceRecord, read_manifest
+from onnx_prep.core.cache.payload_digest import PayloadHasher
+from onnx_prep.core.environment import flag
 from onnx_prep.core.errors import OnnxPrepError, UsageError, Where
 from onnx_prep.core.model.prepared_key import PrepackRequest
 from onnx_prep.core.model.resolved_model import ResolvedModel
@@ -107,7 +110,7 @@ class PreparedCache:
     def __init__(self, resolved: ResolvedModel, path: Path | None = None, *,
                  policy: CachePolicy | str = CachePolicy.READ_ONLY, compress: str | None = None,
                  device: str = "cpu", ignore_invalid: bool = False, verify_payloads: bool = True,
-                 warn: Callable[[str], None] | None = None) -> None:
+                 warn: Callable[[str], None] | None = None, map_payloads: bool = True) -> None:
         self.resolved = resolved
         self.policy = CachePolicy(policy)
         self.path = Path(path) if path is not None else default_cache_path(resolved.model_path)
@@ -120,10 +123,15 @@ class PreparedCache:
             raise UsageError(f"device {device!r} has no prepared cache here", hint="use --device cpu")
         self.compress, self.device = compress, device
         self.verify_payloads = verify_payloads  # hash each payload as it is read (--verify-digests)
+        # Map plain payloads into their slots (mapping) instead of reading them into fresh
+        # pages: the page cache is the slot, nothing copied (ONNX_PREP_MAP_CACHE=0: read).
+        self.map_payloads = map_payloads and flag(
+            "ONNX_PREP_MAP_CACHE", default=True, on="map prepared cache payloads into their slots",
+            off="read them into fresh pages")
         self._warn = warn
         self.warnings: list[str] = []
-        self.counters = {"packed_reads": 0, "packed_bytes": 0, "fallbacks": 0, "persisted": 0,
-                         "persisted_bytes": 0}
+        self.counters = {"packed_reads": 0, "packed_bytes": 0, "mapped_bytes": 0, "fallbacks": 0,
+                         "persisted": 0, "persisted_bytes": 0}
         self._lock = threading.Lock()
         self._fds: dict[str, int] = {}
         self._writer: CacheWriter | None = None
@@ -252,6 +260,47 @@ class PreparedCache:
     def entry(self, key: str) -> CacheEntry:
         return self.manifest.by_key[key]
 
+    def mapping(self, payload: PackedPayloadEntry) -> tuple[int, int] | None:
+        """``(fd, offset)`` to map the entry's stored bytes straight into its slot, or
+        None when they must be read instead: an encoded (compressed) entry, an offset
+        off the page size, mapping switched off, or a file that cannot be opened or is
+        shorter than the entry (``read_into`` then reports why)."""
+        e = self.manifest.by_key[payload.key]
+        if not self.map_payloads or e.encoding is not None or e.offset % mmap.PAGESIZE:
+            return None
+        try:
+            fd = self._fd(e.file)
+            if os.fstat(fd).st_size < e.offset + e.length:
+                return None
+        except (OSError, _Unusable):
+            return None
+        return fd, e.offset
+
+    def accept_mapped(self, payload: PackedPayloadEntry, view: np.ndarray) -> bool:
+        """An entry mapped into its slot (``mapping``): check its digest on its first
+        use in this process. False when it does not match (recorded as for
+        ``read_into``; the caller rebuilds from sources); raises under ``require-complete``."""
+        e = self.manifest.by_key[payload.key]
+        verify = self.verify_payloads and e.key not in self._verified
+        if verify:
+            h = PayloadHasher.matching(e.payload_digest)
+            h.update(view.reshape(-1).view(np.uint8)[:e.length])
+            if h.digest() != e.payload_digest:
+                return self._unusable(e, f"payload does not match its digest {e.payload_digest}")
+        with self._lock:
+            self.counters["packed_reads"] += 1
+            self.counters["packed_bytes"] += e.length
+            self.counters["mapped_bytes"] += e.length
+            if verify:
+                self._verified.add(e.key)
+        return True
+
+    def mapped_damaged(self, payload: PackedPayloadEntry) -> bool:
+        """A mapped entry whose file shrank while it was read: recorded as unusable
+        (the caller rebuilds it from sources); raises under ``require-complete``."""
+        e = self.manifest.by_key[payload.key]
+        return not self._unusable(e, "payload file shrank while mapped")
+
     def read_into(self, payload: PackedPayloadEntry, out: np.ndarray) -> bool:
         """Fill ``out`` (the packed object's slot view) with the entry's bytes, decoded,
         checking the payload digest as it reads (the first read of each entry: a page-in
@@ -260,7 +309,6 @@ class PreparedCache:
         (a warning is recorded; the caller rebuilds from sources); raises instead under
         ``require-complete``."""
         e = self.manifest.by_key[payload.key]
-        where = Where(file=str(self.folder / e.file), tensor=e.tensor_name, offset=e.offset)
         try:
             fd = self._fd(e.file)
             buf = out.reshape(-1).view(np.uint8)
@@ -268,7 +316,8 @@ class PreparedCache:
                 raise _Unusable(f"slot is {buf.nbytes} bytes, entry decodes to {e.decoded_length}")
             # verified on its first read in this process; a later read of the same entry
             # (a page-in after an eviction) is of bytes already accepted
-            h = hashlib.sha256() if self.verify_payloads and e.key not in self._verified else None
+            h = PayloadHasher.matching(e.payload_digest) \
+                if self.verify_payloads and e.key not in self._verified else None
             if e.encoding is None:
                 mv = memoryview(buf)
                 got = 0
@@ -281,24 +330,31 @@ class PreparedCache:
                     got += n
             else:
                 _decode_zstd(fd, e, buf, h)
-            if h is not None and "sha256:" + h.hexdigest() != e.payload_digest:
+            if h is not None and h.digest() != e.payload_digest:
                 raise _Unusable(f"payload does not match its digest {e.payload_digest}")
         except (_Unusable, OSError) as exc:
-            msg = f"prepared cache entry {e.key} is unusable: {exc}"
-            if self.policy is CachePolicy.REQUIRE_COMPLETE:
-                raise PreparedCacheError(msg, where, hint="rebuild it: onnx-prep build-cache") from None
-            self._note(msg + "; rebuilt from its sources")
-            with self._lock:
-                self.counters["fallbacks"] += 1
-                self.outcomes[e.key] = EntryOutcome(e.key, EntryStatus.DAMAGED, str(exc))
-                self.replace_keys.add(e.key)  # build-if-missing writes the rebuilt one over it
-            return False
+            return self._unusable(e, str(exc))
         with self._lock:
             self.counters["packed_reads"] += 1
             self.counters["packed_bytes"] += e.length
             if h is not None:
                 self._verified.add(e.key)
         return True
+
+    def _unusable(self, e: CacheEntry, reason: str) -> bool:
+        """Record entry ``e`` as unusable (a warning; it is rebuilt from its sources and,
+        under build-if-missing, replaced); raise instead under ``require-complete``.
+        Returns False, what the readers return for it."""
+        msg = f"prepared cache entry {e.key} is unusable: {reason}"
+        if self.policy is CachePolicy.REQUIRE_COMPLETE:
+            where = Where(file=str(self.folder / e.file), tensor=e.tensor_name, offset=e.offset)
+            raise PreparedCacheError(msg, where, hint="rebuild it: onnx-prep build-cache")
+        self._note(msg + "; rebuilt from its sources")
+        with self._lock:
+            self.counters["fallbacks"] += 1
+            self.outcomes[e.key] = EntryOutcome(e.key, EntryStatus.DAMAGED, reason)
+            self.replace_keys.add(e.key)  # build-if-missing writes the rebuilt one over it
+        return False
 
     def _fd(self, name: str) -> int:
         with self._lock:
@@ -503,13 +559,13 @@ def prepared_cache_findings(resolved: ResolvedModel, prepared_path: Path | None 
                 where = Where(file=str(path.parent / e.file), tensor=e.tensor_name, offset=e.offset)
                 try:
                     fd = cache._fd(e.file)
-                    h = hashlib.sha256()
+                    h = PayloadHasher.matching(e.payload_digest)
                     for lo in range(0, e.length, _CHUNK):
                         chunk = os.pread(fd, min(_CHUNK, e.length - lo), e.offset + lo)
                         if not chunk:
                             raise _Unusable("payload file ended early")
                         h.update(chunk)
-                    if "sha256:" + h.hexdigest() != e.payload_digest:
+                    if h.digest() != e.payload_digest:
                         raise _Unusable(f"payload does not match its digest {e.payload_digest}")
                 except (OSError, _Unusable) as exc:
                     add(e.key, f"payload unusable: {exc}", where, True)

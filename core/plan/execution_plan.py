@@ -66,7 +66,10 @@ class PackedPayloadIndex(Protocol):
     layout, device, ABI, format, size) is the cache's job; the plan only selects the
     cheapest eligible recipe. ``read_into``: the entry's packed bytes into the key's
     slot view, checked; False when the entry proves unusable (the caller then builds the
-    object from its sources). ``persists``/``persist``: whether a packed object the
+    object from its sources). ``mapping``: ``(fd, offset)`` where the entry's bytes can be
+    mapped into the slot instead of read (None: read them); ``accept_mapped``: the check
+    of a mapped entry, as ``read_into``'s; ``mapped_damaged``: a mapped entry whose file
+    shrank under it, recorded (False: rebuild it). ``persists``/``persist``: whether a packed object the
     session builds is to be written back, and handing it over (a pinned view; ``done()``
     unpins it once written); ``flush``: wait until every object handed over is written
     and unpinned (a session's close calls it before releasing its objects)."""
@@ -74,6 +77,12 @@ class PackedPayloadIndex(Protocol):
     def lookup(self, request: PrepackRequest) -> PackedPayloadEntry | None: ...
 
     def read_into(self, entry: PackedPayloadEntry, out: Any) -> bool: ...
+
+    def mapping(self, entry: PackedPayloadEntry) -> tuple[int, int] | None: ...
+
+    def accept_mapped(self, entry: PackedPayloadEntry, view: Any) -> bool: ...
+
+    def mapped_damaged(self, entry: PackedPayloadEntry) -> bool: ...
 
     def persists(self, request: PrepackRequest) -> bool: ...
 

@@ -47,6 +47,7 @@ from onnx_prep.core.model.prepared_key import PreparedKey
 from onnx_prep.core.model.resolved_model import ResolvedModel, require_frozen
 from onnx_prep.core.ops.intra_op import spin_helpers_default
 from onnx_prep.core.plan.execution_plan import (
+    READ_PACKED_PAYLOAD,
     LookaheadWindow,
     PackedPayloadIndex,
     PreparedExecutionPlan,
@@ -292,8 +293,14 @@ class Session:
             # prepare.is_ready(): done, failed or cancelled (asked outside the session lock)
             return prepare.is_ready() or self._closed or self._runs_started()
 
-        self.slots.warm(((r.key, r.packed_bytes) for r in self.plan.requirements),  # in order of first use
-                        stop, on_warmed=lambda n: self._count("slot_bytes_warmed", n))
+        cache = self.plan.cache
+
+        def mapped(r) -> bool:  # a payload mapped into its slot wants no pages of its own
+            return (cache is not None and r.selected.kind == READ_PACKED_PAYLOAD
+                    and cache.mapping(r.selected.payload) is not None)
+
+        self.slots.warm(((r.key, r.packed_bytes) for r in self.plan.requirements if not mapped(r)),
+                        stop, on_warmed=lambda n: self._count("slot_bytes_warmed", n))  # in order of first use
 
     def prepare(self, keys=None) -> None:
         self.prepare_async(keys).wait()

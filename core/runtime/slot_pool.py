@@ -9,6 +9,8 @@ Contract (what the materializer and the session rely on; a device pool, reservin
 device virtual addresses, implements the same):
 
 ``reserve(key, capacity)``  reserve (and open) the key's range ahead of any work.
+``map_file(key, nbytes, fd, offset) -> view``  (host pool) the key's bytes are a
+    read-only mapping of a file range at the key's address: nothing copied.
 ``commit(key, nbytes, typed_as=None) -> view``  commit ``nbytes`` under the key's range
     (a reserved range if it is large enough, else a new one) and return its stable
     view: uint8 bytes, or the typed weight ``typed_as`` describes (a raw weight).
@@ -143,6 +145,21 @@ class HostSlotPool:
             return {k: s.address for k, s in self._reserved.items()}
 
     def commit(self, key: PreparedKey, nbytes: int, typed_as: Any = None) -> np.ndarray:
+        return self._take(key, nbytes, typed_as, lambda slot: slot.commit(nbytes))
+
+    def map_file(self, key: PreparedKey, nbytes: int, fd: int, offset: int) -> np.ndarray:
+        """Like :meth:`commit`, but the key's bytes are ``nbytes`` of file ``fd`` from
+        ``offset`` (page-aligned), mapped read-only at the key's stable address: no
+        fresh page, no copy (``StableSlot.map_file``). The next :meth:`commit` or
+        :meth:`decommit` of the key replaces the mapping by anonymous memory."""
+        def fill(slot) -> None:
+            if slot.committed_bytes:  # pages warmed ahead of the load: not wanted here
+                slot.decommit()
+            slot.map_file(fd, offset, nbytes)
+
+        return self._take(key, nbytes, None, fill)
+
+    def _take(self, key: PreparedKey, nbytes: int, typed_as: Any, fill_slot) -> np.ndarray:
         from onnx_prep.native import StableSlot
 
         # NOTE: committing (page allocation and zeroing, up to tens of MiB) runs outside
@@ -160,7 +177,7 @@ class HostSlotPool:
         if r is None:
             slot = spare if spare is not None and spare.capacity >= nbytes else \
                 StableSlot(max(nbytes, 1), huge_pages=self.huge_pages)
-            slot.commit(nbytes)
+            fill_slot(slot)
             raw = slot.view(nbytes)
             view = as_array(typed_as, raw) if typed_as is not None else raw
             with self._lock:
@@ -169,11 +186,15 @@ class HostSlotPool:
         if r.nbytes != nbytes:
             raise OnnxPrepError(f"prepared object changed size ({r.nbytes} -> {nbytes})",
                                 Where(tensor=key))
-        r.slot.commit(nbytes)
+        fill_slot(r.slot)
         return r.slot.view(nbytes)
 
     def decommit(self, key: PreparedKey) -> None:
         self._residency[key].slot.decommit()
+
+    def intact(self, key: PreparedKey) -> bool:
+        """False when the file under the key's mapping shrank while it was read."""
+        return self._residency[key].slot.mapping_intact()
 
     def buffer(self, key: PreparedKey, nbytes: int, reservation: Any) -> SlotBuffer:
         return SlotBuffer(self, key, nbytes, reservation)

@@ -29,7 +29,7 @@ it), and its arena peaks (what the budget held at most while it was in flight).
 
     {"schema": "stats/1",
      "io": {"source_bytes", "source_bytes_read", "source_bytes_mapped", "source_reads",
-            "source_bytes_dropped", "packed_bytes_read", "packed_reads"},
+            "source_bytes_dropped", "packed_bytes_read", "packed_bytes_mapped", "packed_reads"},
      "prepare": {"prepacks", "prepack_ns", "materializations", "page_ins", "page_in_bytes",
                  "evictions", "shed", "slot_bytes_warmed"},
      "runs": {"hot", "cold", "yields"},
@@ -41,7 +41,9 @@ it), and its arena peaks (what the budget held at most while it was in flight).
                   "helper_sleeps", "helper_wakes"}}
 
 ``source_bytes`` is read plus mapped (a session's map path faults every mapped byte in).
-``packed_*`` count reads of a prepared cache: 0 until there is one.
+``packed_*`` count reads of a prepared cache: 0 until there is one. ``packed_bytes_read``
+counts every packed byte a task took from the cache; ``packed_bytes_mapped`` those of
+them mapped into their slots rather than copied.
 """
 from __future__ import annotations
 
@@ -86,7 +88,8 @@ class Counters:
 _SECTIONS: dict[str, tuple[tuple[str, str], ...]] = {
     "io": (("source_bytes_read", "bytes_read"), ("source_bytes_mapped", "bytes_mapped"),
            ("source_reads", "source_reads"), ("source_bytes_dropped", "bytes_dropped"),
-           ("packed_bytes_read", "packed_bytes_read"), ("packed_reads", "packed_reads")),
+           ("packed_bytes_read", "packed_bytes_read"), ("packed_bytes_mapped", "packed_bytes_mapped"),
+           ("packed_reads", "packed_reads")),
     "prepare": (("prepacks", "prepacks"), ("prepack_ns", "prepack_ns"),
                 ("materializations", "materializations"), ("page_ins", "rematerializations"),
                 ("page_in_bytes", "rematerialized_bytes"),
@@ -116,6 +119,7 @@ class RuntimeStats:
     source_reads: int = 0
     source_bytes_dropped: int = 0
     packed_bytes_read: int = 0
+    packed_bytes_mapped: int = 0
     packed_reads: int = 0
     # prepare: the session's prepared objects
     prepacks: int = 0
