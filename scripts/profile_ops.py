@@ -5,7 +5,7 @@ The steps continue one another as a real decode does (each step's presents are t
 step's past, so KV Concats append in place): the past starts at --past random tokens and
 grows by one per step. ONNX Runtime, with --ort, runs the first step's feeds each time.
 
-    .venv/bin/python scripts/profile_ops.py [--preset tiny-llm] [--batch 1] [--past 16] [--repeats 20]
+    .venv/bin/python scripts/profile_ops.py [--preset tiny-llm | --model PATH] [--batch 1] [--past 16] [--repeats 20]
 """
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ from onnx_prep.fixtures import generate
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="tiny-llm")
+    ap.add_argument("--model", type=Path, help="a fixture-shaped model file instead of --preset "
+                    "(input_ids, position_ids, past_key_values.N.key / .value)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--past", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=20)
@@ -38,7 +40,7 @@ def main() -> int:
     args = ap.parse_args()
 
     tmp = tempfile.TemporaryDirectory()
-    path = generate(args.preset, Path(tmp.name))
+    path = args.model if args.model is not None else generate(args.preset, Path(tmp.name))
     resolved = resolve_model(path)
     load = source_loader(resolved, ExternalDataReader.for_model(resolved))
     program = ActionProgram.compile(resolved)

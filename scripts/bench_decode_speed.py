@@ -1,0 +1,145 @@
+"""Decode speed against ONNX Runtime (the real-exports issue's protocol): tokens/s at
+batch 1, 2, 4, 8 and accuracy levels 0 and 4, on the ``medium`` fixture and on an
+onnxruntime-genai builder export of a Llama of the same shape, in one run.
+
+    .venv/bin/python scripts/bench_decode_speed.py [--batches 1,2,4,8] [--tokens 32]
+        [--repeats 3] [--models medium-acc0,medium-acc4,builder-acc1,builder-acc4] [--json FILE]
+
+Models (generated locally, cached, never committed):
+  medium-acc0   the ``medium`` fixture (16 blocks, hidden 2048, MatMulNBits accuracy level 0)
+  medium-acc4   the same weights with ``accuracy_level=4`` on every MatMulNBits (a copy of
+                the .onnx beside a hard link to the data file)
+  builder-acc1  ``python -m onnxruntime_genai.models.builder -p int4 -e cpu`` on a random
+                Llama checkpoint of the medium shape (32 heads, 8 KV heads, vocab 32000),
+                ``accuracy_level=1`` (fp32 compute: what level 0 is for MatMulNBits)
+  builder-acc4  the same checkpoint, ``accuracy_level=4`` (int8 activations)
+The builder's models need the ``exports`` extra; the checkpoint (4.5 GB of fp32) and
+each export are made once into the fixture cache (several minutes).
+
+Per model and batch N, each repeat runs ``onnx-prep run MODEL --batch N --tokens T --json``
+with ``--runtime prepared`` and ``--runtime ort`` (the order alternates between
+repeats), each a fresh process, and takes the decode tokens/s the run reports (after the
+prefill). Prints min / median / max per cell, the ratio of medians, and whether the
+greedy tokens were identical. For medium-acc4 at batch 1 it also runs
+``scripts/profile_ops.py`` to give the step's INT4 GEMV (MatMulNBits) time against the
+whole step (the issue's "within 1.5x of the GEMV time alone").
+Run it alone: other work on the machine changes every figure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EXE = Path(sys.executable).with_name("onnx-prep")
+MODELS = ("medium-acc0", "medium-acc4", "builder-acc1", "builder-acc4")
+
+
+def medium(level: int, scratch: Path) -> Path:
+    from onnx_prep.fixtures import PRESETS, ensure_cached
+
+    base = ensure_cached(PRESETS["medium"])
+    if level == 0:
+        return base
+    import onnx
+
+    m = onnx.load(base, load_external_data=False)
+    for n in m.graph.node:
+        if n.op_type == "MatMulNBits":
+            for a in list(n.attribute):
+                if a.name == "accuracy_level":
+                    n.attribute.remove(a)
+            n.attribute.append(onnx.helper.make_attribute("accuracy_level", level))
+    out = scratch / f"medium-acc{level}"
+    out.mkdir(exist_ok=True)
+    for f in base.parent.iterdir():
+        if f.suffix != ".onnx" and not (out / f.name).exists():
+            os.link(f, out / f.name)  # the same data file: no 563 MB copy
+    onnx.save(m, out / base.name)
+    return out / base.name
+
+
+def builder(level: int) -> Path:
+    from types import MappingProxyType
+
+    from onnx_prep.fixtures import real_exports as rx
+    from onnx_prep.fixtures.cache import ensure_folder
+
+    ckpt = rx.Checkpoint("llama", layers=16, hidden=2048, intermediate=5632, heads=32, kv_heads=8,
+                         vocab=32000, context=2048)
+    spec = rx.ExportSpec(ckpt, "builder", MappingProxyType({"accuracy_level": level, "block_size": 32}))
+    folder = rx.cache_root() / "real-exports" / f"bench-builder-llama-medium-acc{level}-{rx._key(spec.to_json())}"
+    ensure_folder(folder, lambda tmp: rx._export(spec, tmp), complete=rx.MODEL_FILE)
+    return folder / rx.MODEL_FILE
+
+
+def run(model: Path, runtime: str, batch: int, tokens: int) -> dict:
+    cmd = [str(EXE), "run", str(model), "--runtime", runtime, "--batch", str(batch), "--tokens", str(tokens),
+           "--json", "--trust-symlinks", "--memory-budget", "16GiB"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}): {p.stderr.strip()[-400:]}")
+    r = json.loads(p.stdout)
+    return {"tokens_per_s": r["timings"]["decode_tokens_per_s"], "tokens": r["tokens"]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="1,2,4,8")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    from onnx_prep.core.profile.machine import describe_machine
+
+    batches = [int(b) for b in args.batches.split(",")]
+    names = [m for m in args.models.split(",") if m]
+    scratch = Path(tempfile.mkdtemp(prefix="bench-decode-", dir=Path.home() / ".cache"))
+    paths = {}
+    for name in names:
+        kind, level = name.rsplit("-acc", 1)
+        paths[name] = medium(int(level), scratch) if kind == "medium" else builder(int(level))
+    facts = describe_machine()
+    print(f"{facts}; {args.tokens} tokens, {args.repeats} repeats, tokens/s min/median/max")
+    record = {"machine": facts, "tokens": args.tokens, "repeats": args.repeats, "rows": []}
+    print(f"{'model':14s} {'N':>2s}  {'ours tok/s':>22s}  {'ORT tok/s':>22s}  {'ours/ORT':>8s}  tokens")
+    for name in names:
+        for n in batches:
+            got = {"prepared": [], "ort": []}
+            toks = {}
+            for r in range(args.repeats):
+                for rt in (("prepared", "ort") if r % 2 == 0 else ("ort", "prepared")):
+                    out = run(paths[name], rt, n, args.tokens)
+                    got[rt].append(out["tokens_per_s"])
+                    toks[rt] = out["tokens"]
+            med = {k: statistics.median(v) for k, v in got.items()}
+            row = {"model": name, "batch": n, **{f"{k}_tokens_per_s": v for k, v in got.items()},
+                   "ratio": med["prepared"] / med["ort"], "tokens_identical": toks["prepared"] == toks["ort"]}
+            record["rows"].append(row)
+            cell = lambda v: f"{min(v):6.1f}/{statistics.median(v):6.1f}/{max(v):6.1f}"  # noqa: E731
+            print(f"{name:14s} {n:2d}  {cell(got['prepared']):>22s}  {cell(got['ort']):>22s}  "
+                  f"{row['ratio']:7.2f}x  {'identical' if row['tokens_identical'] else 'differ'}", flush=True)
+    if "medium-acc4" in paths:
+        p = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_ops.py"), "--model",
+                            str(paths["medium-acc4"]), "--batch", "1", "--json"],
+                           capture_output=True, text=True, timeout=1800)
+        if p.returncode == 0:
+            prof = json.loads(p.stdout)
+            gemv = sum(o["ms"] for o in prof["per_op"] if o["op"].startswith("MatMulNBits"))
+            record["gemv"] = {"step_ms": prof["step_ms"], "profiled_ms": prof["profiled_ms"], "gemv_ms": gemv}
+            print(f"medium-acc4 batch 1, one thread: step {prof['step_ms']:.2f} ms, INT4 GEMV (MatMulNBits) "
+                  f"{gemv:.2f} ms: step / GEMV = {prof['step_ms'] / gemv:.2f}x (target <= 1.5x)")
+    if args.json:
+        args.json.write_text(json.dumps(record, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
