@@ -347,6 +347,15 @@ def _has_word(name: str, *words: str) -> bool:
     return any(w in ws for w in words)
 
 
+def past_kv_slot(name: str) -> tuple[int, str] | None:
+    """(layer, "key"|"value") when an input named ``name`` reads as a past KV (a ``past``
+    or ``cache`` word, one layer number, a key/value word; not an extra role), else None:
+    the rule KV discovery pairs inputs by, and one sign of a decoder (model_kind.py)."""
+    if not _has_word(name, "past", "cache") or name.lower() in EXTRA_ROLES:
+        return None
+    return _kv_slot(name)
+
+
 class _Discovery:
     def __init__(self, inputs: Sequence[ValueInfo], outputs: Sequence[ValueInfo],
                  io_map: Mapping[str, Any], model: str | None,
@@ -473,9 +482,7 @@ class _Discovery:
     def pair_kv_by_name(self) -> list[tuple[int, str, str, str, str]]:
         past: dict[tuple[int, str], str] = {}
         for name in self.inputs:
-            if not _has_word(name, "past", "cache") or name.lower() in EXTRA_ROLES:
-                continue
-            slot = _kv_slot(name)
+            slot = past_kv_slot(name)
             if slot is not None and slot not in past:
                 past[slot] = name
         present: dict[tuple[int, str], str] = {}
