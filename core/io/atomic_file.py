@@ -1,10 +1,15 @@
 """Writing a whole file atomically: a reader (or a crash) sees the old file or the
-whole new one, never a part (fixture models, the JUnit report of ``onnx-prep check``)."""
+whole new one, never a part (fixture models, the JUnit report of ``onnx-prep check``,
+the arrays ``onnx-prep run`` writes: ``--logits-out``, ``--outputs-out``)."""
 from __future__ import annotations
 
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING, Mapping
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def write_atomically(path: Path, data: bytes, *, mode: int = 0o644) -> None:
@@ -23,3 +28,21 @@ def write_atomically(path: Path, data: bytes, *, mode: int = 0o644) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_arrays_atomically(path: Path, arrays: Mapping[str, "np.ndarray"]) -> None:
+    """``arrays`` as an uncompressed ``.npz`` (numpy's format: member ``NAME.npy`` per
+    array, read back by name with ``np.load``), written with ``write_atomically``. Written
+    member by member rather than through ``np.savez``, whose keyword form cannot take
+    every name (``file``). Raises OSError."""
+    import io
+    import zipfile
+
+    from numpy.lib import format as npy
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for name, array in arrays.items():
+            with archive.open(f"{name}.npy", "w", force_zip64=True) as member:
+                npy.write_array(member, array, allow_pickle=False)
+    write_atomically(Path(path), buf.getbuffer())
