@@ -1,7 +1,8 @@
 """``onnx-prep run [MODEL]``: greedy decoding with the prepared runtime (or ONNX
-Runtime), optionally compared with ONNX Runtime. One core call
-(``core/decode/run_record.record_run``), its record rendered as text or JSON (schema:
-docs/run.md).
+Runtime), optionally compared with ONNX Runtime; for a model that is not a decoder, or
+with ``--inputs`` / ``--shape``, one forward of its graph. One core call
+(``core/decode/run_record.record_run``), its record (a decode's or a forward's) rendered
+as text or JSON (schemas: docs/run.md).
 
 Exit codes: 0 success (with ``--compare``, also when the runtimes diverge only at a
 near tie); 1 ``--compare`` found a real divergence; 2 unusable input."""
@@ -65,7 +66,8 @@ def run(
     prompt_ids: Optional[List[str]] = typer.Option(
         None, "--prompt-ids", help=f"Comma-separated prompt token ids (default {DEFAULT_PROMPT}); "
                                    "repeat for one row per prompt."),
-    tokens: int = typer.Option(16, "--tokens", help="Tokens to generate per row (1 to 1,048,576)."),
+    tokens: Optional[int] = typer.Option(None, "--tokens", show_default="16",
+                                         help="Tokens to generate per row (1 to 1,048,576)."),
     batch: Optional[int] = typer.Option(None, "--batch", help="Rows: the one --prompt-ids repeated B times "
                                                               "(1 to 65,536)."),
     runtime: str = typer.Option("prepared", "--runtime", help="Decode with: prepared (ours) or ort."),
@@ -94,8 +96,20 @@ def run(
     prepared: Optional[Path] = typer.Option(None, "--prepared", metavar="PATH",
                                             help="The prepared cache's manifest (default: <model stem>.prepared.onnx "
                                                  "beside the model)."),
+    logits_out: Optional[Path] = typer.Option(None, "--logits-out", metavar="FILE.npz",
+                                              help="Decoding: write every step's logits (steps x batch x vocab) and "
+                                                   "the tokens to this .npz."),
+    inputs: Optional[List[str]] = typer.Option(
+        None, "--inputs", metavar="FILE",
+        help="Run one forward of the graph (any model) on these inputs: FILE.npz (arrays by input name) or "
+             "NAME=FILE.npy; repeatable (docs/run.md)."),
+    shape: Optional[List[str]] = typer.Option(
+        None, "--shape", metavar="NAME=N",
+        help="Bind symbolic dims (e.g. batch=1,seq=8) for one forward on generated inputs; repeatable."),
+    outputs_out: Optional[Path] = typer.Option(None, "--outputs-out", metavar="FILE.npz",
+                                               help="One forward: write every output to this .npz."),
 ) -> None:
-    """Greedy-decode --tokens tokens per row; print the generated ids and timings.
+    """Greedy-decode --tokens tokens per row; print the generated ids and timings. A model that is not a decoder, or --inputs / --shape: run one forward of its graph and summarise each output.
 
     Exit 0 on success (with --compare, also when the runtimes diverge only at a near tie), 1 when --compare finds a real divergence, 2 for unusable input."""
 
@@ -104,15 +118,21 @@ def run(
         from onnx_prep.core.decode.run_record import RunOptions, record_run
 
         budget = None if memory_budget is None else parse_size(memory_budget)
-        options = RunOptions(prompt_ids=parse_prompts(prompt_ids, batch), tokens=tokens, runtime=runtime,
-                             compare=compare, io_map=io_map, threads=threads, source_pages=source_pages,
-                             memory_budget=budget, verify_digests=verify_digests,
-                             trust_symlinks=trust_symlinks, cache_policy=cache_policy, prepared=prepared)
+        given = {"--prompt-ids": prompt_ids, "--batch": batch, "--tokens": tokens}
+        options = RunOptions(prompt_ids=parse_prompts(prompt_ids, batch), tokens=16 if tokens is None else tokens,
+                             runtime=runtime, compare=compare, io_map=io_map, threads=threads,
+                             source_pages=source_pages, memory_budget=budget, verify_digests=verify_digests,
+                             trust_symlinks=trust_symlinks, cache_policy=cache_policy, prepared=prepared,
+                             logits_out=logits_out, inputs=tuple(inputs or ()), shape=tuple(shape or ()),
+                             outputs_out=outputs_out,
+                             decode_flags=tuple(flag for flag, value in given.items() if value is not None))
         # Only on a terminal: a redirected stderr would just collect blank frames.
-        show = tokens >= PROGRESS_MIN_TOKENS and output.stderr.is_terminal
+        show = options.tokens >= PROGRESS_MIN_TOKENS and output.stderr.is_terminal
         doc = record_run(model_path(model), options, progress=_progress if show else None, warn=output.warn)
         if json_out:
             output.emit_json(doc)
+        elif doc["schema"].startswith("onnx-prep.graph-run/"):  # one forward (core/decode/graph_run.py)
+            _render_forward(doc)
         else:
             _render(doc)
         return EXIT_FINDINGS if doc["compare"] is not None and not doc["compare"]["agrees"] else EXIT_OK
@@ -124,10 +144,12 @@ def _fmt_rate(value: float | None) -> str:
     return "n/a" if value is None else f"{value:,.1f}"
 
 
-def _render(doc: dict) -> None:
-    def say(text: str) -> None:  # plain text: token ids and figures are not markup
-        output.stdout.print(text, markup=False, highlight=False)
+def _say(text: str) -> None:  # plain text: token ids, names and figures are not markup
+    output.stdout.print(text, markup=False, highlight=False)
 
+
+def _render(doc: dict) -> None:
+    say = _say
     t = doc["timings"]
     say(f"model {doc['model']}  runtime {doc['runtime']}  batch {doc['batch']}  "
         f"prompt {len(doc['prompt_ids'][0])} tokens  kv {doc['io']['kv_layout']} "
@@ -159,3 +181,31 @@ def _render(doc: dict) -> None:
     say(f"{cmp['runtime']}: tokens {verdict}; first-step max |logit diff| "
         f"{cmp['first_step_max_abs_logit_diff']:.3g} (logit range {cmp['first_step_logit_range']:.3g}); "
         f"{cmp['runtime']} time to first output {cmp['timings']['first_output_ms']:.1f} ms")
+
+
+def _fmt_stat(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4g}"
+
+
+def _render_forward(doc: dict) -> None:
+    say = _say
+    say(f"model {doc['model']}  runtime {doc['runtime']}  one forward ({doc['kind']['reason']})")
+    for i in doc["inputs"]:
+        say(f"input {i['name']!r} {i['dtype']} {i['shape']} {i['source']}")
+    for o in doc["outputs"]:
+        bad = f"  non-finite {o['non_finite']}" if o["non_finite"] else ""
+        say(f"output {o['name']!r} {o['dtype']} {o['shape']}  min {_fmt_stat(o['min'])}  max {_fmt_stat(o['max'])}  "
+            f"mean {_fmt_stat(o['mean'])}{bad}")
+    t = doc["timings"]
+    say(f"open {t['open_ms']:.1f} ms · forward {t['run_ms']:.1f} ms")
+    if doc["outputs_file"]:
+        say(f"outputs written to {doc['outputs_file']}")
+    cmp = doc["compare"]
+    if cmp is None:
+        return
+    for row in cmp["outputs"]:
+        verdict = "ok" if row["ok"] else "DIVERGED"
+        diff = row["mismatch"] or f"max |diff| {row['max_abs_diff']:.3g} (limit {row['limit']:.3g})"
+        say(f"{cmp['runtime']}: output {row['name']!r} {verdict}: {diff}")
+    say(f"{cmp['runtime']}: outputs {'agree' if cmp['agrees'] else 'DIVERGE'}; "
+        f"{cmp['runtime']} forward {cmp['timings']['run_ms']:.1f} ms")

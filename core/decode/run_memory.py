@@ -13,7 +13,9 @@ holds at its largest, from the shapes alone:
   whole sequence, so both count the full length;
 - the records: the prompt (batch x prompt int64), token ids, top-2 margins and logit
   ranges (batch x tokens x 8 bytes each) and the first step's logits (batch x vocab
-  float32); all but the prompt twice with ``--compare``.
+  float32); all but the prompt twice with ``--compare``; with ``--logits-out`` every
+  step's logits (batch x tokens x vocab float32) three times: kept, stacked, and in the
+  file's buffer.
 
 The model's weights are not counted: the prepared runtime bounds those itself
 (docs/runtime.md). An unknown (symbolic) vocabulary counts as 0. Hidden and MLP
@@ -98,7 +100,8 @@ class RunMemory:
                 f"step outputs {format_size(self.step_outputs)}, records {format_size(self.records)}")
 
 
-def estimate_run_memory(io, batch: int, prompt_len: int, tokens: int, *, compare: bool = False) -> RunMemory:
+def estimate_run_memory(io, batch: int, prompt_len: int, tokens: int, *, compare: bool = False,
+                        keep_logits: bool = False) -> RunMemory:
     """The estimate for greedy-decoding ``tokens`` tokens on ``batch`` rows of
     ``prompt_len`` ids with the decoder I/O ``io`` (a ``DecoderIO``). Python integers
     throughout: no size overflows, nothing is allocated."""
@@ -111,6 +114,8 @@ def estimate_run_memory(io, batch: int, prompt_len: int, tokens: int, *, compare
     heads = io.kv[0].kv_heads if io.kv else 0
     step_outputs = 4 * batch * fed * vocab + 4 * batch * heads * fed * fed
     records = 8 * batch * prompt_len + (3 * 8 * batch * tokens + 4 * batch * vocab) * (2 if compare else 1)
+    if keep_logits:  # --logits-out: kept per step, stacked, then copied into the file's buffer
+        records += 3 * 4 * batch * tokens * vocab
     return RunMemory(batch=batch, prompt_len=prompt_len, tokens=tokens, layers=len(io.kv),
                      kv_cache=kv_cache, step_outputs=step_outputs, records=records)
 

@@ -1,6 +1,8 @@
-"""The record of one greedy-decode run: ``record_run(model, options) -> dict`` decodes
-and returns the ``onnx-prep.run/5`` document (docs/run.md, pinned by
-``core/schemas/run.schema.json``).
+"""The record of one run: ``record_run(model, options) -> dict`` decodes and returns
+the ``onnx-prep.run/5`` document (docs/run.md, pinned by ``core/schemas/run.schema.json``),
+or, for a model that is not a decoder (``model_kind.py``) or with ``--inputs`` /
+``--shape``, runs one forward of its graph and returns ``graph_run.py``'s
+``onnx-prep.graph-run/1`` document.
 
 ``RunOptions`` holds what to decode and how and checks its values on construction,
 each before any module of the load path (numpy, onnx) is imported, except the
@@ -56,6 +58,20 @@ class RunOptions:
     trust_symlinks: bool = False  # external data through symlinks or hard links (resolve_model)
     cache_policy: str = "read-only"  # the prepared cache (core/cache/prepared_cache.py, POLICIES)
     prepared: Path | None = None  # the cache's manifest (default: <model stem>.prepared.onnx beside it)
+    logits_out: Path | None = None  # a decode's logits, every step, to this .npz
+    # One forward of any model (graph_feeds.py, graph_run.py): input files (FILE.npz or
+    # NAME=FILE.npy), NAME=N bindings of symbolic dims, the outputs' .npz
+    inputs: tuple[str, ...] = ()
+    shape: tuple[str, ...] = ()
+    outputs_out: Path | None = None
+    # the decode-only options the command line gave (--prompt-ids, --batch, --tokens):
+    # refused when the model runs one forward, where they would mean nothing
+    decode_flags: tuple[str, ...] = ()
+
+    @property
+    def one_forward(self) -> bool:
+        """``--inputs`` or ``--shape``: one forward of the graph, a decoder's too."""
+        return bool(self.inputs or self.shape)
 
     @property
     def distinct_rows(self) -> list[tuple[int, ...]]:
@@ -100,6 +116,26 @@ class RunOptions:
         if self.cache_policy == "build-if-missing" and not self.verify_digests:
             raise UsageError("--cache-policy build-if-missing persists only verified bytes: it cannot be "
                              "combined with --no-verify-digests")
+        self._check_forward_options()
+
+    def _check_forward_options(self) -> None:
+        from onnx_prep.core.decode.graph_feeds import parse_input_files, parse_shape_bindings
+
+        parse_input_files(self.inputs)
+        parse_shape_bindings(self.shape)
+        if self.one_forward:
+            given = "--inputs" if self.inputs else "--shape"
+            if self.io_map is not None:
+                raise UsageError(f"--io-map names a decoder's roles; {given} runs one forward: give one or the other")
+            if self.logits_out is not None:
+                raise UsageError(f"--logits-out writes a decode's logits; {given} runs one forward",
+                                 hint="write its outputs with --outputs-out FILE.npz")
+            if self.decode_flags:
+                raise UsageError(f"{_only_decoding(self.decode_flags)}; {given} runs one forward")
+        for option, path in (("--logits-out", self.logits_out), ("--outputs-out", self.outputs_out)):
+            if path is not None and not Path(path).parent.is_dir():  # refused before the run, not after it
+                raise UsageError(f"{option}: no folder {str(Path(path).parent)!r} to write into",
+                                 Where(file=str(path)))
 
 
 def open_prepared_runner(resolved, *, threads: int | None, source_pages: str, verify_digests: bool = True,
@@ -154,6 +190,13 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
     else:
         inputs, outputs = value_infos_from_model(path)
     opened["ort"] = lambda: (0.0, _open_ort(path, options.threads))
+    kind = _kind(options, inputs, mapping)
+    if not kind.is_decoder:
+        return _record_forward(path, options, kind, inputs, outputs, opened, lambda: cache)
+    if options.outputs_out is not None:
+        raise UsageError(f"--outputs-out writes one forward's outputs; this model is decoded ({kind.reason})",
+                         Where(model=str(path)),
+                         hint="write its logits with --logits-out FILE.npz, or run one forward with --inputs or --shape")
     # the config only here: the graph is parsed again only if discovery needs it
     hints = ExportHints.from_config(path)
     io = DecoderIO.discover(inputs, outputs, mapping, model=str(path),
@@ -166,11 +209,11 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
     # Before either runtime opens and before the prompt array: what cannot fit is refused
     # before it is allocated.
     admit(estimate_run_memory(io, len(options.prompt_ids), len(options.prompt_ids[0]), options.tokens,
-                              compare=options.compare is not None),
+                              compare=options.compare is not None, keep_logits=options.logits_out is not None),
           options.memory_budget or default_memory_budget())
     prompt = np.array(options.prompt_ids, dtype=np.int64)
 
-    def decode(kind: str):
+    def decode(kind: str, keep_logits: bool = False):
         """(open ms, the GenerationResult, the prepared runtime's source-pages choice or None)."""
         from onnx_prep.core.decode.generation import greedy_decode
 
@@ -182,11 +225,12 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
             open_ms = parsed_ms + (time.perf_counter() - t0) * 1e3
             on_step = stack.enter_context(progress(f"{kind} decode", options.tokens) if progress
                                           else nullcontext())
-            result = greedy_decode(runner, io, prompt, options.tokens, on_step=on_step, model=str(path))
+            result = greedy_decode(runner, io, prompt, options.tokens, on_step=on_step, keep_logits=keep_logits,
+                                   model=str(path))
         return open_ms, result, getattr(runner, "source_pages", None)
 
     try:
-        open_ms, result, pages = decode(options.runtime)
+        open_ms, result, pages = decode(options.runtime, keep_logits=options.logits_out is not None)
         # build-if-missing: what the run built was written meanwhile, at idle priority;
         # published now, once the output is in hand
         committed = cache.commit() if cache is not None and cache.policy.value == "build-if-missing" else None
@@ -200,12 +244,57 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
            "counters": result.counters_json(), "source_pages": pages,
            "cache": None if cache is None else {**cache.summary(), "committed": committed},
            "compare": None}
+    if options.logits_out is not None:
+        _write_logits(options.logits_out, result)
+        doc["logits_file"] = str(options.logits_out)
     if options.compare is not None:
         ref_open_ms, ref, _ = decode(options.compare)
         cmp = compare_generations(result, ref)
         doc["compare"] = {"runtime": options.compare, "tokens": ref.tokens.tolist(), **cmp.to_json(),
                           "timings": {"open_ms": ref_open_ms, **ref.timings_json()}}
     return doc
+
+
+def _kind(options: RunOptions, inputs, mapping):
+    """Decode, or run one forward (model_kind.py); ``--inputs`` / ``--shape`` ask for one forward."""
+    from onnx_prep.core.decode.model_kind import GRAPH, ModelKind, model_kind
+
+    kind = model_kind(inputs, io_map=mapping is not None)
+    if options.one_forward and kind.is_decoder:
+        return ModelKind(GRAPH, f"{'--inputs' if options.inputs else '--shape'} given; {kind.reason}")
+    return kind
+
+
+def _record_forward(path: Path, options: RunOptions, kind, inputs, outputs, opened, cache) -> dict:
+    """One forward of the graph (graph_run.py) on the runners ``record_run`` opens."""
+    from onnx_prep.core.decode.graph_run import record_graph_run
+    from onnx_prep.core.decode.run_memory import default_memory_budget
+
+    if options.decode_flags:
+        raise UsageError(f"{_only_decoding(options.decode_flags)}; this model runs one forward ({kind.reason})",
+                         Where(model=str(path)), hint="give its inputs with --inputs or --shape")
+    if options.logits_out is not None:
+        raise UsageError(f"--logits-out writes a decode's logits; this model runs one forward ({kind.reason})",
+                         Where(model=str(path)), hint="write its outputs with --outputs-out FILE.npz")
+    return record_graph_run(path, options, kind, inputs, outputs, open_runner=lambda runtime: opened[runtime](),
+                            cache=cache, budget=options.memory_budget or default_memory_budget())
+
+
+def _write_logits(path: Path, result) -> None:
+    """The decode's logits as ``logits`` float32 [steps, batch, vocab] (each step's last
+    position) and its ``tokens`` int64 [batch, steps], to an .npz written atomically."""
+    import numpy as np
+
+    from onnx_prep.core.io.atomic_file import write_arrays_atomically
+
+    try:
+        write_arrays_atomically(path, {"logits": np.stack(result.logits), "tokens": result.tokens})
+    except OSError as exc:
+        raise UsageError(f"cannot write the logits: {exc.strerror or exc}", Where(file=str(path))) from exc
+
+
+def _only_decoding(flags) -> str:
+    return f"{', '.join(flags)} {'applies' if len(flags) == 1 else 'apply'} only to decoding"
 
 
 def _open_cache(resolved, options: RunOptions, warn):
