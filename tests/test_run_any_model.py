@@ -317,3 +317,25 @@ def test_outputs_out_on_a_decode_is_refused(small_llm_path, tmp_path):
     line = _error([str(small_llm_path), "--outputs-out", str(tmp_path / "o.npz"), "--tokens", "2"])
     assert "this model is decoded (a decoder by its past KV input" in line and "--logits-out" in line
     assert "names a decoder's roles" in _error([str(small_llm_path), "--shape", "batch=1", "--io-map", "m.json"])
+
+
+def test_a_builder_export_runs_once_on_npz_inputs(tmp_path):
+    # What a real INT4 exporter writes (onnxruntime-genai's builder: GroupQueryAttention,
+    # MatMulNBits, a symbolic head size): a prefill's feeds from a file, against ONNX Runtime
+    from conftest import real_export
+    from onnx_prep.core.decode.decoder_io import DecoderIO
+
+    path = real_export("builder-llama-acc4-b32")
+    io = DecoderIO.from_model(path)
+    feeds = {"input_ids": np.array([[1, 5, 9, 2, 7]], np.int64), "attention_mask": np.ones((1, 5), np.int64),
+             **io.empty_past(1)}
+    np.savez(tmp_path / "prefill.npz", **feeds)
+    doc = _json([str(path), "--inputs", str(tmp_path / "prefill.npz"), "--compare", "ort",
+                 "--outputs-out", str(tmp_path / "out.npz")])
+    assert doc["kind"]["reason"] == "--inputs given; a decoder by its past KV input 'past_key_values.0.key'"
+    assert doc["compare"]["agrees"], doc["compare"]
+    ref = _ort(path, feeds)
+    with np.load(tmp_path / "out.npz") as out:
+        assert sorted(out) == sorted(ref)
+        for name in ref:
+            _close(out[name], ref[name])
