@@ -156,6 +156,18 @@ def test_option_parsing():
             parse_shape_bindings(bad)
 
 
+def test_option_parsing_imports_neither_numpy_nor_onnx():
+    # RunOptions checks --inputs and --shape before the load path is imported
+    import subprocess
+    import sys
+
+    code = ("import sys; from onnx_prep.core.decode.graph_feeds import parse_input_files, parse_shape_bindings; "
+            "parse_input_files(['a.npz', 'x=b.npy']); parse_shape_bindings(['batch=1']); "
+            "print(sorted({'numpy', 'onnx'} & set(sys.modules)))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr
+
+
 # -- one forward against ONNX Runtime
 
 

@@ -32,10 +32,11 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 from onnx_prep.core.errors import UsageError, Where
 from onnx_prep.core.model.dtypes import DTYPES
-from onnx_prep.core.model.resolved_model import ValueInfo
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from onnx_prep.core.model.resolved_model import ValueInfo
 
 MAX_DIM = (1 << 31) - 1  # a --shape value: no ONNX Runtime dim is wider
 GENERATED_INT_HIGH = 16  # generated integer inputs are uniform in [0, 16)

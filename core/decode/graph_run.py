@@ -49,8 +49,8 @@ def record_graph_run(path: Path, options, kind: ModelKind, inputs: Sequence[Valu
     """Run one forward with ``options.runtime`` (and ``options.compare``, compared) and
     return the ``onnx-prep.graph-run/1`` record. ``options`` is ``run_record.RunOptions``;
     ``budget`` the bytes generated inputs may take."""
-    feeds = graph_feeds(inputs, parse_input_files(options.inputs), parse_shape_bindings(options.shape),
-                        model=str(path), budget=budget)
+    bindings = parse_shape_bindings(options.shape)
+    feeds = graph_feeds(inputs, parse_input_files(options.inputs), bindings, model=str(path), budget=budget)
     for array in feeds.arrays.values():  # both runtimes get the very same bytes
         array.flags.writeable = False
     names = [vi.name for vi in outputs]
@@ -64,7 +64,7 @@ def record_graph_run(path: Path, options, kind: ModelKind, inputs: Sequence[Valu
     if options.outputs_out is not None:
         _write(options.outputs_out, out)
     doc = {"schema": SCHEMA, "model": str(path), "runtime": options.runtime, "kind": kind.to_json(),
-           "inputs": feeds.to_json(), "shape": parse_shape_bindings(options.shape),
+           "inputs": feeds.to_json(), "shape": bindings,
            "outputs": [summarize(n, out[n]) for n in names],
            "outputs_file": None if options.outputs_out is None else str(options.outputs_out),
            "timings": {"open_ms": open_ms, "run_ms": run_ms}, "source_pages": pages,
