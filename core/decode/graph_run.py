@@ -16,9 +16,9 @@ feeds and each output is compared: equal shapes and dtypes, NaN at the same plac
 - integer and bool outputs: equal.
 
 1e-4 of the output's scale leaves room for fp32 sums taken in other orders through a
-deep graph (a whole decoder agrees to ~2e-6 of its logit range, docs/testing.md), and
-still fails a weight 1% off by two orders of magnitude. An output past its bound is a
-finding (``compare.agrees`` false; ``run`` exits 1).
+deep graph (a whole decoder agrees to ~2e-6 of its logit range, docs/testing.md);
+INT4 scales 1% off miss it by 100x (tests/test_run_any_model.py). An output past its
+bound is a finding (``compare.agrees`` false; ``run`` exits 1).
 """
 from __future__ import annotations
 
