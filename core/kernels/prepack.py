@@ -67,7 +67,8 @@ def packed_size(kernel_id: str | None, request: PrepackRequest, resolved: Any,
     estimate calls this)."""
     form = _prepared_form(kernel_id)
     if node is None:
-        node = next((n for n in resolved.nodes if request.key in n.prepared_inputs), None)
+        key = request.key  # (a property that builds the string: once, not once per node)
+        node = next((n for n in resolved.nodes if key in n.prepared_inputs), None)
     if node is None or form is None:
         return None
     return form.packed_size(request, normalize_attributes(node.attributes), resolved.weights, backend)
