@@ -86,6 +86,10 @@ def render(doc: dict) -> None:
                                f"{digests['file_checksum']} coarse: file sha1+range), {digests['none']} missing")
     summary.add_row("prepared requirements", f"{len(doc['requirements'])} distinct; "
                                              f"{len(doc['shared_sources'])} source weights feed more than one")
+    for f in doc["folded_views"]:  # one line per fold
+        through = " -> ".join(f"{t['op_type']} {t['node']!r}" for t in f["through"])
+        summary.add_row("folded view", f"{f['node']} reads {f['source']} {f['source_dims']} as {f['dims']} "
+                                       f"({through} folded: a view, no bytes read)")
     summary.add_row("resolve time", f"{doc['resolve_ms']:.1f} ms")
     output.stdout.print(summary)
 

@@ -5,6 +5,12 @@ Takes bits 4, uint8 data of rank >= 2, gather_axis 0, quantize_axis last, consta
 and scales (fp16 / fp32), constant zero points when present. Requirement: lineage (data,
 scales[, zero points]), layout ``gather_block_quantized_layout``, read at input 0 in
 place of data, scales and zero points.
+
+Data may be a folded view of an initializer (``DATA_VIEW``, core/model/weight_views.py:
+the genai builder's tied embedding reads the LM head's ``[V, K/bs, bs/2]`` weight as
+``[V, K/2]``): the rules and the row shape use the view's dims. The packed bytes do
+not depend on them (V is scales' first dim, the rows are the same bytes), so the tied
+weight is one source read and one lineage for both the gather and the matmul layout.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from onnx_prep.core.kernels.spec import (REFERENCE, KernelChoice, KernelSpec, Ma
                                          node_input, power_of_two_block, prepared_choice, refuse)
 from onnx_prep.core.model.prepared_key import PrepackRequest
 from onnx_prep.core.model.transforms import GraphNode
+from onnx_prep.core.model.weight_views import DATA_VIEW
 from onnx_prep.core.model.weights import WeightDescriptor
 from onnx_prep.core.ops import int4
 from onnx_prep.core.ops.attributes import ROW_SHAPE
@@ -39,6 +46,12 @@ def gather_block_quantized_layout(
     return f"{LAYOUT_NAME}.v{PACK_FORMAT_VERSION}.bs{block_size}.zp-{zero_points}.sc-{scale_dtype}"
 
 
+def data_dims(attrs: Mapping[str, Any], data: WeightDescriptor) -> tuple[int, ...]:
+    """The dims the node reads data as: a folded view's, else the initializer's."""
+    view = attrs.get(DATA_VIEW)
+    return tuple(int(d) for d in view) if view is not None else tuple(data.dims)
+
+
 def check_gather_block_quantized(node: GraphNode, ctx: MatchContext) -> None:
     """ONNX Runtime's GatherBlockQuantized rules (contrib schema): bits 4 or 8;
     block_size a power of two >= 16; gather_axis and quantize_axis within data's rank;
@@ -52,20 +65,21 @@ def check_gather_block_quantized(node: GraphNode, ctx: MatchContext) -> None:
     data, s, zp = ctx.constant(node, 0), ctx.constant(node, 2), ctx.constant(node, 3)
     if data is None:
         return
-    rank = len(data.dims)
+    shape = data_dims(a, data)
+    rank = len(shape)
     for name, default in (("gather_axis", 0), ("quantize_axis", 1)):
         if not -rank <= int(a.get(name, default)) < rank:
             raise refuse(node, f"{name} {a.get(name, default)} is outside data's rank {rank}")
     if data.dtype not in ("int4", "uint4", "uint8"):
         raise refuse(node, f"data is {data.dtype}, expected int4, uint4 or uint8", data.name)
     qa = int(a.get("quantize_axis", 1)) % rank
-    dims = list(data.dims)
+    dims = list(shape)
     dims[qa] = -(-dims[qa] * (8 // bits if data.dtype == "uint8" else 1) // bs)
     if s is not None:
         if s.dtype not in ("float16", "float32", "bfloat16"):
             raise refuse(node, f"scales are {s.dtype}, expected float16, float32 or bfloat16", s.name)
         if list(s.dims) != dims:
-            raise refuse(node, f"scales shape {list(s.dims)} does not match data {list(data.dims)} "
+            raise refuse(node, f"scales shape {list(s.dims)} does not match data {list(shape)} "
                                f"and block_size {bs}: expected {dims}", s.name)
     if zp is not None and zp.dtype != data.dtype:
         raise refuse(node, f"zero points are {zp.dtype}, expected data's {data.dtype}", zp.name)
@@ -78,7 +92,7 @@ def match(node: GraphNode, ctx: MatchContext) -> KernelChoice | None:
     zp = ctx.constant(node, 3)
     if data is None or s is None or (node_input(node, 3) and zp is None) or s.dtype not in SCALE_DTYPES:
         return None
-    rank = len(data.dims)
+    rank = len(data_dims(a, data))
     quantize_axis = int(a.get("quantize_axis", 1))
     if int(a.get("bits", 4)) != 4 or data.onnx_type != TensorProto.UINT8 or rank < 2:
         return None
@@ -100,11 +114,13 @@ def prepack(sources: list[np.ndarray], attrs: Mapping[str, Any], backend: str,
     zp = sources[2] if len(sources) > 2 else None
     bs = int(attrs.get("block_size", DEFAULT_BLOCK_SIZE))
     if backend == REFERENCE:
+        if attrs.get(DATA_VIEW) is not None:
+            data = data.reshape(tuple(attrs[DATA_VIEW]))
         return int4.dequantize_block_quantized(data, scales, zp, quantize_axis=int(attrs.get("quantize_axis", 1)),
                                                block_size=bs, bits=int(attrs.get("bits", 4)))
     from onnx_prep import native
 
-    v = data.shape[0]
+    v = scales.shape[0]  # gather_axis 0: data's and scales' first dim (data may be a view)
     kb = scales.size // v
     return native.prepack_gather_block_quantized(
         np.ascontiguousarray(data).reshape(v, kb, bs // 2),
@@ -115,7 +131,7 @@ def prepack(sources: list[np.ndarray], attrs: Mapping[str, Any], backend: str,
 def packed_size(request: PrepackRequest, attrs: Mapping[str, Any],
                 weights: Mapping[str, WeightDescriptor], backend: str) -> int:
     d = weights[request.source_lineage[0]].dims
-    v, elems = d[0], int(np.prod(d)) * 2  # two codes per byte
+    v, elems = weights[request.source_lineage[1]].dims[0], int(np.prod(d)) * 2  # scales' V; two codes a byte
     if backend == REFERENCE:
         return elems * 4  # the float32 table
     bs = int(attrs.get("block_size", DEFAULT_BLOCK_SIZE))
@@ -131,7 +147,7 @@ def bind_attrs(node: Any, attrs: dict, weights: Mapping[str, WeightDescriptor]) 
     desc = weights.get(node.inputs[0]) if weights is not None else None
     if desc is None:
         return
-    dims = list(desc.dims)
+    dims = list(data_dims(attrs, desc))
     qa = int(attrs.get("quantize_axis", 1))
     qa = qa + len(dims) if qa < 0 else qa
     if desc.dtype == "uint8":

@@ -11,7 +11,8 @@ Steps:
    ``external_data checksum = <40 hex>`` SHA-1 of the whole file, combined with offset
    and length (FILE_CHECKSUM, coarse: any change to the file invalidates every tensor
    in it), else NONE. A digest of the wrong form is a DigestError;
-3. ``transforms.run_transforms``: DequantizeLinear(int4)+MatMul fusion, dead-node and
+3. ``transforms.run_transforms``: views of an initializer feeding a weight input folded
+   (``weight_views``), DequantizeLinear(int4)+MatMul fusion, dead-node and
    unused-initializer pruning;
 4. ``kernels_registry.choose_kernel`` per node; identical PrepackRequests are one;
 5. validate the active external entries (path rules of ``external_data`` and bounds
@@ -128,7 +129,14 @@ def resolve_model(path: str | os.PathLike, *, trust_symlinks: bool = False,
     nodes_total = len(nodes)
 
     # -- transforms, kernels
-    result = run_transforms(nodes, constants, outputs, descriptors.keys())
+    def inline_value(name: str) -> np.ndarray | None:  # a view's shape: protobuf bytes, never payload
+        d = descriptors[name]
+        return None if d.file is not None else _inline_value(by_name[name], d, ctx)
+
+    try:
+        result = run_transforms(nodes, constants, outputs, descriptors.keys(), inline_value)
+    except ModelFormatError as exc:  # a fold's refusal: the model is named here
+        raise ModelFormatError(exc.message, replace(exc.where, model=ctx.model), exc.hint) from None
     local_functions = frozenset((f.domain, f.name) for f in proto.functions)
     requests: dict[PreparedKey, PrepackRequest] = {}
     kernels: list[NodeKernel] = []
@@ -187,6 +195,7 @@ def resolve_model(path: str | os.PathLike, *, trust_symlinks: bool = False,
         unsupported=tuple(UnsupportedOp(op, dom, tuple(names)) for (op, dom), names in unsupported.items()),
         stats=stats,
         metadata=frozen_mapping({p.key: p.value for p in proto.metadata_props}),
+        folded_views=tuple(result.folded_views),
     )
 
 
@@ -500,6 +509,7 @@ def resolution_report(resolved: ResolvedModel) -> dict:
         "kernels": kernels,
         "requirements": requirements,
         "shared_sources": [{"weight": s, "requirements": keys} for s, keys in uses.items() if len(keys) > 1],
+        "folded_views": [f.to_json() for f in resolved.folded_views],
         "unsupported": [{"op_type": u.op_type, "domain": u.domain, "nodes": list(u.nodes)}
                         for u in resolved.unsupported],
         "weights": [d.to_json() for d in weights.values()],

@@ -16,6 +16,7 @@ import numpy as np
 
 from onnx_prep.core.errors import OnnxPrepError
 from onnx_prep.core.model.prepared_key import PrepackRequest, PreparedKey
+from onnx_prep.core.model.weight_views import FoldedView
 from onnx_prep.core.model.weights import WeightDescriptor
 
 
@@ -158,6 +159,7 @@ class ResolvedModel:
     unsupported: tuple[UnsupportedOp, ...]
     stats: ResolutionStats
     metadata: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    folded_views: tuple[FoldedView, ...] = ()  # weight inputs read as a view of an initializer
 
 
 def require_frozen(resolved: object) -> ResolvedModel:

@@ -9,23 +9,30 @@ Passes, in order (``run_transforms``):
 0. ``normalize_accuracy_level`` — a MatMulNBits ``accuracy_level`` outside 0-4 becomes
    0: ONNX Runtime loads any value and computes in int8 at 4 only, in fp32 otherwise,
    which is what 0 names in the packed layout and the kernels.
-1. ``fuse_dequantize_matmul`` — ``DequantizeLinear(int4|uint4 [K, N], axis=0,
+1. ``fold_weight_views`` (``weight_views.py``) — a weight input that is a
+   Reshape / Flatten / Squeeze / Unsqueeze / Identity of an initializer (the genai
+   builder's tied embedding) reads the initializer itself, with the view's dims; what
+   cannot be folded without reading bytes is refused.
+2. ``fuse_dequantize_matmul`` — ``DequantizeLinear(int4|uint4 [K, N], axis=0,
    block_size) -> MatMul(A, .)`` becomes one node computing the MatMul with the INT4
    matmul kernel, fused_from both node names, with the layout key MatMulNBits gets
    for the same parameters (the packed bytes are the same; only the source layout
    differs, see ``QDQ_WEIGHT_LAYOUT``).
-2. ``prune_dead_nodes`` — drops nodes none of whose outputs reaches a graph output
-   (this also drops the DequantizeLinear nodes step 1 bypassed).
-3. ``used_initializers`` — the initializers a remaining node (or a graph output)
+3. ``prune_dead_nodes`` — drops nodes none of whose outputs reaches a graph output
+   (this also drops the DequantizeLinear nodes step 2 bypassed and the view nodes
+   step 1 folded).
+4. ``used_initializers`` — the initializers a remaining node (or a graph output)
    reads, in order of first use; the rest are pruned.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
+import numpy as np
 from onnx import TensorProto
 
+from onnx_prep.core.model.weight_views import FoldedView, fold_weight_views
 from onnx_prep.core.model.weights import WeightDescriptor
 
 # Attribute names/values the fused INT4 matmul node carries (MatMulNBits' own names where
@@ -66,6 +73,7 @@ class TransformResult:
     fused_nodes_removed: int  # DequantizeLinear nodes bypassed by fusion
     dead_nodes_removed: int
     notes: list[str] = field(default_factory=list)
+    folded_views: list[FoldedView] = field(default_factory=list)
 
 
 def _is_pow2(n: int) -> bool:
@@ -197,10 +205,14 @@ def normalize_accuracy_level(nodes: list[GraphNode]) -> None:
 
 
 def run_transforms(nodes: list[GraphNode], constants: Mapping[str, WeightDescriptor],
-                   graph_outputs: list[str], initializer_names: Iterable[str]) -> TransformResult:
+                   graph_outputs: list[str], initializer_names: Iterable[str],
+                   inline_value: Callable[[str], "np.ndarray | None"] = lambda name: None) -> TransformResult:
+    """The passes of the module docstring. ``inline_value(name)``: an inline
+    initializer's value (a view's shape), None when it is external data."""
     outs = set(graph_outputs)
     total = len(nodes)
     normalize_accuracy_level(nodes)
+    folded = fold_weight_views(nodes, constants, inline_value)
     nodes, fused, bypassed = fuse_dequantize_matmul(nodes, constants, outs)
     kept = prune_dead_nodes(nodes, outs)
     used = used_initializers(kept, graph_outputs, initializer_names)
@@ -209,5 +221,5 @@ def run_transforms(nodes: list[GraphNode], constants: Mapping[str, WeightDescrip
     return TransformResult(
         nodes=kept, used_initializers=used, fused_int4_matmuls=fused,
         fused_nodes_removed=removed_by_fusion,
-        dead_nodes_removed=total - len(kept) - removed_by_fusion,
+        dead_nodes_removed=total - len(kept) - removed_by_fusion, folded_views=folded,
     )

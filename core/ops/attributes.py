@@ -13,6 +13,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from onnx_prep.core.model.weight_views import DATA_VIEW
+
 # NOTE: reserved attribute key the action program adds for ops whose semantics depend
 # on how many outputs the node declares (Split without `split`/`num_outputs`). It never
 # collides with an ONNX attribute name (those are identifiers without a leading '_').
@@ -24,7 +26,9 @@ ROW_SHAPE = "_row_shape"
 # output (the KV cache: present = Concat(past, new)): it appends in place when it can
 # (core/ops/append_buffer.py).
 APPEND_IN_PLACE = "_append_in_place"
-RESERVED = frozenset({N_OUTPUTS, ROW_SHAPE, APPEND_IN_PLACE})
+# DATA_VIEW (core/model/weight_views.py): the dims a weight input folded at resolve time
+# is read as, its input naming the initializer itself.
+RESERVED = frozenset({N_OUTPUTS, ROW_SHAPE, APPEND_IN_PLACE, DATA_VIEW})
 
 
 def plain_value(value: Any) -> Any:

@@ -31,7 +31,7 @@ import numpy as np
 
 from onnx_prep.core.model.transforms import MATMUL_NBITS_WEIGHT_LAYOUT, QDQ_WEIGHT_LAYOUT
 from onnx_prep.core.ops import intra_op
-from onnx_prep.core.ops.attributes import ROW_SHAPE, axis_index
+from onnx_prep.core.ops.attributes import DATA_VIEW, ROW_SHAPE, axis_index
 
 _I4_TYPES = ("int4", "uint4")
 
@@ -238,6 +238,8 @@ def gather_block_quantized(inputs, attrs, prepared):
         y = np.take(packed, indices, axis=ga)
     else:
         data = inputs[0]
+        if attrs.get(DATA_VIEW) is not None:  # a view folded at resolve (core/model/weight_views.py)
+            data = data.reshape(tuple(attrs[DATA_VIEW]))
         ga = axis_index(gather_axis, data.ndim)
         qa = axis_index(quantize_axis, data.ndim)
         if ga == qa:
