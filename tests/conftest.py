@@ -105,3 +105,9 @@ def builder_export(request) -> Path:
 def quantizer_export(request) -> Path:
     """Each torch-exported Llama quantized by ONNX Runtime's MatMulNBitsQuantizer."""
     return real_export(request.param)
+
+
+@pytest.fixture(scope="session", params=_export_names("builder") + _export_names("quantizer"))
+def any_export(request) -> Path:
+    """Each real export, of both tools (fixtures/real_exports.py ``EXPORTS``)."""
+    return real_export(request.param)
