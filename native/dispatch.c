@@ -69,7 +69,10 @@ int32_t op_i8_round_portable(const float *a, size_t n, float inv, int8_t *a8) {
 }
 
 /* int8 quantization of one A row per block, as ONNX Runtime's MLAS does for
- * accuracy level 4: scale = max|a| / 127, a8 = round_even(a * (1 / scale)). A block
+ * accuracy level 4: scale = max|a| / 127, a8 = round_even(a * (127 / max|a|)). NOTE: the
+ * multiplier is 127 / max|a|, as MLAS computes it, not 1 / scale: the two differ in the last
+ * bit for some max|a|, which moves exact halves (common where A is itself a dequantized
+ * int4 row, e.g. a tied embedding through a unit-weight RMSNorm) to the other integer. A block
  * holding inf or NaN gets scale NaN and zero bytes, so its row's outputs are NaN
  * (as at level 0), never finite values made from an undefined conversion. */
 static void quantize_row(const op_kernel_table *kt, const float *a, size_t K, uint32_t bs, uint32_t nb,
@@ -85,7 +88,7 @@ static void quantize_row(const op_kernel_table *kt, const float *a, size_t K, ui
             continue;
         }
         float scale = amax / 127.0f;
-        float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+        float inv = amax != 0.0f ? 127.0f / amax : 0.0f;
         int32_t s = kt->i8_round(a + k0, n, inv, a8 + k0);
         for (size_t i = n; i < bs; i++) a8[k0 + i] = 0;
         ascale[b] = scale;

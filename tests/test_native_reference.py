@@ -129,13 +129,14 @@ def int8_error_bound(A, W, block_size) -> np.ndarray:
 def int8_rounded(A, block_size) -> np.ndarray:
     """float32 A as level 4 sees it: each row's blocks on the int8 grid of their max |a|
     (MLAS' rule, which the kernels follow: scale = max|a| / 127 and a8 = round-half-even
-    (a * (1 / scale)), all in fp32), dequantized again."""
+    (a * (127 / max|a|)), all in fp32), dequantized again."""
     A = np.asarray(A, dtype=np.float32)
     out = np.empty_like(A)
     for k0 in range(0, A.shape[1], block_size):
         blk = A[:, k0:k0 + block_size]
-        scale = np.abs(blk).max(axis=1, keepdims=True) / np.float32(127)
-        inv = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale != 0)
+        amax = np.abs(blk).max(axis=1, keepdims=True)
+        scale = amax / np.float32(127)
+        inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax != 0)
         out[:, k0:k0 + block_size] = np.clip(np.rint(blk * inv), -128, 127) * scale
     return out
 
