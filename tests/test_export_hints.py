@@ -110,3 +110,80 @@ def test_context_length_refused_before_loading(small_llm_copy):
     _genai_config(small_llm_copy, context_length=8)
     line = _refused(small_llm_copy, "--prompt-ids", "1,2,3", "--tokens", "7")
     assert "need 9 positions" in line and "context length 8" in line and "genai_config.json" in line
+
+
+def _scramble_payload(path) -> None:
+    """Every payload byte changed, the size kept: a run that loaded anything would fail
+    on it (a digest, or an op's numbers), so a refusal naming a dim came first."""
+    data = path.parent / f"{path.name}.data"
+    data.write_bytes(bytes(b ^ 0x5A for b in data.read_bytes()))
+
+
+def _fix(names, axis, value):
+    def edit(name, dims):
+        if name in names:
+            dims[axis].Clear()
+            dims[axis].dim_value = value
+    return edit
+
+
+@pytest.mark.parametrize("name,role", [("position_ids", "position ids"),
+                                       ("past_key_values.1.value", "past value of layer 1")])
+def test_a_fixed_batch_of_any_decoder_input_refused_before_loading(small_llm_copy, name, role):
+    """input_ids symbolic, another input fixing the batch: refused naming it, not failing
+    inside an op."""
+    _edit_inputs(small_llm_copy, _fix({name}, 0, 1))
+    _scramble_payload(small_llm_copy)
+    line = _refused(small_llm_copy, "--batch", "2", "--tokens", "4")
+    assert f"fixes the batch at 1 (dim 0 of its {role} {name!r}); batch 2 asked" in line
+    assert "--batch 1" in line
+
+
+@pytest.fixture
+def builder_copy(tmp_path):
+    """A private copy of a builder export (it has an attention mask; the fixture has none)."""
+    import shutil
+
+    from conftest import real_export
+
+    src = real_export("builder-llama-acc4-b32")
+    shutil.copytree(src.parent, tmp_path / "m")
+    return tmp_path / "m" / src.name
+
+
+def test_a_fixed_mask_length_refused_before_loading(builder_copy):
+    """A mask fixed at the prompt's length takes the prefill only: the first decode step
+    feeds one position more."""
+    _edit_inputs(builder_copy, _fix({"attention_mask"}, 1, 3))
+    _scramble_payload(builder_copy)
+    line = _refused(builder_copy, "--prompt-ids", "1,2,3", "--tokens", "4")
+    assert ("fixes the sequence length at 3 (dim 1 of its attention mask 'attention_mask'); "
+            "a step with 4 position(s) asked (a prompt of 3, 4 new tokens)") in line
+    line = _refused(builder_copy, "--prompt-ids", "1,2,3,4", "--tokens", "1")
+    assert "a step with 4 position(s) asked (a prompt of 4, 1 new tokens)" in line
+
+
+def test_a_fixed_sequence_takes_a_request_that_fits_it(builder_copy):
+    """The check refuses only what the dims cannot take: ids and mask fixed at the
+    prompt's length, one new token, decodes as the untouched export does."""
+    pytest.importorskip("onnxruntime", reason="onnxruntime not installed: run --runtime ort skipped")
+    from conftest import real_export
+
+    _edit_inputs(builder_copy, _fix({"attention_mask", "input_ids"}, 1, 3))
+    docs = []
+    for path in (real_export("builder-llama-acc4-b32"), builder_copy):
+        result = cli.invoke(app, ["run", str(path), "--prompt-ids", "1,2,3", "--tokens", "1", "--json"])
+        assert result.exit_code == EXIT_OK, result.output
+        docs.append(json.loads(result.stdout))
+    assert docs[0]["tokens"] == docs[1]["tokens"]
+
+
+def test_the_batch_sweep_refuses_a_fixed_batch_before_loading(small_llm_copy):
+    from onnx_prep.core.errors import UsageError
+    from onnx_prep.core.profile.batch_sweep import SweepOptions, record_batch_sweep
+
+    _edit_inputs(small_llm_copy, _fix({"input_ids"}, 0, 1))
+    _scramble_payload(small_llm_copy)
+    with pytest.raises(UsageError) as exc:
+        record_batch_sweep(small_llm_copy, SweepOptions(batches=(1, 2), tokens=2, repeat=1))
+    assert "fixes the batch at 1 (dim 0 of its token ids 'input_ids'); batch 2 asked" in exc.value.message

@@ -21,8 +21,9 @@ takes the hints or a function that makes them, called only when the value infos 
 a KV dim symbolic: a run that parses the model once keeps doing so.
 
 ``check_request`` refuses, before anything is loaded, a request the model's static
-dims cannot take: a batch other than a fixed batch dim, a prompt other than a fixed
-sequence dim, or a prompt plus new tokens beyond the export's context length.
+dims cannot take: a batch other than a fixed batch dim, a step length other than a
+fixed sequence dim (of the token ids, position ids, attention mask or past KV), or a
+prompt plus new tokens beyond the export's context length.
 """
 from __future__ import annotations
 
@@ -153,21 +154,45 @@ def _projection_width(producers: dict, dims: dict, tensor: str) -> int | None:
 
 def check_request(io: Any, hints: ExportHints, *, batch: int, prompt_len: int, tokens: int,
                   model: str | None = None) -> None:
-    """Refuse (``UsageError``, one line) a decode request that the model's fixed dims or
-    context length cannot take, before anything is loaded. ``io`` is a ``DecoderIO``."""
-    shape = io.input_ids.shape
-    where = Where(model=model, tensor=io.input_ids.name)
-    if shape is not None and len(shape) == 2:
-        fixed_batch, fixed_seq = shape
-        if isinstance(fixed_batch, int) and fixed_batch != batch:
-            raise UsageError(f"the model fixes the batch at {fixed_batch} (dim 0 of its token ids); "
-                             f"batch {batch} asked", where, hint=f"decode with --batch {fixed_batch}")
-        if isinstance(fixed_seq, int):
-            steps = [prompt_len] + ([1] if tokens > 1 else [])
-            bad = next((s for s in steps if s != fixed_seq), None)
-            if bad is not None:
-                raise UsageError(f"the model fixes the sequence length at {fixed_seq} (dim 1 of its token "
-                                 f"ids); a step of {bad} token(s) asked", where)
+    """Refuse (``UsageError``, one line naming the input, the dim and its declared size) a
+    decode request that a fixed dim of the model's inputs or its context length cannot
+    take, before anything is loaded. ``io`` is a ``DecoderIO``.
+
+    The decode loop's feeds (generation.py), step by step: token ids and position ids
+    ``[batch, new]`` (new = the prompt, then 1; the whole sequence each step without KV
+    inputs), the attention mask ``[batch, past + new]``, each past KV ``[batch, ...]``
+    with ``past`` positions on its sequence axis; so a fixed dim 0 of any of them fixes
+    the batch, and a fixed sequence dim refuses every step length other than its own."""
+    steps = ([prompt_len] + [1] * (tokens - 1) if io.kv
+             else [prompt_len + t for t in range(max(tokens, 1))])
+    past = [0] if io.kv else []
+    for new in steps[:-1] if io.kv else ():
+        past.append(past[-1] + new)
+    totals = [p + n for p, n in zip(past, steps)] if io.kv else steps
+    slots = [("token ids", io.input_ids, steps), ("position ids", io.position_ids, steps),
+             ("attention mask", io.attention_mask, totals)]
+    for p in io.kv:
+        slots += [(f"past key of layer {p.layer}", p.past_key, past),
+                  (f"past value of layer {p.layer}", p.past_value, past)]
+    for role, slot, lengths in slots:
+        if slot is None or slot.shape is None or len(slot.shape) < 2:
+            continue
+        where = Where(model=model, tensor=slot.name)
+        declared = slot.shape[0]
+        if isinstance(declared, int) and declared != batch:
+            raise UsageError(f"the model fixes the batch at {declared} (dim 0 of its {role} {slot.name!r}); "
+                             f"batch {batch} asked", where, hint=f"decode with --batch {declared}")
+        axis = io.seq_axis if role.startswith("past") else 1
+        declared = slot.shape[axis] if len(slot.shape) > axis else None
+        bad = next((n for n in lengths if n != declared), None) if isinstance(declared, int) else None
+        if bad is not None:
+            if role in ("token ids", "position ids"):
+                what = f"a step of {bad} token(s)"
+            else:
+                what = f"a step with {bad} {'past ' if role.startswith('past') else ''}position(s)"
+            raise UsageError(f"the model fixes the sequence length at {declared} (dim {axis} of its {role} "
+                             f"{slot.name!r}); {what} asked (a prompt of {prompt_len}, {tokens} new tokens)",
+                             where)
     positions = prompt_len + max(tokens - 1, 0)  # the last new token is never fed back
     if hints.context_length is not None and positions > hints.context_length:
         raise UsageError(f"a prompt of {prompt_len} and {tokens} new tokens need {positions} positions, more "

@@ -111,7 +111,7 @@ def record_batch_sweep(model: Path, options: SweepOptions, *, progress: SweepPro
     import numpy as np
 
     from onnx_prep.core.decode.decoder_io import DecoderIO
-    from onnx_prep.core.decode.export_hints import ExportHints
+    from onnx_prep.core.decode.export_hints import ExportHints, check_request
     from onnx_prep.core.model.resolution import resolve_model
     from onnx_prep.core.plan.execution_plan import build_prepared_execution_plan
     from onnx_prep.core.profile.machine import describe_machine
@@ -119,6 +119,9 @@ def record_batch_sweep(model: Path, options: SweepOptions, *, progress: SweepPro
     resolved = resolve_model(Path(model), trust_symlinks=options.trust_symlinks)
     io = DecoderIO.discover(resolved.inputs, resolved.outputs, None, model=str(resolved.model_path),
                             hints=lambda: ExportHints.for_model(resolved.model_path))
+    for n in sorted({1, *options.batches}):  # batch 1 is the reference: a fixed dim refuses before loading
+        check_request(io, ExportHints.from_config(resolved.model_path) or ExportHints(), batch=n,
+                      prompt_len=len(options.prompt), tokens=options.tokens, model=str(resolved.model_path))
     plan = build_prepared_execution_plan(resolved)
     packed = sum(r.packed_bytes for r in plan.requirements)
     budget = parse_budget(options.budget, packed)
