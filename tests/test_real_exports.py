@@ -209,3 +209,25 @@ def test_fixture_command_refuses_an_unknown_export_and_shape_options(tmp_path):
     assert result.exit_code == EXIT_UNUSABLE and "unknown real export 'builder-nope'" in result.output
     result = cli.invoke(app, ["fixture", "builder-llama-acc4-b32", str(tmp_path), "--layers", "3"])
     assert result.exit_code == EXIT_UNUSABLE and "synthetic presets" in result.output
+
+
+def test_the_tied_qwen2_weight_is_one_read_feeding_both_prepacks():
+    """The builder's Reshape-fed GatherBlockQuantized folded (core/model/weight_views.py):
+    the LM head's int4 weight and its scales are each read once by the plan, each read
+    feeding the gather and the matmul prepack, as for the synthetic fixture's tie."""
+    from onnx_prep.core.model.resolution import resolve_model
+    from onnx_prep.core.plan.execution_plan import build_prepared_execution_plan
+    from onnx_prep.core.plan.task import TaskKind
+
+    path = real_export("builder-qwen2-acc4-b32")
+    resolved = resolve_model(path)
+    [fold] = resolved.folded_views
+    assert (fold.node, fold.source) == ("/model/embed_tokens/GatherBlockQuantized", "lm_head.MatMul.weight_Q4")
+    assert (fold.source_dims, fold.dims) == ((LLAMA.vocab, LLAMA.hidden // 32, 16), (LLAMA.vocab, LLAMA.hidden // 2))
+    assert [op for op, _ in fold.through] == ["Reshape"]
+    plan = build_prepared_execution_plan(resolved)
+    for weight in ("lm_head.MatMul.weight_Q4", "lm_head.MatMul.weight_scales"):
+        read = f"S.read_source:{weight}"
+        consumers = [t for t in plan.session_tasks if read in t.dependencies]
+        assert len(consumers) == 2 and all(t.kind is TaskKind.PREPACK for t in consumers)
+        assert {plan.by_key[t.publishes].request.layout.split(".")[0] for t in consumers} == {"int4gather", "int4mm"}
