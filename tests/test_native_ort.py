@@ -169,19 +169,6 @@ def test_gather_block_quantized_matches_onnxruntime(bs, zp, scale_dtype):
         np.testing.assert_array_equal(got.astype(np.float16).astype(np.float32), want)
 
 
-def _int8_rounded_by_reciprocal_scale(A, block_size) -> np.ndarray:
-    """``int8_rounded`` with the multiplier 1 / (max|a| / 127) instead of MLAS' 127 / max|a|
-    (what the kernels did before): the rule the tie test below tells apart."""
-    A = np.asarray(A, dtype=np.float32)
-    out = np.empty_like(A)
-    for k0 in range(0, A.shape[1], block_size):
-        blk = A[:, k0:k0 + block_size]
-        scale = np.abs(blk).max(axis=1, keepdims=True) / np.float32(127)
-        inv = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale != 0)
-        out[:, k0:k0 + block_size] = np.clip(np.rint(blk * inv), -128, 127) * scale
-    return out
-
-
 @pytest.mark.parametrize("isa", ALL_ISAS)
 def test_level_4_rounds_exact_halves_as_onnxruntime(isa):
     """Rows that are small integers times one factor (a dequantized int4 row through a
@@ -195,7 +182,7 @@ def test_level_4_rounds_exact_halves_as_onnxruntime(isa):
     factors = rng.uniform(0.5, 2.0, (16, 1)).astype(np.float32)
     A = (rng.integers(-8, 9, (16, K)).astype(np.float32) * factors).astype(np.float32)
     A[:, ::bs] = 8 * factors  # max|a| = 8 x factor in every block: 4 x factor lands on 63.5
-    moved = _int8_rounded_by_reciprocal_scale(A, bs) != int8_rounded(A, bs)
+    moved = int8_rounded(A, bs, reciprocal_scale=True) != int8_rounded(A, bs)
     assert moved.sum() >= 16, "the rows must hold halves the two multipliers round apart"
     want = run_matmul_nbits(A, B, s, z, None, K=K, N=N, bs=bs, level=4)
     packed = native.prepack_matmul_nbits(B, s, z, K=K, N=N, block_size=bs, accuracy_level=4)
@@ -203,5 +190,5 @@ def test_level_4_rounds_exact_halves_as_onnxruntime(isa):
     bound = ORT_REL_TOL * (np.abs(A.astype(np.float64)) @ fold_weights(B, s, z, K=K, N=N, block_size=bs))
     assert np.max(np.abs(got - want) / bound) <= 1
     W = dequantize_matmul_nbits(B, s, z, K=K, N=N, block_size=bs)
-    other = (_int8_rounded_by_reciprocal_scale(A, bs).astype(np.float64) - int8_rounded(A, bs)) @ W
+    other = (int8_rounded(A, bs, reciprocal_scale=True).astype(np.float64) - int8_rounded(A, bs)) @ W
     assert np.max(np.abs(got + other - want) / bound) > 1

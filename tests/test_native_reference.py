@@ -126,17 +126,19 @@ def int8_error_bound(A, W, block_size) -> np.ndarray:
     return block_rounding_bound(A, W, block_size, INT8_HALF_STEP)
 
 
-def int8_rounded(A, block_size) -> np.ndarray:
+def int8_rounded(A, block_size, *, reciprocal_scale: bool = False) -> np.ndarray:
     """float32 A as level 4 sees it: each row's blocks on the int8 grid of their max |a|
     (MLAS' rule, which the kernels follow: scale = max|a| / 127 and a8 = round-half-even
-    (a * (127 / max|a|)), all in fp32), dequantized again."""
+    (a * (127 / max|a|)), all in fp32), dequantized again. ``reciprocal_scale``: the
+    multiplier 1 / scale instead (not MLAS': it rounds some exact halves the other way)."""
     A = np.asarray(A, dtype=np.float32)
     out = np.empty_like(A)
     for k0 in range(0, A.shape[1], block_size):
         blk = A[:, k0:k0 + block_size]
         amax = np.abs(blk).max(axis=1, keepdims=True)
         scale = amax / np.float32(127)
-        inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax != 0)
+        num, den = (np.float32(1), scale) if reciprocal_scale else (np.float32(127), amax)
+        inv = np.divide(num, den, out=np.zeros_like(amax), where=den != 0)
         out[:, k0:k0 + block_size] = np.clip(np.rint(blk * inv), -128, 127) * scale
     return out
 
