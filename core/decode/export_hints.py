@@ -163,12 +163,14 @@ def check_request(io: Any, hints: ExportHints, *, batch: int, prompt_len: int, t
     inputs), the attention mask ``[batch, past + new]``, each past KV ``[batch, ...]``
     with ``past`` positions on its sequence axis; so a fixed dim 0 of any of them fixes
     the batch, and a fixed sequence dim refuses every step length other than its own."""
-    steps = ([prompt_len] + [1] * (tokens - 1) if io.kv
-             else [prompt_len + t for t in range(max(tokens, 1))])
-    past = [0] if io.kv else []
-    for new in steps[:-1] if io.kv else ():
-        past.append(past[-1] + new)
-    totals = [p + n for p, n in zip(past, steps)] if io.kv else steps
+    # Each feed's lengths along its sequence dim, step by step, as (first, next): every
+    # later step repeats ``next`` or grows past it, so a fixed dim is checked in O(1).
+    more = tokens > 1
+    if io.kv:
+        steps, totals = (prompt_len, 1 if more else None), (prompt_len, prompt_len + 1 if more else None)
+    else:  # every step re-feeds the whole sequence
+        steps = totals = (prompt_len, prompt_len + 1 if more else None)
+    past = (0, prompt_len if more else None)
     slots = [("token ids", io.input_ids, steps), ("position ids", io.position_ids, steps),
              ("attention mask", io.attention_mask, totals)]
     for p in io.kv:
@@ -184,7 +186,8 @@ def check_request(io: Any, hints: ExportHints, *, batch: int, prompt_len: int, t
                              f"batch {batch} asked", where, hint=f"decode with --batch {declared}")
         axis = io.seq_axis if role.startswith("past") else 1
         declared = slot.shape[axis] if len(slot.shape) > axis else None
-        bad = next((n for n in lengths if n != declared), None) if isinstance(declared, int) else None
+        bad = next((n for n in lengths if n is not None and n != declared), None) \
+            if isinstance(declared, int) else None
         if bad is not None:
             if role in ("token ids", "position ids"):
                 what = f"a step of {bad} token(s)"
