@@ -1,4 +1,4 @@
-"""``onnx-prep resolve [MODEL] [--json] [--trust-symlinks]``: what a model will load,
+"""``onnx-prep resolve [MODEL] [--json] [--trust-symlinks] [--no-fuse]``: what a model will load,
 before loading it. One core call (``resolution_report(resolve_model(...))``), one
 record, rendered as rich tables or as JSON (docs/resolve.md).
 
@@ -15,7 +15,7 @@ import typer
 
 from onnx_prep.cli import output
 from onnx_prep.cli.errors import run_guarded
-from onnx_prep.cli.model_argument import TRUST_SYMLINKS, model_path
+from onnx_prep.cli.model_argument import FUSE, TRUST_SYMLINKS, model_path
 from onnx_prep.core.errors import EXIT_OK, UnsupportedOpError, Where
 
 
@@ -24,13 +24,14 @@ def resolve(
         None, help="Model .onnx file (or a folder holding one). Default: the embedded tiny INT4 LLM."),
     json_out: bool = typer.Option(False, "--json", help="Print the resolution record as JSON (docs/resolve.md)."),
     trust_symlinks: bool = TRUST_SYMLINKS,
+    fuse: bool = FUSE,
 ) -> None:
     """Resolve a model without reading its weights: kept nodes, kernels, prepared requirements, payload."""
 
     def go() -> int:
         from onnx_prep.core.model.resolution import resolution_report, resolve_model
 
-        doc = resolution_report(resolve_model(model_path(model), trust_symlinks=trust_symlinks))
+        doc = resolution_report(resolve_model(model_path(model), trust_symlinks=trust_symlinks, fuse=fuse))
         if json_out:
             output.emit_json(doc)
         else:
@@ -76,6 +77,9 @@ def render(doc: dict) -> None:
     summary.add_row("nodes", f"{nodes['kept']} kept of {nodes['total']} ({nodes['pruned']} pruned, "
                              f"{nodes['fused_away']} fused away; {nodes['fused_int4_matmuls']} "
                              f"DequantizeLinear+MatMul fused to int4_matmul)")
+    fusion = doc["fusion"]
+    fused = ", ".join(f"{p['count']} {p['pattern']}" for p in fusion["patterns"]) or "none"
+    summary.add_row("fusion", f"{fused}; {len(fusion['near_misses'])} near-misses" if fusion["enabled"] else "off")
     summary.add_row("initializers", f"{inits['active']} active of {inits['total']} ({inits['pruned']} pruned); "
                                     f"{inits['external']} external, {inits['inline']} inline "
                                     f"({_bytes(inits['inline_bytes'])})")
@@ -121,6 +125,14 @@ def render(doc: dict) -> None:
         for s in doc["shared_sources"]:
             shared.add_row(s["weight"], "\n".join(s["requirements"]))
         output.stdout.print(shared)
+    if doc["fusion"]["near_misses"]:
+        misses = Table(title="fusion near-misses (left unfused)", title_justify="left")
+        misses.add_column("pattern")
+        misses.add_column("node")
+        misses.add_column("why")
+        for m in doc["fusion"]["near_misses"]:
+            misses.add_row(m["pattern"], m["node"], m["reason"])
+        output.stdout.print(misses)
     if doc["unsupported"]:
         uns = Table(title="unsupported ops (no kernel)", title_justify="left", style="red")
         uns.add_column("op")

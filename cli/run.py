@@ -16,7 +16,7 @@ import typer
 
 from onnx_prep.cli import output
 from onnx_prep.cli.errors import run_guarded
-from onnx_prep.cli.model_argument import TRUST_SYMLINKS, model_path
+from onnx_prep.cli.model_argument import FUSE, TRUST_SYMLINKS, model_path
 from onnx_prep.core.errors import EXIT_FINDINGS, EXIT_OK, UsageError
 
 DEFAULT_PROMPT = "1,2,3,4"
@@ -77,6 +77,7 @@ def run(
                                                                  "(format: docs/run.md)."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON (schema: docs/run.md)."),
     trust_symlinks: bool = TRUST_SYMLINKS,
+    fuse: bool = FUSE,
     threads: Optional[int] = typer.Option(None, "--threads", help="Intra-op threads (1 to 256)."),
     memory_budget: Optional[str] = typer.Option(
         None, "--memory-budget", metavar="SIZE",
@@ -124,7 +125,7 @@ def run(
                              source_pages=source_pages, memory_budget=budget, verify_digests=verify_digests,
                              trust_symlinks=trust_symlinks, cache_policy=cache_policy, prepared=prepared,
                              logits_out=logits_out, inputs=tuple(inputs or ()), shape=tuple(shape or ()),
-                             outputs_out=outputs_out,
+                             outputs_out=outputs_out, fuse=fuse,
                              decode_flags=tuple(flag for flag, value in given.items() if value is not None))
         # Only on a terminal: a redirected stderr would just collect blank frames.
         show = options.tokens >= PROGRESS_MIN_TOKENS and output.stderr.is_terminal

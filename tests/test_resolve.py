@@ -51,12 +51,15 @@ def test_tiny_llm_kernels_requirements_and_tie(tiny_llm_path):
     kinds = {}
     for n in r.nodes:
         kinds[n.kernel] = kinds.get(n.kernel, 0) + 1
-    # 4 blocks x (qkv, out, gate_up, down) + LM head; one embedding gather; the rest numpy.
+    # 4 blocks x (qkv, out, gate_up, down) + LM head; one embedding gather; 2 RMSNorms
+    # per block + the final one and 2 rotaries per block, fused (test_fusion.py); the rest numpy.
     assert kinds.pop("int4_matmul") == 4 * 4 + 1
     assert kinds.pop("int4_gather") == 1
+    assert kinds.pop("row_norm") == 2 * 4 + 1
+    assert kinds.pop("rotary") == 2 * 4
     assert set(kinds) == {"numpy"}
     assert r.unsupported == ()
-    assert r.stats.nodes_kept == r.stats.nodes_total == len(r.nodes)
+    assert (r.stats.nodes_total, r.stats.nodes_kept, len(r.nodes)) == (255, 159, 159)
     # The tied embedding / LM head: one source descriptor, two distinct prepared objects.
     gather = next(n for n in r.nodes if n.kernel == "int4_gather")
     head = next(n for n in r.nodes if n.name == "lm_head")

@@ -67,6 +67,7 @@ class RunOptions:
     # the decode-only options the command line gave (--prompt-ids, --batch, --tokens):
     # refused when the model runs one forward, where they would mean nothing
     decode_flags: tuple[str, ...] = ()
+    fuse: bool = True  # the prepared runtime fuses standard-op patterns at resolve (core/model/fusion.py)
 
     @property
     def one_forward(self) -> bool:
@@ -175,7 +176,7 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
         from onnx_prep.core.model.resolution import resolve_model
 
         t0 = time.perf_counter()
-        resolved = resolve_model(path, trust_symlinks=options.trust_symlinks)
+        resolved = resolve_model(path, trust_symlinks=options.trust_symlinks, fuse=options.fuse)
         resolve_ms = (time.perf_counter() - t0) * 1e3
         inputs, outputs = resolved.inputs, resolved.outputs
         # open_ms of the prepared runtime counts its parse too, as ONNX Runtime's does

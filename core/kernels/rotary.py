@@ -1,6 +1,8 @@
 """The ``rotary`` kernel: com.microsoft RotaryEmbedding, computed by the native rotary
 kernel (core/ops/rotary.py; semantics there, tolerances in docs/kernels.md). No
-prepared object: the cos / sin caches are read as they are.
+prepared object: the cos / sin caches are read as they are. Also the rotate-half rotary
+fusion makes at resolve, ``onnx_prep.fused::RotaryEmbedding(x, cos, sin)`` (core/model/
+fusion.py; ``rotary_from_tables``), which takes any tables: it is the formula it replaced.
 
 Refuses, as ONNX Runtime does, fewer than four inputs, ``rotary_embedding_dim`` without
 ``num_heads``, and constant caches that are not 2-D or not of one shape. Leaves to the
@@ -11,15 +13,20 @@ constant caches of another element type than float32 / float16.
 from __future__ import annotations
 
 from onnx_prep.core.kernels.spec import KernelChoice, KernelSpec, MatchContext, node_input, refuse
+from onnx_prep.core.model.fusion import FUSED_DOMAIN
 from onnx_prep.core.model.transforms import GraphNode
 from onnx_prep.core.ops import rotary
 from onnx_prep.core.ops.registry import MS_DOMAIN, OpImpl
 
 ID = "rotary"
 _CHOICE = KernelChoice(ID)
+_IMPLEMENTATIONS = {(MS_DOMAIN, "RotaryEmbedding"): rotary.rotary_embedding,
+                    (FUSED_DOMAIN, "RotaryEmbedding"): rotary.rotary_from_tables}
 
 
 def match(node: GraphNode, ctx: MatchContext) -> KernelChoice | None:
+    if node.domain == FUSED_DOMAIN:
+        return _CHOICE
     a = node.attributes
     if len(node.inputs) < 4 or not all(node_input(node, i) for i in range(4)):
         raise refuse(node, "input, position_ids, cos_cache and sin_cache are required")
@@ -42,12 +49,12 @@ def match(node: GraphNode, ctx: MatchContext) -> KernelChoice | None:
 
 
 def implementation(op_type: str, domain: str, opset: int | None) -> OpImpl | None:
-    return rotary.rotary_embedding if (domain, op_type) == (MS_DOMAIN, "RotaryEmbedding") else None
+    return _IMPLEMENTATIONS.get((domain, op_type))
 
 
 SPEC = KernelSpec(
     id=ID,
-    op_types=frozenset({(MS_DOMAIN, "RotaryEmbedding")}),
+    op_types=frozenset(_IMPLEMENTATIONS),
     match=match,
     implementation=implementation,
 )

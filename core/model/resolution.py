@@ -46,6 +46,7 @@ from onnx_prep.core.io.external_data import check_bounds, stat_external_file
 from onnx_prep.core.model.conformance import (check_onnx_rules, check_single_producers, check_versions,
                                               external_entries)
 from onnx_prep.core.model.dtypes import DTYPES
+from onnx_prep.core.model.fusion import fusion_record, small_inline_values
 from onnx_prep.core.model.model_file import find_model_file, parse_model_file
 from onnx_prep.core.model.prepared_key import PrepackRequest, PreparedKey
 from onnx_prep.core.model.resolved_model import (
@@ -66,12 +67,13 @@ _SHA1 = re.compile(r"^[0-9a-fA-F]{40}$")
 
 
 def resolve_model(path: str | os.PathLike, *, trust_symlinks: bool = False,
-                  stat_external: bool = True) -> ResolvedModel:
+                  stat_external: bool = True, fuse: bool = True) -> ResolvedModel:
     """Resolve ``path`` (an ``.onnx`` file, or a folder holding exactly one) without
     reading external data. Raises the typed errors of ``core/errors.py``; an op with no
     kernel is not an error here: it is listed in ``ResolvedModel.unsupported``.
 
     ``stat_external=False`` skips step 5's stat and bounds checks (the preflight's own).
+    ``fuse=False`` leaves standard-op patterns as they are (core/model/fusion.py).
 
     ``trust_symlinks`` accepts external data reached through symlinks or hard links
     (Hugging Face cache snapshots). There is no ISA argument: every ISA reads the same
@@ -134,7 +136,8 @@ def resolve_model(path: str | os.PathLike, *, trust_symlinks: bool = False,
         return None if d.file is not None else _inline_value(by_name[name], d, ctx)
 
     try:
-        result = run_transforms(nodes, constants, outputs, descriptors.keys(), inline_value)
+        result = run_transforms(nodes, constants, outputs, descriptors.keys(), inline_value, fuse=fuse,
+                                inline_values=small_inline_values(constants, by_name) if fuse else None)
     except ModelFormatError as exc:  # a fold's refusal: the model is named here
         raise ModelFormatError(exc.message, replace(exc.where, model=ctx.model), exc.hint) from None
     local_functions = frozenset((f.domain, f.name) for f in proto.functions)
@@ -196,6 +199,7 @@ def resolve_model(path: str | os.PathLike, *, trust_symlinks: bool = False,
         stats=stats,
         metadata=frozen_mapping({p.key: p.value for p in proto.metadata_props}),
         folded_views=tuple(result.folded_views),
+        fusion_enabled=fuse, fusions=tuple(result.fusions), near_misses=tuple(result.near_misses),
     )
 
 
@@ -432,7 +436,7 @@ def resolution_report(resolved: ResolvedModel) -> dict:
 
     nodes = resolved.nodes
     stats = resolved.stats
-    bypassed = {n.fused_from[0] for n in nodes if n.fused_from}
+    bypassed = {name for n in nodes for name in n.fused_from} - {n.name for n in nodes}
     manifest = list(resolved.manifest)
     files: dict[str, dict] = {}
     for d in manifest:
@@ -512,7 +516,9 @@ def resolution_report(resolved: ResolvedModel) -> dict:
         "folded_views": [f.to_json() for f in resolved.folded_views],
         "unsupported": [{"op_type": u.op_type, "domain": u.domain, "nodes": list(u.nodes)}
                         for u in resolved.unsupported],
+        "fusion": fusion_record(resolved.fusion_enabled, resolved.fusions, resolved.near_misses),
         "weights": [d.to_json() for d in weights.values()],
         "node_kernels": [n.to_json() for n in nodes],
         "resolve_ms": round(stats.resolve_ms, 3),
     }
+

@@ -160,6 +160,9 @@ class ResolvedModel:
     stats: ResolutionStats
     metadata: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     folded_views: tuple[FoldedView, ...] = ()  # weight inputs read as a view of an initializer
+    fusion_enabled: bool = False  # whether resolution ran pattern fusion (core/model/fusion.py)
+    fusions: tuple = ()  # fusion.Fusion: each node fused from a standard-op pattern
+    near_misses: tuple = ()  # fusion.NearMiss: each pattern anchor left unfused, and why
 
 
 def require_frozen(resolved: object) -> ResolvedModel:

@@ -18,6 +18,9 @@ Passes, in order (``run_transforms``):
    matmul kernel, fused_from both node names, with the layout key MatMulNBits gets
    for the same parameters (the packed bytes are the same; only the source layout
    differs, see ``QDQ_WEIGHT_LAYOUT``).
+2b. ``fusion.fuse_patterns`` (unless turned off) — RMSNorm and rotate-half rotary
+   chains of standard ops become one node of an op a native kernel runs
+   (core/model/fusion.py); their intermediate nodes are left dead.
 3. ``prune_dead_nodes`` — drops nodes none of whose outputs reaches a graph output
    (this also drops the DequantizeLinear nodes step 2 bypassed and the view nodes
    step 1 folded).
@@ -74,6 +77,8 @@ class TransformResult:
     dead_nodes_removed: int
     notes: list[str] = field(default_factory=list)
     folded_views: list[FoldedView] = field(default_factory=list)
+    fusions: list = field(default_factory=list)  # fusion.Fusion, one per fused node
+    near_misses: list = field(default_factory=list)  # fusion.NearMiss
 
 
 def _is_pow2(n: int) -> bool:
@@ -206,14 +211,24 @@ def normalize_accuracy_level(nodes: list[GraphNode]) -> None:
 
 def run_transforms(nodes: list[GraphNode], constants: Mapping[str, WeightDescriptor],
                    graph_outputs: list[str], initializer_names: Iterable[str],
-                   inline_value: Callable[[str], "np.ndarray | None"] = lambda name: None) -> TransformResult:
+                   inline_value: Callable[[str], "np.ndarray | None"] = lambda name: None, *,
+                   fuse: bool = False, inline_values: Mapping[str, Any] | None = None) -> TransformResult:
     """The passes of the module docstring. ``inline_value(name)``: an inline
-    initializer's value (a view's shape), None when it is external data."""
+    initializer's value (a view's shape), None when it is external data. ``fuse`` runs
+    pattern fusion, matching the constants of Constant nodes and of ``inline_values``
+    (small inline initializers)."""
     outs = set(graph_outputs)
     total = len(nodes)
     normalize_accuracy_level(nodes)
     folded = fold_weight_views(nodes, constants, inline_value)
     nodes, fused, bypassed = fuse_dequantize_matmul(nodes, constants, outs)
+    fusions, near_misses = [], []
+    if fuse:
+        from onnx_prep.core.model.fusion import constant_values, fuse_patterns
+
+        nodes, fusions, near_misses = fuse_patterns(nodes, constant_values(nodes, inline_values or {}),
+                                                    constants, outs)
+        bypassed |= {name for f in fusions for name in f.fused_from}
     kept = prune_dead_nodes(nodes, outs)
     used = used_initializers(kept, graph_outputs, initializer_names)
     kept_names = {n.name for n in kept}
@@ -222,4 +237,5 @@ def run_transforms(nodes: list[GraphNode], constants: Mapping[str, WeightDescrip
         nodes=kept, used_initializers=used, fused_int4_matmuls=fused,
         fused_nodes_removed=removed_by_fusion,
         dead_nodes_removed=total - len(kept) - removed_by_fusion, folded_views=folded,
+        fusions=fusions, near_misses=near_misses,
     )

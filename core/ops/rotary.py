@@ -81,3 +81,35 @@ def _rotary_numpy(x, pos, cos, sin, heads, head_size, rot, transposed, interleav
     y[..., ia] = xa * c + (-xb) * sn
     y[..., ib] = xb * c + xa * sn
     return y.reshape(x.shape)
+
+
+def rotary_from_tables(inputs, attrs, prepared):
+    """onnx_prep.fused::RotaryEmbedding(x, cos, sin) -> ``x * cos + rotate_half(x) * sin``,
+    ``rotate_half(x) = Concat(-x[..., h:], x[..., :h])`` (``h`` the ``half`` attribute, or
+    half the last axis when 0): the rotate-half rotary fused at resolve
+    (core/model/fusion.py), its tables [.., S, D] as the model computed them, with equal
+    halves along the last axis (the fusion proves it).
+
+    A 4-D x ``[B, heads, S, D]`` with ``D = 2h`` and tables broadcasting to ``[B, 1, S,
+    D]`` runs the native kernel: the tables' first halves, one row per token, are its
+    caches and the token index its position. Any other shape computes the formula in
+    numpy, so the node means what the ops it replaced meant.
+    """
+    x, cos, sin = inputs[:3]
+    d = x.shape[-1] if x.ndim else 0
+    half = int(attrs.get("half", 0)) or d // 2
+    fast = x.ndim == 4 and d == 2 * half and half > 0 and cos.shape == sin.shape and cos.ndim <= 4
+    if fast:
+        b, heads, s, _ = x.shape
+        shape = (1,) * (4 - cos.ndim) + tuple(cos.shape)
+        fast = shape[1] == 1 and shape[3] == d and shape[0] in (1, b) and shape[2] in (1, s)
+    if not fast:
+        rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+        return [x * cos + rotated * sin]
+    tables = []
+    for t in (cos, sin):
+        t4 = np.broadcast_to(np.asarray(t, np.float32).reshape(shape)[:, 0, :, :half], (b, s, half))
+        tables.append(np.ascontiguousarray(t4).reshape(b * s, half))
+    pos = np.arange(b * s, dtype=np.int64).reshape(b, s)
+    out = rotary_embedding([x, pos, *tables], {"num_heads": heads}, prepared)
+    return [out[0].astype(np.result_type(x, cos), copy=False)]

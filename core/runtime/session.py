@@ -118,6 +118,7 @@ class SessionOptions:
     # Stable slots on transparent huge pages: None is ONNX_PREP_HUGE_PAGES, except under a
     # PREPARED limit, where it is on (see Session.__init__)
     huge_pages: bool | None = None
+    fuse: bool = True  # Session.open: fuse standard-op patterns at resolve (core/model/fusion.py)
 
     def __post_init__(self) -> None:
         if self.source_io not in SOURCE_IO:
@@ -221,7 +222,7 @@ class Session:
         from onnx_prep.core.model.resolution import resolve_model
 
         opts = replace(options or SessionOptions(), **kw)
-        resolved = resolve_model(Path(model_path), trust_symlinks=opts.trust_symlinks)
+        resolved = resolve_model(Path(model_path), trust_symlinks=opts.trust_symlinks, fuse=opts.fuse)
         return cls(resolved, opts)
 
     def close(self) -> None:
