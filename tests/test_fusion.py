@@ -269,7 +269,7 @@ def rotary_graph(tmp_path, *, halves="split", sizes=(D // 2, D // 2), table="con
     inv_freq = (1.0 / 10000 ** (np.arange(0, D, 2) / D)).astype(np.float32)
     inits = {"inv_freq": inv_freq}
     xshape = [2, 3, "S", D] if rank == 4 else [2, "S", D]
-    inputs = [_vi("x", xshape), _vi("pos", [2, "S"], I64)]
+    inputs = [_vi("x", xshape), _vi("pos", ["P", "S"], I64)]
     nodes = []
     if table == "concat":
         nodes += [helper.make_node("Cast", ["pos"], ["posf"], name="cast_pos", to=F32), _const("last", [-1]),
@@ -340,6 +340,10 @@ def test_rotary_spellings_fuse_and_match_onnxruntime(tmp_path, halves, rank):
     np.testing.assert_allclose(ours, plain, rtol=0, atol=atol)
     swapped = {**feeds, "pos": feeds["pos"][::-1].copy()}  # negative control: the other row's positions
     assert np.abs(_run(path, swapped, True)["y"] - theirs).max() > 100 * atol
+    # one row of positions for both batch rows: tables [1, 1, S, D] broadcast over the batch
+    shared = {**feeds, "pos": feeds["pos"][1:]}
+    (theirs,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, shared)
+    np.testing.assert_allclose(_run(path, shared, True)["y"], theirs, rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize("kw, reason", [

@@ -20,6 +20,8 @@ float16 inputs are computed in float32 and rounded back, as ONNX Runtime does.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from onnx_prep.core.errors import NativeError
@@ -58,16 +60,23 @@ def _flat(a, n):
     return None if a is None else np.ascontiguousarray(np.broadcast_to(np.asarray(a, np.float32), (n,)))
 
 
+def _row_param(a, norm_shape: tuple[int, ...], n: int) -> np.ndarray:
+    """Scale or bias as a contiguous float32 [n] row; as it is when it already is one
+    (a decode step normalizes a few rows: the broadcast would cost more than the rows)."""
+    if isinstance(a, np.ndarray) and a.dtype == np.float32 and a.shape == norm_shape and a.flags.c_contiguous:
+        return a.reshape(n)
+    return np.ascontiguousarray(np.broadcast_to(np.asarray(a, np.float32), norm_shape)).reshape(n)
+
+
 def _axis_norm(inputs, attrs, simplified: bool):
     x, scale = inputs[0], inputs[1]
     bias = inputs[2] if len(inputs) > 2 and not simplified else None
     axis = axis_index(attrs.get("axis", -1), x.ndim)
     norm_shape = x.shape[axis:]
-    n = int(np.prod(norm_shape, dtype=np.int64))
+    n = math.prod(norm_shape)
     rows = x.size // n if n else 0
-    gamma = np.ascontiguousarray(np.broadcast_to(np.asarray(scale, np.float32), norm_shape)).reshape(n)
-    beta = None if bias is None else np.ascontiguousarray(
-        np.broadcast_to(np.asarray(bias, np.float32), norm_shape)).reshape(n)
+    gamma = _row_param(scale, norm_shape, n)
+    beta = None if bias is None else _row_param(bias, norm_shape, n)
     stats = attrs.get(N_OUTPUTS, 3) > 1
     y, _, mean, inv = _norm_rows(x.astype(np.float32, copy=False).reshape(rows, n), gamma, beta, None, None,
                                  float(attrs.get("epsilon", _DEFAULT_EPSILON)), simplified, False, stats)

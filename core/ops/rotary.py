@@ -83,6 +83,9 @@ def _rotary_numpy(x, pos, cos, sin, heads, head_size, rot, transposed, interleav
     return y.reshape(x.shape)
 
 
+_START_0 = np.zeros(1, np.int64)  # one start id: token s at position s
+
+
 def rotary_from_tables(inputs, attrs, prepared):
     """onnx_prep.fused::RotaryEmbedding(x, cos, sin) -> ``x * cos + rotate_half(x) * sin``,
     ``rotate_half(x) = Concat(-x[..., h:], x[..., :h])`` (``h`` the ``half`` attribute, or
@@ -90,26 +93,28 @@ def rotary_from_tables(inputs, attrs, prepared):
     (core/model/fusion.py), its tables [.., S, D] as the model computed them, with equal
     halves along the last axis (the fusion proves it).
 
-    A 4-D x ``[B, heads, S, D]`` with ``D = 2h`` and tables broadcasting to ``[B, 1, S,
-    D]`` runs the native kernel: the tables' first halves, one row per token, are its
-    caches and the token index its position. Any other shape computes the formula in
-    numpy, so the node means what the ops it replaced meant.
+    float32 x ``[B, heads, S, D]`` with ``D = 2h`` and float32 tables ``[B or 1, 1, S,
+    D]`` run the native kernel: the tables' first halves, one row per token, are its
+    caches, and the token's row its position. Any other shape or type computes the
+    formula in numpy, so the node means what the ops it replaced meant.
     """
     x, cos, sin = inputs[:3]
+    if x.ndim == 4 and cos.ndim == 4 and x.dtype == cos.dtype == sin.dtype == np.float32:
+        b, heads, s, d = x.shape
+        cb = cos.shape[0]
+        half = int(attrs.get("half", 0)) or d // 2
+        if cos.shape == sin.shape == (cb, 1, s, d) and d == 2 * half and cb in (1, b) and s:
+            c = cos[:, 0, :, :half].reshape(cb * s, half)
+            sn = sin[:, 0, :, :half].reshape(cb * s, half)
+            pos = _START_0 if cb == 1 else np.arange(b * s, dtype=np.int64).reshape(b, s)
+            try:
+                from onnx_prep import native
+
+                return [native.rotary_embedding(x, pos, c, sn, heads=heads, head_size=d, rotary_dim=d,
+                                                transposed=True, interleaved=False)]
+            except NativeError:
+                pass
     d = x.shape[-1] if x.ndim else 0
     half = int(attrs.get("half", 0)) or d // 2
-    fast = x.ndim == 4 and d == 2 * half and half > 0 and cos.shape == sin.shape and cos.ndim <= 4
-    if fast:
-        b, heads, s, _ = x.shape
-        shape = (1,) * (4 - cos.ndim) + tuple(cos.shape)
-        fast = shape[1] == 1 and shape[3] == d and shape[0] in (1, b) and shape[2] in (1, s)
-    if not fast:
-        rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-        return [x * cos + rotated * sin]
-    tables = []
-    for t in (cos, sin):
-        t4 = np.broadcast_to(np.asarray(t, np.float32).reshape(shape)[:, 0, :, :half], (b, s, half))
-        tables.append(np.ascontiguousarray(t4).reshape(b * s, half))
-    pos = np.arange(b * s, dtype=np.int64).reshape(b, s)
-    out = rotary_embedding([x, pos, *tables], {"num_heads": heads}, prepared)
-    return [out[0].astype(np.result_type(x, cos), copy=False)]
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return [x * cos + rotated * sin]
