@@ -292,6 +292,8 @@ def rotary_graph(tmp_path, *, halves="split", sizes=(D // 2, D // 2), table="con
     if halves == "split":
         nodes += [_const("sizes", np.array(sizes)),
                   helper.make_node("Split", ["x", "sizes"], ["x1", "x2"], name="split", axis=-1)]
+    elif halves == "split_in_two":  # opset 18: no sizes, num_outputs 2
+        nodes.append(helper.make_node("Split", ["x"], ["x1", "x2"], name="split", axis=-1, num_outputs=2))
     else:  # Slice: constant bounds, or half of Shape(x)[-1] as the torch export computes it
         nodes += [_const("zero", [0]), _const("big", [2 ** 63 - 1]), _const("axis", [-1])]
         if halves == "slice":
@@ -315,10 +317,11 @@ def rotary_graph(tmp_path, *, halves="split", sizes=(D // 2, D // 2), table="con
     outputs = [_vi("y", xshape)]
     if reread:
         outputs.append(_vi("rot", None))
-    return _save(tmp_path, nodes, inputs, outputs, inits)
+    return _save(tmp_path, nodes, inputs, outputs, inits, opset=18 if halves == "split_in_two" else 17)
 
 
-@pytest.mark.parametrize("halves, rank", [("split", 4), ("slice", 4), ("shape_half", 4), ("split", 3)])
+@pytest.mark.parametrize("halves, rank", [("split", 4), ("split_in_two", 4), ("slice", 4), ("shape_half", 4),
+                                          ("split", 3)])
 def test_rotary_spellings_fuse_and_match_onnxruntime(tmp_path, halves, rank):
     # rank 3: x [B, S, D] against [B, S, D] tables is not the native layout; the fused
     # node computes the formula it replaced.

@@ -29,6 +29,9 @@ Where a pattern's anchor is found (the ReduceMean of a square; the Add of two Mu
 of which reads a rotate-half Concat) but something breaks the match, a ``NearMiss``
 names the node and why (an intermediate read elsewhere, an epsilon that is not a
 constant, an axis that is not the last).
+
+A float16 chain is computed in float32 by the fused kernels (as ONNX Runtime's own
+fusions do): its last bits may differ from the unfused ops'.
 """
 from __future__ import annotations
 
@@ -300,8 +303,9 @@ def _half_of_last_axis(g: _Graph, value: str, x: str) -> bool:
 
 
 def _halves(g: _Graph, cat: GraphNode, x: str) -> tuple[list[GraphNode], int]:
-    """The Split / Slice nodes giving the Concat's halves of x, and the half (0: half the
-    last axis, proven from shapes; else the constant)."""
+    """The Split / Slice nodes giving the Concat's halves of x, and the half: the constant,
+    0 for floor(D / 2) (the Slices' ``Shape(x)[-1] / 2``), -1 for ceil(D / 2) (a Split in
+    two without sizes)."""
     neg = g.made_by(cat.inputs[0], "Neg")
     g.only_reader(neg.outputs[0], cat)
     second, first = neg.inputs[0], cat.inputs[1]
@@ -317,7 +321,8 @@ def _halves(g: _Graph, cat: GraphNode, x: str) -> tuple[list[GraphNode], int]:
             raise _Miss(f"Split {split.name} sizes are not two equal constants")
         for o in split.outputs:
             g.only_reader(o, neg if o == second else cat)
-        return [split, neg], 0
+        # equal constant sizes are the half; without sizes the first part is ceil(D / 2)
+        return [split, neg], int(sizes.reshape(-1)[0]) if sizes.size else -1
     lo, hi = g.made_by(first, "Slice"), g.made_by(second, "Slice")
     if lo is None or hi is None:
         raise _Miss("the rotate-half Concat's inputs are not a Split or two Slices")

@@ -86,10 +86,15 @@ def _rotary_numpy(x, pos, cos, sin, heads, head_size, rot, transposed, interleav
 _START_0 = np.zeros(1, np.int64)  # one start id: token s at position s
 
 
+def _half(attrs, d: int) -> int:
+    half = int(attrs.get("half", 0))
+    return half if half > 0 else (d + 1) // 2 if half < 0 else d // 2
+
+
 def rotary_from_tables(inputs, attrs, prepared):
     """onnx_prep.fused::RotaryEmbedding(x, cos, sin) -> ``x * cos + rotate_half(x) * sin``,
-    ``rotate_half(x) = Concat(-x[..., h:], x[..., :h])`` (``h`` the ``half`` attribute, or
-    half the last axis when 0): the rotate-half rotary fused at resolve
+    ``rotate_half(x) = Concat(-x[..., h:], x[..., :h])`` (``h`` the ``half`` attribute; 0:
+    floor(D / 2), -1: ceil(D / 2), as the fusion found it): the rotate-half rotary fused at resolve
     (core/model/fusion.py), its tables [.., S, D] as the model computed them, with equal
     halves along the last axis (the fusion proves it).
 
@@ -102,7 +107,7 @@ def rotary_from_tables(inputs, attrs, prepared):
     if x.ndim == 4 and cos.ndim == 4 and x.dtype == cos.dtype == sin.dtype == np.float32:
         b, heads, s, d = x.shape
         cb = cos.shape[0]
-        half = int(attrs.get("half", 0)) or d // 2
+        half = _half(attrs, d)
         if cos.shape == sin.shape == (cb, 1, s, d) and d == 2 * half and cb in (1, b) and s:
             c = cos[:, 0, :, :half].reshape(cb * s, half)
             sn = sin[:, 0, :, :half].reshape(cb * s, half)
@@ -114,7 +119,6 @@ def rotary_from_tables(inputs, attrs, prepared):
                                                 transposed=True, interleaved=False)]
             except NativeError:
                 pass
-    d = x.shape[-1] if x.ndim else 0
-    half = int(attrs.get("half", 0)) or d // 2
+    half = _half(attrs, x.shape[-1] if x.ndim else 0)
     rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return [x * cos + rotated * sin]
