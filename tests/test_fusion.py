@@ -65,12 +65,17 @@ def test_tiny_llm_fuses_every_norm_and_rotary_into_native_kernels(tiny_llm_path)
     assert {n.name for n in plain.nodes} - set(by_name) - gone == {"const.rms_eps", "const.split_half"}
 
 
-def test_the_medium_graph_lists_33_norms_and_32_rotaries(tmp_path):
-    # The medium preset's graph (16 blocks) at small widths: the same 891 nodes per step.
+@pytest.fixture(scope="module")
+def medium_graph_path(tmp_path_factory):
+    """The medium preset's graph (16 blocks) at small widths: the same 891 nodes per step."""
     from onnx_prep.fixtures import FixtureConfig, generate
 
     cfg = FixtureConfig.preset("medium").replace(hidden=128, intermediate=256, heads=4, vocab=512)
-    path = generate(cfg, tmp_path)
+    return generate(cfg, tmp_path_factory.mktemp("medium-graph"))
+
+
+def test_the_medium_graph_lists_33_norms_and_32_rotaries(medium_graph_path):
+    path = medium_graph_path
     fused, plain = resolve_model(path), resolve_model(path, fuse=False)
     assert patterns(fused) == {"rms_norm": 33, "rotary": 32} and not fused.near_misses
     assert (len(plain.nodes), len(fused.nodes)) == (891, 531)
@@ -111,8 +116,9 @@ def _assert_same_decode(ours, ref):
 PROMPTS = np.array([[1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 31, 409, 5, 77, 80, 12]])
 
 
-def test_fused_decode_equals_unfused_and_onnxruntime_for_16_tokens(tiny_zp_llm_path):
-    _check_decode(tiny_zp_llm_path)
+@pytest.mark.parametrize("model", ["tiny_zp_llm_path", "medium_graph_path"])
+def test_fused_decode_equals_unfused_and_onnxruntime_for_16_tokens(model, request):
+    _check_decode(request.getfixturevalue(model))
 
 
 def test_fused_quantizer_export_decodes_as_unfused_and_onnxruntime_for_16_tokens(quantizer_export):
