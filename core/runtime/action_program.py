@@ -117,7 +117,7 @@ class ActionProgram:
     # ------------------------------------------------------------------ compile
     @classmethod
     def compile(cls, resolved: ResolvedModel, *, use_prepared: bool = True,
-                append_in_place: bool = True) -> ActionProgram:
+                append_in_place: bool = True, keep_values: bool = False) -> ActionProgram:
         """Compile ``resolved`` (frozen) into an action list.
 
         ``append_in_place`` marks each ``Concat`` from a graph input to a graph output
@@ -129,6 +129,13 @@ class ActionProgram:
         ``use_prepared=False`` ignores the prepared requirements: every INT4 / packed
         node reads its raw initializers (supplied as ``weights``) and dequantizes per
         call. That is the slow numpy reference the prepared path is checked against.
+
+        ``keep_values=True`` frees nothing and fetches every named value a node computes
+        after the graph outputs (``output_names``, in node order): the intermediate
+        values of a run, for comparing them with another runtime's
+        (core/decode/node_comparison.py). It changes only what is compiled (no action
+        frees, more names fetched): the execute loop is the same, so the default
+        program pays nothing for it.
         Raises UnsupportedOpError (naming the node) for a node without a kernel.
         """
         resolved = require_frozen(resolved)
@@ -186,6 +193,9 @@ class ActionProgram:
 
         for n in output_names:
             slot(n)
+        if keep_values:  # every computed value, graph outputs first
+            output_names += tuple(n for n in dict.fromkeys(
+                o for node, *_ in compiled for o in node.outputs if o) if n not in outputs_set)
         n_slots = _FIRST_SLOT + len(slot_of)
 
         # Last reader of each slot; graph outputs and inputs that are outputs survive.
@@ -194,7 +204,7 @@ class ActionProgram:
             for s in ins:
                 if s >= _FIRST_SLOT:
                     last_read[s] = i
-        keep = set(slot_of[n] for n in output_names)
+        keep = set(slot_of[n] for n in output_names) if not keep_values else set(range(n_slots))
         frees: dict[int, list[int]] = {}
         for s, i in last_read.items():
             if s not in keep:

@@ -119,6 +119,11 @@ class SessionOptions:
     # PREPARED limit, where it is on (see Session.__init__)
     huge_pages: bool | None = None
     fuse: bool = True  # Session.open: fuse standard-op patterns at resolve (core/model/fusion.py)
+    # Every run returns every value its nodes computed, not only the graph outputs
+    # (ActionProgram.compile's keep_values: nothing is freed during a run); for comparing
+    # a step value by value with another runtime (core/decode/node_comparison.py). A
+    # value that is a view of a weight is valid only while the session is open.
+    keep_values: bool = False
 
     def __post_init__(self) -> None:
         if self.source_io not in SOURCE_IO:
@@ -148,7 +153,7 @@ class Session:
         self.isa = active_isa()  # a bad ONNX_PREP_ISA or a stale build fails here, before any work
         self.plan: PreparedExecutionPlan = build_prepared_execution_plan(
             resolved, lookahead=opts.lookahead, cache=opts.cache)
-        self.program = ActionProgram.compile(resolved)
+        self.program = ActionProgram.compile(resolved, keep_values=opts.keep_values)
         self.reader = opts.reader or ExternalDataReader.for_model(
             resolved, trust_symlinks=opts.trust_symlinks, verify_digests=opts.verify_digests,
             compute_digests=bool(getattr(opts.cache, "persisting", False)))
