@@ -42,6 +42,10 @@ from onnx_prep.core.model.weights import WeightDescriptor
 # they exist). ``weight_layout`` tells the prepack step how to read the source:
 MATMUL_NBITS_WEIGHT_LAYOUT = "NKb"  # MatMulNBits B: uint8 [N, k_blocks, block_size/2]
 QDQ_WEIGHT_LAYOUT = "KN"  # DequantizeLinear x: int4/uint4 [K, N], blocks of block_size along K
+# The accuracy level of a fused DequantizeLinear(int4) + MatMul: 0, fp32 compute, what the
+# pair defines (fuse_dequantize_matmul). ONNX Runtime's fusion takes its level from a
+# session key instead (core/decode/ort_runner.py, like_for_like_config).
+FUSED_ACCURACY_LEVEL = 0
 
 
 @dataclass
@@ -164,7 +168,7 @@ def _dq_int4_params(dq: GraphNode, constants: Mapping[str, WeightDescriptor]) ->
     return {
         "inputs": inputs,
         "attributes": {
-            "K": k, "N": n, "bits": 4, "block_size": bs, "accuracy_level": 0,
+            "K": k, "N": n, "bits": 4, "block_size": bs, "accuracy_level": FUSED_ACCURACY_LEVEL,
             "weight_layout": QDQ_WEIGHT_LAYOUT, "weight_dtype": w.dtype,
         },
     }
