@@ -5,7 +5,8 @@ with ``--inputs`` / ``--shape``, one forward of its graph. One core call
 as text or JSON (schemas: docs/run.md).
 
 Exit codes: 0 success (with ``--compare``, also when the runtimes diverge only at a
-near tie); 1 ``--compare`` found a real divergence; 2 unusable input."""
+near tie); 1 ``--compare`` found a real divergence (or ``--per-node`` a value beyond
+tolerance); 2 unusable input."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -73,6 +74,9 @@ def run(
     runtime: str = typer.Option("prepared", "--runtime", help="Decode with: prepared (ours) or ort."),
     compare: Optional[str] = typer.Option(None, "--compare", help="Also decode with this runtime and "
                                                                    "compare: ort."),
+    per_node: bool = typer.Option(False, "--per-node",
+                                  help="With --compare ort: compare the first step value by value and name the "
+                                       "first node whose output differs beyond tolerance."),
     io_map: Optional[Path] = typer.Option(None, "--io-map", help="JSON file naming the decoder I/O "
                                                                  "(format: docs/run.md)."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON (schema: docs/run.md)."),
@@ -125,7 +129,7 @@ def run(
                              source_pages=source_pages, memory_budget=budget, verify_digests=verify_digests,
                              trust_symlinks=trust_symlinks, cache_policy=cache_policy, prepared=prepared,
                              logits_out=logits_out, inputs=tuple(inputs or ()), shape=tuple(shape or ()),
-                             outputs_out=outputs_out, fuse=fuse,
+                             outputs_out=outputs_out, fuse=fuse, per_node=per_node,
                              decode_flags=tuple(flag for flag, value in given.items() if value is not None))
         # Only on a terminal: a redirected stderr would just collect blank frames.
         show = options.tokens >= PROGRESS_MIN_TOKENS and output.stderr.is_terminal
@@ -136,7 +140,9 @@ def run(
             _render_forward(doc)
         else:
             _render(doc)
-        return EXIT_FINDINGS if doc["compare"] is not None and not doc["compare"]["agrees"] else EXIT_OK
+        cmp = doc["compare"]
+        found = cmp is not None and (not cmp["agrees"] or (cmp.get("per_node") or {}).get("first_divergence"))
+        return EXIT_FINDINGS if found else EXIT_OK
 
     raise typer.Exit(run_guarded(go))
 
@@ -179,9 +185,15 @@ def _render(doc: dict) -> None:
                    f"({cmp['runtime']} top-2 margin {cmp['reference_margin']:.3g})")
         for i, row in enumerate(cmp["tokens"]):
             say(f"{cmp['runtime']} row {i}: {' '.join(map(str, row))}")
+    config = ", ".join(f"{k}={v}" for k, v in cmp["session_config"].items())
+    default = cmp["ort_default"]
     say(f"{cmp['runtime']}: tokens {verdict}; first-step max |logit diff| "
-        f"{cmp['first_step_max_abs_logit_diff']:.3g} (logit range {cmp['first_step_logit_range']:.3g}); "
-        f"{cmp['runtime']} time to first output {cmp['timings']['first_output_ms']:.1f} ms")
+        f"{cmp['first_step_max_abs_logit_diff']:.3g} (logit range {cmp['first_step_logit_range']:.3g})"
+        + (f", like for like ({config})" if config else "")
+        + (f"; {default['first_step_max_abs_logit_diff']:.3g} under ONNX Runtime's default config" if default else "")
+        + f"; {cmp['runtime']} time to first output {cmp['timings']['first_output_ms']:.1f} ms")
+    if cmp["per_node"] is not None:
+        _render_per_node(cmp["per_node"], say)
 
 
 def _fmt_stat(value: float | None) -> str:
@@ -210,3 +222,30 @@ def _render_forward(doc: dict) -> None:
         say(f"{cmp['runtime']}: output {row['name']!r} {verdict}: {diff}")
     say(f"{cmp['runtime']}: outputs {'agree' if cmp['agrees'] else 'DIVERGE'}; "
         f"{cmp['runtime']} forward {cmp['timings']['run_ms']:.1f} ms")
+
+
+def _stats(s: dict) -> str:
+    if s["min"] is None:
+        return f"shape {s['shape']} {s['dtype']}, no finite value"
+    extra = f", {s['nonfinite']} non-finite" if s["nonfinite"] else ""
+    return (f"shape {s['shape']} {s['dtype']}, min {s['min']:.6g} max {s['max']:.6g} "
+            f"mean {s['mean']:.6g}{extra}")
+
+
+def _render_per_node(pn: dict, say: Callable[[str], None]) -> None:
+    d = pn["first_divergence"]
+    untyped = f"; {len(pn['untyped'])} without a known type not compared" if pn["untyped"] else ""
+    if d is None:
+        worst = pn["largest"]
+        say(f"per node (step 0): all {pn['compared']} values within {pn['tolerance']:g} x their range{untyped}"
+            + (f"; largest {worst['relative_diff']:.3g} at node {worst['node']!r} ({worst['op_type']})"
+               if worst else ""))
+        return
+    say(f"per node (step 0): FIRST DIVERGENCE at node {d['node']!r} ({d['op_type']}, #{d['position']}), "
+        f"value {d['value']!r}: {d['reason']}; {pn['divergent']} of {pn['compared']} values beyond "
+        f"{pn['tolerance']:g} x their range{untyped}")
+    say(f"  ours: {_stats(d['ours'])}")
+    say(f"  ort:  {_stats(d['reference'])}")
+    if d["max_abs_diff"] is not None:
+        say(f"  max |diff| {d['max_abs_diff']:.6g} at {d['max_diff_index']} "
+            f"({d['relative_diff']:.3g} of the range {d['scale']:.6g})")

@@ -1,5 +1,5 @@
 """The record of one run: ``record_run(model, options) -> dict`` decodes and returns
-the ``onnx-prep.run/5`` document (docs/run.md, pinned by ``core/schemas/run.schema.json``),
+the ``onnx-prep.run/6`` document (docs/run.md, pinned by ``core/schemas/run.schema.json``),
 or, for a model that is not a decoder (``model_kind.py``) or with ``--inputs`` /
 ``--shape``, runs one forward of its graph and returns ``graph_run.py``'s
 ``onnx-prep.graph-run/1`` document.
@@ -16,6 +16,13 @@ model once:
 - ONNX Runtime alone (``runtime="ort"``, for models the prepared runtime cannot run):
   the decoder I/O comes from the protobuf's inputs and outputs only
   (``value_infos_from_model``), without resolution's checks.
+
+Compared with ONNX Runtime, ONNX Runtime decodes like for like (its QDQ int4 MatMuls at
+the prepared runtime's accuracy level, ``ort_runner.like_for_like_config``); where the
+model has a DequantizeLinear that setting acts on, the prefill runs once more under
+ONNX Runtime's defaults, and both first-step differences are recorded. ``per_node``
+compares the first step value by value (core/decode/node_comparison.py): that parses
+the model once more, for ONNX Runtime's copy with every value exposed.
 """
 from __future__ import annotations
 
@@ -29,7 +36,7 @@ from onnx_prep.core.errors import UsageError, Where
 from onnx_prep.core.option_ranges import (MAX_BATCH, MAX_MEMORY_BUDGET, MAX_THREADS, MAX_TOKEN_ID, MAX_TOKENS,
                                           MIN_MEMORY_BUDGET, check_range)
 
-SCHEMA = "onnx-prep.run/5"
+SCHEMA = "onnx-prep.run/6"
 RUNTIMES = ("prepared", "ort")
 COMPARE_WITH = ("ort",)
 DEFAULT_PROMPT = (1, 2, 3, 4)
@@ -68,6 +75,7 @@ class RunOptions:
     # refused when the model runs one forward, where they would mean nothing
     decode_flags: tuple[str, ...] = ()
     fuse: bool = True  # the prepared runtime fuses standard-op patterns at resolve (core/model/fusion.py)
+    per_node: bool = False  # with compare: the first step compared value by value (node_comparison.py)
 
     @property
     def one_forward(self) -> bool:
@@ -86,6 +94,8 @@ class RunOptions:
             raise UsageError(f"--compare supports only 'ort', got {self.compare!r}")
         if self.compare == self.runtime:
             raise UsageError("--compare ort with --runtime ort compares ONNX Runtime with itself")
+        if self.per_node and self.compare is None:
+            raise UsageError("--per-node compares with another runtime: it needs --compare ort")
         check_range("--tokens", self.tokens, 1, MAX_TOKENS)
         if self.threads is not None:
             check_range("--threads", self.threads, 1, MAX_THREADS)
@@ -140,11 +150,12 @@ class RunOptions:
 
 
 def open_prepared_runner(resolved, *, threads: int | None, source_pages: str, verify_digests: bool = True,
-                         cache=None):
+                         cache=None, keep_values: bool = False):
     """The prepared runtime on a resolved model, as a ``Runner`` with ``close()``.
 
     NOTE: the one place a run obtains our runtime. ``threads`` maps to the session's CPU
-    workers (the pool that runs kernels); I/O workers keep their default."""
+    workers (the pool that runs kernels); I/O workers keep their default. ``keep_values``:
+    each run returns every value computed (``SessionOptions.keep_values``)."""
     try:
         from onnx_prep.core.runtime.session import Session
     except ModuleNotFoundError as exc:
@@ -153,13 +164,14 @@ def open_prepared_runner(resolved, *, threads: int | None, source_pages: str, ve
         raise UsageError("the prepared runtime (onnx_prep.core.runtime.session) is not in this build",
                          hint="decode with --runtime ort") from exc
     kw = {} if threads is None else {"cpu_workers": threads}
-    return Session(resolved, source_pages=source_pages, verify_digests=verify_digests, cache=cache, **kw)
+    return Session(resolved, source_pages=source_pages, verify_digests=verify_digests, cache=cache,
+                   keep_values=keep_values, **kw)
 
 
 def record_run(model: str | Path, options: RunOptions, *, progress: Progress | None = None,
                warn: Callable[[str], None] | None = None) -> dict:
     """Decode with ``options.runtime`` (and again with ``options.compare``, compared) and
-    return the ``onnx-prep.run/5`` record. ``compare.agrees`` false is a finding, not an
+    return the ``onnx-prep.run/6`` record. ``compare.agrees`` false is a finding, not an
     error. Raises the typed errors of ``core/errors.py`` for unusable input."""
     import numpy as np
 
@@ -190,7 +202,9 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
         opened["prepared"] = open_prepared
     else:
         inputs, outputs = value_infos_from_model(path)
-    opened["ort"] = lambda: (0.0, _open_ort(path, options.threads))
+    # compared: like for like; decoding with ONNX Runtime alone: its defaults
+    ort_config = _like_for_like() if options.compare == "ort" else None
+    opened["ort"] = lambda: (0.0, _open_ort(path, options.threads, ort_config))
     kind = _kind(options, inputs, mapping)
     if not kind.is_decoder:
         return _record_forward(path, options, kind, inputs, outputs, opened, lambda: cache)
@@ -214,7 +228,7 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
           options.memory_budget or default_memory_budget())
     prompt = np.array(options.prompt_ids, dtype=np.int64)
 
-    def decode(kind: str, keep_logits: bool = False):
+    def decode(kind: str, keep_logits: bool = False, tokens: int = options.tokens):
         """(open ms, the GenerationResult, the prepared runtime's source-pages choice or None)."""
         from onnx_prep.core.decode.generation import greedy_decode
 
@@ -224,9 +238,9 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
             if hasattr(runner, "close"):
                 stack.callback(runner.close)
             open_ms = parsed_ms + (time.perf_counter() - t0) * 1e3
-            on_step = stack.enter_context(progress(f"{kind} decode", options.tokens) if progress
+            on_step = stack.enter_context(progress(f"{kind} decode", tokens) if progress
                                           else nullcontext())
-            result = greedy_decode(runner, io, prompt, options.tokens, on_step=on_step, keep_logits=keep_logits,
+            result = greedy_decode(runner, io, prompt, tokens, on_step=on_step, keep_logits=keep_logits,
                                    model=str(path))
         return open_ms, result, getattr(runner, "source_pages", None)
 
@@ -252,7 +266,16 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
         ref_open_ms, ref, _ = decode(options.compare)
         cmp = compare_generations(result, ref)
         doc["compare"] = {"runtime": options.compare, "tokens": ref.tokens.tolist(), **cmp.to_json(),
-                          "timings": {"open_ms": ref_open_ms, **ref.timings_json()}}
+                          "timings": {"open_ms": ref_open_ms, **ref.timings_json()},
+                          "session_config": ort_config, "ort_default": None, "per_node": None}
+        if any(n.fused_from or n.op_type == "DequantizeLinear" for n in resolved.nodes):
+            # what ONNX Runtime's defaults compute there (the prefill alone)
+            opened["ort-default"] = lambda: (0.0, _open_ort(path, options.threads, None))
+            _, default, _ = decode("ort-default", tokens=1)
+            doc["compare"]["ort_default"] = {"first_step_max_abs_logit_diff": float(
+                np.abs(result.first_logits.astype(np.float64) - default.first_logits).max())}
+        if options.per_node:
+            doc["compare"]["per_node"] = _compare_per_node(resolved, io, prompt, options, ort_config)
     return doc
 
 
@@ -277,6 +300,9 @@ def _record_forward(path: Path, options: RunOptions, kind, inputs, outputs, open
     if options.logits_out is not None:
         raise UsageError(f"--logits-out writes a decode's logits; this model runs one forward ({kind.reason})",
                          Where(model=str(path)), hint="write its outputs with --outputs-out FILE.npz")
+    if options.per_node:
+        raise UsageError(f"--per-node compares a decode's first step; this model runs one forward ({kind.reason})",
+                         Where(model=str(path)), hint="compare its outputs with --compare ort alone")
     return record_graph_run(path, options, kind, inputs, outputs, open_runner=lambda runtime: opened[runtime](),
                             cache=cache, budget=options.memory_budget or default_memory_budget())
 
@@ -298,6 +324,26 @@ def _only_decoding(flags) -> str:
     return f"{', '.join(flags)} {'applies' if len(flags) == 1 else 'apply'} only to decoding"
 
 
+def _like_for_like() -> dict[str, str]:
+    from onnx_prep.core.decode.ort_runner import like_for_like_config
+
+    return like_for_like_config()
+
+
+def _compare_per_node(resolved, io, prompt, options: RunOptions, ort_config) -> dict:
+    """The first step, value by value: a session of our runtime that keeps every value
+    (read from sources: no cache) against ONNX Runtime exposing them."""
+    from onnx_prep.core.decode.generation import step_feeds
+    from onnx_prep.core.decode.node_comparison import compare_first_step
+
+    feeds = step_feeds(io, prompt, io.empty_past(prompt.shape[0]), 0)
+    return compare_first_step(
+        resolved, feeds, lambda: open_prepared_runner(resolved, threads=options.threads,
+                                                      source_pages=options.source_pages,
+                                                      verify_digests=options.verify_digests, keep_values=True),
+        threads=options.threads, session_config=ort_config).to_json()
+
+
 def _open_cache(resolved, options: RunOptions, warn):
     """The model's prepared cache under ``options.cache_policy``, or None (disabled)."""
     if options.cache_policy == "disabled":
@@ -308,7 +354,7 @@ def _open_cache(resolved, options: RunOptions, warn):
                          verify_payloads=options.verify_digests, warn=warn)
 
 
-def _open_ort(path: Path, threads: int | None):
+def _open_ort(path: Path, threads: int | None, session_config: dict[str, str] | None):
     from onnx_prep.core.decode.ort_runner import OrtRunner
 
-    return OrtRunner(path, threads=threads)
+    return OrtRunner(path, threads=threads, session_config=session_config)
