@@ -76,6 +76,7 @@ class OrtRunner:
             raise ModelFormatError(f"onnxruntime cannot load the model: {first}",
                                    Where(model=str(model_path))) from exc
         self.output_names = [o.name for o in self.session.get_outputs()]
+        self.untyped: tuple[str, ...] = ()  # values exposing() could not ask for (no type)
 
     @classmethod
     def exposing(cls, model_path: str | Path, values: Iterable[str], threads: int | None = None, *,
