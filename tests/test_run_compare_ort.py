@@ -118,3 +118,12 @@ def test_per_node_exit_0_when_every_value_matches_and_1_at_a_divergence(monkeypa
     assert f"FIRST DIVERGENCE at node '{d['node']}'" in text.stdout
     assert "  ours: shape [1, 4, " in text.stdout and "  ort:  shape [1, 4, " in text.stdout
     assert "max |diff|" in text.stdout
+
+
+def test_per_node_is_refused_for_one_forward(small_llm_path, tmp_path):
+    # --inputs asks for one forward: --per-node compares a decode's first step only
+    out = cli.invoke(app, ["run", str(small_llm_path), "--inputs", str(tmp_path / "absent.npz"),
+                           "--compare", "ort", "--per-node"])
+    assert out.exit_code == EXIT_UNUSABLE, out.output
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--per-node compares a decode's first step; this model runs one forward" in lines[0]
