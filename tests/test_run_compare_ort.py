@@ -24,6 +24,7 @@ from onnx_prep.core.decode.generation import greedy_decode
 from onnx_prep.core.decode.run_record import RunOptions, record_run
 from onnx_prep.core.errors import EXIT_FINDINGS, EXIT_OK, EXIT_UNUSABLE
 from onnx_prep.core.model.resolution import resolve_model
+from onnx_prep.core.model.transforms import is_fused_dequantize_matmul
 
 ort_or_skip()
 from onnx_prep.core.decode.ort_runner import QDQ_ACCURACY_KEY, OrtRunner, like_for_like_config  # noqa: E402
@@ -49,7 +50,7 @@ def _validate(doc):
 def test_qdq_export_like_for_like_is_tight_and_the_default_is_not(name):
     path = real_export(name)
     # the level set is the one the prepared runtime's fused QDQ MatMuls carry
-    fused = [n for n in resolve_model(path).nodes if n.fused_from]
+    fused = [n for n in resolve_model(path).nodes if is_fused_dequantize_matmul(n)]
     assert fused and {int(n.attributes["accuracy_level"]) for n in fused} == {int(like_for_like_config()[QDQ_ACCURACY_KEY])}
     doc = _record(path)
     _validate(doc)

@@ -268,7 +268,9 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
         doc["compare"] = {"runtime": options.compare, "tokens": ref.tokens.tolist(), **cmp.to_json(),
                           "timings": {"open_ms": ref_open_ms, **ref.timings_json()},
                           "session_config": ort_config, "ort_default": None, "per_node": None}
-        if any(n.fused_from or n.op_type == "DequantizeLinear" for n in resolved.nodes):
+        from onnx_prep.core.model.transforms import is_fused_dequantize_matmul
+
+        if any(is_fused_dequantize_matmul(n) or n.op_type == "DequantizeLinear" for n in resolved.nodes):
             # what ONNX Runtime's defaults compute there (the prefill alone)
             opened["ort-default"] = lambda: (0.0, _open_ort(path, options.threads, None))
             _, default, _ = decode("ort-default", tokens=1)

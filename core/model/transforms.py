@@ -140,6 +140,14 @@ def fuse_dequantize_matmul(
     return nodes, fused, bypassed
 
 
+def is_fused_dequantize_matmul(node) -> bool:
+    """Whether ``node`` (a GraphNode or a resolved node) is a MatMul that
+    ``fuse_dequantize_matmul`` made the INT4 matmul kernel's (other fusions, core/model/
+    fusion.py, set ``fused_from`` too)."""
+    return (node.op_type == "MatMul" and bool(node.fused_from)
+            and node.attributes.get("weight_layout") == QDQ_WEIGHT_LAYOUT)
+
+
 def _dq_int4_params(dq: GraphNode, constants: Mapping[str, WeightDescriptor]) -> dict | None:
     if len(dq.inputs) < 2:
         return None
