@@ -8,7 +8,7 @@ onnxruntime-genai builder export of a Llama of the same shape, in one run.
 Models (generated locally, cached, never committed):
   medium-acc0   the ``medium`` fixture (16 blocks, hidden 2048, MatMulNBits accuracy level 0)
   medium-acc4   the same weights with ``accuracy_level=4`` on every MatMulNBits (a copy of
-                the .onnx beside a hard link to the data file)
+                the .onnx beside a copy of the data file, in a temporary folder)
   builder-acc1  ``python -m onnxruntime_genai.models.builder -p int4 -e cpu`` on a random
                 Llama checkpoint of the medium shape (32 heads, 8 KV heads, vocab 32000),
                 ``accuracy_level=1`` (fp32 compute: what level 0 is for MatMulNBits)
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -60,7 +60,9 @@ def medium(level: int, scratch: Path) -> Path:
     out.mkdir(exist_ok=True)
     for f in base.parent.iterdir():
         if f.suffix != ".onnx" and not (out / f.name).exists():
-            os.link(f, out / f.name)  # the same data file: no 563 MB copy
+            # NOTE: a copy, not a hard link: a second link to the fixture's data file makes
+            # every other reader of the fixture refuse it (it may alias a file elsewhere)
+            shutil.copyfile(f, out / f.name)
     onnx.save(m, out / base.name)
     return out / base.name
 
@@ -81,7 +83,7 @@ def builder(level: int) -> Path:
 
 def run(model: Path, runtime: str, batch: int, tokens: int) -> dict:
     cmd = [str(EXE), "run", str(model), "--runtime", runtime, "--batch", str(batch), "--tokens", str(tokens),
-           "--json", "--trust-symlinks", "--memory-budget", "16GiB"]
+           "--json", "--memory-budget", "16GiB"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}): {p.stderr.strip()[-400:]}")
@@ -101,7 +103,7 @@ def main(argv=None) -> int:
 
     batches = [int(b) for b in args.batches.split(",")]
     names = [m for m in args.models.split(",") if m]
-    scratch = Path(tempfile.mkdtemp(prefix="bench-decode-", dir=Path.home() / ".cache"))
+    scratch = Path(tempfile.mkdtemp(prefix="bench-decode-"))
     paths = {}
     for name in names:
         kind, level = name.rsplit("-acc", 1)
@@ -138,6 +140,7 @@ def main(argv=None) -> int:
                   f"{gemv:.2f} ms: step / GEMV = {prof['step_ms'] / gemv:.2f}x (target <= 1.5x)")
     if args.json:
         args.json.write_text(json.dumps(record, indent=1))
+    shutil.rmtree(scratch, ignore_errors=True)
     return 0
 
 

@@ -104,6 +104,23 @@ def test_run_takes_a_folder_and_trust_symlinks_like_resolve(tiny_llm_path):
     assert p.returncode == 0, p.stderr
 
 
+def test_run_trust_symlinks_reaches_the_prepared_runtime(tiny_llm_path, tmp_path):
+    """A data file with a second hard link: refused without the flag, and decoded with it
+    (the flag reached resolve before, but not the session's reader)."""
+    m = tmp_path / "m"
+    m.mkdir()
+    for f in tiny_llm_path.parent.iterdir():
+        if f.name.startswith(tiny_llm_path.stem):
+            (m / f.name).write_bytes(f.read_bytes())
+    data = next(f for f in m.iterdir() if f.suffix == ".data")
+    os.link(data, tmp_path / "another-name.data")
+    refused = onnx_prep("run", str(m / tiny_llm_path.name), "--tokens", "2", "--cache-policy", "disabled")
+    assert refused.returncode == EXIT_UNUSABLE and "hard links" in refused.stderr, refused.stderr
+    p = onnx_prep("run", str(m / tiny_llm_path.name), "--tokens", "2", "--cache-policy", "disabled",
+                  "--trust-symlinks")
+    assert p.returncode == 0, p.stderr
+
+
 def test_numpy_warnings_reach_the_user_only_with_debug(small_llm_path, tmp_path):
     """Every norm weight read one byte off (offsets + 1, digests left as they are,
     verification off): the values are garbage, the ops overflow, and numpy warns. The

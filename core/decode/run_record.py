@@ -150,7 +150,7 @@ class RunOptions:
 
 
 def open_prepared_runner(resolved, *, threads: int | None, source_pages: str, verify_digests: bool = True,
-                         cache=None, keep_values: bool = False):
+                         cache=None, keep_values: bool = False, trust_symlinks: bool = False):
     """The prepared runtime on a resolved model, as a ``Runner`` with ``close()``.
 
     NOTE: the one place a run obtains our runtime. ``threads`` maps to the session's CPU
@@ -165,7 +165,7 @@ def open_prepared_runner(resolved, *, threads: int | None, source_pages: str, ve
                          hint="decode with --runtime ort") from exc
     kw = {} if threads is None else {"cpu_workers": threads}
     return Session(resolved, source_pages=source_pages, verify_digests=verify_digests, cache=cache,
-                   keep_values=keep_values, **kw)
+                   keep_values=keep_values, trust_symlinks=trust_symlinks, **kw)
 
 
 def record_run(model: str | Path, options: RunOptions, *, progress: Progress | None = None,
@@ -197,7 +197,7 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
             cache = _open_cache(resolved, options, warn)
             return resolve_ms, open_prepared_runner(
                 resolved, threads=options.threads, source_pages=options.source_pages,
-                verify_digests=options.verify_digests, cache=cache)
+                verify_digests=options.verify_digests, cache=cache, trust_symlinks=options.trust_symlinks)
 
         opened["prepared"] = open_prepared
     else:
@@ -342,7 +342,8 @@ def _compare_per_node(resolved, io, prompt, options: RunOptions, ort_config) -> 
     return compare_first_step(
         resolved, feeds, lambda: open_prepared_runner(resolved, threads=options.threads,
                                                       source_pages=options.source_pages,
-                                                      verify_digests=options.verify_digests, keep_values=True),
+                                                      verify_digests=options.verify_digests, keep_values=True,
+                                                      trust_symlinks=options.trust_symlinks),
         threads=options.threads, session_config=ort_config).to_json()
 
 
