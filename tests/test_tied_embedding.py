@@ -11,6 +11,7 @@ import shutil
 
 import numpy as np
 import onnx
+import pytest
 
 from conftest import ort_or_skip
 from onnx_prep.core.cache.cache_build import build_prepared_cache
@@ -100,11 +101,26 @@ def test_tables_read_differently_stay_untied(tmp_path, tiny_zp_llm_path, small_l
     assert _layouts(r).count("int4gather") == 1 and EMBED_SCALES in r.manifest
 
 
-def test_tied_decode_is_the_untied_one_bit_for_bit(small_llm_path, tmp_path):
-    untied = _untied_copy(small_llm_path, tmp_path / "u")
-    io = DecoderIO.from_model(small_llm_path)
+@pytest.fixture(scope="module")
+def medium_shaped_path(tmp_path_factory):
+    """The medium preset's graph (16 blocks) at small widths."""
+    from onnx_prep.fixtures import FixtureConfig, generate
+
+    cfg = FixtureConfig.preset("medium").replace(hidden=128, intermediate=256, heads=4, vocab=512)
+    return generate(cfg, tmp_path_factory.mktemp("medium-shaped"))
+
+
+@pytest.fixture(params=["small", "medium-shaped"])
+def tied_model(request, small_llm_path):
+    return small_llm_path if request.param == "small" else request.getfixturevalue("medium_shaped_path")
+
+
+def test_tied_decode_is_the_untied_one_bit_for_bit(tied_model, tmp_path):
+    assert _layouts(resolve_model(tied_model)).count("int4gather") == 0
+    untied = _untied_copy(tied_model, tmp_path / "u")
+    io = DecoderIO.from_model(tied_model)
     runs = []
-    for path in (small_llm_path, untied):
+    for path in (tied_model, untied):
         with Session.open(path) as s:
             runs.append(greedy_decode(s, io, PROMPTS, 12, keep_logits=True))
     tied, plain = runs
@@ -112,13 +128,13 @@ def test_tied_decode_is_the_untied_one_bit_for_bit(small_llm_path, tmp_path):
     assert all(np.array_equal(a, b) for a, b in zip(tied.logits, plain.logits))
 
 
-def test_tied_decode_matches_onnxruntime(small_llm_path):
+def test_tied_decode_matches_onnxruntime(tied_model):
     ort_or_skip()
     from onnx_prep.core.decode.ort_runner import OrtRunner
 
-    io = DecoderIO.from_model(small_llm_path)
-    ref = greedy_decode(OrtRunner(small_llm_path, threads=1), io, PROMPTS, 12, keep_logits=True)
-    with Session.open(small_llm_path) as s:
+    io = DecoderIO.from_model(tied_model)
+    ref = greedy_decode(OrtRunner(tied_model, threads=1), io, PROMPTS, 12, keep_logits=True)
+    with Session.open(tied_model) as s:
         ours = greedy_decode(s, io, PROMPTS, 12, keep_logits=True)
     for step in range(12):
         d = np.abs(ours.logits[step] - ref.logits[step]).max(axis=-1)
