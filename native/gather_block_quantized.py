@@ -71,8 +71,12 @@ def prepack_gather_block_quantized(data: np.ndarray, scales: np.ndarray, zero_po
 def gather_block_quantized(indices: np.ndarray, packed: np.ndarray, *, out: np.ndarray | None = None
                            ) -> np.ndarray:
     """Dequantized rows ``[*indices.shape, K]`` (float32); negative indices count from
-    the end; an index outside ``[-V, V)`` raises IndexError. Releases the GIL."""
-    K, V = k_n(packed, lib.OP_KIND_INT4_GATHER)
+    the end; an index outside ``[-V, V)`` raises IndexError. Releases the GIL.
+
+    ``packed``: a gather buffer (:func:`prepack_gather_block_quantized`), or a matmul
+    buffer (``prepack_matmul_nbits``), whose row v is output column v of its B: a tied
+    embedding reads its LM head's object; a row gives the same bits from either."""
+    K, V = k_n(packed, lib.OP_KIND_INT4_GATHER, lib.OP_KIND_INT4_MATMUL)
     idx = np.ascontiguousarray(indices, dtype=np.int64)
     shape = idx.shape + (K,)
     if out is None:

@@ -138,8 +138,11 @@ size_t op_gather_packed_size(uint64_t V, uint32_t n_blocks, uint32_t block_size,
 int op_prepack_gather(const uint8_t *data, const float *scales, const uint8_t *zp_u4,
                       const float *zp_f32, uint64_t V, uint32_t n_blocks, uint32_t block_size,
                       int zp_kind, int scales_were_f16, uint8_t *out, size_t out_size);
-/* out[i, :] = dequant(row indices[i]); negative indices count from the end.
- * On OP_E_INDEX, *bad_position is the position of the first bad index. */
+/* out[i, :] = dequant(row indices[i]) (K values); negative indices count from the end.
+ * packed: an INT4 gather buffer (V = N rows), or an INT4 matmul buffer, whose row v is
+ * output column v of its B (a tied embedding reading its LM head's object); the same
+ * row gives the same bits from either. On OP_E_INDEX, *bad_position is the position
+ * of the first bad index. */
 int op_gather_block_quantized(const int64_t *indices, size_t n_indices, const uint8_t *packed,
                               size_t packed_size, float *out, size_t *bad_position);
 

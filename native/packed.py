@@ -13,6 +13,7 @@ from onnx_prep.native._module import check, ffi, lib
 HEADER_SIZE = 64
 KINDS = {lib.OP_KIND_INT4_MATMUL: "int4_matmul", lib.OP_KIND_INT4_GATHER: "int4_gather",
          lib.OP_KIND_GEMM_B: "gemm_b"}
+_KIND_CODES = {v: k for k, v in KINDS.items()}
 ZP_KINDS = {"none": lib.OP_ZP_NONE, "u4": lib.OP_ZP_U4, "float": lib.OP_ZP_FLOAT}
 _ZP_NAMES = {v: k for k, v in ZP_KINDS.items()}
 ALIGNMENT = 64
@@ -67,18 +68,22 @@ _MAGIC_KIND = struct.Struct("<IHH")
 _K_N = struct.Struct("<QQ")
 
 
-def k_n(packed: np.ndarray, expected_kind: int) -> tuple[int, int]:
-    """(K, N) of a packed buffer, cheaply (the hot path of every kernel call).
+def k_n(packed: np.ndarray, expected_kind: int, *other_kinds: int) -> tuple[int, int]:
+    """(K, N) of a packed buffer of ``expected_kind`` (or one of ``other_kinds``),
+    cheaply (the hot path of every kernel call).
 
     Reads only what Python needs to shape the output; the C kernel validates the
     whole header on every call. Anything unexpected takes the full check, which
     raises the precise error."""
+    kinds = (expected_kind, *other_kinds)
     if (type(packed) is np.ndarray and packed.dtype == np.uint8 and packed.ndim == 1
             and packed.flags.c_contiguous and packed.nbytes >= HEADER_SIZE):
         magic, version, kind = _MAGIC_KIND.unpack_from(packed, 0)
-        if magic == lib.OP_PACK_MAGIC and version == lib.OP_PACK_FORMAT_VERSION and kind == expected_kind:
+        if magic == lib.OP_PACK_MAGIC and version == lib.OP_PACK_FORMAT_VERSION and kind in kinds:
             return _K_N.unpack_from(packed, 16)
-    info = read_header(packed, expected_kind)[1]
+    info = read_header(packed, 0 if other_kinds else expected_kind)[1]
+    if _KIND_CODES[info.kind] not in kinds:
+        check(lib.OP_E_HEADER, "packed buffer")
     return info.K, info.N
 
 

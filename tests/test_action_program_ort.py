@@ -28,7 +28,7 @@ import pytest
 from conftest import ort_or_skip
 from onnx_prep.core.runtime.action_program import ActionProgram
 from onnx_prep.core.io.external_data import ExternalDataReader
-from onnx_prep.core.kernels.prepack import packed_size, prepack_all, source_loader
+from onnx_prep.core.kernels.prepack import packed_size, packing_nodes, prepack_all, source_loader
 from onnx_prep.core.model.resolution import resolve_model
 
 LOGIT_RTOL = 1e-5
@@ -204,8 +204,9 @@ def test_row_of_batch_equals_batch_one(small_native):
 
 def test_packed_size_is_exact(small_native):
     dec = small_native
+    packers = packing_nodes(dec.resolved.nodes)
     for key, req in dec.resolved.requests.items():
-        node = next(n for n in dec.resolved.nodes if key in n.prepared_inputs)
+        node = packers[key]
         assert packed_size(node.kernel, req, dec.resolved) == dec.prepared[key].nbytes, key
         assert packed_size(node.kernel, req, dec.resolved, backend="reference") is not None
 
@@ -214,9 +215,8 @@ def test_reads_only_manifest_and_each_source_once(small_llm_path):
     dec = Decoder(small_llm_path, "native")
     c = dec.reader.counters.snapshot()
     # prepack + raw weights read every external entry of the manifest once, the tied INT4
-    # data twice: the embedding and the LM head prepack it into two layouts.
-    tied = "embed_tokens.weight_q4"
-    want = {e.name: e.length * (2 if e.name == tied else 1) for e in dec.resolved.manifest}
+    # data too: the embedding reads the LM head's one prepared object.
+    want = {e.name: e.length for e in dec.resolved.manifest}
     assert c["per_tensor"] == want
-    assert c["reads"] == len(want) + 1
-    assert c["bytes_read"] == dec.resolved.manifest.total_bytes + dec.resolved.manifest.get(tied).length
+    assert c["reads"] == len(want)
+    assert c["bytes_read"] == dec.resolved.manifest.total_bytes

@@ -43,9 +43,10 @@ from test_cli_exit_codes import ONNX_PREP
 
 SEED = 17  # the cases below are a function of it alone: a failure reruns as it failed
 
-# The small fixture's prepared objects; each is under 1 MiB, so each passes
-# ``payload_write`` once (and ``compress`` once when compressed). ``reference`` checks it.
-N_OBJECTS = 10
+# The small fixture's prepared objects (8 projections and the LM head's, which the tied
+# embedding reads too); each is under 1 MiB, so each passes ``payload_write`` once (and
+# ``compress`` once when compressed). ``reference`` checks it.
+N_OBJECTS = 9
 COMMIT_POINTS = ("commit_locked", "payload_fsync", "payload_validated", "payload_rename", "payload_renamed",
                  "manifest_write", "manifest_fsync", "manifest_rename", "manifest_renamed", "gc")
 # Files each scenario's garbage collection removes: none on a first build, the old

@@ -26,9 +26,9 @@ def test_table_summary_then_tasks(tiny_llm_path):
     result = run(str(tiny_llm_path), "--filter", "layers.0.m", env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.stderr
     out = result.stdout
-    for needle in ("session 63, invocation 18", "read_source 45, prepack 18, execute 18", "io 45, cpu 36",
-                   "source 13,650,048 B", "critical path", "est. 3.23 ms", "cost model", "fan-out",
-                   "look-ahead", "8 steps", "8 of 81 tasks", "73 filtered out by --filter 'layers.0.m'",
+    for needle in ("session 61, invocation 18", "read_source 44, prepack 17, execute 18", "io 44, cpu 35",
+                   "source 13,125,760 B", "critical path", "est. 3.23 ms", "cost model",
+                   "look-ahead", "8 steps", "8 of 79 tasks", "71 filtered out by --filter 'layers.0.m'",
                    "tasks (* on the critical path;"):
         assert needle in out, needle
     assert out.index("look-ahead") < out.index("tasks (* on the critical path;")  # summary first
@@ -42,7 +42,8 @@ def test_table_summary_then_tasks(tiny_llm_path):
     prepack = [r for r in rows if r[:1] == ["14"]][0]
     assert prepack[1].startswith("S.prepack:P:layers.0.mlp.gate_up.weight_q4+layers.0.mlp.gate_up.scales|int4mm.")
     assert prepack[2:] == ["session", "prepack", "cpu", "#12", "#13", "1,310,720"]
-    assert ["66*", "I.3:layers.0.mlp.gate_up_proj", "invocation", "execute", "cpu", "#65", "#14", "-"] in rows
+    assert ["64*", "I.3:layers.0.mlp.gate_up_proj", "invocation", "execute", "cpu", "#63", "#14", "-"] in rows
+    assert "fan-out" not in out  # the tied table: one prepack, no source feeding two
     assert result.stderr == ""
 
 
@@ -69,16 +70,16 @@ def test_dot_parses_with_every_task_and_edge(tiny_llm_path):
     result = run(str(tiny_llm_path), "--format", "dot")
     assert result.exit_code == 0, result.stderr
     nodes, edges = parse_dot(result.stdout)
-    assert len(nodes) == 81
+    assert len(nodes) == 79
     assert {(TIED, c) for c in (e[1] for e in edges if e[0] == TIED)} == {e for e in edges if e[0] == TIED}
-    assert len([e for e in edges if e[0] == TIED]) == 2
+    assert len([e for e in edges if e[0] == TIED]) == 1  # one prepack of the tied table
 
 
-@pytest.mark.parametrize("scope,count", [("session", 63), ("invocation", 18)])
+@pytest.mark.parametrize("scope,count", [("session", 61), ("invocation", 18)])
 def test_scope_filter(tiny_llm_path, scope, count):
     doc = json.loads(run(str(tiny_llm_path), "--format", "json", "--scope", scope).stdout)
     assert {t["scope"] for t in doc["tasks"]} == {scope} and len(doc["tasks"]) == count
-    assert doc["summary"]["filter"]["filtered_out"] == 81 - count
+    assert doc["summary"]["filter"]["filtered_out"] == 79 - count
 
 
 def test_text_filter_with_dot(tiny_llm_path):
@@ -115,11 +116,11 @@ def test_bad_options(tiny_llm_path, args, needle):
 
 def test_prepared_names_the_cache_to_plan_with(tiny_llm_path, cache_path):
     doc = json.loads(run(str(tiny_llm_path), "--prepared", str(cache_path), "--json").stdout)
-    assert doc["summary"]["recipes"]["read_packed_payload"] == 18
-    assert doc["summary"]["by_kind"] == {"read_source": 10, "read_packed": 18, "execute": 18}
+    assert doc["summary"]["recipes"]["read_packed_payload"] == 17
+    assert doc["summary"]["by_kind"] == {"read_source": 10, "read_packed": 17, "execute": 18}
     table = run(str(tiny_llm_path), "--prepared", str(cache_path), env={"COLUMNS": "200"})
     assert table.exit_code == 0, table.stderr
-    assert "read packed 18, read and prepacked 0, raw reads 10" in table.stdout
+    assert "read packed 17, read and prepacked 0, raw reads 10" in table.stdout
     off = json.loads(run(str(tiny_llm_path), "--prepared", str(cache_path), "--cache-policy", "disabled",
                          "--json").stdout)
     assert off["summary"]["recipes"]["read_packed_payload"] == 0  # the plan without the cache
@@ -133,12 +134,12 @@ def test_the_cache_beside_the_model_is_used_as_run_uses_it(tiny_llm_path, cache_
         shutil.copy2(f, folder / f.name)
     result = run(str(folder / "tiny-llm.onnx"), "--json")
     assert result.exit_code == 0, result.stderr
-    assert json.loads(result.stdout)["summary"]["recipes"]["read_packed_payload"] == 18
+    assert json.loads(result.stdout)["summary"]["recipes"]["read_packed_payload"] == 17
 
 
 def test_require_complete_without_a_cache(tiny_llm_path):
     assert_one_line_error(run(str(tiny_llm_path), "--cache-policy", "require-complete"),
-                          "prepared cache is incomplete: 18 of 18")
+                          "prepared cache is incomplete: 17 of 17")
 
 
 @pytest.mark.parametrize("args,needle", [(("--cache-policy", "sometimes"), "--cache-policy must be one of"),

@@ -84,6 +84,7 @@ def test_portable_kernels_report_scalar_after_a_simd_call(isa, monkeypatch):
     rng = np.random.default_rng(7)
     calls = {
         "gather": lambda: native.gather_block_quantized(np.array([0, 19, -1]), gather_packed),
+        "gather from the matmul layout": lambda: native.gather_block_quantized(np.array([0, -1]), mm_packed),
         "prepack matmul": lambda: _matmul_source(),
         "prepack gather": lambda: native.prepack_gather_block_quantized(data, scales, None, block_size=32),
         "prepack gemm": lambda: native.prepack_gemm_b(np.ones((4, 5), np.float32), trans_b=True),

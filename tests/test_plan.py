@@ -39,13 +39,17 @@ def test_reads_exactly_the_manifest(tiny):
     assert plan.bytes_to_read() == r.manifest.total_bytes
 
 
-def test_tied_embedding_one_read_two_prepacks(tiny):
+def test_tied_embedding_one_read_one_prepack(tiny):
+    """The tied table: one read, one prepack (the LM head's int4mm object), which the
+    embedding step (the first) and the LM head step (the last) both consume."""
     _, plan = tiny
     read = "S.read_source:embed_tokens.weight_q4"
-    consumers = [t for t in plan.session_tasks if read in t.dependencies]
-    assert len(consumers) == 2 and all(t.kind is TaskKind.PREPACK for t in consumers)
-    layouts = {plan.by_key[t.publishes].request.layout.split(".")[0] for t in consumers}
-    assert layouts == {"int4gather", "int4mm"}
+    [prepack] = [t for t in plan.session_tasks if read in t.dependencies]
+    assert prepack.kind is TaskKind.PREPACK
+    req = plan.by_key[prepack.publishes]
+    assert req.request.layout.split(".")[0] == "int4mm" and req.node == "lm_head"
+    consumers = [s.label for s in plan.steps if prepack.publishes in plan.by_id[s.task_id].prepared_requirements]
+    assert consumers == ["embed_tokens", "lm_head"]
 
 
 def test_seed_step_granularity_and_dependencies(tiny):
@@ -82,7 +86,10 @@ def test_precomputed_positions(tiny):
         assert 0 <= r.first_step <= r.last_step < len(plan.steps)
         assert r.packed_bytes > 0 and r.read_bytes > 0
     lm = next(r for r in plan.requirements if r.node == "lm_head" and r.kernel == "int4_matmul")
-    assert lm.first_step == len(plan.steps) - 1  # prefetch distance: the last step
+    # prefetch distance: the first step, where the embedding reads the tied table from it
+    assert (lm.first_step, lm.last_step) == (0, len(plan.steps) - 1)
+    last = next(r for r in plan.requirements if r.node == "layers.3.mlp.down_proj")
+    assert last.first_step == len(plan.steps) - 2
     norm = next(r for r in plan.requirements if r.request.layout == RAW_LAYOUT)
     assert plan.by_id[norm.publisher].kind is TaskKind.READ_SOURCE  # raw weight: the read publishes
     # input_ids: read by the embedding (action 0) and last by the mask's Shape; the graph

@@ -1,5 +1,5 @@
 """The plan report (``core/plan/plan_report.py``) of the tiny INT4 LLM: its tasks and
-scopes, the tied embedding / LM head's fan-out, the cost model and critical path, the
+scopes, the tied embedding / LM head's one prepack, the cost model and critical path, the
 filters, the JSON schema, the round trip against what a real Session executes, and the
 Graphviz rendering parsed back."""
 from __future__ import annotations
@@ -53,19 +53,21 @@ def validate(record: dict) -> None:
 
 def test_summary_counts_the_tiny_llm(doc, plan):
     s = doc["summary"]
-    # 45 external weights, each read once; 18 INT4 prepared objects (4 blocks x 4
-    # projections, the embedding gather and the LM head); one step per consuming node
-    assert s["tasks"] == 81 == len(doc["tasks"])
-    assert s["by_scope"] == {"session": 63, "invocation": 18}
-    assert s["by_kind"] == {"read_source": 45, "prepack": 18, "execute": 18}
-    assert s["by_resource"] == {"io": 45, "cpu": 36}
-    assert s["requirements"] == 28 and s["invocation_steps"] == 18
+    # 44 external weights, each read once (the embedding's own scales are not: the tied
+    # table is read through the LM head's object); 17 INT4 prepared objects (4 blocks x
+    # 4 projections, the LM head's, which the embedding gather reads too); one step per
+    # consuming node
+    assert s["tasks"] == 79 == len(doc["tasks"])
+    assert s["by_scope"] == {"session": 61, "invocation": 18}
+    assert s["by_kind"] == {"read_source": 44, "prepack": 17, "execute": 18}
+    assert s["by_resource"] == {"io": 44, "cpu": 35}
+    assert s["requirements"] == 27 and s["invocation_steps"] == 18
     manifest = plan.resolved.manifest
     assert s["bytes_to_read"] == {"source": manifest.total_bytes, "packed": 0}
     assert s["prepared_bytes"] == sum(r.packed_bytes for r in plan.requirements)
     assert s["lookahead"] == {"steps": plan.lookahead.steps, "bytes": plan.lookahead.bytes}
-    assert s["filter"] == {"scope": None, "text": None, "shown": 81, "filtered_out": 0}
-    assert s["recipes"] == {"read_packed_payload": 0, "read_source_and_prepack": 18, "read_source": 10}
+    assert s["filter"] == {"scope": None, "text": None, "shown": 79, "filtered_out": 0}
+    assert s["recipes"] == {"read_packed_payload": 0, "read_source_and_prepack": 17, "read_source": 10}
 
 
 def test_block0_reads_then_prepacks_each_weight(doc):
@@ -95,16 +97,17 @@ def test_block0_reads_then_prepacks_each_weight(doc):
         for k in step["prepared_requirements"]}
 
 
-def test_the_tied_source_is_read_once_for_two_prepacks(doc):
-    """The tied embedding / LM head: one read of the INT4 codes, a dependency of two
-    prepacks (the gather layout and the matmul layout), each with its own scales."""
+def test_the_tied_source_is_read_once_for_one_prepack(doc):
+    """The tied embedding / LM head: one read of the INT4 codes, a dependency of one
+    prepack (the LM head's matmul layout, which the embedding reads too): no fan-out."""
     reads = [t for t in doc["tasks"] if t["id"] == TIED]
     assert len(reads) == 1
-    consumers = [t for t in doc["tasks"] if TIED in t["dependencies"]]
-    assert [t["kind"] for t in consumers] == ["prepack", "prepack"]
-    layouts = sorted(t["publishes"].split("|")[1].split(".")[0] for t in consumers)
-    assert layouts == ["int4gather", "int4mm"]
-    assert doc["summary"]["fan_out"] == [{"task": TIED, "consumers": [t["id"] for t in consumers]}]
+    [prepack] = [t for t in doc["tasks"] if TIED in t["dependencies"]]
+    assert prepack["kind"] == "prepack"
+    assert prepack["publishes"].split("|")[1].split(".")[0] == "int4mm"
+    consumers = [t["label"] for t in doc["tasks"] if prepack["publishes"] in t["prepared_requirements"]]
+    assert consumers == ["embed_tokens", "lm_head"]
+    assert doc["summary"]["fan_out"] == []
 
 
 # ------------------------------------------------------------- cost model, critical path
@@ -142,12 +145,12 @@ def test_a_slow_disk_moves_the_critical_path_to_the_largest_read(plan):
 
 # ------------------------------------------------------------------------- filters
 
-@pytest.mark.parametrize("scope,count", [("session", 63), ("invocation", 18)])
+@pytest.mark.parametrize("scope,count", [("session", 61), ("invocation", 18)])
 def test_scope_keeps_one_scope_and_says_how_many_left(plan, scope, count):
     rec = plan_report(plan, scope=scope)
     assert len(rec["tasks"]) == count and {t["scope"] for t in rec["tasks"]} == {scope}
-    assert rec["summary"]["filter"] == {"scope": scope, "text": None, "shown": count, "filtered_out": 81 - count}
-    assert rec["summary"]["tasks"] == 81  # the summary is of the whole plan
+    assert rec["summary"]["filter"] == {"scope": scope, "text": None, "shown": count, "filtered_out": 79 - count}
+    assert rec["summary"]["tasks"] == 79  # the summary is of the whole plan
     validate(rec)
 
 
@@ -156,9 +159,9 @@ def test_text_filter_matches_ids_and_labels(plan):
     ids = [t["id"] for t in rec["tasks"]]
     # 8 reads + 4 prepacks + 2 raw reads of block 0, and its 4 steps
     assert len(ids) == 18 and all("layers.0." in i for i in ids)
-    assert rec["summary"]["filter"]["filtered_out"] == 63
+    assert rec["summary"]["filter"]["filtered_out"] == 61
     by_label = plan_report(plan, text="prepack embed_tokens")  # a label, not in any id
-    assert [t["kind"] for t in by_label["tasks"]] == ["prepack", "prepack"]
+    assert [t["kind"] for t in by_label["tasks"]] == ["prepack"]
     assert plan_report(plan, text="no such task")["tasks"] == []
     with pytest.raises(ValueError):
         plan_report(plan, scope="bogus")
@@ -188,7 +191,7 @@ def cache_path(tiny_llm_path, tmp_path_factory):
 
     path = tmp_path_factory.mktemp("prepared") / "tiny-llm.prepared.onnx"
     built = build_prepared_cache(tiny_llm_path, output=path)
-    assert built["written"] == built["objects"] == 18
+    assert built["written"] == built["objects"] == 17
     return path
 
 
@@ -210,7 +213,7 @@ def test_with_a_complete_cache_one_read_packed_per_weight_publishing_the_same_ke
     validate(cached_doc)
     prepacks = [t for t in doc["tasks"] if t["kind"] == "prepack"]
     packed = [t for t in cached_doc["tasks"] if t["kind"] == "read_packed"]
-    assert len(packed) == len(prepacks) == 18
+    assert len(packed) == len(prepacks) == 17
     assert sorted(t["publishes"] for t in packed) == sorted(t["publishes"] for t in prepacks)
     for t in packed:
         assert t["id"] == f"S.read_packed:{t['publishes']}"
@@ -224,12 +227,12 @@ def test_with_a_complete_cache_one_read_packed_per_weight_publishing_the_same_ke
     assert [t["dependencies"] for t in cached_steps] == [[rename.get(d, d) for d in t["dependencies"]]
                                                           for t in plain_steps]
     s = cached_doc["summary"]
-    assert s["recipes"] == {"read_packed_payload": 18, "read_source_and_prepack": 0, "read_source": 10}
-    assert doc["summary"]["recipes"] == {"read_packed_payload": 0, "read_source_and_prepack": 18, "read_source": 10}
+    assert s["recipes"] == {"read_packed_payload": 17, "read_source_and_prepack": 0, "read_source": 10}
+    assert doc["summary"]["recipes"] == {"read_packed_payload": 0, "read_source_and_prepack": 17, "read_source": 10}
     assert s["bytes_to_read"]["packed"] == sum(t["estimated_bytes"] for t in packed)
     assert s["bytes_to_read"]["source"] == sum(t["estimated_bytes"] for t in cached_doc["tasks"]
                                                if t["kind"] == "read_source")
-    assert s["by_kind"] == {"read_source": 10, "read_packed": 18, "execute": 18}
+    assert s["by_kind"] == {"read_source": 10, "read_packed": 17, "execute": 18}
     for q in cached_doc["requirements"]:
         if q["selected"] != "read_source":
             assert q["selected"] == "read_packed_payload"
@@ -269,7 +272,7 @@ def test_the_json_is_the_plan_a_session_executes(tiny_llm_path, doc, cached, req
                     deps.setdefault(d.name, [x.name for x in d.deps])
     finally:
         if cache is not None:
-            assert cache.counters["packed_reads"] == 18 and cache.counters["fallbacks"] == 0
+            assert cache.counters["packed_reads"] == 17 and cache.counters["fallbacks"] == 0
             cache.close()
 
     session_rows = [t for t in record["tasks"] if t["scope"] == "session"]
@@ -324,7 +327,7 @@ def test_dot_has_every_task_and_every_dependency(doc):
     for t in doc["tasks"]:
         assert nodes[t["id"]] == (t["scope"], RESOURCE_COLOURS[t["resource"]], t["resource"])
     assert sorted(edges) == sorted((d, t["id"]) for t in doc["tasks"] for d in t["dependencies"])
-    assert sum(1 for a, _ in edges if a == TIED) == 2  # the fan-out
+    assert sum(1 for a, _ in edges if a == TIED) == 1  # one prepack of the tied codes
     if shutil.which("dot") is None:
         pytest.skip("Graphviz `dot` not installed: structure checked, rendering skipped")
     out = subprocess.run(["dot", "-Tsvg"], input=text, capture_output=True, text=True, timeout=60)

@@ -111,8 +111,8 @@ def test_logits_and_greedy_tokens_match_onnxruntime(any_export, batch):
 def test_from_a_prepared_cache_no_packed_source_byte_is_read(any_export, tmp_path):
     """build-cache on a copy (digests written first: an entry needs its sources'), then
     require-complete: every prepared object comes from the cache, not one byte of a
-    packed source is read or mapped (the tied Qwen2 weight included: both its layouts
-    are entries), the only source bytes are the weights with no prepared form, and the
+    packed source is read or mapped (the tied Qwen2 weight included: one entry serves
+    its embedding and LM head), the only source bytes are the weights with no prepared form, and the
     decode is the uncached one's, so it matches ONNX Runtime the same way."""
     folder = tmp_path / "m"
     shutil.copytree(any_export.parent, folder)

@@ -211,10 +211,11 @@ def test_fixture_command_refuses_an_unknown_export_and_shape_options(tmp_path):
     assert result.exit_code == EXIT_UNUSABLE and "synthetic presets" in result.output
 
 
-def test_the_tied_qwen2_weight_is_one_read_feeding_both_prepacks():
+def test_the_tied_qwen2_weight_is_one_read_and_one_prepack():
     """The builder's Reshape-fed GatherBlockQuantized folded (core/model/weight_views.py):
     the LM head's int4 weight and its scales are each read once by the plan, each read
-    feeding the gather and the matmul prepack, as for the synthetic fixture's tie."""
+    feeding one prepack, the matmul layout the gather reads too
+    (core/kernels/tied_embedding.py), as for the synthetic fixture's tie."""
     from onnx_prep.core.model.resolution import resolve_model
     from onnx_prep.core.plan.execution_plan import build_prepared_execution_plan
     from onnx_prep.core.plan.task import TaskKind
@@ -228,6 +229,6 @@ def test_the_tied_qwen2_weight_is_one_read_feeding_both_prepacks():
     plan = build_prepared_execution_plan(resolved)
     for weight in ("lm_head.MatMul.weight_Q4", "lm_head.MatMul.weight_scales"):
         read = f"S.read_source:{weight}"
-        consumers = [t for t in plan.session_tasks if read in t.dependencies]
-        assert len(consumers) == 2 and all(t.kind is TaskKind.PREPACK for t in consumers)
-        assert {plan.by_key[t.publishes].request.layout.split(".")[0] for t in consumers} == {"int4gather", "int4mm"}
+        [prepack] = [t for t in plan.session_tasks if read in t.dependencies]  # one object for both nodes
+        assert prepack.kind is TaskKind.PREPACK
+        assert plan.by_key[prepack.publishes].request.layout.split(".")[0] == "int4mm"

@@ -45,8 +45,8 @@ def test_summary_of_the_tiny_llm(tiny_llm_path):
     result = run("resolve", str(tiny_llm_path))
     assert result.exit_code == 0, result.stderr
     out = result.stdout
-    for needle in ("159 kept of 255 (2 pruned, 94 fused away", "9 rms_norm, 8 rotary; 0 near-misses", "int4_matmul", "int4_gather", "int4mm.v1.bs32", "int4gather.v1.bs32",
-                   "45 trusted (45 fine", "prepared requirements", "shared source weights"):
+    for needle in ("159 kept of 255 (2 pruned, 94 fused away", "9 rms_norm, 8 rotary; 0 near-misses", "int4_matmul", "int4_gather", "int4mm.v1.bs32",
+                   "44 trusted (44 fine", "prepared requirements", "17 distinct; 0 source weights feed more than one"):
         assert needle in out, needle
     assert result.stderr == ""
 
@@ -62,9 +62,10 @@ def test_json_validates_against_the_documented_schema(tiny_llm_path):
     assert [(p["pattern"], p["count"]) for p in doc["fusion"]["patterns"]] == [("rms_norm", 9), ("rotary", 8)]
     assert doc["payload"]["bytes"] == sum(w["length"] for w in doc["weights"] if w["file"])
     assert {k["kernel"]: k["nodes"] for k in doc["kernels"]}["int4_matmul"] == 17
-    (shared,) = doc["shared_sources"]
-    assert len(shared["requirements"]) == 2
-    assert doc["digests"] == {"tensor_metadata": 45, "file_checksum": 0, "none": 0, "missing": []}
+    assert doc["shared_sources"] == []  # the tied table: one requirement for both nodes
+    [tied] = [q for q in doc["requirements"] if q["source_lineage"][0] == "embed_tokens.weight_q4"]
+    assert tied["consumers"] == ["embed_tokens", "lm_head"]
+    assert doc["digests"] == {"tensor_metadata": 44, "file_checksum": 0, "none": 0, "missing": []}
 
 
 def test_schema_rejects_undocumented_fields(tiny_llm_path):

@@ -169,13 +169,15 @@ def test_first_layer_runs_before_a_delayed_later_weight_is_read(tiny_llm_path):
     assert ctx.outputs is not None
 
 
-def test_tied_source_consumers_are_prepacked_together(tiny_llm_path):
-    """The tied embedding / LM head source is read once; when the run asks for the
-    embedding's prepack (step 0), the LM head's prepack is submitted with it (DEMANDED),
-    long before the run's look-ahead window would reach the last step, so the source
-    buffer is freed early and the LM head is not the load's serial tail."""
-    io = _io(tiny_llm_path)
-    with Session.open(tiny_llm_path) as s:
+def test_tied_source_consumers_are_prepacked_together(tiny_zp_llm_path):
+    """A source two prepacks share (the zero-point fixture's embedding / LM head table:
+    its zero points are in each op's byte form, so the two keep their own layouts,
+    core/kernels/tied_embedding.py) is read once; when the run asks for the embedding's
+    prepack (step 0), the LM head's prepack is submitted with it (DEMANDED), long
+    before the run's look-ahead window would reach the last step, so the source buffer
+    is freed early and the LM head is not the load's serial tail."""
+    io = _io(tiny_zp_llm_path)
+    with Session.open(tiny_zp_llm_path) as s:
         plan = s.plan
         consumers: dict[str, list] = {}
         for r in plan.requirements:
@@ -193,14 +195,15 @@ def test_tied_source_consumers_are_prepacked_together(tiny_llm_path):
         assert head.priority is not Priority.BACKGROUND
 
 
-def test_tied_consumer_is_raised_when_its_sibling_is_promoted(tiny_llm_path):
-    """prepare_async() first submits the tied LM head (and the read of its own scales)
-    as speculative work; when a run then asks for the embedding at CRITICAL (what its
-    first step does), the LM head follows it up to DEMANDED, the read of its scales with
-    it: otherwise that read waits behind every DEMANDED read of the load and the LM head
-    is packed last, in the time to first output."""
+def test_tied_consumer_is_raised_when_its_sibling_is_promoted(tiny_zp_llm_path):
+    """prepare_async() first submits the LM head sharing the embedding's source (the
+    zero-point fixture's two layouts, and the read of its own scales) as speculative
+    work; when a run then asks for the embedding at CRITICAL (what its first step does),
+    the LM head follows it up to DEMANDED, the read of its scales with it: otherwise
+    that read waits behind every DEMANDED read of the load and the LM head is packed
+    last, in the time to first output."""
     gate = threading.Event()
-    with Session.open(tiny_llm_path) as s:
+    with Session.open(tiny_zp_llm_path) as s:
         s.reader.hooks.before_read = lambda desc: gate.wait(HOOK_TIMEOUT_S)  # nothing finishes yet
         plan = s.plan
         consumers: dict[str, list] = {}

@@ -1,7 +1,7 @@
 """Weight views folded at resolve (core/model/weight_views.py): the onnxruntime-genai
 builder's tied embedding, GatherBlockQuantized over a Reshape of the LM head's
-MatMulNBits weight, resolves to one source read fanning out to the gather and the
-matmul layouts and computes what ONNX Runtime computes; a view chain folds; what
+MatMulNBits weight, resolves to one source read and one prepared object (the matmul
+layout, core/kernels/tied_embedding.py) and computes what ONNX Runtime computes; a view chain folds; what
 cannot be folded without reading bytes is refused in one line naming the node."""
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def builder_tied_model(out_dir, view: str = "reshape"):
 
 
 @pytest.mark.parametrize("view", ["reshape", "chain"])
-def test_the_view_folds_to_one_source_read_feeding_both_layouts(tmp_path, view):
+def test_the_view_folds_to_one_source_read_and_one_prepared_object(tmp_path, view):
     path = builder_tied_model(tmp_path, view)
     r = resolve_model(path)
     assert r.unsupported == ()
@@ -87,11 +87,11 @@ def test_the_view_folds_to_one_source_read_feeding_both_layouts(tmp_path, view):
                                                                      (VOCAB, HIDDEN // 2))
     assert [op for op, _ in fold.through] == (["Reshape"] if view == "reshape" else
                                               ["Identity", "Unsqueeze", "Flatten", "Reshape"])
-    # one source descriptor, two prepared objects (gather layout, matmul layout)
+    # one source descriptor, one prepared object (the matmul layout, the tied gather's too)
     assert [d.name for d in r.manifest] == ["W", "scales"]
-    lineages = sorted(req.source_lineage for req in r.requests.values())
-    assert lineages == [("W", "scales"), ("W", "scales")]
-    assert {req.layout.split(".")[0] for req in r.requests.values()} == {"int4gather", "int4mm"}
+    [req] = r.requests.values()
+    assert req.source_lineage == ("W", "scales") and req.layout.split(".")[0] == "int4mm"
+    assert embed.requirements == (req,)
 
 
 def test_the_folded_tie_computes_what_onnxruntime_computes_reading_w_once(tmp_path):
@@ -114,7 +114,8 @@ def test_resolve_shows_the_fold_in_one_line_and_in_the_record(tmp_path):
     assert doc["folded_views"] == [{"node": "embed", "source": "W", "source_dims": [VOCAB, KB, BS // 2],
                                     "dims": [VOCAB, HIDDEN // 2],
                                     "through": [{"op_type": "Reshape", "node": "embed.reshape"}]}]
-    assert doc["shared_sources"][0]["weight"] == "W"
+    [req] = doc["requirements"]
+    assert req["source_lineage"] == ["W", "scales"] and req["consumers"] == ["embed", "lm_head"]
     result = cli.invoke(app, ["resolve", str(path)])
     assert result.exit_code == 0, result.output
     # one row of the summary (rich wraps it to the terminal's width)

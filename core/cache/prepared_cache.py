@@ -146,10 +146,9 @@ class PreparedCache:
         self.outcomes: dict[str, EntryOutcome] = {}
         self._abi = kernel_abi()
         self._requests = {k: r for k, r in resolved.requests.items() if r.layout != RAW_LAYOUT}
-        self._consumer = {}  # key -> its first consumer node (its attributes size the object)
-        for node in resolved.nodes:
-            for k in node.prepared_inputs:
-                self._consumer.setdefault(k, node)
+        from onnx_prep.core.kernels.prepack import packing_nodes
+
+        self._consumer = packing_nodes(resolved.nodes)  # key -> its packing node (its attributes size the object)
         if self.policy is CachePolicy.DISABLED:
             return
         from onnx_prep.core.cache.manifest import CacheFormatError

@@ -9,8 +9,12 @@ place of data, scales and zero points.
 Data may be a folded view of an initializer (``DATA_VIEW``, core/model/weight_views.py:
 the genai builder's tied embedding reads the LM head's ``[V, K/bs, bs/2]`` weight as
 ``[V, K/2]``): the rules and the row shape use the view's dims. The packed bytes do
-not depend on them (V is scales' first dim, the rows are the same bytes), so the tied
-weight is one source read and one lineage for both the gather and the matmul layout.
+not depend on them (V is scales' first dim, the rows are the same bytes).
+
+A tied embedding (the LM head's MatMulNBits reads the same table alike:
+core/kernels/tied_embedding.py) reads the matmul's ``int4mm`` object instead: resolution
+replaces this kernel's request with the matmul's, so the weight is packed once; the
+``int4gather`` layout is for untied tables.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from typing import Any, Mapping
 import numpy as np
 from onnx import TensorProto
 
+from onnx_prep.core.kernels.int4_matmul import LAYOUT_NAME as MATMUL_LAYOUT_NAME
 from onnx_prep.core.kernels.int4_weights import SCALE_DTYPES, zero_point_kind, zero_points_of
 from onnx_prep.core.kernels.spec import (REFERENCE, KernelChoice, KernelSpec, MatchContext, PreparedForm,
                                          node_input, power_of_two_block, prepared_choice, refuse)
@@ -27,7 +32,7 @@ from onnx_prep.core.model.transforms import GraphNode
 from onnx_prep.core.model.weight_views import DATA_VIEW
 from onnx_prep.core.model.weights import WeightDescriptor
 from onnx_prep.core.ops import int4
-from onnx_prep.core.ops.attributes import ROW_SHAPE
+from onnx_prep.core.ops.attributes import ROW_SHAPE, ROWS_AS_COLUMNS
 from onnx_prep.core.ops.registry import MS_DOMAIN, OpImpl
 from onnx_prep.native.layouts import PACK_FORMAT_VERSION
 
@@ -143,7 +148,12 @@ def packed_size(request: PrepackRequest, attrs: Mapping[str, Any],
 
 def bind_attrs(node: Any, attrs: dict, weights: Mapping[str, WeightDescriptor]) -> None:
     """The shape of one gathered row (``ROW_SHAPE``): the native gather returns
-    ``[..., row elements]``; ORT's output keeps data's trailing dimensions."""
+    ``[..., row elements]``; ORT's output keeps data's trailing dimensions. A gather
+    reading its LM head's object (core/kernels/tied_embedding.py) takes rows as its
+    columns (``ROWS_AS_COLUMNS``)."""
+    if any(key.rsplit("|", 2)[1].startswith(MATMUL_LAYOUT_NAME + ".")
+           for key in getattr(node, "prepared_inputs", ())):
+        attrs[ROWS_AS_COLUMNS] = True
     desc = weights.get(node.inputs[0]) if weights is not None else None
     if desc is None:
         return

@@ -3,8 +3,10 @@ kernel's spec (``PreparedForm``).
 
 ``prepack(kernel_id, request, sources, node_attrs, backend=)`` is what the session's
 prepack tasks call. Sources are found by the request's lineage, whose order the
-kernel's ``match`` fixes. ``node_attrs`` are the attributes of (any) consumer node;
-equal layout keys guarantee any consumer gives the same bytes.
+kernel's ``match`` fixes. ``kernel_id`` and ``node_attrs`` are the packing node's
+(``packing_nodes``): the first consumer whose kernel's layout the key names; equal
+layout keys guarantee any such consumer gives the same bytes. (A tied embedding's
+gather consumes its LM head's ``int4mm`` object: the matmul's node packs it.)
 
 Backends (spec.py): ``native`` (default), the self-describing ``uint8`` packed buffer
 of ``onnx_prep.native``, what the layout key names and the cache persists;
@@ -16,7 +18,7 @@ stay packed uint8) or as ``ResolvedModel.inline_values`` holds them.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -26,7 +28,8 @@ from onnx_prep.core.kernels.spec import NATIVE, REFERENCE, PreparedForm
 from onnx_prep.core.model.prepared_key import PrepackRequest
 from onnx_prep.core.ops.attributes import normalize_attributes
 
-__all__ = ["NATIVE", "REFERENCE", "consumer_node", "packed_size", "prepack", "prepack_all", "source_loader"]
+__all__ = ["NATIVE", "REFERENCE", "consumer_node", "packed_size", "packing_nodes", "prepack", "prepack_all",
+           "source_loader"]
 
 
 def _prepared_form(kernel_id: str | None) -> PreparedForm | None:
@@ -65,18 +68,34 @@ def packed_size(kernel_id: str | None, request: PrepackRequest, resolved: Any,
     the kernel has no prepared form. ``resolved`` supplies the consumer node's
     attributes (``node``, when the caller has it) and the sources' dims (the plan's size
     estimate calls this)."""
-    form = _prepared_form(kernel_id)
     if node is None:
-        key = request.key  # (a property that builds the string: once, not once per node)
-        node = next((n for n in resolved.nodes if key in n.prepared_inputs), None)
+        node = packing_nodes(resolved.nodes).get(request.key)
+    form = _prepared_form(kernel_id)
     if node is None or form is None:
         return None
     return form.packed_size(request, normalize_attributes(node.attributes), resolved.weights, backend)
 
 
+def packing_nodes(nodes: Iterable[Any]) -> dict[str, Any]:
+    """Each prepared key's packing node, whose kernel and attributes make its bytes: the
+    first consumer whose kernel's layout is the key's (``PreparedForm.layout_name``,
+    the layout's first field), else its first consumer."""
+    first: dict[str, Any] = {}
+    owner: dict[str, Any] = {}
+    for node in nodes:
+        for key in node.prepared_inputs:
+            first.setdefault(key, node)
+            if key not in owner:
+                form = _prepared_form(node.kernel)
+                if form is not None and key.rsplit("|", 2)[1].split(".", 1)[0] == form.layout_name:
+                    owner[key] = node
+    return {k: owner.get(k, n) for k, n in first.items()}
+
+
 def consumer_node(resolved: Any, key: str):
-    """The first node consuming prepared ``key`` (its attributes parameterise the prepack)."""
-    node = next((n for n in resolved.nodes if key in n.prepared_inputs), None)
+    """The node packing prepared ``key`` (``packing_nodes``: its kernel and attributes
+    parameterise the prepack)."""
+    node = packing_nodes(resolved.nodes).get(key)
     if node is None:
         raise OnnxPrepError(f"no node consumes prepared object {key}", Where(model=str(resolved.model_path)))
     return node
@@ -90,8 +109,9 @@ def prepack_all(resolved: Any, load: Callable[[str], np.ndarray], *, backend: st
     For tests, tools and the direct-replay baseline; the session materializes the same
     objects through its plan's read / prepack tasks instead."""
     out: dict[str, np.ndarray] = {}
+    packers = packing_nodes(resolved.nodes)
     for key, req in resolved.requests.items():
-        node = consumer_node(resolved, key)
+        node = packers.get(key) or consumer_node(resolved, key)
         sources = {n: load(n) for n in req.source_lineage}
         out[key] = prepack(node.kernel, req, sources, node.attributes, backend=backend)
     return out

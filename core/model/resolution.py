@@ -14,7 +14,8 @@ Steps:
 3. ``transforms.run_transforms``: views of an initializer feeding a weight input folded
    (``weight_views``), DequantizeLinear(int4)+MatMul fusion, dead-node and
    unused-initializer pruning;
-4. ``kernels_registry.choose_kernel`` per node; identical PrepackRequests are one;
+4. ``kernels_registry.choose_kernel`` per node; a tied embedding's gather takes its LM
+   head's request (``tied_embedding``); identical PrepackRequests are one;
 5. validate the active external entries (path rules of ``external_data`` and bounds
    from the file size) and freeze the manifest (active external entries, first-use
    order);
@@ -35,6 +36,7 @@ import onnx
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
 from onnx_prep.core.kernels import registry as kernels_registry
+from onnx_prep.core.kernels.tied_embedding import tie_gathers, unread_initializers
 from onnx_prep.core.errors import (
     DigestError,
     ExternalDataError,
@@ -144,12 +146,15 @@ def resolve_model(path: str | os.PathLike, *, trust_symlinks: bool = False,
     requests: dict[PreparedKey, PrepackRequest] = {}
     kernels: list[NodeKernel] = []
     unsupported: dict[tuple[str, str], list[str]] = {}
-    for index, node in enumerate(result.nodes):
+    choices = []
+    for node in result.nodes:
         try:
-            choice = kernels_registry.choose_kernel(node, constants, opsets=opsets,
-                                                   local_functions=local_functions)
+            choices.append(kernels_registry.choose_kernel(node, constants, opsets=opsets,
+                                                          local_functions=local_functions))
         except ModelFormatError as exc:  # a kernel spec's rule: the model is named here
             raise ModelFormatError(exc.message, replace(exc.where, model=ctx.model), exc.hint) from None
+    choices = tie_gathers(result.nodes, choices, constants)  # a tied embedding reads its LM head's object
+    for index, (node, choice) in enumerate(zip(result.nodes, choices)):
         for req in choice.requirements:
             requests.setdefault(req.key, req)
         if choice.kernel is None:
@@ -163,7 +168,8 @@ def resolve_model(path: str | os.PathLike, *, trust_symlinks: bool = False,
         ))
 
     # -- active weights: validate external entries, collect inline values
-    active = [descriptors[n] for n in result.used_initializers]
+    unread = unread_initializers(result.nodes, choices, outputs)
+    active = [descriptors[n] for n in result.used_initializers if n not in unread]
     sizes: dict[str, int] = {}
     inline_values: dict[str, np.ndarray] = {}
     for d in active:

@@ -22,13 +22,17 @@ N_OUTPUTS = "_n_outputs"
 # Reserved key for prepacked gathers: the element shape of one gathered row of the
 # (unloaded) data tensor, from its WeightDescriptor, so the output keeps ONNX's shape.
 ROW_SHAPE = "_row_shape"
+# Reserved key for a gather reading a matmul's prepared B (a tied embedding,
+# core/kernels/tied_embedding.py): row v of the table is column v of the prepared
+# object (the reference backend's float32 [K, N]; the native buffer says so itself).
+ROWS_AS_COLUMNS = "_rows_as_columns"
 # Reserved key for a Concat whose first input is a graph input and whose output is a graph
 # output (the KV cache: present = Concat(past, new)): it appends in place when it can
 # (core/ops/append_buffer.py).
 APPEND_IN_PLACE = "_append_in_place"
 # DATA_VIEW (core/model/weight_views.py): the dims a weight input folded at resolve time
 # is read as, its input naming the initializer itself.
-RESERVED = frozenset({N_OUTPUTS, ROW_SHAPE, APPEND_IN_PLACE, DATA_VIEW})
+RESERVED = frozenset({N_OUTPUTS, ROW_SHAPE, ROWS_AS_COLUMNS, APPEND_IN_PLACE, DATA_VIEW})
 
 
 def plain_value(value: Any) -> Any:

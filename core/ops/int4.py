@@ -31,7 +31,7 @@ import numpy as np
 
 from onnx_prep.core.model.transforms import MATMUL_NBITS_WEIGHT_LAYOUT, QDQ_WEIGHT_LAYOUT
 from onnx_prep.core.ops import intra_op
-from onnx_prep.core.ops.attributes import DATA_VIEW, ROW_SHAPE, axis_index
+from onnx_prep.core.ops.attributes import DATA_VIEW, ROW_SHAPE, ROWS_AS_COLUMNS, axis_index
 
 _I4_TYPES = ("int4", "uint4")
 
@@ -233,6 +233,12 @@ def gather_block_quantized(inputs, attrs, prepared):
         row_shape = attrs.get(ROW_SHAPE)
         if row_shape is not None:
             y = y.reshape(tuple(indices.shape) + tuple(row_shape))
+    elif packed is not None and attrs.get(ROWS_AS_COLUMNS):
+        # the LM head's dequantized B [K, V] (a tied embedding): row v is its column v
+        y = np.moveaxis(np.take(packed, indices, axis=1), 0, -1)
+        row_shape = attrs.get(ROW_SHAPE)
+        if row_shape is not None:
+            y = y.reshape(tuple(np.shape(indices)) + tuple(row_shape))
     elif packed is not None:
         ga = axis_index(gather_axis, packed.ndim)
         y = np.take(packed, indices, axis=ga)

@@ -119,7 +119,7 @@ class PreparedRequirement:
     selected: MaterializationRecipe
     publisher: TaskId  # the session task that publishes the key under the selected recipe
     kernel: str
-    node: str  # first consumer node (its attributes parameterise the prepack)
+    node: str  # the packing node (prepack.packing_nodes: its kernel and attributes make the bytes)
     packed_bytes: int  # estimate
     read_bytes: int  # bytes the selected recipe reads
     first_step: int  # prefetch distance, in invocation steps from the start of a run
@@ -259,7 +259,7 @@ def _packed_size_estimate(req: PrepackRequest, node: NodeKernel, resolved: Resol
     otherwise the source bytes (INT4 packs to about its source size)."""
     from onnx_prep.core.kernels.prepack import packed_size
 
-    size = packed_size(node.kernel, req, resolved)
+    size = packed_size(node.kernel, req, resolved, node=node)
     if size is not None:
         return int(size)
     return sum(resolved.weights[n].length for n in req.source_lineage if n in resolved.weights)
@@ -346,9 +346,12 @@ def build_prepared_execution_plan(
                 estimated_output_bytes=t.estimated_output_bytes, arena=Arena.PREPARED, label=t.label)
         return tasks[read_task[desc.name]].id
 
+    from onnx_prep.core.kernels.prepack import packing_nodes
+
+    packers = packing_nodes(resolved.nodes)  # a tied embedding's object: the LM head packs it
     requirements: list[PreparedRequirement] = []
     for k in keys:
-        node = first_node[k]
+        node = packers.get(k, first_node[k])
         req = req_of[k]
         if req.layout == RAW_LAYOUT:
             desc = resolved.weights[req.logical_value]

@@ -134,7 +134,7 @@ class Materializer:
                 sources[n] = self.resolved.inline_values[n]
         try:
             tctx.raise_if_cancelled()
-            size = packed_size(node.kernel, req.request, self.resolved)
+            size = packed_size(node.kernel, req.request, self.resolved, node=node)
             if size is None:  # no exact size query for this kernel: pack, then copy
                 t0 = time.perf_counter_ns()
                 packed = np.ascontiguousarray(
