@@ -9,9 +9,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from onnx_prep.native._module import check, lib
+from onnx_prep.native._module import check, ffi, lib
 from onnx_prep.native.isa import isa_id
 from onnx_prep.native.packed import ptr
+
+_F32 = np.dtype(np.float32)
 
 
 class NormResult(NamedTuple):
@@ -60,3 +62,32 @@ def norm_rows(x: np.ndarray, gamma: np.ndarray, *, beta: np.ndarray | None = Non
     if want_sum and skip is None and bias is None:
         total = x.copy()  # nothing was added: the sum is the input
     return NormResult(y, total, mean, inv)
+
+
+def _plain(a, ndim: int) -> bool:
+    """``a`` is in the kernel's own form: a C-contiguous float32 ndarray of rank ``ndim``."""
+    return type(a) is np.ndarray and a.dtype == _F32 and a.ndim == ndim and a.flags.c_contiguous
+
+
+def norm_rows_y(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray | None, *, epsilon: float,
+                simplified: bool) -> np.ndarray:
+    """``norm_rows(x, gamma, beta=beta, epsilon=epsilon, simplified=simplified).y``: the
+    decode step's norm (no skip, no bias, no statistics).
+
+    NOTE: one C call and little else when the arguments already are in the kernel's form
+    (x a C-contiguous float32 [rows, n], gamma and beta C-contiguous float32 [n]): a
+    decode step normalizes a few rows, so the ~5 us of argument copies, checks and
+    result tuple ``norm_rows`` spends per call (33 norms a medium step) weigh more than
+    the rows. The same C call with the same pointers: the same bits. Anything else takes
+    ``norm_rows``."""
+    n = x.shape[-1] if x.ndim else 0
+    if not (_plain(x, 2) and _plain(gamma, 1) and gamma.shape[0] == n
+            and (beta is None or (_plain(beta, 1) and beta.shape[0] == n))):
+        return norm_rows(x, gamma, beta=beta, epsilon=epsilon, simplified=simplified).y
+    y = np.empty_like(x)
+    check(lib.op_norm_rows(isa_id(None), ffi.from_buffer("float[]", x), ffi.NULL, 0, ffi.NULL,
+                           ffi.from_buffer("float[]", gamma),
+                           ffi.NULL if beta is None else ffi.from_buffer("float[]", beta), x.shape[0], n,
+                           float(epsilon), 1 if simplified else 0, ffi.from_buffer("float[]", y), ffi.NULL,
+                           ffi.NULL, ffi.NULL), "norm_rows")
+    return y

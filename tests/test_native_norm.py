@@ -143,6 +143,67 @@ def test_bad_arguments_are_value_errors():
         native.norm_rows(x[0], g, epsilon=0.0, simplified=True)
 
 
+@given(shape=rows_n, simplified=st.booleans(), with_beta=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_the_decode_paths_lean_call_gives_norm_rows_bits(shape, simplified, with_beta, seed):
+    """norm_rows_y (the ops' call without skip, bias or statistics) is norm_rows(...).y bit
+    for bit, on the active ISA as norm_rows' default."""
+    rng = np.random.default_rng(seed)
+    x, g, b = _values(rng, shape), _values(rng, shape[1]), _values(rng, shape[1])
+    beta = b if with_beta else None
+    got = native.norm_rows_y(x, g, beta, epsilon=1e-5, simplified=simplified)
+    want = native.norm_rows(x, g, beta=beta, epsilon=1e-5, simplified=simplified).y
+    assert got.dtype == np.float32 and got.shape == x.shape
+    np.testing.assert_array_equal(got, want)
+
+
+def test_the_lean_call_takes_norm_rows_for_any_other_form():
+    """Arguments not in the kernel's form (a strided x, float64 gamma, a Python list) are
+    copied as norm_rows copies them, with the same bits; a gamma of the wrong length is
+    norm_rows' ValueError, not a read past its end."""
+    rng = np.random.default_rng(7)
+    x, g = _values(rng, (5, 64)), _values(rng, 64)
+    want = native.norm_rows(x, g, epsilon=1e-6, simplified=True).y
+    strided = np.zeros((5, 128), np.float32)
+    strided[:, ::2] = x
+    np.testing.assert_array_equal(native.norm_rows_y(strided[:, ::2], g, None, epsilon=1e-6, simplified=True), want)
+    np.testing.assert_array_equal(native.norm_rows_y(x, g.astype(np.float64), None, epsilon=1e-6, simplified=True),
+                                  native.norm_rows(x, g.astype(np.float64), epsilon=1e-6, simplified=True).y)
+    np.testing.assert_array_equal(native.norm_rows_y(x, g.tolist(), None, epsilon=1e-6, simplified=True), want)
+    with pytest.raises(ValueError, match="gamma"):
+        native.norm_rows_y(x, g[:63], None, epsilon=1e-6, simplified=True)
+    with pytest.raises(ValueError, match="beta"):
+        native.norm_rows_y(x, g, g[:63], epsilon=1e-6, simplified=False)
+    with pytest.raises(ValueError, match="2-D"):
+        native.norm_rows_y(x[0], g, None, epsilon=1e-6, simplified=True)
+
+
+@pytest.mark.parametrize("op, simplified", [("simplified_layer_normalization", True),
+                                              ("layer_normalization", False)])
+def test_a_single_output_norm_op_computes_what_norm_rows_does(op, simplified):
+    """A norm node with one output (the fused RMSNorm of a decode step) takes the lean call:
+    the values norm_rows gives, for a contiguous input, a strided view and float16."""
+    from onnx_prep.core.ops import norm
+    from onnx_prep.core.ops.attributes import N_OUTPUTS
+
+    rng = np.random.default_rng(8)
+    x = _values(rng, (2, 3, 96))
+    g, b = _values(rng, 96), _values(rng, 96)
+    inputs = [x, g] if simplified else [x, g, b]
+    attrs = {"epsilon": 1e-6, N_OUTPUTS: 1}
+    want = native.norm_rows(x.reshape(6, 96), g, beta=None if simplified else b, epsilon=1e-6,
+                            simplified=simplified).y.reshape(x.shape)
+    (y,) = getattr(norm, op)(inputs, attrs, {})
+    np.testing.assert_array_equal(y, want)
+    view = np.ascontiguousarray(x.transpose(1, 0, 2)).transpose(1, 0, 2)  # same values, strided
+    np.testing.assert_array_equal(getattr(norm, op)([view] + inputs[1:], attrs, {})[0], want)
+    h = x.astype(np.float16)
+    (y16,) = getattr(norm, op)([h] + inputs[1:], attrs, {})
+    want16 = native.norm_rows(h.astype(np.float32).reshape(6, 96), g, beta=None if simplified else b, epsilon=1e-6,
+                              simplified=simplified).y.reshape(x.shape).astype(np.float16)
+    assert y16.dtype == np.float16
+    np.testing.assert_array_equal(y16, want16)
+
+
 # ------------------------------------------------------------------ against ONNX Runtime
 
 def _ort_and_ours(op, domain, inputs, attrs, n_out, opset=21):

@@ -40,6 +40,17 @@ def _norm_rows(x2, gamma, beta, skip2, bias, eps, simplified, want_sum, want_sta
         return _norm_rows_numpy(x2, gamma, beta, skip2, bias, eps, simplified)
 
 
+def _norm_y(x2, gamma, beta, eps, simplified):
+    """Only ``y`` of ``_norm_rows`` without skip or bias (``native.norm_rows_y``: the
+    decode step's lean call)."""
+    try:
+        from onnx_prep import native
+
+        return native.norm_rows_y(x2, gamma, beta, epsilon=eps, simplified=simplified)
+    except NativeError:
+        return _norm_rows_numpy(x2, gamma, beta, None, None, eps, simplified)[0]
+
+
 def _norm_rows_numpy(x2, gamma, beta, skip2, bias, eps, simplified):
     """The same computation in numpy (float32 throughout; sums in numpy's order)."""
     v = x2
@@ -78,11 +89,11 @@ def _axis_norm(inputs, attrs, simplified: bool):
     gamma = _row_param(scale, norm_shape, n)
     beta = None if bias is None else _row_param(bias, norm_shape, n)
     stats = attrs.get(N_OUTPUTS, 3) > 1
-    y, _, mean, inv = _norm_rows(x.astype(np.float32, copy=False).reshape(rows, n), gamma, beta, None, None,
-                                 float(attrs.get("epsilon", _DEFAULT_EPSILON)), simplified, False, stats)
-    y = y.reshape(x.shape).astype(x.dtype, copy=False)
+    x2, eps = x.astype(np.float32, copy=False).reshape(rows, n), float(attrs.get("epsilon", _DEFAULT_EPSILON))
     if not stats:
-        return y, None, None
+        return _norm_y(x2, gamma, beta, eps, simplified).reshape(x.shape).astype(x.dtype, copy=False), None, None
+    y, _, mean, inv = _norm_rows(x2, gamma, beta, None, None, eps, simplified, False, stats)
+    y = y.reshape(x.shape).astype(x.dtype, copy=False)
     stat_shape = x.shape[:axis] + (1,) * (x.ndim - axis)
     return y, mean.reshape(stat_shape), inv.reshape(stat_shape)
 
