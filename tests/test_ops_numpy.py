@@ -180,6 +180,23 @@ def test_outputs_are_not_inputs_for_computing_ops():
     np.testing.assert_array_equal(x, before)
 
 
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint8, np.float32])
+def test_shape_and_size_inputs_read_as_python_ints(dtype):
+    """Reshape / Split / Slice read their shape, sizes and bounds as plain Python ints
+    (tolist() of an integer array; int() of each value of any other), whatever the
+    array's type and rank: the values numpy scalars would give."""
+    from onnx_prep.core.ops.shape import _ints
+
+    for a in (np.array([0, 2, 3], dtype), np.array([[4], [1]], dtype), np.array(7, dtype)):
+        got = _ints(a)
+        assert got == [int(v) for v in np.asarray(a).reshape(-1)]
+        assert all(type(v) is int for v in got)
+    assert _ints([3, -1]) == [3, -1]
+    if np.dtype(dtype) == np.int64:  # Reshape's shape input is int64
+        (y,) = run_ours("Reshape", [f32(2, 3), np.array([0, 3, 1], dtype)], {}, opset=17)
+        assert y.shape == (2, 3, 1)
+
+
 def test_reshape_rejects_bad_shape():
     with pytest.raises(ValueError):
         run_ours("Reshape", [f32(2, 3), i64(4, -1)], {}, opset=17)

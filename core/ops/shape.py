@@ -17,7 +17,11 @@ from onnx_prep.core.ops.attributes import APPEND_IN_PLACE, N_OUTPUTS, axes_from,
 
 
 def _ints(a) -> list[int]:
-    return [int(v) for v in np.asarray(a).reshape(-1)]
+    # NOTE: tolist() first: an integer array's values come out as Python ints at once,
+    # where int() of each numpy scalar costs ~1 us an element (every Reshape and Split of
+    # a decode step reads its shape or sizes here)
+    a = np.asarray(a).reshape(-1)
+    return a.tolist() if a.dtype.kind in "iu" else [int(v) for v in a.tolist()]
 
 
 def reshape(inputs, attrs, prepared):
