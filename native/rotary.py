@@ -28,11 +28,15 @@ def rotary_embedding(x: np.ndarray, position_ids: np.ndarray, cos_cache: np.ndar
     if cos.ndim != 2 or cos.shape != sin.shape or cos.shape[1] * 2 != rotary_dim:
         raise ValueError(f"rotary_embedding: caches {cos.shape} / {sin.shape}, expected [max_pos, {rotary_dim // 2}]")
     y = np.empty_like(x)
-    bad = ffi.new("size_t *")
-    status = lib.op_rotary_embedding(ptr(x, "float *"), ptr(y, "float *"), b, s, heads, head_size, rotary_dim,
-                                     int(bool(transposed)), int(bool(interleaved)), ptr(pos, "int64_t *"),
-                                     int(per_token), ptr(cos, "float *"), ptr(sin, "float *"), cos.shape[0], bad)
+    args = (ptr(x, "float *"), ptr(y, "float *"), b, s, heads, head_size, rotary_dim, int(bool(transposed)),
+            int(bool(interleaved)), ptr(pos, "int64_t *"), int(per_token), ptr(cos, "float *"),
+            ptr(sin, "float *"), cos.shape[0])
+    # the kernel checks every position before it writes: the bad one is asked for only
+    # when there is one (no allocation per call on the decode path)
+    status = lib.op_rotary_embedding(*args, ffi.NULL)
     if status == lib.OP_E_INDEX:
+        bad = ffi.new("size_t *")
+        status = lib.op_rotary_embedding(*args, bad)
         i = int(bad[0])
         where = f"position_ids[{i // s}, {i % s}] = {int(pos.reshape(-1)[i])}" if per_token else \
             f"positions {int(pos.reshape(-1)[0])}..{int(pos.reshape(-1)[0]) + s - 1}"
