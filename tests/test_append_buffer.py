@@ -58,6 +58,26 @@ def test_two_continuations_of_one_past_never_share_rows():
     np.testing.assert_array_equal(pa, np.concatenate([p1, a], 2))
 
 
+def test_the_view_handed_out_last_and_any_other_prefix_view_extend_alike():
+    """The past a decode step feeds back is the very view the step before handed out
+    (the claim knows it without reading its geometry); another view object of the same
+    prefix extends the same way, and an older view still gets a copy."""
+    p1 = concat([_kv(0, batch=2), _kv(3, batch=2)], 2)
+    new = _kv(1, batch=2)
+    claim = append_buffer._claims[id(p1.base)]
+    assert claim.view() is p1
+    with counted() as c:
+        p2 = concat([p1, new], 2)  # p1: the view handed out last
+        assert claim.view() is p2
+        p3 = concat([p2[:, :, :], new], 2)  # the same prefix, another view object
+        assert claim.view() is p3
+        old = concat([p1, new], 2)  # handed out before: its rows are claimed, a copy
+    assert c.snapshot() == {"kv_appended_in_place": 2, "kv_copied": 1}
+    assert p2.base is p1.base is p3.base and old.base is not p1.base
+    np.testing.assert_array_equal(p3, np.concatenate([p1, new, new], 2))
+    np.testing.assert_array_equal(old, np.concatenate([p1, new], 2))
+
+
 def test_many_steps_equal_plain_concat_and_copy_rarely():
     past, want = _kv(0, batch=3), _kv(0, batch=3)
     buffers = set()
