@@ -197,6 +197,18 @@ def test_shape_and_size_inputs_read_as_python_ints(dtype):
         assert y.shape == (2, 3, 1)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+@pytest.mark.parametrize("axis", [-1, 1, 0])
+def test_softmax_in_place_gives_the_plain_formulas_bits(dtype, axis):
+    """Softmax exponentiates its shifted input in place: the bits of exp(x - max) / sum."""
+    x = (np.random.default_rng(3).standard_normal((2, 5, 7)) * 4).astype(dtype)
+    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    want = e / np.sum(e, axis=axis, keepdims=True)
+    (got,) = run_ours("Softmax", [x], {"axis": axis}, opset=17)
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+
+
 def test_reshape_rejects_bad_shape():
     with pytest.raises(ValueError):
         run_ours("Reshape", [f32(2, 3), i64(4, -1)], {}, opset=17)

@@ -17,7 +17,8 @@ from onnx_prep.core.ops.attributes import axis_index
 
 def _softmax_axis(x: np.ndarray, axis: int) -> np.ndarray:
     m = np.max(x, axis=axis, keepdims=True)
-    e = np.exp(x - m)
+    e = np.subtract(x, m)
+    np.exp(e, out=e)  # in place: the same values, one temporary fewer
     e /= np.sum(e, axis=axis, keepdims=True)
     return e
 
