@@ -35,8 +35,10 @@ def reshape(inputs, attrs, prepared):
 
 def transpose(inputs, attrs, prepared):
     perm = attrs.get("perm")
-    x = inputs[0]
-    return [np.transpose(x, None if perm is None else tuple(int(p) for p in perm))]
+    # the method, not np.transpose: the same view without the wrapper's ~0.9 us (80 a
+    # medium decode step); perm as normalize_attributes left it (a list of ints)
+    x = np.asarray(inputs[0])
+    return [x.transpose() if perm is None else x.transpose(perm)]
 
 
 def concat(inputs, attrs, prepared):
