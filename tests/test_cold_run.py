@@ -258,27 +258,3 @@ def test_tight_budget_accounts_for_every_resident_byte(tiny_llm_path):
     assert seen and all(live >= real for real, live in seen), seen
     assert max(real for real, _ in seen) <= budget.peak(Arena.PREPARED) <= limit
 
-
-def test_an_interrupt_before_a_runs_handle_exists_abandons_the_run(small_llm_path, monkeypatch):
-    """Ctrl-C (a KeyboardInterrupt on the caller's thread) between the first continuation's
-    submit and the run's handle: the continuation, which yields waiting for its weights,
-    must not wait for that handle forever, nor the session's close for it. Before the
-    fix the process ignored Ctrl-C under load (tests/test_cli_exit_codes.py flaked)."""
-    import onnx_prep.core.runtime.run_loop as run_loop
-
-    real = run_loop.ExecutionHandle
-
-    class Interrupted(real):
-        def __init__(self, *args, **kwargs):
-            raise KeyboardInterrupt
-
-    io, feeds = _feeds(small_llm_path, [[3, 1, 4]])
-    s = Session.open(small_llm_path)
-    monkeypatch.setattr(run_loop, "ExecutionHandle", Interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        s.run_async(RuntimeContext(feeds))  # cold: the continuation yields for its weights
-    monkeypatch.setattr(run_loop, "ExecutionHandle", real)
-    closer = threading.Thread(target=s.close, daemon=True)
-    closer.start()
-    closer.join(T)  # a bound on a broken close, not a synchronisation
-    assert not closer.is_alive(), "the session's close waited for an abandoned run"

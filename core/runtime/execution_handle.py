@@ -122,7 +122,12 @@ class _Tracker:
     """The mutable part of a handle, referenced by task callbacks (never the handle)."""
 
     def __init__(self) -> None:
-        self.cond = threading.Condition()
+        # Taken as ``with self.lock``, never ``with self.cond``: Condition.__enter__ is
+        # Python code, so a Ctrl-C raised in it right after its acquire (the main thread
+        # waiting in wait()) leaves the lock held, and every worker that ends a task of
+        # the submission blocked on it for good; a C lock's ``with`` has no such gap.
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
         self.members: dict[int, tuple[TaskHandle, bool]] = {}  # id -> (task, shared)
         self.pending: set[int] = set()
         self.held: dict[int, TaskHandle] = {}  # shared tasks whose interest we hold
@@ -135,7 +140,7 @@ class _Tracker:
         self.cancel_requested = False
 
     def add(self, task: TaskHandle, shared: bool) -> None:
-        with self.cond:
+        with self.lock:
             if self.finished or self.finishing:
                 raise UsageError(f"task {task.name!r} added to a finished submission")
             if task.id in self.members:
@@ -149,20 +154,20 @@ class _Tracker:
         task.add_done_callback(self.on_done)
 
     def on_done(self, task: TaskHandle) -> None:
-        with self.cond:
+        with self.lock:
             self.pending.discard(task.id)
         self.check_finish()
 
     def drop(self, task: TaskHandle) -> None:
         """Stop waiting for a shared task we released without cancelling it."""
-        with self.cond:
+        with self.lock:
             self.members.pop(task.id, None)
             self.pending.discard(task.id)
         self.check_finish()
 
     def check_finish(self) -> None:
         """Finish once every member is terminal: release held interest, run finalizers."""
-        with self.cond:
+        with self.lock:
             if self.pending or self.finished or self.finishing or self.building:
                 return
             self.finishing = True
@@ -173,7 +178,7 @@ class _Tracker:
             except Exception:  # a record that cannot be made must not keep the handle running
                 _log.exception("stats of a submission could not be taken")
                 stats = None
-        with self.cond:
+        with self.lock:
             if capture is not None:
                 self.stats = stats
             self.finished = True
@@ -186,7 +191,7 @@ class _Tracker:
             _call(fn)
 
     def tasks(self) -> list[TaskHandle]:
-        with self.cond:
+        with self.lock:
             return [t for t, _ in self.members.values()]
 
 
@@ -227,7 +232,7 @@ class ExecutionHandle:
     def stats(self):
         """The submission's RuntimeStats once it is done (None if it records none)."""
         tracker = self._tracker
-        with tracker.cond:
+        with tracker.lock:
             if not tracker.finished:
                 raise UsageError(f"submission {self.name!r} is still running: its stats come when it is done",
                                  hint="wait() first")
@@ -237,7 +242,7 @@ class ExecutionHandle:
 
     def add_finalizer(self, fn: Callable[[], None]) -> None:
         tracker = self._tracker
-        with tracker.cond:
+        with tracker.lock:
             if not tracker.finished:
                 tracker.finalizers.append(fn)
                 return
@@ -255,17 +260,17 @@ class ExecutionHandle:
             # a worker thread (the main thread would run the handler only once the task
             # ends, after a long op: never, for a huge Loop). Waking every SIGNAL_POLL_S
             # lets the main thread run its handler, so Ctrl-C raises here within that.
-            with tracker.cond:
+            with tracker.lock:
                 while not tracker.cond.wait_for(lambda: tracker.finished, SIGNAL_POLL_S):
                     pass
                 return True
-        with tracker.cond:
+        with tracker.lock:
             return tracker.cond.wait_for(lambda: tracker.finished, timeout)
 
     def wait(self, timeout: float | None = None) -> None:
-        if not self._tracker.finished:
-            self._inherit_priority()
         try:
+            if not self._tracker.finished:
+                self._inherit_priority()
             finished = self._wait_terminal(timeout)
         except KeyboardInterrupt:
             # Ctrl-C while waiting: what has not started never will; a running reference
@@ -310,7 +315,7 @@ class ExecutionHandle:
                     failed.append(t.cause)  # a producer outside the submission failed
                 else:
                     cancelled.append(t.name)
-        with tracker.cond:
+        with tracker.lock:
             finished = tracker.finished
             cancel_requested = tracker.cancel_requested
         if not finished:
@@ -350,8 +355,8 @@ class ExecutionHandle:
         except AttributeError:  # __init__ failed
             return
         try:
-            if tracker.finished:
-                return
+            if tracker.finished or tracker.building:
+                return  # (building: the constructor raised, a Ctrl-C say; it never finishes)
             sched = self._scheduler
             if sched is not None and sched.is_worker_thread():
                 # Cannot wait here (a worker, an inline task, or the GC inside a scheduler
@@ -368,7 +373,7 @@ class ExecutionHandle:
 
 
 def _cancel_submission(tracker: _Tracker) -> None:
-    with tracker.cond:
+    with tracker.lock:
         if tracker.finished or tracker.finishing:
             return  # nothing left to stop; the outcome stands
         tracker.cancel_requested = True

@@ -89,7 +89,12 @@ class _Run:
     ctx: RuntimeContext
     name: str
     handle: ExecutionHandle | None = None
-    handle_ready: threading.Event = field(default_factory=threading.Event)
+    # What a continuation that yielded before the handle existed submitted: (the producers
+    # it waits for, its next continuation); the handle takes them over (RunLoop._attach).
+    # ``lock`` guards these three fields; ``abandoned``: the handle never came (_abandon).
+    early: list = field(default_factory=list)
+    abandoned: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
     values: list | None = None
     step: int = 0
     io_bytes: int = 0
@@ -149,22 +154,49 @@ class RunLoop:
         except BudgetError as e:
             return ExecutionHandle.completed(name=run.name, error=e,
                                              stats=self._stats.finish(since, ctx.counters.snapshot()))
-        first = self._submit_continuation(run, deps=())
-        # NOTE: the handle is built around the first continuation; the continuation
-        # touches run.handle only after handle_ready is set (a race of a few microseconds).
-        # handle_ready is set whatever happens here: a Ctrl-C between the submit and the
-        # handle (a KeyboardInterrupt on this thread) left a continuation that yielded
-        # waiting for it forever, and the session's close waiting for that worker (a
-        # run under load that ignored Ctrl-C). Without a handle the run is abandoned.
+        # The handle is built around the first continuation, after its submit; one that
+        # yields before the handle exists leaves what it submitted in run.early for the
+        # handle to take over: no worker waits for this thread. A Ctrl-C from the submit
+        # on (inside it too, once the task is queued) abandons the run. NOTE: a yield used
+        # to wait for the handle, and a Ctrl-C inside the submit (as a decode starts; under
+        # load, as this thread took the GIL back from the woken worker) left it waiting
+        # forever, and the session's close waiting for that worker.
+        first = None
         try:
-            run.handle = ExecutionHandle(owned=(first,), name=run.name, keepalive=ctx,
-                                         stats=lambda: self._stats.finish(since, ctx.counters.snapshot()))
-        finally:
-            if run.handle is None:
-                first.cancel()
-            run.handle_ready.set()
-        run.handle.add_finalizer(lambda r=run: _release(r.exec_reservation))
-        return run.handle
+            first = self._submit_continuation(run, deps=())
+            return self._attach(run, first, since)
+        except BaseException:
+            self._abandon(run, first)
+            raise
+
+    def _attach(self, run: _Run, first: TaskHandle, since) -> ExecutionHandle:
+        """The run's handle: its first continuation, and what continuations that yielded
+        before it existed submitted (their producers shared, their next steps owned)."""
+        ctx = run.ctx
+        with run.lock:  # a continuation yielding now waits for this block, not for a handle
+            early = run.early
+            handle = ExecutionHandle(owned=(first, *(nxt for _, nxt in early)),
+                                     shared=tuple(h for waiting, _ in early for h in waiting),
+                                     name=run.name, keepalive=ctx,
+                                     stats=lambda: self._stats.finish(since, ctx.counters.snapshot()))
+            handle.add_finalizer(lambda r=run: _release(r.exec_reservation))
+            run.handle, run.early = handle, []
+        return handle
+
+    def _abandon(self, run: _Run, first: TaskHandle | None) -> None:
+        """``run_async`` did not return the handle (Ctrl-C, or a failed submit): nobody
+        will wait for the run, so it stops: its handle cancelled, or, without one, its
+        continuations (a yield from now on cancels what it submitted)."""
+        with run.lock:
+            run.abandoned = True
+            handle, early = run.handle, list(run.early)
+        if handle is not None:
+            handle.cancel()  # its finalizer releases the run's memory
+            return
+        for t in (first, *(nxt for _, nxt in early)):
+            if t is not None:
+                t.cancel()
+        _release(run.exec_reservation)
 
     @contextmanager
     def _executing(self, ctx: RuntimeContext, parts: int, *, lend_helpers: bool = False) -> Iterator[None]:
@@ -185,30 +217,33 @@ class RunLoop:
         them, and sleep after 1 ms without one. Without an idle worker, or on the cold
         path (where the other workers pack weights), splits go through ``fork_join``."""
         lazy, opened = None, []
-        if lend_helpers and self._spin_helpers and parts >= 2:
-            def open_mailbox():
-                from onnx_prep import native
-
-                box = native.Mailbox()
-                lent = self.scheduler.lend(box.serve, parts - 1)
-                if not lent:
-                    return None
-                opened.append((box, lent))
-                return box
-
-            lazy = intra_op.LazyMailbox(open_mailbox)
-            if self._lend_at_start:
-                lazy.open_now()
+        # NOTE: a lent helper serves its box until the box stops, and the session's close
+        # joins every worker: a box is listed for the stop before anything is lent to it,
+        # inside the try (a Ctrl-C between a lend and the listing left a worker serving).
         try:
+            if lend_helpers and self._spin_helpers and parts >= 2:
+                def open_mailbox():
+                    from onnx_prep import native
+
+                    box, lent = native.Mailbox(), []
+                    opened.append((box, lent))
+                    lent.extend(self.scheduler.lend(box.serve, parts - 1))
+                    return box if lent else None
+
+                lazy = intra_op.LazyMailbox(open_mailbox)
+                if self._lend_at_start:
+                    lazy.open_now()
             with intra_op.using(self.scheduler.fork_join, parts, mailbox=lazy), \
                     append_buffer.room_for(ctx.append_room), run_counters.counting(ctx.counters):
                 yield
         finally:
-            for box, lent in opened:
+            for box, _ in opened:  # first: an offer a worker takes later then returns at once
                 box.stop()
-                self.scheduler.reclaim(lent)
-                with run_counters.counting(ctx.counters):
-                    intra_op.count_handed_off(box.chunks_by_helpers, box.sleeps, box.wakes)
+            for box, lent in opened:
+                if lent:
+                    self.scheduler.reclaim(lent)
+                    with run_counters.counting(ctx.counters):
+                        intra_op.count_handed_off(box.chunks_by_helpers, box.sleeps, box.wakes)
             if lazy is not None:  # the next hot run lends at its start if this one split
                 self._lend_at_start = lazy.asked
 
@@ -279,13 +314,17 @@ class RunLoop:
                 if waiting:
                     ctx.counters.add("yields")
                     nxt = self._submit_continuation(run, deps=waiting)  # yield until they publish
-                    run.handle_ready.wait()
-                    if run.handle is None:  # abandoned before its handle existed (run_async)
+                    with run.lock:
+                        handle = run.handle
+                        if handle is None and not run.abandoned:
+                            run.early.append((tuple(waiting), nxt))  # the handle takes them (_attach)
+                            return
+                    if handle is None:  # abandoned before its handle existed (run_async)
                         nxt.cancel()
                         return
                     for h in waiting:
-                        run.handle.add(h, shared=True)
-                    run.handle.add(nxt)
+                        handle.add(h, shared=True)
+                    handle.add(nxt)
                     return
                 continue  # published between the checks: pin again
             try:

@@ -319,7 +319,12 @@ class Session:
         """Exactly ``run_async(RuntimeContext(feeds)).wait()``; returns the outputs."""
         ctx = RuntimeContext(feeds)
         try:
-            self.run_async(ctx).wait()
+            handle = self.run_async(ctx)
+            try:
+                handle.wait()
+            except BaseException:  # a Ctrl-C before wait() took it over: nobody waits for the run now
+                handle.cancel()  # (a finished run: nothing to do)
+                raise
         finally:
             ctx.release()  # the caller owns the arrays; the IO arena gets its bytes back
         return ctx.outputs  # type: ignore[return-value]
