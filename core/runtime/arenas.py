@@ -247,6 +247,7 @@ class MemoryBudget:
         self._global_live = 0
         self._global_peak = 0
         self._lock = threading.Lock()
+        # entered as `with self._lock`, not `with self._cond` (execution_handle._Tracker says why)
         self._cond = threading.Condition(self._lock)
         self._listeners: list[Callable[[], None]] = []
         self._watches: list[PeakWatch] = []
@@ -419,7 +420,7 @@ class MemoryBudget:
         if not req:
             return Reservation(self, {}, label)
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
+        with self._lock:
             while not self._admissible(req, critical):
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -441,7 +442,7 @@ class MemoryBudget:
         return self.reserve_many({arena: nbytes}, critical=critical, timeout=timeout, label=label)
 
     def _give_back(self, amounts: dict[Arena, int]) -> None:
-        with self._cond:
+        with self._lock:
             for a, n in amounts.items():
                 self._live[a] -= n
                 assert self._live[a] >= 0, f"arena {a.value} released more than it held"

@@ -158,7 +158,7 @@ class Materialization:
 
     def wait_for_waiters(self, n: int, timeout: float | None = None) -> bool:
         """Block until at least ``n`` threads wait in :meth:`result` (tests, diagnostics)."""
-        with self._waiters_cond:
+        with self._lock:
             return self._waiters_cond.wait_for(lambda: self._waiters >= n, timeout)
 
     def _settle(self, obj: ResidentObject | None, error: BaseException | None) -> None:
@@ -183,7 +183,7 @@ class Materialization:
     def result(self, timeout: float | None = None) -> ResidentObject:
         """The published object; raises the load's error (``CancelledError`` if abandoned)."""
         if not self._event.is_set():
-            with self._waiters_cond:
+            with self._lock:
                 self._waiters += 1
                 self._waiters_cond.notify_all()
             try:
@@ -311,6 +311,7 @@ class PreparedObjectStore:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        # entered as `with self._lock`, not `with self._cond` (execution_handle._Tracker says why)
         self._cond = threading.Condition(self._lock)
         self._entries: dict[PreparedKey, _Entry] = {}
         self._resident_bytes = 0
@@ -403,7 +404,7 @@ class PreparedObjectStore:
         return ResidentObject(e.key, e.generation, e.buffer, e.nbytes, e.device)
 
     def begin_load(self, key: PreparedKey, *, device: str = "cpu") -> tuple[Materialization, bool]:
-        with self._cond:
+        with self._lock:
             e = self._entry(key)
             while e.state is _S.EVICTING:  # short: the buffer is being released
                 self._cond.wait()

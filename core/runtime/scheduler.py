@@ -456,8 +456,13 @@ class _ForkJoin:
 
 class _SideJob:
     """One fork_join part offered to idle CPU workers. State moves QUEUED -> TAKEN under
-    the scheduler lock (by a worker or, reclaiming it, the caller); ``done`` is set when
-    a worker finished it."""
+    the scheduler lock (by a worker or, reclaiming it, the caller); ``done`` is a lock
+    held from the start and released when a worker finished it.
+
+    NOTE: a lock, not an Event: Event.wait enters its Condition through Python code, so
+    a Ctrl-C on the caller right after that acquire (a hot run reclaiming its helpers)
+    left the Event's lock held and the worker's set() blocked on it for good, and the
+    session's close joining that worker. A C lock's ``with`` has no such gap."""
 
     QUEUED, TAKEN = 0, 1
     __slots__ = ("fn", "state", "done")
@@ -465,13 +470,14 @@ class _SideJob:
     def __init__(self, fn: Callable[[], Any]) -> None:
         self.fn = fn  # _ForkJoin.run_remote: it keeps chunk errors for the caller itself
         self.state = _SideJob.QUEUED
-        self.done = threading.Event()
+        self.done = threading.Lock()
+        self.done.acquire()
 
     def run(self) -> None:
         try:
             self.fn()
         finally:
-            self.done.set()
+            self.done.release()
 
 
 class Scheduler:
@@ -491,6 +497,9 @@ class Scheduler:
         # it (a finalizer run by the GC inside a locked section must not block); the code
         # never re-enters it.
         self._lock = threading.RLock()
+        # The conditions below share the lock and are entered through it (``with
+        # self._lock``): Condition.__enter__ is Python code, and a Ctrl-C raised in it
+        # right after its acquire would leave the lock held and every worker stopped.
         self._idle = threading.Condition(self._lock)
         self._tls = threading.local()
         self._seq = itertools.count(1)
@@ -604,7 +613,8 @@ class Scheduler:
                 else:
                     taken.append(j)
         for j in taken:
-            j.done.wait()
+            with j.done:  # released when its worker finished it (see _SideJob)
+                pass
         return len(taken)
 
     def is_worker_thread(self) -> bool:
@@ -631,7 +641,7 @@ class Scheduler:
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Until no task is live and every done-callback has returned."""
-        with self._idle:
+        with self._lock:  # not `with self._idle` (see __init__)
             return self._idle.wait_for(self._quiescent, timeout)
 
     def submit(self, fn: Callable[[TaskContext], Any], *, resource: ResourceClass = ResourceClass.CPU,
@@ -713,7 +723,7 @@ class Scheduler:
                     elif t._state is TaskState.RUNNING:
                         t.token.cancel()
         self._after(finished, [])
-        with self._idle:
+        with self._lock:  # not `with self._idle` (see __init__)
             self._idle.wait_for(self._quiescent, timeout)
             self._stop = True
             for cv in self._cv.values():
