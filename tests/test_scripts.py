@@ -234,3 +234,19 @@ def test_bench_cache_smoke(tmp_path):
     assert 0 < doc["zstd"]["ratio"] < 1.5 and doc["zstd"]["decode_gbps"] > 0
     assert sizes["cache_disk"] >= sizes["packed"] > 0
     _check_activity(doc["machine_activity"], p.stdout)
+
+
+def test_plot_trace_draws_a_real_trace(tmp_path, tiny_llm_path):
+    """A trace written by ``profile --trace`` is drawn: one PNG, every worker's track in it
+    (the script prints the path; matplotlib is in the test extra)."""
+    pytest.importorskip("matplotlib", reason="plot_trace.py draws with matplotlib (the plot extra)")
+    from test_cli_exit_codes import ONNX_PREP
+
+    trace, png = tmp_path / "t.json", tmp_path / "t.png"
+    p = subprocess.run([*ONNX_PREP, "profile", str(tiny_llm_path), "--repeat", "1", "--cache-policy", "disabled",
+                        "--trace", str(trace)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and trace.exists(), p.stderr
+    p = _run(["scripts/plot_trace.py", str(trace), str(png), "--title", "tiny"], tmp_path / "cache")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == str(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
