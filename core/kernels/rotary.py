@@ -16,7 +16,7 @@ from onnx_prep.core.kernels.spec import KernelChoice, KernelSpec, MatchContext, 
 from onnx_prep.core.model.fusion import FUSED_DOMAIN
 from onnx_prep.core.model.transforms import GraphNode
 from onnx_prep.core.ops import rotary
-from onnx_prep.core.ops.registry import MS_DOMAIN, OpImpl
+from onnx_prep.core.ops.registry import MS_DOMAIN
 
 ID = "rotary"
 _CHOICE = KernelChoice(ID)
@@ -48,13 +48,4 @@ def match(node: GraphNode, ctx: MatchContext) -> KernelChoice | None:
     return _CHOICE
 
 
-def implementation(op_type: str, domain: str, opset: int | None) -> OpImpl | None:
-    return _IMPLEMENTATIONS.get((domain, op_type))
-
-
-SPEC = KernelSpec(
-    id=ID,
-    op_types=frozenset(_IMPLEMENTATIONS),
-    match=match,
-    implementation=implementation,
-)
+SPEC = KernelSpec.of_table(ID, _IMPLEMENTATIONS, match)

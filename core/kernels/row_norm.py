@@ -49,13 +49,4 @@ def match(node: GraphNode, ctx: MatchContext) -> KernelChoice | None:
     return _CHOICE
 
 
-def implementation(op_type: str, domain: str, opset: int | None) -> OpImpl | None:
-    return _IMPLEMENTATIONS.get((domain, op_type))
-
-
-SPEC = KernelSpec(
-    id=ID,
-    op_types=frozenset(_IMPLEMENTATIONS),
-    match=match,
-    implementation=implementation,
-)
+SPEC = KernelSpec.of_table(ID, _IMPLEMENTATIONS, match)

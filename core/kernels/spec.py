@@ -110,6 +110,14 @@ class KernelSpec:
     def takes(self, node: GraphNode) -> bool:
         return self.op_types is None or (node.domain, node.op_type) in self.op_types
 
+    @classmethod
+    def of_table(cls, id: str, table: Mapping[tuple[str, str], OpImpl],
+                 match: Callable[[GraphNode, MatchContext], KernelChoice | None]) -> KernelSpec:
+        """A kernel that takes exactly the ``(domain, op_type)`` pairs of ``table`` and
+        runs each with the implementation the table names."""
+        return cls(id=id, op_types=frozenset(table), match=match,
+                   implementation=lambda op_type, domain, opset: table.get((domain, op_type)))
+
 
 def refuse(node: GraphNode, rule: str, tensor: str | None = None) -> ModelFormatError:
     """The one-line error of a node ONNX Runtime would refuse (resolution adds the model)."""
