@@ -286,13 +286,7 @@ class PreparedCache:
             h.update(view.reshape(-1).view(np.uint8)[:e.length])
             if h.digest() != e.payload_digest:
                 return self._unusable(e, f"payload does not match its digest {e.payload_digest}")
-        with self._lock:
-            self.counters["packed_reads"] += 1
-            self.counters["packed_bytes"] += e.length
-            self.counters["mapped_bytes"] += e.length
-            if verify:
-                self._verified.add(e.key)
-        return True
+        return self._accepted(e, verified=verify, mapped=True)
 
     def mapped_damaged(self, payload: PackedPayloadEntry) -> bool:
         """A mapped entry whose file shrank while it was read: recorded as unusable
@@ -333,10 +327,17 @@ class PreparedCache:
                 raise _Unusable(f"payload does not match its digest {e.payload_digest}")
         except (_Unusable, OSError) as exc:
             return self._unusable(e, str(exc))
+        return self._accepted(e, verified=h is not None, mapped=False)
+
+    def _accepted(self, e: CacheEntry, *, verified: bool, mapped: bool) -> bool:
+        """Count entry ``e`` as read (mapped or copied); ``verified``: its checksum was
+        checked on this read, so a later read in this process skips it. Returns True."""
         with self._lock:
             self.counters["packed_reads"] += 1
             self.counters["packed_bytes"] += e.length
-            if h is not None:
+            if mapped:
+                self.counters["mapped_bytes"] += e.length
+            if verified:
                 self._verified.add(e.key)
         return True
 
