@@ -250,6 +250,23 @@ def test_prepared_runtime_counts_its_intra_op_splits(tiny_llm_path):
 
 
 @needs_session
+def test_threads_bounds_the_threads_that_compute_one_op(tiny_llm_path):
+    """``--threads N`` counts the calling thread, as ONNX Runtime's intra-op threads do:
+    with 1 no matmul splits (it once still split in two: the caller plus one worker);
+    with 2 the same 15 splits as the default on a 2-core machine, each in two parts."""
+    import os
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one CPU: the runtime splits no matmul whatever --threads says")
+    args = [str(tiny_llm_path), "--prompt-ids", "1,2,3,4,5,6,7,8", "--tokens", "3"]
+    one = _json([*args, "--threads", "1"])
+    two = _json([*args, "--threads", "2"])
+    assert one["counters"]["matmul_splits"] == 0 and one["counters"]["chunks_by_helpers"] == 0
+    assert two["counters"]["matmul_splits"] == 15
+    assert one["tokens"] == two["tokens"]  # a split column is computed as in a whole call
+
+
+@needs_session
 @pytest.mark.parametrize("kw", [
     dict(), dict(kv_names="dot", kv_dtype=10),
     dict(kv_names="underscore", extras=("seqlens_k", "total_sequence_length", "cache_position")),

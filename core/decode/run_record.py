@@ -154,7 +154,8 @@ def open_prepared_runner(resolved, *, threads: int | None, source_pages: str, ve
     """The prepared runtime on a resolved model, as a ``Runner`` with ``close()``.
 
     NOTE: the one place a run obtains our runtime. ``threads`` maps to the session's CPU
-    workers (the pool that runs kernels); I/O workers keep their default. ``keep_values``:
+    workers (the pool that runs kernels) and bounds the threads that compute one op, the
+    caller included (``intra_op_threads``); I/O workers keep their default. ``keep_values``:
     each run returns every value computed (``SessionOptions.keep_values``)."""
     try:
         from onnx_prep.core.runtime.session import Session
@@ -163,7 +164,7 @@ def open_prepared_runner(resolved, *, threads: int | None, source_pages: str, ve
             raise
         raise UsageError("the prepared runtime (onnx_prep.core.runtime.session) is not in this build",
                          hint="decode with --runtime ort") from exc
-    kw = {} if threads is None else {"cpu_workers": threads}
+    kw = {} if threads is None else {"cpu_workers": threads, "intra_op_threads": threads}
     return Session(resolved, source_pages=source_pages, verify_digests=verify_digests, cache=cache,
                    keep_values=keep_values, trust_symlinks=trust_symlinks, **kw)
 

@@ -236,7 +236,7 @@ def _one_run(resolved, io, prompts, options: SweepOptions, budget: int | None, w
 
         cache = PreparedCache(resolved, options.prepared, policy=options.cache_policy, warn=warn)
     mem = MemoryBudget(limits={Arena.PREPARED: budget} if budget is not None else None)
-    kw = {} if options.threads is None else {"cpu_workers": options.threads}
+    kw = {} if options.threads is None else {"cpu_workers": options.threads, "intra_op_threads": options.threads}
     marks = []
     try:
         with Session(resolved, budget=mem, cache=cache, **kw) as s:

@@ -110,6 +110,10 @@ class SessionOptions:
     trust_symlinks: bool = False
     source_io: str = "map"  # SOURCE_IO: how prepack sources are read
     intra_op: bool = True  # split large matmuls across the CPU workers
+    # At most this many threads compute one op: the calling thread and the helpers it
+    # borrows (``--threads``, as ONNX Runtime's intra-op threads count the caller). None:
+    # as many as the CPU workers and cores allow.
+    intra_op_threads: int | None = None
     spin_helpers: bool | None = None  # None: ONNX_PREP_SPIN_HELPERS (see _executing)
     warm_slots: bool = True  # commit reserved slots from idle CPU during prepare
     source_pages: str = "auto"  # keep / drop / auto (see the module docstring)
@@ -198,14 +202,15 @@ class Session:
         # so its parts are the caller plus the CPU workers; a cold step runs on a worker.
         cores = os.cpu_count() or 1
         cpu = 0 if (self.scheduler.sequential or not opts.intra_op) else self.scheduler.workers(ResourceClass.CPU)
+        cap = cores if opts.intra_op_threads is None else max(1, opts.intra_op_threads)
         # Hot runs borrow idle CPU workers as helpers that wait in C, spinning, for the
         # chunks of each split matmul (RunLoop._executing); False: chunks go through
         # Scheduler.fork_join, to workers that sleep between them (no core spent waiting).
         # None: ONNX_PREP_SPIN_HELPERS (default on).
         spin = spin_helpers_default() if opts.spin_helpers is None else bool(opts.spin_helpers)
         self.runs = RunLoop(resolved, plan, self.program, self.store, self.slots, self.scheduler,
-                            self.budget, self.tasks, parts_hot=min(cores, cpu + 1) if cpu else 1,
-                            parts_cold=min(cores, cpu) if cpu else 1, spin_helpers=spin,
+                            self.budget, self.tasks, parts_hot=min(cores, cpu + 1, cap) if cpu else 1,
+                            parts_cold=min(cores, cpu, cap) if cpu else 1, spin_helpers=spin,
                             stats=self._stats)
 
         # Slot warming (_warm_slots_loop): while a parallel prepare runs and no run does, a
