@@ -2,7 +2,7 @@
 policy), each repeat in a fresh process. One core call
 (``core/profile/load_profile.profile_load``), its record rendered as a table (rows:
 figures; columns: configurations; cells: min / median / max) or as JSON (schema
-``onnx-prep.profile-load/1``, docs/profile.md).
+``onnx-prep.profile-load/2``, docs/profile.md).
 
 ``--batch-sweep 1,2,4,8``: the decode instead, across batch sizes under ``--budget``. One
 core call (``core/profile/batch_sweep.record_batch_sweep``), rendered by
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, List, Optional
 
 import typer
 
@@ -39,7 +39,7 @@ def profile(
     trace: Optional[Path] = typer.Option(None, "--trace", metavar="FILE",
                                          help="Write a Chrome trace (Perfetto, chrome://tracing) of one more load "
                                               "and its first output."),
-    compare: Optional[str] = typer.Option(None, "--compare", help="Also measure this runtime on the same prompt, "
+    compare: Optional[str] = typer.Option(None, "--compare", help="Also measure this runtime on the same feeds, "
                                           "in fresh processes: ort."),
     prepared: Optional[Path] = typer.Option(None, "--prepared", metavar="PATH",
                                             help="The prepared cache's manifest (default: <model stem>.prepared.onnx "
@@ -64,6 +64,13 @@ def profile(
     plot: Optional[Path] = typer.Option(None, "--plot", metavar="FILE.png|svg",
                                         help="Batch sweep: draw bytes paged per token and tokens/s against N "
                                              "(needs matplotlib: pip install 'onnx-prep[plot]')."),
+    inputs: Optional[List[str]] = typer.Option(
+        None, "--inputs", metavar="FILE",
+        help="Load to one forward of the graph (any model) on these inputs: FILE.npz (arrays by input name) or "
+             "NAME=FILE.npy; repeatable (as for run)."),
+    shape: Optional[List[str]] = typer.Option(
+        None, "--shape", metavar="NAME=N",
+        help="Bind symbolic dims (e.g. batch=1,seq=8) for one forward on generated inputs; repeatable."),
 ) -> None:
     """Measure the load: plan, bytes read, prepack, time to first step and output, memory peaks, overlap.
 
@@ -73,14 +80,16 @@ def profile(
         raise typer.Exit(run_guarded(lambda: _sweep(
             model, batch_sweep, budget=budget, tokens=tokens, prompt_ids=prompt_ids, fmt=fmt, plot=plot,
             repeat=repeat, cache_policy=cache_policy, prepared=prepared, compare=compare, json_out=json_out,
-            trust_symlinks=trust_symlinks, load_options_given=(mode != "parallel" or cold or trace is not None))))
+            trust_symlinks=trust_symlinks, load_options_given=(mode != "parallel" or cold or trace is not None),
+            forward_options_given=bool(inputs or shape))))
 
     def go() -> int:
         from onnx_prep.core.profile.load_profile import LoadProfileOptions, parse_modes, profile_load
 
         options = LoadProfileOptions(modes=parse_modes(mode), cache_policies=tuple(cache_policy.split(",")),
                                      repeat=repeat, cold=cold, trace=trace, compare=compare, prepared=prepared,
-                                     verify_digests=verify_digests, trust_symlinks=trust_symlinks)
+                                     verify_digests=verify_digests, trust_symlinks=trust_symlinks,
+                                     inputs=tuple(inputs or ()), shape=tuple(shape or ()))
         path = model_path(model)
         with _progress(output.stderr.is_terminal) as progress:
             doc = profile_load(path, options, progress=progress, warn=output.warn)
@@ -107,7 +116,7 @@ def _progress(show: bool) -> Iterator[Callable | None]:
 
 
 def _sweep(model, sizes: str, *, budget, tokens, prompt_ids, fmt, plot, repeat, cache_policy, prepared, compare,
-           json_out, trust_symlinks, load_options_given) -> int:
+           json_out, trust_symlinks, load_options_given, forward_options_given) -> int:
     from onnx_prep.cli.sweep_render import FORMATS, render
     from onnx_prep.core.errors import UsageError
     from onnx_prep.core.profile.batch_sweep import SweepOptions, record_batch_sweep
@@ -115,6 +124,9 @@ def _sweep(model, sizes: str, *, budget, tokens, prompt_ids, fmt, plot, repeat, 
     if load_options_given:
         raise UsageError("--mode, --cold and --trace measure the load; --batch-sweep measures the decode",
                          hint="run them as two profile commands")
+    if forward_options_given:
+        raise UsageError("--inputs and --shape feed one forward of the load; --batch-sweep decodes",
+                         hint="drop them, or profile the load without --batch-sweep")
     fmt = "json" if json_out else fmt
     if fmt not in FORMATS:
         raise UsageError(f"--format must be one of {list(FORMATS)}, got {fmt!r}")
@@ -178,7 +190,10 @@ def _render(doc: dict) -> None:
     def say(text: str) -> None:
         output.stdout.print(text, markup=False, highlight=False)
 
-    say(f"model {doc['model']}  prompt {len(doc['prompt_ids'])} tokens  {doc['repeat']} fresh process(es) per "
+    fed = (f"prompt {len(doc['prompt_ids'])} tokens" if doc["prompt_ids"] is not None else
+           f"one forward ({doc['kind']['reason']}) on " + ", ".join(
+               f"{i['name']} {i['dtype']} {i['shape']} {i['source']}" for i in doc["inputs"]))
+    say(f"model {doc['model']}  {fed}  {doc['repeat']} fresh process(es) per "
         f"configuration  page cache {'dropped before each load' if doc['cold'] else 'as found'}")
     say(doc["machine"])
     table = Table(title="load (min / median / max; one value where they agree)", title_justify="left")
@@ -207,7 +222,7 @@ def _render(doc: dict) -> None:
                    f"did NOT take: up to {pc['max_resident_after'] / 2**20:,.1f} MiB stayed resident"))
     cmp = doc["compare"]
     if cmp is not None:
-        t = Table(title=f"ONNX Runtime, same prompt, {cmp['decode_tokens']} decode tokens (min / median / max)",
+        t = Table(title=f"ONNX Runtime, same feeds, {cmp['decode_tokens']} decode tokens (min / median / max)",
                   title_justify="left")
         t.add_column("figure", no_wrap=True)
         t.add_column("unit", no_wrap=True)

@@ -89,9 +89,9 @@ def _drop_cache(resolved) -> None:
 
 
 def _feeds(resolved, prompt_len: int):
-    from onnx_prep.core.profile.load_sample import fixed_prompt_feeds
+    from onnx_prep.core.profile.load_feeds import decoder_prompt_feeds
 
-    return fixed_prompt_feeds(resolved, prompt_len)
+    return decoder_prompt_feeds(resolved, prompt_len)
 
 
 SOURCE_IO = "map"

@@ -193,3 +193,65 @@ def test_bad_options_exit_2_in_one_line(model, args, needle):
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], p.stderr
     assert p.stdout == ""
+
+
+# ------------------------------------------------------------- profile of any model
+@pytest.fixture(scope="module")
+def mlp_model(tmp_path_factory):
+    from tests.test_run_any_model import build_mlp
+
+    return build_mlp(tmp_path_factory.mktemp("profile-mlp"))
+
+
+def test_a_model_that_is_no_decoder_loads_to_one_forward(mlp_model):
+    """Not a decoder: the load runs to one forward of the graph on run's generated inputs
+    (the symbolic batch bound by --shape), and ONNX Runtime gets the same feeds, once,
+    with no decode tokens. A decoder's record says it decodes its fixed prompt."""
+    ort_or_skip()
+    jsonschema = pytest.importorskip("jsonschema")
+    doc = json.loads(cli("profile", mlp_model, "--repeat", "1", "--shape", "batch=3", "--compare", "ort",
+                         "--cache-policy", "disabled", "--json").stdout)
+    jsonschema.validate(doc, schema("profile-load"))
+    assert doc["kind"]["kind"] == "graph" and "not a decoder" in doc["kind"]["reason"]
+    assert doc["prompt_ids"] is None
+    assert [(i["name"], i["shape"], i["source"]) for i in doc["inputs"]] == \
+        [("input", [3, 16], "generated"), ("gain", [1], "generated")]
+    s = doc["configurations"][0]["samples"][0]
+    assert s["prepacks"] >= 1 and s["first_output_ms"] > 0  # the INT4 weight was packed, the forward ran
+    cmp = doc["compare"]
+    assert cmp["decode_tokens"] == 0 and cmp["samples"][0]["decode_ms_per_token"] is None
+    assert cmp["samples"][0]["first_run_ms"] > 0
+    text = cli("profile", mlp_model, "--repeat", "1", "--shape", "batch=3", "--cache-policy", "disabled").stdout
+    assert "one forward (not a decoder" in text and "input float32 [3, 16] generated" in text
+
+
+def test_inputs_from_a_file_feed_the_forward(mlp_model, tmp_path):
+    import numpy as np
+
+    jsonschema = pytest.importorskip("jsonschema")
+    feeds = tmp_path / "feeds.npz"
+    np.savez(feeds, input=np.ones((2, 16), np.float32), gain=np.full(1, 2.0, np.float32))
+    doc = json.loads(cli("profile", mlp_model, "--repeat", "1", "--inputs", feeds, "--cache-policy", "disabled",
+                         "--json").stdout)
+    jsonschema.validate(doc, schema("profile-load"))
+    assert [(i["name"], i["shape"], i["source"]) for i in doc["inputs"]] == \
+        [("input", [2, 16], str(feeds)), ("gain", [1], str(feeds))]
+
+
+def test_a_decoders_record_names_its_prompt(model):
+    doc = json.loads(cli("profile", model, "--repeat", "1", "--cache-policy", "disabled", "--json").stdout)
+    assert doc["kind"]["kind"] == "decoder" and doc["prompt_ids"] == list(range(1, 9)) and doc["inputs"] is None
+
+
+@pytest.mark.parametrize("args, needle", [
+    ([], "dim 0 is the symbolic 'batch', which --shape does not bind"),
+    (["--shape", "seq=4"], "--shape binds 'seq', which is no symbolic dim"),
+    (["--batch-sweep", "1,2"], "--batch-sweep decodes a decoder LLM; this model is not a decoder"),
+    (["--batch-sweep", "1,2", "--shape", "batch=1"], "--inputs and --shape feed one forward of the load"),
+], ids=["unbound dim", "unknown dim", "sweep", "sweep with shape"])
+def test_what_one_forward_cannot_run_exits_2_in_one_line(mlp_model, args, needle):
+    p = cli("profile", mlp_model, "--repeat", "1", *args, ok=False)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], p.stderr
+    assert p.stdout == ""

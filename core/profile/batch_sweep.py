@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from onnx_prep.core.errors import UsageError
+from onnx_prep.core.errors import UsageError, Where
 
 __all__ = ["SCHEMA", "SweepOptions", "parse_budget", "record_batch_sweep"]
 
@@ -112,11 +112,17 @@ def record_batch_sweep(model: Path, options: SweepOptions, *, progress: SweepPro
 
     from onnx_prep.core.decode.decoder_io import DecoderIO
     from onnx_prep.core.decode.export_hints import ExportHints, check_request
+    from onnx_prep.core.decode.model_kind import model_kind
     from onnx_prep.core.model.resolution import resolve_model
     from onnx_prep.core.plan.execution_plan import build_prepared_execution_plan
     from onnx_prep.core.profile.machine import describe_machine
 
     resolved = resolve_model(Path(model), trust_symlinks=options.trust_symlinks)
+    kind = model_kind(resolved.inputs)
+    if not kind.is_decoder:
+        raise UsageError(f"--batch-sweep decodes a decoder LLM; this model is {kind.reason}",
+                         Where(model=str(resolved.model_path)),
+                         hint="profile its load without --batch-sweep (one forward: --shape / --inputs)")
     io = DecoderIO.discover(resolved.inputs, resolved.outputs, None, model=str(resolved.model_path),
                             hints=lambda: ExportHints.for_model(resolved.model_path))
     for n in sorted({1, *options.batches}):  # batch 1 is the reference: a fixed dim refuses before loading

@@ -2,7 +2,7 @@
 cache policy), each repeat in a fresh process (docs/profile.md).
 
 ``profile_load(model_path, LoadProfileOptions(...), progress=, warn=) -> dict`` (schema
-``onnx-prep.profile-load/1``, core/schemas/profile-load.schema.json). For each repeat,
+``onnx-prep.profile-load/2``, core/schemas/profile-load.schema.json). For each repeat,
 every configuration's load runs in its own child process
 (``python -m onnx_prep.core.profile.load_sample``: the runtime's ordinary load, nothing
 profiler-only), the configurations interleaved and their order rotated from repeat to
@@ -13,7 +13,9 @@ with ``cold``, the model's files (and the cache's) are dropped from the page cac
 so every repeat builds the cache from nothing (the model's own cache is never touched).
 ``trace`` adds one more load of the first configuration (parallel where asked for),
 before the measured ones and apart from them, writing its Chrome trace; ``compare="ort"`` runs ONNX
-Runtime on the same prompt, as many times, each in a fresh process too.
+Runtime on the same feeds, as many times, each in a fresh process too. The first
+forward is a decoder's fixed prompt, or one forward of any other model (or of any model
+given ``inputs`` / ``shape``), as core/profile/load_feeds.py decides.
 """
 from __future__ import annotations
 
@@ -28,9 +30,9 @@ from pathlib import Path
 from typing import Callable
 
 from onnx_prep.core.errors import OnnxPrepError, UsageError, Where
-from onnx_prep.core.profile.load_sample import MODES, ORT_DECODE_TOKENS, PROMPT_LEN, LoadSpec
+from onnx_prep.core.profile.load_sample import MODES, ORT_DECODE_TOKENS, LoadSpec
 
-SCHEMA = "onnx-prep.profile-load/1"
+SCHEMA = "onnx-prep.profile-load/2"
 MAX_REPEAT = 1000
 
 # The figures of a sample, in the order a table shows them: (key, unit). docs/profile.md
@@ -90,6 +92,8 @@ class LoadProfileOptions:
     prepared: Path | None = None  # the cache's manifest (default: beside the model)
     verify_digests: bool = True
     trust_symlinks: bool = False
+    inputs: tuple[str, ...] = ()  # --inputs: one forward on these files (core/profile/load_feeds.py)
+    shape: tuple[str, ...] = ()  # --shape: symbolic dims of the generated inputs
 
     def __post_init__(self) -> None:
         from onnx_prep.core.option_ranges import check_range
@@ -167,7 +171,6 @@ def profile_load(model_path: Path, options: LoadProfileOptions, *,
                  warn: Callable[[str], None] | None = None) -> dict:
     """See the module docstring. ``progress(done, total, label)`` after each load."""
     from onnx_prep.core.model.resolution import resolve_model
-    from onnx_prep.core.profile.load_sample import fixed_prompt_feeds
     from onnx_prep.core.profile.machine import describe_machine
     from onnx_prep.core.profile.machine_activity import MachineActivity
     from onnx_prep.core.profile.page_cache import drop_files
@@ -175,7 +178,9 @@ def profile_load(model_path: Path, options: LoadProfileOptions, *,
     model_path = Path(model_path)
     # metadata only; what cannot load is refused here, before any child starts
     resolved = resolve_model(model_path, trust_symlinks=options.trust_symlinks)
-    fixed_prompt_feeds(resolved)  # a model that is no decoder fails here, in one line
+    spec0 = LoadSpec(model=str(model_path), inputs=tuple(options.inputs), shape=tuple(options.shape),
+                     trust_symlinks=options.trust_symlinks)
+    first = spec0.feeds(resolved)  # feeds that cannot be made fail here, in one line
     if options.compare == "ort":
         from onnx_prep.core.decode.ort_runner import import_onnxruntime
 
@@ -187,9 +192,9 @@ def profile_load(model_path: Path, options: LoadProfileOptions, *,
     done = 0
 
     def spec(mode: str, policy: str, **kw) -> LoadSpec:
-        return LoadSpec(model=str(model_path), mode=mode, cache_policy=policy,
-                        prepared=None if options.prepared is None else str(options.prepared),
-                        verify_digests=options.verify_digests, trust_symlinks=options.trust_symlinks, **kw)
+        return replace(spec0, mode=mode, cache_policy=policy,
+                       prepared=None if options.prepared is None else str(options.prepared),
+                       verify_digests=options.verify_digests, **kw)
 
     def load(s: LoadSpec, drops: list) -> dict:
         nonlocal done
@@ -256,10 +261,11 @@ def profile_load(model_path: Path, options: LoadProfileOptions, *,
             ours, theirs = row["summary"]["open_to_first_output_ms"], ort_summary["first_output_ms"]
             if ours and theirs and theirs["median"] > 0:
                 ours_over[row["name"]] = ours["median"] / theirs["median"]
-        compare = {"runtime": "ort", "decode_tokens": ORT_DECODE_TOKENS, "samples": ort_samples,
+        compare = {"runtime": "ort", "decode_tokens": ORT_DECODE_TOKENS if first.decodes else 0,
+                   "samples": ort_samples,
                    "summary": ort_summary, "page_cache": _drop_summary(ort_drops, options.cold),
                    "open_to_first_output_over_ort": ours_over}
-    return {"schema": SCHEMA, "model": str(model_path), "prompt_ids": list(range(1, PROMPT_LEN + 1)),
+    return {"schema": SCHEMA, "model": str(model_path), **first.describe(),
             "repeat": options.repeat, "cold": options.cold, "verify_digests": options.verify_digests,
             "machine": describe_machine(), "configurations": rows, "ratios": ratios, "compare": compare,
             "trace": None if trace_of is None else {"path": str(options.trace),

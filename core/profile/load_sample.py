@@ -1,5 +1,5 @@
-"""One load, measured: a fresh Session over the model, its first output on a fixed
-prompt, and the figures of docs/profile.md taken from the runtime's own record
+"""One load, measured: a fresh Session over the model, its first output (a decoder's
+fixed prompt, or one forward of any other model: core/profile/load_feeds.py), and the figures of docs/profile.md taken from the runtime's own record
 (``Session.stats()``, ``Session.timeline()``, the run's context). This module is also
 the child process ``onnx-prep profile`` starts for each repeat, so that every load
 meets a process with nothing loaded, mapped or allocated before it:
@@ -12,8 +12,8 @@ or ``{"error": line, "exit_code": n}`` for an error the library raised on purpos
 forward, ``prepare_async`` of every session task right behind it (what a caller that
 wants its first output soonest does), on the scheduler ``mode`` asks for.
 
-With ``runtime="ort"`` the same prompt goes through ONNX Runtime instead
-(:func:`measure_ort`: session creation, first run, a few decode steps).
+With ``runtime="ort"`` the same feeds go through ONNX Runtime instead
+(:func:`measure_ort`: session creation, first run, and for a decoder a few decode steps).
 """
 from __future__ import annotations
 
@@ -25,8 +25,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from onnx_prep.core.profile.load_feeds import PROMPT_LEN, decoder_prompt_feeds, load_feeds
+
 MODES = ("parallel", "sequential")
-PROMPT_LEN = 8  # the fixed prompt: token ids 1..8, one row
 ORT_DECODE_TOKENS = 4  # decode steps ONNX Runtime runs after its first output (--compare ort)
 
 
@@ -42,13 +43,20 @@ class LoadSpec:
     trust_symlinks: bool = False
     trace: str | None = None  # write a Chrome trace of this load here (core/profile/chrome_trace.py)
     runtime: str = "prepared"  # or "ort" (measure_ort)
+    inputs: tuple[str, ...] = ()  # --inputs: one forward on these files (load_feeds.py)
+    shape: tuple[str, ...] = ()  # --shape: symbolic dims of generated inputs
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> LoadSpec:
-        return cls(**json.loads(text))
+        doc = json.loads(text)
+        return cls(**{**doc, "inputs": tuple(doc.get("inputs", ())), "shape": tuple(doc.get("shape", ()))})
+
+    def feeds(self, resolved):
+        """The first forward's feeds (``load_feeds.LoadFeeds``)."""
+        return load_feeds(resolved, self.inputs, self.shape)
 
 
 @dataclass
@@ -63,20 +71,6 @@ class LoadMeasurement:
     base_ns: int  # when Session construction began (the trace's time 0)
     t0_ns: int  # when the load began: the first submission
     marks: dict[str, int]  # first_step / first_output / all_ready, in ns
-
-
-def fixed_prompt_feeds(resolved, prompt_len: int = PROMPT_LEN) -> dict:
-    """The first forward's feeds: ids 1..prompt_len (one row), empty past."""
-    import numpy as np
-
-    from onnx_prep.core.decode.decoder_io import DecoderIO
-    from onnx_prep.core.decode.export_hints import ExportHints
-    from onnx_prep.core.decode.generation import step_feeds
-
-    io = DecoderIO.discover(resolved.inputs, resolved.outputs, model=str(resolved.model_path),
-                            hints=lambda: ExportHints.for_model(resolved.model_path))
-    ids = np.arange(1, prompt_len + 1, dtype=np.int64)[None, :]
-    return step_feeds(io, ids, io.empty_past(1), 0)
 
 
 @dataclass
@@ -174,7 +168,7 @@ def measure_load(spec: LoadSpec, *, warn=None) -> LoadMeasurement:
     t = time.perf_counter_ns()
     resolved = resolve_model(Path(spec.model), trust_symlinks=spec.trust_symlinks)
     resolve_ms = (time.perf_counter_ns() - t) / 1e6
-    feeds = fixed_prompt_feeds(resolved)
+    feeds = spec.feeds(resolved).arrays
     cache = None
     if spec.cache_policy != "disabled":
         from onnx_prep.core.cache.prepared_cache import PreparedCache
@@ -242,23 +236,31 @@ def measure_load(spec: LoadSpec, *, warn=None) -> LoadMeasurement:
 
 
 def measure_ort(spec: LoadSpec) -> dict[str, Any]:
-    """ONNX Runtime on the same prompt: session creation (its parse included), the first
-    run, then ORT_DECODE_TOKENS greedy decode steps (ms per token)."""
+    """ONNX Runtime on the same feeds: session creation (its parse included), the first
+    run, then for a decoder ORT_DECODE_TOKENS greedy decode steps (ms per token)."""
     from onnx_prep.core.decode.decoder_io import DecoderIO
     from onnx_prep.core.decode.export_hints import ExportHints
     from onnx_prep.core.decode.generation import greedy_decode
     from onnx_prep.core.decode.ort_runner import OrtRunner
+    from onnx_prep.core.model.resolution import resolve_model
 
     import numpy as np
 
+    first = spec.feeds(resolve_model(Path(spec.model), trust_symlinks=spec.trust_symlinks))
     t = time.perf_counter_ns()
     runner = OrtRunner(spec.model)
     create_ms = (time.perf_counter_ns() - t) / 1e6
     try:
+        if not first.decodes:
+            t = time.perf_counter_ns()
+            runner.run(first.arrays)
+            run_ms = (time.perf_counter_ns() - t) / 1e6
+            return {"create_ms": create_ms, "first_run_ms": run_ms, "first_output_ms": create_ms + run_ms,
+                    "decode_ms_per_token": None}
         inputs, outputs = runner.value_infos()
         io = DecoderIO.discover(inputs, outputs, model=spec.model,
                                 hints=lambda: ExportHints.for_model(spec.model))
-        prompt = np.arange(1, PROMPT_LEN + 1, dtype=np.int64)[None, :]
+        prompt = np.asarray([first.prompt_ids], dtype=np.int64)
         result = greedy_decode(runner, io, prompt, 1 + ORT_DECODE_TOKENS, model=spec.model)
     finally:
         runner.close()
