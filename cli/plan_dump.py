@@ -16,7 +16,7 @@ import typer
 
 from onnx_prep.cli import output
 from onnx_prep.cli.errors import run_guarded
-from onnx_prep.cli.model_argument import TRUST_SYMLINKS, model_path
+from onnx_prep.cli.model_argument import FUSE, TRUST_SYMLINKS, model_path
 from onnx_prep.core.errors import EXIT_OK, UsageError
 
 FORMATS = ("table", "json", "dot")
@@ -40,6 +40,7 @@ def plan_dump(
     text: Optional[str] = typer.Option(None, "--filter", metavar="TEXT",
                                        help="List only tasks whose id or label contains TEXT."),
     trust_symlinks: bool = TRUST_SYMLINKS,
+    fuse: bool = FUSE,
 ) -> None:
     """Show the task plan: summary, then each task's scope, kind, resource, dependencies, result and bytes."""
 
@@ -66,7 +67,7 @@ def plan_dump(
             return PreparedCache(resolved, prepared, policy=cache_policy, warn=output.warn)
 
         doc = build(model_path(model), open_cache=open_cache, trust_symlinks=trust_symlinks, scope=scope,
-                    text=text)
+                    text=text, fuse=fuse)
         if json_out or fmt == "json":
             output.emit_json(doc)
         elif fmt == "dot":

@@ -255,3 +255,23 @@ def test_what_one_forward_cannot_run_exits_2_in_one_line(mlp_model, args, needle
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], p.stderr
     assert p.stdout == ""
+
+
+def test_no_fuse_loads_the_graph_as_written(model):
+    """--no-fuse reaches the load: the unfused graph keeps the RMSNorm / rotary chains, so
+    the plan it executes has the same weights (same session tasks and source bytes) and
+    the record says fuse false; plan-dump --no-fuse plans more actions (graph nodes) into
+    the same invocation steps."""
+    jsonschema = pytest.importorskip("jsonschema")
+    docs = {f: json.loads(cli("profile", model, "--repeat", "1", "--cache-policy", "disabled", "--json",
+                              *([] if f else ["--no-fuse"])).stdout) for f in (True, False)}
+    for f, doc in docs.items():
+        jsonschema.validate(doc, schema("profile-load"))
+        assert doc["fuse"] is f
+    fused, unfused = (docs[f]["configurations"][0]["samples"][0] for f in (True, False))
+    assert fused["source_bytes"] == unfused["source_bytes"] and fused["prepacks"] == unfused["prepacks"]
+    plans = {f: json.loads(cli("plan-dump", model, "--json", "--cache-policy", "disabled",
+                               *([] if f else ["--no-fuse"])).stdout) for f in (True, False)}
+    actions = {f: plans[f]["steps"][-1]["actions"][1] for f in plans}  # the last step's end: all actions
+    assert [s["task"] for s in plans[True]["steps"]] == [s["task"] for s in plans[False]["steps"]]
+    assert actions[True] < actions[False]

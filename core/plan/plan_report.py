@@ -85,16 +85,17 @@ DEFAULT_COST_MODEL = CostModel()
 
 def plan_dump(model: str | Path, *, open_cache: Callable[[ResolvedModel], PackedPayloadIndex | None] | None = None,
               trust_symlinks: bool = False, cost: CostModel = DEFAULT_COST_MODEL, scope: str | None = None,
-              text: str | None = None) -> dict:
+              text: str | None = None, fuse: bool = True) -> dict:
     """``plan-dump``'s one call: resolve ``model``, build its plan as a session does and
     report it. ``open_cache(resolved)`` opens the prepared cache to plan with (a
     ``PackedPayloadIndex``, e.g. ``core/cache``'s ``PreparedCache``; None: no cache):
-    the plan then reads packed every object the cache holds a compatible entry for."""
+    the plan then reads packed every object the cache holds a compatible entry for.
+    ``fuse``: fuse standard-op patterns at resolve, as a session does by default."""
     from onnx_prep.core.errors import UnsupportedOpError, Where
     from onnx_prep.core.model.resolution import resolve_model
     from onnx_prep.core.plan.execution_plan import build_prepared_execution_plan
 
-    resolved = resolve_model(model, trust_symlinks=trust_symlinks)
+    resolved = resolve_model(model, trust_symlinks=trust_symlinks, fuse=fuse)
     if resolved.unsupported:  # no plan without a kernel for every node: say which, and where
         ops = "; ".join(f"{u.domain or 'ai.onnx'}::{u.op_type} (nodes {', '.join(u.nodes[:3])}"
                         f"{', ...' if len(u.nodes) > 3 else ''})" for u in resolved.unsupported)

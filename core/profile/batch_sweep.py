@@ -55,6 +55,7 @@ class SweepOptions:
     compare_ort: bool = False
     threads: int | None = None
     trust_symlinks: bool = False
+    fuse: bool = True  # fuse standard-op patterns at resolve (core/model/fusion.py)
 
     def __post_init__(self) -> None:
         from onnx_prep.core.option_ranges import MAX_BATCH, MAX_TOKENS, check_range
@@ -117,7 +118,7 @@ def record_batch_sweep(model: Path, options: SweepOptions, *, progress: SweepPro
     from onnx_prep.core.plan.execution_plan import build_prepared_execution_plan
     from onnx_prep.core.profile.machine import describe_machine
 
-    resolved = resolve_model(Path(model), trust_symlinks=options.trust_symlinks)
+    resolved = resolve_model(Path(model), trust_symlinks=options.trust_symlinks, fuse=options.fuse)
     kind = model_kind(resolved.inputs)
     if not kind.is_decoder:
         raise UsageError(f"--batch-sweep decodes a decoder LLM; this model is {kind.reason}",
@@ -218,6 +219,7 @@ def record_batch_sweep(model: Path, options: SweepOptions, *, progress: SweepPro
         "budget_bytes": budget,
         "streaming": streaming,
         "cache_policy": options.cache_policy,
+        "fuse": options.fuse,
         "read_rate_bytes_per_s": read_rate,
         "ort": "no budget: ONNX Runtime holds every weight" if options.compare_ort else None,
         "rows": rows,

@@ -94,6 +94,7 @@ class LoadProfileOptions:
     trust_symlinks: bool = False
     inputs: tuple[str, ...] = ()  # --inputs: one forward on these files (core/profile/load_feeds.py)
     shape: tuple[str, ...] = ()  # --shape: symbolic dims of the generated inputs
+    fuse: bool = True  # fuse standard-op patterns at resolve (core/model/fusion.py)
 
     def __post_init__(self) -> None:
         from onnx_prep.core.option_ranges import check_range
@@ -177,9 +178,9 @@ def profile_load(model_path: Path, options: LoadProfileOptions, *,
 
     model_path = Path(model_path)
     # metadata only; what cannot load is refused here, before any child starts
-    resolved = resolve_model(model_path, trust_symlinks=options.trust_symlinks)
+    resolved = resolve_model(model_path, trust_symlinks=options.trust_symlinks, fuse=options.fuse)
     spec0 = LoadSpec(model=str(model_path), inputs=tuple(options.inputs), shape=tuple(options.shape),
-                     trust_symlinks=options.trust_symlinks)
+                     trust_symlinks=options.trust_symlinks, fuse=options.fuse)
     first = spec0.feeds(resolved)  # feeds that cannot be made fail here, in one line
     if options.compare == "ort":
         from onnx_prep.core.decode.ort_runner import import_onnxruntime
@@ -267,6 +268,7 @@ def profile_load(model_path: Path, options: LoadProfileOptions, *,
                    "open_to_first_output_over_ort": ours_over}
     return {"schema": SCHEMA, "model": str(model_path), **first.describe(),
             "repeat": options.repeat, "cold": options.cold, "verify_digests": options.verify_digests,
+            "fuse": options.fuse,
             "machine": describe_machine(), "configurations": rows, "ratios": ratios, "compare": compare,
             "trace": None if trace_of is None else {"path": str(options.trace),
                                                      "configuration": f"{trace_of[0]}/{trace_of[1]}"},

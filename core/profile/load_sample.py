@@ -45,6 +45,7 @@ class LoadSpec:
     runtime: str = "prepared"  # or "ort" (measure_ort)
     inputs: tuple[str, ...] = ()  # --inputs: one forward on these files (load_feeds.py)
     shape: tuple[str, ...] = ()  # --shape: symbolic dims of generated inputs
+    fuse: bool = True  # fuse standard-op patterns at resolve (core/model/fusion.py)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -166,7 +167,7 @@ def measure_load(spec: LoadSpec, *, warn=None) -> LoadMeasurement:
     from onnx_prep.core.runtime.session import Session, SessionOptions
 
     t = time.perf_counter_ns()
-    resolved = resolve_model(Path(spec.model), trust_symlinks=spec.trust_symlinks)
+    resolved = resolve_model(Path(spec.model), trust_symlinks=spec.trust_symlinks, fuse=spec.fuse)
     resolve_ms = (time.perf_counter_ns() - t) / 1e6
     feeds = spec.feeds(resolved).arrays
     cache = None
