@@ -208,8 +208,9 @@ def cached_doc(tiny_llm_path, cache_path):
 
 def test_with_a_complete_cache_one_read_packed_per_weight_publishing_the_same_key(doc, cached_doc):
     """Every prepack of the plain plan becomes one read of its packed payload, on the
-    I/O queue, with no dependencies, publishing the same key; the raw reads stay; each
-    step waits for the same keys, now from their packed reads."""
+    mapped queue (the cache maps it into its slot), with no dependencies, publishing the
+    same key; the raw reads stay on the I/O queue; each step waits for the same keys,
+    now from their packed reads."""
     validate(cached_doc)
     prepacks = [t for t in doc["tasks"] if t["kind"] == "prepack"]
     packed = [t for t in cached_doc["tasks"] if t["kind"] == "read_packed"]
@@ -217,9 +218,11 @@ def test_with_a_complete_cache_one_read_packed_per_weight_publishing_the_same_ke
     assert sorted(t["publishes"] for t in packed) == sorted(t["publishes"] for t in prepacks)
     for t in packed:
         assert t["id"] == f"S.read_packed:{t['publishes']}"
-        assert (t["scope"], t["resource"], t["dependencies"]) == ("session", "io", [])
+        assert (t["scope"], t["resource"], t["dependencies"]) == ("session", "mapped", [])
     raw = [t["id"] for t in doc["tasks"] if t["kind"] == "read_source" and t["publishes"]]
     assert [t["id"] for t in cached_doc["tasks"] if t["kind"] == "read_source"] == raw  # 10 raw reads
+    assert {t["resource"] for t in cached_doc["tasks"] if t["kind"] == "read_source"} == {"io"}
+    assert cached_doc["summary"]["by_resource"] == {"io": 10, "mapped": 17, "cpu": 18}
     assert not [t for t in cached_doc["tasks"] if t["kind"] == "prepack"]
     rename = {t["id"]: f"S.read_packed:{t['publishes']}" for t in prepacks}
     plain_steps = [t for t in doc["tasks"] if t["scope"] == "invocation"]
@@ -237,6 +240,28 @@ def test_with_a_complete_cache_one_read_packed_per_weight_publishing_the_same_ke
         if q["selected"] != "read_source":
             assert q["selected"] == "read_packed_payload"
             assert [r["kind"] for r in q["recipes"]] == ["read_packed_payload", "read_source_and_prepack"]
+            assert q["recipes"][0]["payload"]["mapped"] is True
+
+
+@pytest.mark.parametrize("how", ["map-off", "zstd"])
+def test_a_payload_read_into_fresh_pages_stays_on_the_io_queue(tiny_llm_path, cache_path, tmp_path,
+                                                               monkeypatch, how):
+    """Only a payload the cache maps runs on the mapped queue: with mapping switched off
+    (ONNX_PREP_MAP_CACHE=0), or stored compressed, it is read (a storage read) on IO."""
+    from onnx_prep.core.cache.cache_build import build_prepared_cache
+
+    path = cache_path
+    if how == "map-off":
+        monkeypatch.setenv("ONNX_PREP_MAP_CACHE", "0")
+    else:
+        path = tmp_path / "tiny-llm.prepared.onnx"
+        assert build_prepared_cache(tiny_llm_path, output=path, compress="zstd")["written"] == 17
+    record = json.loads(json.dumps(plan_dump(tiny_llm_path, open_cache=opener(path))))
+    validate(record)
+    packed = [t for t in record["tasks"] if t["kind"] == "read_packed"]
+    assert len(packed) == 17 and {t["resource"] for t in packed} == {"io"}
+    assert record["summary"]["by_resource"] == {"io": 27, "cpu": 18}
+    assert not [q for q in record["requirements"] if q["recipes"][0].get("payload", {}).get("mapped")]
 
 
 @pytest.mark.parametrize("cached", [False, True], ids=["sources", "prepared-cache"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,8 @@ from onnx_prep.core.decode.generation import step_feeds
 from onnx_prep.core.errors import DigestError, OnnxPrepError
 from onnx_prep.core.model.resolution import resolve_model
 from onnx_prep.core.model.weights import TENSOR_DIGEST_KEY
+from onnx_prep.core.plan.task import ResourceClass
+from onnx_prep.core.runtime.scheduler import TaskState
 from onnx_prep.core.runtime.session import Session
 
 from test_cli_exit_codes import ONNX_PREP
@@ -132,6 +135,44 @@ def test_a_flipped_payload_byte_is_caught_whether_mapped_or_read(model, monkeypa
     assert "does not match its digest" in cache.warnings[0] and bad.key in cache.warnings[0]
     total = sum(e.length for e in manifest.entries)
     assert stats.packed_bytes_mapped == (total - bad.length if mapped else 0)
+
+
+def test_mapped_page_ins_do_not_wait_behind_source_reads_holding_the_io_queue(model):
+    """With a complete cache every packed object is mapped into its slot on the mapped
+    queue. Every source read (the raw norm weights) held in the reader's hook, so the
+    I/O queue is busy with a read that does not end: prepare() still maps and publishes
+    every packed object meanwhile; released, the session's outputs are the reference's."""
+    manifest = build(model)
+    want = reference(model)
+    resolved = resolve_model(model)
+    cache = PreparedCache(resolved, policy="read-only")
+    gate, entered = threading.Event(), threading.Event()
+
+    def before_read(desc):
+        entered.set()
+        assert gate.wait(30)
+
+    try:
+        with Session(resolved, cache=cache) as s:
+            s.reader.hooks.before_read = before_read
+            try:
+                h = s.prepare_async()
+                assert entered.wait(30)
+                packed = [t for t in h.tasks if t.name.startswith("S.read_packed:")]
+                assert len(packed) == len(manifest.entries)
+                assert all(t.wait(30) for t in packed)
+                assert all(t.state is TaskState.DONE and t.resource is ResourceClass.MAPPED for t in packed)
+                assert all(s.store.is_resident(s.plan.by_id[t.name].publishes) for t in packed)
+                reads = [t for t in h.tasks if t.name.startswith("S.read_source:")]
+                assert reads and not any(t.done() for t in reads)  # held all along
+            finally:
+                gate.set()
+            h.wait()
+            assert same(s.run(_feeds(model)), want)
+            stats = s.stats()
+        assert stats.packed_bytes_mapped == sum(e.length for e in manifest.entries) and stats.prepacks == 0
+    finally:
+        cache.close()
 
 
 def test_a_new_process_reads_the_cache_and_decodes_the_same_tokens(model):

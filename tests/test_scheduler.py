@@ -18,6 +18,7 @@ from onnx_prep.core.plan.task import Priority, ResourceClass
 T = 30  # generous timeout for waits that must succeed
 
 CPU, IO, INLINE, DEVICE = ResourceClass.CPU, ResourceClass.IO, ResourceClass.INLINE, ResourceClass.DEVICE
+MAPPED = ResourceClass.MAPPED
 CRIT, PRE, BG = Priority.CRITICAL, Priority.PREFETCH, Priority.BACKGROUND
 
 
@@ -162,11 +163,11 @@ def test_promote_deps_on_submit(make_sched):
     assert order.index("r1") < order.index("r0")
 
 
-@pytest.mark.parametrize("resource,prio", [(CPU, BG), (IO, BG), (IO, Priority.DEMANDED)])
+@pytest.mark.parametrize("resource,prio", [(CPU, BG), (IO, BG), (IO, Priority.DEMANDED), (MAPPED, BG)])
 def test_reserved_critical_slot(make_sched, resource, prio):
     """Speculative work never takes the reserved worker; on the I/O queue DEMANDED work
     is capped the same way (one storage device does not read faster from more threads)."""
-    s = make_sched(io_workers=3, cpu_workers=3)
+    s = make_sched(io_workers=3, cpu_workers=3, map_workers=3)
     n = s.workers(resource)
     started = threading.Semaphore(0)
     release = threading.Event()
@@ -190,6 +191,54 @@ def test_reserved_critical_slot(make_sched, resource, prio):
     release.set()
     assert all(t.wait(T) for t in bg)
     assert all(t.state is TaskState.DONE for t in bg)
+
+
+def test_mapped_workers_start_with_the_first_mapped_task(make_sched):
+    """A scheduler that maps nothing has no threads for the MAPPED queue; its first
+    mapped task starts them, and runs on one of them."""
+    s = make_sched(io_workers=2, cpu_workers=2, map_workers=2)
+    assert len(_threads(s.name)) == 4 and s.workers(MAPPED) == 2
+    worker = s.submit(lambda ctx: ctx.worker, resource=MAPPED, priority=PRE, name="m").result(T)
+    assert worker.startswith(f"{s.name}-mapped-")
+    assert sorted(_threads(s.name)) == sorted(s.worker_names) and len(s.worker_names) == 6
+    with pytest.raises(UsageError, match="map=0"):
+        Scheduler(map_workers=0, name="no-map")
+
+
+def test_a_mapped_read_does_not_wait_behind_source_reads_holding_the_io_queue(make_sched):
+    """Both I/O workers held, one by a long CRITICAL source read, one by a speculative
+    one, with more reads queued: mapped reads (speculative too) start and finish
+    meanwhile, on the mapped queue's workers, while the queued source read still waits."""
+    s = make_sched(io_workers=2, cpu_workers=1, map_workers=2)
+    crit_started, pre_started = threading.Event(), threading.Event()
+    crit_fn, crit_release = _gate(crit_started)
+    pre_fn, pre_release = _gate(pre_started)
+    try:
+        long_read = s.submit(crit_fn, resource=IO, priority=CRIT, name="long source read")
+        spec_read = s.submit(pre_fn, resource=IO, priority=PRE, name="speculative source read")
+        assert crit_started.wait(T) and pre_started.wait(T)
+        queued = s.submit(lambda ctx: None, resource=IO, priority=PRE, name="queued source read")
+        mapped = [s.submit(lambda ctx: ctx.worker, resource=MAPPED, priority=prio, name=f"map{i}")
+                  for i, prio in enumerate((PRE, Priority.DEMANDED, PRE))]
+        assert all(m.wait(T) for m in mapped)
+        assert all(m.state is TaskState.DONE and "-mapped-" in m.result() for m in mapped)
+        assert long_read.state is TaskState.RUNNING and spec_read.state is TaskState.RUNNING
+        assert queued.state is TaskState.READY  # behind the cap on the I/O queue
+    finally:
+        crit_release.set()
+        pre_release.set()
+    assert s.wait_idle(T) and queued.state is TaskState.DONE
+
+
+def test_demanded_mapped_reads_use_every_mapped_worker(make_sched):
+    """DEMANDED work passes the mapped queue's cap (as on CPU, unlike IO): two page-ins a
+    run will consume run together on the two mapped workers."""
+    s = make_sched(io_workers=1, cpu_workers=1, map_workers=2)
+    both = threading.Barrier(2, timeout=T)  # breaks (a failure) unless both run at once
+    tasks = [s.submit(lambda ctx: both.wait(), resource=MAPPED, priority=Priority.DEMANDED, name=f"d{i}")
+             for i in range(2)]
+    assert all(t.wait(T) for t in tasks)
+    assert [t.state for t in tasks] == [TaskState.DONE] * 2
 
 
 def test_a_completion_does_not_wake_workers_that_cannot_start_anything(make_sched):

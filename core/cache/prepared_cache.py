@@ -254,7 +254,13 @@ class PreparedCache:
         if o is None or o.status is not EntryStatus.HIT:
             return None
         e = self.manifest.by_key[request.key]
-        return PackedPayloadEntry(key=e.key, file=e.file, offset=e.offset, length=e.length)
+        return PackedPayloadEntry(key=e.key, file=e.file, offset=e.offset, length=e.length,
+                                  mapped=self._mappable(e))
+
+    def _mappable(self, e: CacheEntry) -> bool:
+        """Whether entry ``e``'s stored bytes can be mapped into a slot as they are:
+        mapping on, stored plain (not encoded), at an offset on the page size."""
+        return self.map_payloads and e.encoding is None and e.offset % mmap.PAGESIZE == 0
 
     def entry(self, key: str) -> CacheEntry:
         return self.manifest.by_key[key]
@@ -265,7 +271,7 @@ class PreparedCache:
         off the page size, mapping switched off, or a file that cannot be opened or is
         shorter than the entry (``read_into`` then reports why)."""
         e = self.manifest.by_key[payload.key]
-        if not self.map_payloads or e.encoding is not None or e.offset % mmap.PAGESIZE:
+        if not self._mappable(e):
             return None
         try:
             fd = self._fd(e.file)

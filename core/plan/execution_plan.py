@@ -2,7 +2,8 @@
 ResolvedModel (docs/design.md, "One scoped execution plan").
 
 Session-scoped tasks materialize prepared objects (read source -> prepack, or read a
-packed payload from a cache); invocation-scoped tasks replay contiguous ranges of the
+packed payload from a cache: on the MAPPED resource when the cache maps it into the
+slot, which reads no storage a source read waits for; else on IO); invocation-scoped tasks replay contiguous ranges of the
 model's action list. Every invocation step depends on the previous step and on the
 tasks that publish the prepared objects it consumes -- nothing else, so a run never
 waits for an initialization barrier.
@@ -50,12 +51,15 @@ def raw_request(weight: str, device: str = "cpu") -> PrepackRequest:
 
 @dataclass(frozen=True, slots=True)
 class PackedPayloadEntry:
-    """A compatible persisted payload for one prepared key (from a prepared cache)."""
+    """A compatible persisted payload for one prepared key (from a prepared cache).
+    ``mapped``: its stored bytes are to be mapped into the key's slot, not read (the
+    plan then runs its read on the MAPPED resource: no storage read to queue behind)."""
 
     key: PreparedKey
     file: str
     offset: int
     length: int
+    mapped: bool = False
 
 
 class PackedPayloadIndex(Protocol):
@@ -106,7 +110,7 @@ class MaterializationRecipe:
             out["sources"] = list(self.sources)
         if self.payload is not None:
             out["payload"] = {"file": self.payload.file, "offset": self.payload.offset,
-                              "length": self.payload.length}
+                              "length": self.payload.length, "mapped": self.payload.mapped}
         return out
 
 
@@ -376,7 +380,8 @@ def build_prepared_execution_plan(
             read_bytes = entry.length
             tasks.append(TaskDescriptor(
                 id=publisher, scope=TaskScope.SESSION, kind=TaskKind.READ_PACKED,
-                resource=ResourceClass.IO, publishes=k, estimated_output_bytes=entry.length,
+                resource=ResourceClass.MAPPED if entry.mapped else ResourceClass.IO, publishes=k,
+                estimated_output_bytes=entry.length,
                 arena=Arena.PREPARED, label=f"read packed {req.logical_value}"))
         else:
             deps = tuple(source_read(resolved.weights[n]) for n in external)

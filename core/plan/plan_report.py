@@ -184,7 +184,7 @@ def _summary(plan: PreparedExecutionPlan, cost: CostModel, path: list[TaskDescri
         "recipes": recipes,
         "critical_path": {
             "tasks": [t.id for t in path],
-            "read_bytes": sum(cost.bytes_of(t) for t in path if t.resource is ResourceClass.IO),
+            "read_bytes": sum(cost.bytes_of(t) for t in path if t.kind in (TaskKind.READ_SOURCE, TaskKind.READ_PACKED)),
             "prepack_bytes": sum(cost.bytes_of(t) for t in path if t.kind is TaskKind.PREPACK),
             "bytes": sum(cost.bytes_of(t) for t in path),
             "estimated_ms": round(finish[path[-1].id] * 1e3, 3) if path else 0.0,
@@ -241,7 +241,8 @@ def task_from_json(row: dict) -> TaskDescriptor:
 # ------------------------------------------------------------------------- Graphviz
 
 # Fill colour per resource queue (the legend of docs/plan-dump.md).
-RESOURCE_COLOURS = {"io": "#9ecae1", "cpu": "#fdae6b", "device": "#a1d99b", "inline": "#d9d9d9"}
+RESOURCE_COLOURS = {"io": "#9ecae1", "mapped": "#c6dbef", "cpu": "#fdae6b", "device": "#a1d99b",
+                    "inline": "#d9d9d9"}
 
 
 def plan_dot(doc: dict) -> str:

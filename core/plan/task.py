@@ -64,6 +64,8 @@ class ResourceClass(enum.Enum):
     """Which queue runs the task (docs/design.md, "Task resources and scheduling")."""
 
     IO = "io"  # bounded I/O workers: blocking reads/writes never occupy CPU workers
+    MAPPED = "mapped"  # a persisted payload mapped into its slot: page-table work and a
+    #                    checksum on the page cache, no storage read to share (own workers)
     CPU = "cpu"  # transforms, prepacking, CPU kernels
     DEVICE = "device"  # one queue per accelerator stream
     INLINE = "inline"  # trivial work: runs on the thread that made it ready

@@ -2,7 +2,7 @@
 chrome://tracing): the picture of one load and its first output, drawn from the
 session's own timeline (docs/profile.md, "The trace").
 
-- one process per resource class (``io``, ``cpu``, ``inline``, ``device``), one thread
+- one process per resource class (``io``, ``mapped``, ``cpu``, ``inline``, ``device``), one thread
   (track) per scheduler worker within it: each task that ran is a complete event
   (``"ph": "X"``) named by its plan id (a run's continuation by its own name,
   ``run-N:stepK``), with args scope, kind, key (the prepared key it publishes),
@@ -31,7 +31,7 @@ __all__ = ["trace_document", "write_trace", "RESOURCE_PIDS"]
 
 LOAD_PID = 1
 STEPS_PID = 2
-RESOURCE_PIDS = {"io": 3, "cpu": 4, "inline": 5, "device": 6}
+RESOURCE_PIDS = {"io": 3, "cpu": 4, "inline": 5, "device": 6, "mapped": 7}
 _STEP_NAME = re.compile(r":step\d+$")
 
 

@@ -14,8 +14,9 @@ waits on). Split across modules, each part would reach into the others' guarded 
 Contract (stable)
 -----------------
 
-``Scheduler(io_workers=2, cpu_workers=None, device_queues=0, *, budget=None, sequential=False, name="onnx-prep")``
-    Starts the worker threads at once; they live until :meth:`close`. ``cpu_workers=None``
+``Scheduler(io_workers=2, cpu_workers=None, device_queues=0, *, map_workers=2, budget=None, sequential=False, name="onnx-prep")``
+    Starts the worker threads at once (the MAPPED queue's with its first task: a scheduler
+    that maps nothing has no threads for it); they live until :meth:`close`. ``cpu_workers=None``
     means ``os.cpu_count()``. ``budget`` is the :class:`MemoryBudget` used for admission
     (an unlimited one by default). ``sequential=True`` runs every task — INLINE and DEVICE
     included — on ONE worker thread in priority order: the same task set, one at a time,
@@ -56,7 +57,7 @@ Execution rules
 
 - Known gap: DEVICE is one plain worker queue (``device_queues`` threads); there are no
   per-stream events yet, so a copy overlaps a kernel only across different workers.
-- Queues: one priority queue per resource (IO, CPU, DEVICE), ordered by (priority class,
+- Queues: one priority queue per resource (IO, MAPPED, CPU, DEVICE), ordered by (priority class,
   submission sequence). INLINE tasks run on the thread that made them ready (the
   submitting thread, or the thread completing the last dependency), through a per-thread
   trampoline so long inline chains do not recurse.
@@ -67,7 +68,10 @@ Execution rules
   idle while someone waits is pure loss. They still queue after CRITICAL work, so a run
   that arrives meanwhile waits at most for the running tasks to finish, never for the
   queued ones. On the I/O queue only CRITICAL passes the cap (one storage device reads
-  no faster from two threads: see the note at ``_exempt``). (NOTE: with a single worker
+  no faster from two threads: see the note at ``_exempt``). The MAPPED queue (a
+  persisted payload mapped into its slot and checked: page-table work and a checksum
+  over the page cache, not a storage read) has its own workers and the CPU queue's rule,
+  so mapped reads run in parallel and never queue behind source reads. (NOTE: with a single worker
   on a queue there is nothing to reserve; a critical task then waits for the running one.)
 - Memory admission happens before dispatch, under the picking worker: if the task's
   ``mem`` is not available it is parked (not holding a worker) and retried whenever the
@@ -484,12 +488,12 @@ class Scheduler:
     """See the module docstring for the contract."""
 
     def __init__(self, io_workers: int = 2, cpu_workers: int | None = None, device_queues: int = 0, *,
-                 budget: MemoryBudget | None = None, sequential: bool = False, name: str = "onnx-prep",
-                 event_log_limit: int = 1_000_000) -> None:
+                 map_workers: int = 2, budget: MemoryBudget | None = None, sequential: bool = False,
+                 name: str = "onnx-prep", event_log_limit: int = 1_000_000) -> None:
         cpu_workers = (os.cpu_count() or 1) if cpu_workers is None else cpu_workers
-        if io_workers < 1 or cpu_workers < 1 or device_queues < 0:
-            raise UsageError(f"bad worker counts: io={io_workers} cpu={cpu_workers} device={device_queues}",
-                             hint="io and cpu workers must be >= 1")
+        if io_workers < 1 or cpu_workers < 1 or map_workers < 1 or device_queues < 0:
+            raise UsageError(f"bad worker counts: io={io_workers} cpu={cpu_workers} map={map_workers} "
+                             f"device={device_queues}", hint="io, map and cpu workers must be >= 1")
         self.budget = budget if budget is not None else MemoryBudget()
         self.sequential = sequential
         self.name = name
@@ -513,7 +517,8 @@ class Scheduler:
         if sequential:
             counts: dict[Any, int] = {_SEQ_QUEUE: 1}
         else:
-            counts = {ResourceClass.IO: io_workers, ResourceClass.CPU: cpu_workers}
+            counts = {ResourceClass.IO: io_workers, ResourceClass.MAPPED: map_workers,
+                      ResourceClass.CPU: cpu_workers}
             if device_queues:
                 counts[ResourceClass.DEVICE] = device_queues
         self._heaps: dict[Any, list] = {q: [] for q in counts}
@@ -526,7 +531,8 @@ class Scheduler:
         # cache break its streaming readahead and spend ~50% more system time, while one
         # storage device reads no faster for them; the reserved I/O slot stays free for
         # CRITICAL reads. Medium fixture, cold, medians of 6, TTFO / init / sys ms: I/O
-        # capped 400 / 469 / 240, uncapped 520 / 507 / 375 (docs/runtime.md).
+        # capped 400 / 469 / 240, uncapped 520 / 507 / 375 (docs/runtime.md). A mapped
+        # payload (MAPPED) has no such device to share: DEMANDED passes its cap, as on CPU.
         self._exempt = {q: (Priority.CRITICAL if q is ResourceClass.IO else Priority.DEMANDED)
                         for q in counts}
         self._running = {q: 0 for q in counts}
@@ -537,15 +543,21 @@ class Scheduler:
         self.futile_wakeups = 0  # times an idle worker woke, found nothing it could start, and slept again
         self._threads: list[threading.Thread] = []
         self._worker_idents: set[int] = set()
-        for q, n in counts.items():
-            qname = q if isinstance(q, str) else q.value
-            for i in range(n):
-                th = threading.Thread(target=self._worker, args=(q,), name=f"{name}-{qname}-{i}", daemon=True)
-                self._threads.append(th)
-        for th in self._threads:
+        # NOTE: the MAPPED queue's workers start with its first task (_push): only a
+        # session with a prepared cache maps payloads, and most schedulers never do.
+        self._unstarted = {ResourceClass.MAPPED} & set(counts)
+        for q in counts:
+            if q not in self._unstarted:
+                self._start_workers(q)
+        self.budget.add_release_listener(self._on_memory_released)
+
+    def _start_workers(self, q: Any) -> None:  # at construction, or locked (_push)
+        qname = q if isinstance(q, str) else q.value
+        for i in range(self._workers_per_queue[q]):
+            th = threading.Thread(target=self._worker, args=(q,), name=f"{self.name}-{qname}-{i}", daemon=True)
+            self._threads.append(th)
             th.start()
             self._worker_idents.add(th.ident)  # type: ignore[arg-type]
-        self.budget.add_release_listener(self._on_memory_released)
 
     # -- public API ------------------------------------------------------------------
 
@@ -745,6 +757,9 @@ class Scheduler:
 
     def _push(self, t: TaskHandle) -> None:  # locked
         q = self._queue_of(t)
+        if q in self._unstarted and not self._stop:
+            self._unstarted.discard(q)
+            self._start_workers(q)
         t._token_seq += 1
         heapq.heappush(self._heaps[q], (int(t._priority), t.id, t._token_seq, t))
         self._cv[q].notify()
