@@ -61,6 +61,31 @@ def test_victims_go_furthest_next_use_first_never_pinned_or_kept(plan):
         assert distances == sorted(distances, reverse=True) and distances[0] > distances[-1]
 
 
+def test_the_order_made_once_per_step_is_the_sort_by_next_use_at_every_step(plan):
+    """Victims come from an order made once per step: at every step (and one past the
+    last, a run's end) it is exactly the plan's keys sorted by next use, furthest first,
+    ties in plan order, the order sorting them on every eviction gave."""
+    policy = EvictionPolicy(plan)
+    store = _all_resident(plan)
+    keys = [r.key for r in plan.requirements]
+    for at in range(len(plan.steps) + 1):
+        assert policy.victims(store, at, ()) == sorted(keys, key=lambda k: -policy.next_use(k, at)), at
+
+
+def test_victims_are_checked_as_they_are_reached(plan):
+    """A caller evicting as it goes: what it evicted meanwhile, and what got pinned, is
+    not offered again; the rest come in the same order."""
+    policy = EvictionPolicy(plan)
+    store = _all_resident(plan)
+    order = policy.victims(store, 0, ())
+    it = policy.iter_victims(store, 0, ())
+    assert next(it) == order[0] and store.evict(order[0])
+    assert store.evict(order[2])
+    with store.pin_many([order[3]]):
+        assert next(it) == order[1]
+        assert next(it) == order[4]  # order[2] evicted, order[3] pinned since the start
+
+
 def test_make_room_evicts_until_the_room_is_there_and_no_further(plan):
     policy = EvictionPolicy(plan)
     store = _all_resident(plan)

@@ -267,7 +267,7 @@ class SessionTasks:
         first) until ``planned`` fits ``limit``. Caller holds the lock."""
         evicted = 0
         if planned > limit:
-            for k in self.eviction.victims(self.store, at, keep):
+            for k in self.eviction.iter_victims(self.store, at, keep):
                 if k in self._planned and self.store.evict(k):
                     planned -= self._planned.pop(k)
                     evicted += 1
