@@ -33,8 +33,8 @@ class EvictionPolicy:
         self._use_steps = uses
         # NOTE: the order depends on the step alone, so it is made once per step here, not
         # per eviction: sorting every key by its next use cost a page-in under a budget
-        # ~110 us of the run's own thread (the medium fixture at half its packed size:
-        # 35 page-ins a token, ~3.8 ms of each decode step). The sort is stable over the
+        # ~100 us of the run's own thread (the medium fixture at half its packed size:
+        # 35 page-ins a token, ~3.4 ms CPU of each decode step). The sort is stable over the
         # plan's key order, as it was per call: the same victims, in the same order.
         self._order = tuple(tuple(sorted(self.keys, key=lambda k, at=at: -self.next_use(k, at)))
                             for at in range(self.steps))
