@@ -35,6 +35,12 @@ Then the zstd variant (ratio, decode GB/s, load time), bytes on disk, and the is
 targets as ratios of medians with pass/fail. --quick: the tiny model, one repeat (the smoke
 test in tests/test_scripts.py; its timings mean nothing).
 
+Before the first spawn, onnx_prep's modules are byte-compiled into their __pycache__, as
+``pip install`` of the wheel does (scripts/bytecode.py: an editable install under
+PYTHONDONTWRITEBYTECODE=1 would otherwise compile them from source in every process);
+the run prints which share of each package the processes import has bytecode, ONNX
+Runtime's included.
+
 Every figure is an upper bound on a shared machine: the run ends with how much other work
 ran meanwhile.
 """
@@ -55,6 +61,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_load import drop_files  # noqa: E402 - the load benchmark's page-cache drop
+from bytecode import describe_bytecode, ensure_bytecode  # noqa: E402 - compiled as pip install does
 
 CHUNK = 1 << 20
 IN_PROCESS = ("none", "build", "cache", "cache-zstd")
@@ -327,6 +334,8 @@ def main() -> None:
     states = ["warm"] + ([] if args.warm_only or not hasattr(os, "posix_fadvise") else ["cold"])
     prompt_ids = list(range(1, args.prompt_len + 1))
     print(describe_machine())
+    bytecode = ensure_bytecode()
+    print(describe_bytecode(bytecode))
     print(f"model {model} ({resolved.manifest.total_bytes / 2**20:,.1f} MiB of weights), prompt {args.prompt_len} "
           f"tokens, {args.repeats} repeats, page cache {' and '.join(states)}")
     activity = MachineActivity.now()
@@ -394,7 +403,8 @@ def main() -> None:
     print(describe(act))
     if args.json:
         args.json.write_text(json.dumps({"model": str(model), "repeats": args.repeats, "states": states,
-                                         "sizes": sizes, "machine_activity": act, **res}, indent=1))
+                                         "sizes": sizes, "bytecode": bytecode, "machine_activity": act, **res},
+                                        indent=1))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ run (the script stops otherwise). Usage::
     python scripts/bench_compare.py --a /path/before --b /path/after \\
         [--preset medium] [--tokens 32] [--repeats 7]
 
-Each checkout needs ``make install`` first. The model is generated once by side B's
+Each checkout needs ``make install`` first; its modules are byte-compiled before the
+first run, as ``pip install`` of the wheel does (scripts/bytecode.py). The model is generated once by side B's
 fixture generator into a temporary folder (or pass ``--model PATH``).
 """
 from __future__ import annotations
@@ -88,6 +89,11 @@ def main() -> None:
         del gen
 
     print(describe_machine())
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bytecode import describe_bytecode, ensure_bytecode
+
+    for side, checkout in (("A", args.a), ("B", args.b)):  # each side as pip install leaves it
+        print(f"{side}: {describe_bytecode(ensure_bytecode(str(checkout / '.venv' / 'bin' / 'python'), ()))}")
     activity = MachineActivity.now()
     print(f"model {model} ({args.preset}), {args.tokens} tokens, prompt {args.prompt_ids}, "
           f"{args.repeats} pairs, order alternating A B / B A")

@@ -11,6 +11,8 @@ embedded default model; generated first, outside the timing, if absent):
            nested ones indented under what imported them.
 It prints the CPU it ran on (model, the kernels' ISA, cores) and how much other work
 ran on the machine meanwhile: on a shared machine the wall times are upper bounds.
+Before the first spawn, onnx_prep's modules are byte-compiled, as ``pip install`` of
+the wheel does (scripts/bytecode.py; the line it prints says so).
 """
 from __future__ import annotations
 
@@ -95,6 +97,11 @@ def main(argv=None) -> int:
     print(f"onnx-prep {versions['onnx-prep']} start-up; {describe_machine()}, {cpu['usable_cores']} usable; "
           f"Python {platform.python_version()}, " + ", ".join(f"{n} {v}" for n, v in versions.items()
                                                             if n != "onnx-prep"))
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bytecode import describe_bytecode, ensure_bytecode
+
+    bytecode = ensure_bytecode()
+    print(describe_bytecode(bytecode))
     before = MachineActivity.now()
     results = []
     for cmd in COMMANDS:
@@ -112,7 +119,7 @@ def main(argv=None) -> int:
     print("\n" + describe(activity))
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu, "python": platform.python_version(), "versions": versions,
-                                         "spawns": args.spawns, "commands": results,
+                                         "spawns": args.spawns, "commands": results, "bytecode": bytecode,
                                          "machine_activity": activity}, indent=1))
     return 0
 

@@ -110,3 +110,5 @@ def test_bench_startup_smoke(tmp_path):
     assert {"numpy", "onnx", "onnx_prep.core.runtime.session"} <= set(run["modules"])  # the load path, measured
     assert "numpy" not in doc["commands"][0]["modules"] and "onnx" not in doc["commands"][1]["modules"]
     assert "other work on the machine" in p.stdout
+    assert doc["bytecode"]["compiled"]["current"] == doc["bytecode"]["compiled"]["modules"]
+    assert "bytecode: onnx_prep" in p.stdout.splitlines()[1]

@@ -210,6 +210,8 @@ def test_bench_cache_smoke(tmp_path):
     assert p.returncode == 0, p.stderr
     doc = json.loads(out.read_text())
     assert doc["repeats"] == 1 and doc["states"][0] == "warm"
+    compiled = doc["bytecode"]["compiled"]  # the processes spawned read bytecode, as after pip install
+    assert compiled["current"] == compiled["modules"] > 50 and "bytecode: onnx_prep" in p.stdout
     assert doc["states"] == (["warm", "cold"] if hasattr(os, "posix_fadvise") else ["warm"])
     for header in ("in-process load (ms)", "packed bytes read alone", "whole process", "zstd:", "bytes on disk:",
                    "targets (ratios of medians in this run):"):
