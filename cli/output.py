@@ -1,17 +1,31 @@
 """One output sink: data to stdout, progress/warnings/errors to stderr, so
-``--json`` output always parses."""
+``--json`` output always parses.
+
+``stdout`` and ``stderr`` are rich consoles made on first use (PEP 562): a command
+that prints only JSON (``run --json``) and meets no warning or error never imports
+rich (~25 ms of a run's start-up; tests/test_cli_startup.py pins it)."""
 from __future__ import annotations
 
 import json
 import sys
+import threading
 from typing import Any
 
-from rich.console import Console
+_made = threading.Lock()
 
-# emoji=False: a name like ``a:ok:b`` in a model is printed as it is, not as an emoji,
-# and rich's emoji table (~5 ms) is not loaded.
-stdout = Console(soft_wrap=True, emoji=False)
-stderr = Console(stderr=True, soft_wrap=True, emoji=False)
+
+def __getattr__(name: str):
+    if name not in ("stdout", "stderr"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from rich.console import Console
+
+    with _made:  # one console per stream, whichever thread asks first
+        console = globals().get(name)
+        if console is None:
+            # emoji=False: a name like ``a:ok:b`` in a model is printed as it is, not as
+            # an emoji, and rich's emoji table (~5 ms) is not loaded.
+            console = globals()[name] = Console(stderr=name == "stderr", soft_wrap=True, emoji=False)
+    return console
 
 
 def emit_json(data: Any) -> None:
@@ -40,4 +54,5 @@ def warn(text: str) -> None:
     """``warning: <text>`` on one line of stderr, its control characters escaped."""
     from onnx_prep.core.errors import terminal_safe
 
-    stderr.print(f"warning: {terminal_safe(text)}", markup=False, highlight=False)
+    console = __getattr__("stderr")  # a bare global name would not reach __getattr__
+    console.print(f"warning: {terminal_safe(text)}", markup=False, highlight=False)

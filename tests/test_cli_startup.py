@@ -18,25 +18,33 @@ from onnx_prep.core.errors import EXIT_OK, EXIT_UNUSABLE
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("numpy", "onnx", "ml_dtypes", "onnxruntime", "onnx_prep.native")
+# Never on `run`'s way to its answer: other commands' tools (ONNX Runtime without
+# --runtime/--compare ort, zstandard without a compressed cache, matplotlib's plots), the
+# test and export stacks, onnx's reference evaluator (no op here needs it), and rich
+# when the answer is JSON and nothing is wrong (cli/output.py makes its consoles on use).
+NOT_ON_RUN_PATH = ("onnxruntime", "onnxruntime_genai", "zstandard", "matplotlib", "hypothesis", "jsonschema",
+                   "pytest", "torch", "transformers", "onnx_ir", "onnx.reference", "rich", "scipy", "pandas")
 
 # The console script's main() in a fresh interpreter; on the way out (SystemExit) it
-# writes which of HEAVY were imported as the last line of stderr.
-PROBE = f"""
+# writes every module imported as the last line of stderr.
+PROBE = """
 import sys
 sys.argv = ["onnx-prep", *sys.argv[1:]]
 from onnx_prep.cli.app import main
 try:
     main()
 finally:
-    sys.stderr.write("\\nimported: " + repr([m for m in {HEAVY!r} if m in sys.modules]) + "\\n")
+    sys.stderr.write("\\nimported: " + repr(sorted(sys.modules)) + "\\n")
 """
 
 
-def probe(*args: str) -> tuple[int, list[str]]:
+def probe(*args: str, watch: tuple[str, ...] | None = HEAVY) -> tuple[int, list[str]]:
+    """(exit code, which of ``watch`` the command imported; every module with None)."""
     p = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, timeout=60)
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("imported: "), p.stderr
-    return p.returncode, ast.literal_eval(last.removeprefix("imported: "))
+    modules = ast.literal_eval(last.removeprefix("imported: "))
+    return p.returncode, modules if watch is None else [m for m in watch if m in modules]
 
 
 @pytest.mark.parametrize("args, code", [
@@ -70,6 +78,35 @@ def test_the_probe_sees_the_load_path_when_a_command_loads_a_model(small_llm_pat
     code, imported = probe("run", str(small_llm_path), "--runtime", "ort", "--tokens", "1", "--json")
     assert code == EXIT_OK
     assert {"numpy", "onnx"} <= set(imported)
+
+
+def test_run_from_a_prepared_cache_imports_only_its_load_path(tmp_path, small_llm_path):
+    """The issue's whole-process run (``run MODEL --tokens 1 --prepared CACHE --json``)
+    imports the load path and none of NOT_ON_RUN_PATH; with --compare ort the same probe
+    sees onnxruntime and rich's absence is the JSON's doing (the test can fail)."""
+    cache = tmp_path / "small.prepared.onnx"
+    build = subprocess.run([sys.executable, "-m", "onnx_prep", "build-cache", str(small_llm_path), "-o", str(cache)],
+                           capture_output=True, text=True, timeout=120)
+    assert build.returncode == 0, build.stderr
+    run = ["run", str(small_llm_path), "--tokens", "1", "--prepared", str(cache), "--cache-policy",
+           "require-complete"]
+    code, modules = probe(*run, "--json", watch=None)
+    assert code == EXIT_OK
+    assert {"numpy", "onnx", "onnx_prep.native", "onnx_prep.core.runtime.session"} <= set(modules)
+    assert [m for m in NOT_ON_RUN_PATH if m in modules] == []
+    code, imported = probe(*run, watch=NOT_ON_RUN_PATH)  # the text answer prints through rich
+    assert (code, imported) == (EXIT_OK, ["rich"])
+    code, imported = probe(*run, "--compare", "ort", "--json", watch=("onnxruntime",))
+    assert (code, imported) == (EXIT_OK, ["onnxruntime"])
+
+
+def test_help_stays_light():
+    """``--help`` formats through typer and rich: no model code, no command's tools."""
+    code, modules = probe("--help", watch=None)
+    assert code == EXIT_OK and "rich" in modules
+    assert [m for m in (*HEAVY, *NOT_ON_RUN_PATH) if m in modules and m != "rich"] == []
+    ours = {m for m in modules if m.startswith("onnx_prep.core")}
+    assert ours <= {"onnx_prep.core", "onnx_prep.core.errors", "onnx_prep.core.lazy_exports"}, ours
 
 
 def test_commands_are_registered_by_name():
