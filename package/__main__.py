@@ -1,3 +1,3 @@
-from onnx_prep.cli.app import main
+from onnx_prep.cli.app import entry
 
-main()
+entry()

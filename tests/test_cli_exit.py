@@ -1,0 +1,71 @@
+"""The console script's exit (``cli/app.entry``): once the answer is written, the exit
+handlers run and the process ends with the command's code, without the interpreter
+freeing what the command left; with a non-daemon thread still running, the usual exit,
+which waits for it. Each case is a real interpreter running the entry point."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from onnx_prep.core.errors import EXIT_OK, EXIT_UNUSABLE
+
+# ``entry`` (or ``main``: sys.argv[1]) of the console script in a fresh interpreter,
+# with an exit handler and an object only the interpreter's teardown frees.
+PROBE = """
+import atexit, os, sys
+class Left:
+    def __del__(self, write=os.write):
+        write(2, b"torn down\\n")
+left = Left()
+atexit.register(lambda: sys.stderr.write("exit handler ran\\n"))
+which, sys.argv = sys.argv[1], ["onnx-prep", *sys.argv[2:]]
+from onnx_prep.cli import app
+getattr(app, which)()
+"""
+
+
+def _run(code: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("args, code", [(["--version"], EXIT_OK), (["run", "--tokens", "0"], EXIT_UNUSABLE),
+                                        (["no-such-command"], EXIT_UNUSABLE)],
+                         ids=["ok", "unusable", "usage"])
+def test_entry_exits_with_the_code_and_without_teardown(args, code):
+    p = _run(PROBE, "entry", *args)
+    assert p.returncode == code, p.stderr
+    assert "exit handler ran" in p.stderr and "torn down" not in p.stderr
+    assert (p.stdout.startswith("onnx-prep ") if code == EXIT_OK else "error: " in p.stderr)
+
+
+def test_main_keeps_the_usual_exit():
+    """The same probe through ``main()``: the teardown frees the object (the test above can fail)."""
+    p = _run(PROBE, "main", "--version")
+    assert p.returncode == EXIT_OK
+    assert "exit handler ran" in p.stderr and "torn down" in p.stderr
+
+
+def test_a_running_thread_gets_the_usual_exit():
+    """A non-daemon thread still running when the command returns: the usual exit waits
+    for it (it can finish only once entry() has raised SystemExit: the lock is released
+    in the ``finally`` an os._exit would skip)."""
+    code = """
+import os, sys, threading
+lock = threading.Lock()
+lock.acquire()
+def work():
+    with lock:
+        os.write(1, b"thread done\\n")
+threading.Thread(target=work).start()
+sys.argv = ["onnx-prep", "run", "--tokens", "0"]
+from onnx_prep.cli.app import entry
+try:
+    entry()
+finally:
+    lock.release()
+"""
+    p = _run(code)
+    assert p.returncode == EXIT_UNUSABLE, p.stderr
+    assert p.stdout == "thread done\n" and "error: " in p.stderr
