@@ -252,3 +252,23 @@ def test_plot_trace_draws_a_real_trace(tmp_path, tiny_llm_path):
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == str(png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_startup_profile_smoke(tmp_path, small_llm_path):
+    """scripts/startup_profile.py times every phase of real `onnx-prep run` processes from a
+    prepared cache it builds (not timed here): the phases are in order and sum to the total."""
+    out = tmp_path / "startup.json"
+    p = _run(["scripts/startup_profile.py", "--model", str(small_llm_path), "--spawns", "2", "--json", str(out)],
+             tmp_path / "cache")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(out.read_text())
+    assert doc["argv"][:2] == ["run", str(small_llm_path)] and "--prepared" in doc["argv"]
+    assert len(doc["samples"]) == 2
+    for s in doc["samples"]:
+        phases = {k: v for k, v in s.items() if k != "total"}
+        assert all(v is not None and v >= 0 for v in phases.values()), s
+        assert abs(sum(phases.values()) - s["total"]) < 1e-6 * s["total"] + 1e-3
+    assert doc["imports_ms"]["total"] > 0 and {"numpy", "onnx", "onnx_prep"} <= set(doc["imports_ms"]["by_package"])
+    for line in ("interpreter", "first output", "close", "exit", "total", "bytecode: onnx_prep", "imports (one"):
+        assert line in p.stdout
+    _check_activity(doc["machine_activity"], p.stdout)
