@@ -13,6 +13,7 @@ bug: the traceback and a request to report it), 130 interrupted (Ctrl-C).
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import sys
 import threading
@@ -87,6 +88,15 @@ def main() -> None:
 
 
 
+# The console script's threshold for the collector's youngest generation (Python's: 700).
+# A run's start-up and load keep nearly every object they make (modules, the parsed graph,
+# the plan): at 700 the collector ran ~120 times and walked the whole heap once, 47-65 ms
+# of a run from a prepared cache on medium, to free 393 objects (and as many after 64
+# tokens). At 100,000 it runs every 100,000 objects still made: a command that makes
+# garbage cycles has them collected as before, in fewer, larger passes.
+GC_YOUNG_THRESHOLD = 100_000
+
+
 def entry() -> None:
     """The console script (and ``python -m onnx_prep``): ``main()``, then, once its
     answer is written, the process ends without tearing the interpreter down.
@@ -100,7 +110,11 @@ def entry() -> None:
     non-daemon thread still runs, or a flush fails (a closed pipe), the exit is the
     usual one, which waits for the thread or reports the pipe as before. ``main()``
     itself returns through ``SystemExit`` as before: a program that calls it in-process
-    keeps its interpreter."""
+    keeps its interpreter.
+
+    The collector's youngest threshold is raised for the command first
+    (``GC_YOUNG_THRESHOLD``)."""
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     try:
         main()
         code = 0

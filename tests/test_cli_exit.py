@@ -1,7 +1,8 @@
 """The console script's exit (``cli/app.entry``): once the answer is written, the exit
 handlers run and the process ends with the command's code, without the interpreter
-freeing what the command left; with a non-daemon thread still running, the usual exit,
-which waits for it. Each case is a real interpreter running the entry point."""
+freeing what the command left (the collector's young threshold raised meanwhile); with
+a non-daemon thread still running, the usual exit, which waits for it. Each case is a
+real interpreter running the entry point."""
 from __future__ import annotations
 
 import subprocess
@@ -9,17 +10,19 @@ import sys
 
 import pytest
 
+from onnx_prep.cli.app import GC_YOUNG_THRESHOLD
 from onnx_prep.core.errors import EXIT_OK, EXIT_UNUSABLE
 
 # ``entry`` (or ``main``: sys.argv[1]) of the console script in a fresh interpreter,
 # with an exit handler and an object only the interpreter's teardown frees.
 PROBE = """
-import atexit, os, sys
+import atexit, gc, os, sys
 class Left:
     def __del__(self, write=os.write):
         write(2, b"torn down\\n")
 left = Left()
-atexit.register(lambda: sys.stderr.write("exit handler ran\\n"))
+young = gc.get_threshold()[0]
+atexit.register(lambda: sys.stderr.write(f"exit handler ran; gc threshold {young} -> {gc.get_threshold()[0]}\\n"))
 which, sys.argv = sys.argv[1], ["onnx-prep", *sys.argv[2:]]
 from onnx_prep.cli import app
 getattr(app, which)()
@@ -37,14 +40,18 @@ def test_entry_exits_with_the_code_and_without_teardown(args, code):
     p = _run(PROBE, "entry", *args)
     assert p.returncode == code, p.stderr
     assert "exit handler ran" in p.stderr and "torn down" not in p.stderr
+    assert f" -> {GC_YOUNG_THRESHOLD}\n" in p.stderr  # the collector's young threshold for the command
     assert (p.stdout.startswith("onnx-prep ") if code == EXIT_OK else "error: " in p.stderr)
 
 
 def test_main_keeps_the_usual_exit():
-    """The same probe through ``main()``: the teardown frees the object (the test above can fail)."""
+    """The same probe through ``main()``: the teardown frees the object and the collector
+    keeps its thresholds (the test above can fail)."""
     p = _run(PROBE, "main", "--version")
     assert p.returncode == EXIT_OK
     assert "exit handler ran" in p.stderr and "torn down" in p.stderr
+    young = int(p.stderr.split("gc threshold ")[1].split(" ")[0])
+    assert f"gc threshold {young} -> {young}\n" in p.stderr and young != GC_YOUNG_THRESHOLD
 
 
 def test_a_running_thread_gets_the_usual_exit():
