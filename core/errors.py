@@ -25,6 +25,15 @@ def terminal_safe(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+def log_exception(logger: str, message: str, *args) -> None:
+    """``logging.getLogger(logger).exception(message, *args)``, from an ``except`` block.
+    The runtime logs only the exceptions it swallows (a callback's), so ``logging`` is
+    imported when one is logged, not on every run's way to its answer."""
+    import logging
+
+    logging.getLogger(logger).exception(message, *args)
+
+
 @dataclass(frozen=True)
 class Where:
     """Location of a problem. Every field is optional; render() joins the known ones."""

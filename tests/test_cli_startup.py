@@ -20,10 +20,12 @@ ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("numpy", "onnx", "ml_dtypes", "onnxruntime", "onnx_prep.native")
 # Never on `run`'s way to its answer: other commands' tools (ONNX Runtime without
 # --runtime/--compare ort, zstandard without a compressed cache, matplotlib's plots), the
-# test and export stacks, onnx's reference evaluator (no op here needs it), and rich
-# when the answer is JSON and nothing is wrong (cli/output.py makes its consoles on use).
+# test and export stacks, onnx's reference evaluator (no op here needs it), logging (the
+# runtime logs only a swallowed exception: core/errors.log_exception), and rich when the
+# answer is JSON and nothing is wrong (cli/output.py makes its consoles on use).
 NOT_ON_RUN_PATH = ("onnxruntime", "onnxruntime_genai", "zstandard", "matplotlib", "hypothesis", "jsonschema",
-                   "pytest", "torch", "transformers", "onnx_ir", "onnx.reference", "rich", "scipy", "pandas")
+                   "pytest", "torch", "transformers", "onnx_ir", "onnx.reference", "rich", "scipy", "pandas",
+                   "logging")
 
 # The console script's main() in a fresh interpreter; on the way out (SystemExit) it
 # writes every module imported as the last line of stderr.
@@ -101,10 +103,11 @@ def test_run_from_a_prepared_cache_imports_only_its_load_path(tmp_path, small_ll
 
 
 def test_help_stays_light():
-    """``--help`` formats through typer and rich: no model code, no command's tools."""
+    """``--help`` formats through typer and rich (which import logging): no model code, no
+    command's tools."""
     code, modules = probe("--help", watch=None)
     assert code == EXIT_OK and "rich" in modules
-    assert [m for m in (*HEAVY, *NOT_ON_RUN_PATH) if m in modules and m != "rich"] == []
+    assert [m for m in (*HEAVY, *NOT_ON_RUN_PATH) if m in modules and m not in ("rich", "logging")] == []
     ours = {m for m in modules if m.startswith("onnx_prep.core")}
     assert ours <= {"onnx_prep.core", "onnx_prep.core.errors", "onnx_prep.core.lazy_exports"}, ours
 

@@ -66,7 +66,6 @@ the handle's tracker, never the handle, so dropping the last reference does trig
 from __future__ import annotations
 
 import enum
-import logging
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -79,6 +78,7 @@ from onnx_prep.core.errors import (
     TaskFailedError,
     UsageError,
     Where,
+    log_exception,
 )
 from onnx_prep.core.runtime.scheduler import TaskHandle, TaskState, _call
 
@@ -86,7 +86,6 @@ from onnx_prep.core.runtime.scheduler import TaskHandle, TaskState, _call
 # (Ctrl-C ends the process within this, docs/cli.md).
 SIGNAL_POLL_S = 0.1
 
-_log = logging.getLogger(__name__)
 
 __all__ = ["ExecutionHandle", "ExecutionStatus", "SubmissionState"]
 
@@ -176,7 +175,7 @@ class _Tracker:
             try:
                 stats = capture()
             except Exception:  # a record that cannot be made must not keep the handle running
-                _log.exception("stats of a submission could not be taken")
+                log_exception(__name__, "stats of a submission could not be taken")
                 stats = None
         with self.lock:
             if capture is not None:

@@ -56,16 +56,14 @@ Thread-safe: one lock; buffer ``release()`` and done-callbacks run outside it.
 from __future__ import annotations
 
 import enum
-import logging
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from onnx_prep.core.errors import EXIT_INTERNAL, CancelledError, OnnxPrepError, Where
+from onnx_prep.core.errors import EXIT_INTERNAL, CancelledError, OnnxPrepError, Where, log_exception
 from onnx_prep.core.model.prepared_key import PreparedKey
 
-_log = logging.getLogger(__name__)
 
 __all__ = [
     "PreparedObjectStore", "ResidencyState", "ResidentObject", "EntryInfo", "Materialization",
@@ -172,7 +170,7 @@ class Materialization:
             try:
                 fn(self)
             except Exception:
-                _log.exception("materialization callback %r raised", fn)
+                log_exception(__name__, "materialization callback %r raised", fn)
 
     def done(self) -> bool:
         return self._event.is_set()

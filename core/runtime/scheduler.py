@@ -98,7 +98,6 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
-import logging
 import os
 import threading
 import time
@@ -108,10 +107,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from onnx_prep.core.runtime.arenas import Arena, MemoryBudget, Reservation
-from onnx_prep.core.errors import BudgetError, CancelledError, UsageError
+from onnx_prep.core.errors import BudgetError, CancelledError, UsageError, log_exception
 from onnx_prep.core.plan.task import Priority, ResourceClass, TaskKind
 
-_log = logging.getLogger(__name__)
 
 __all__ = ["Scheduler", "TaskHandle", "TaskContext", "TaskGroup", "TaskEvent", "TaskState", "CancelToken"]
 
@@ -366,7 +364,7 @@ def _call(fn: Callable, *args) -> None:
     try:
         fn(*args)
     except Exception:  # a callback must not break the scheduler
-        _log.exception("done-callback %r raised", fn)
+        log_exception(__name__, "done-callback %r raised", fn)
 
 
 class TaskGroup:
