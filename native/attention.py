@@ -114,41 +114,88 @@ def group_query_attention(query: np.ndarray, key: np.ndarray | None, value: np.n
     seq = np.ascontiguousarray(np.asarray(seqlens_k).reshape(-1), dtype=np.int64)
     if seq.size != B:
         raise ValueError(f"GroupQueryAttention: seqlens_k has {seq.size} values for batch {B}")
+    out, present_k, present_v = _launch(
+        q, k, v, past_key, past_value, seq, cos, sin, present, isa, total,
+        batch=B, seq=S, num_heads=num_heads, kv_num_heads=kv_num_heads, head_size=H, past_len=past_len,
+        present_len=present_len, rotary_dim=rotary_dim, cache_rows=0 if cos is None else cos.shape[0],
+        interleaved=int(bool(interleaved)), first_prompt=int(first_prompt),
+        scale=float(scale) if scale else 1.0 / float(np.sqrt(H)))
+    if out_dtype != np.float32:
+        return out.astype(out_dtype), present_k.astype(out_dtype), present_v.astype(out_dtype)
+    return out, present_k, present_v
+
+
+def _launch(q, k, v, past_key, past_value, seqlens, cos, sin, present, isa, total, **params):
+    """Run the C kernel on fp32 q / k / v ``[B, S, heads * H]`` (C-contiguous) and past KV
+    ``[B, KN, P, H]`` (or None), writing present into ``present`` when given (else fresh
+    arrays): ``(output [B, S, N * H], present key, present value)``. ``params``: the
+    op_gqa_params fields but the strides; ``total`` the total length the error names."""
+    B, KN, L, H = params["batch"], params["kv_num_heads"], params["present_len"], params["head_size"]
     if present is None:
-        present_k = np.empty((B, kv_num_heads, present_len, H), np.float32)
+        present_k = np.empty((B, KN, L, H), np.float32)
         present_v = np.empty_like(present_k)
     else:
         present_k, present_v = present
     kv = []  # (past, past stride, present, present stride) for keys, then values
     for name, past_x, present_x in (("key", past_key, present_k), ("value", past_value, present_v)):
-        dest = _kv_buffer(present_x, (B, kv_num_heads, present_len, H))
+        dest = _kv_buffer(present_x, (B, KN, L, H))
         if dest is None:
-            raise ValueError(f"GroupQueryAttention: present_{name} must be a writable fp32 [{B}, {kv_num_heads}, "
-                             f"{present_len}, {H}] array, C-contiguous but for room after its rows")
+            raise ValueError(f"GroupQueryAttention: present_{name} must be a writable fp32 [{B}, {KN}, "
+                             f"{L}, {H}] array, C-contiguous but for room after its rows")
         src = None if past_x is None else (_kv_buffer(np.asarray(past_x), np.shape(past_x), writable=False)
                                            or (_f32(past_x), 0))
         kv.append((src, dest))
-    out = np.empty((B, S, num_heads * H), np.float32)
+    out = np.empty((B, params["seq"], params["num_heads"] * H), np.float32)
     (pk, pk_rows), (pv, pv_rows) = [src or (None, 0) for src, _ in kv]
     (_, qk_rows), (_, qv_rows) = [dest for _, dest in kv]
-    p = ffi.new("op_gqa_params *", dict(
-        past_key_stride=pk_rows, past_value_stride=pv_rows, present_key_stride=qk_rows,
-        present_value_stride=qv_rows,
-        batch=B, seq=S, num_heads=num_heads, kv_num_heads=kv_num_heads, head_size=H, past_len=past_len,
-        present_len=present_len, rotary_dim=rotary_dim, cache_rows=0 if cos is None else cos.shape[0],
-        interleaved=int(bool(interleaved)), first_prompt=int(first_prompt),
-        scale=float(scale) if scale else 1.0 / float(np.sqrt(H))))
+    p = ffi.new("op_gqa_params *", dict(past_key_stride=pk_rows, past_value_stride=pv_rows,
+                                        present_key_stride=qk_rows, present_value_stride=qv_rows, **params))
     bad = ffi.new("int64_t *")
     status = lib.op_group_query_attention(
         isa_id(isa), p, ptr(q, "float *"), ptr(k, "float *"), ptr(v, "float *"), _address(pk),
-        _address(pv), ptr(seq, "int64_t *"), ptr(cos, "float *"), ptr(sin, "float *"),
-        ptr(out, "float *"), _address(present_k), _address(present_v), 0, B * kv_num_heads, bad)
+        _address(pv), ptr(seqlens, "int64_t *"), ptr(cos, "float *"), ptr(sin, "float *"),
+        ptr(out, "float *"), _address(present_k), _address(present_v), 0, B * KN, bad)
     if status == lib.OP_E_ARG and bad[0] >= 0:
         b = int(bad[0])
-        raise ValueError(f"GroupQueryAttention: seqlens_k[{b}] = {int(seq[b])} does not fit sequence {S}, "
-                         f"total_sequence_length {total}, past length {past_len}"
-                         + (f" and {p.cache_rows} cos/sin rows" if rotary_dim else ""))
+        raise ValueError(f"GroupQueryAttention: seqlens_k[{b}] = {int(seqlens[b])} does not fit sequence "
+                         f"{params['seq']}, total_sequence_length {total}, past length {params['past_len']}"
+                         + (f" and {p.cache_rows} cos/sin rows" if params["rotary_dim"] else ""))
     check(status, "group_query_attention")
-    if out_dtype != np.float32:
-        return out.astype(out_dtype), present_k.astype(out_dtype), present_v.astype(out_dtype)
     return out, present_k, present_v
+
+
+def attention_with_past(query: np.ndarray, key: np.ndarray, value: np.ndarray, past_key: np.ndarray,
+                        past_value: np.ndarray, *, scale: float,
+                        present: tuple[np.ndarray, np.ndarray] | None = None, isa: str | None = None
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Causal attention over a KV cache, all in BNSH (the fused ``onnx_prep.fused::Attention``
+    of core/ops/attention.py): query ``[B, N, S, H]``, new key / value ``[B, KN, S, H]``
+    (KN divides N: query head h reads kv head h / (N / KN)), past key / value ``[B, KN, P,
+    H]``. Present is ``Concat(past, new)`` on axis 2; query row s, at absolute position
+    P + s, attends to present rows 0..P + s with weights ``softmax(scale * q.k)``.
+
+    Returns output ``[B, S, N, H]`` (the heads of a row next to each other: what
+    ``Transpose(0, 2, 1, 3)`` of the BNSH product is) and present key / value ``[B, KN,
+    P + S, H]``, written into ``present`` when given (as ``group_query_attention``
+    does: a present that starts where its past starts gets only the new rows). float32
+    only; every row of the batch has the same past.
+    """
+    shapes = [np.shape(x) for x in (query, key, value, past_key, past_value)]
+    if any(len(s) != 4 for s in shapes):
+        raise ValueError(f"attention: query, key, value, past key and past value must be 4-D (BNSH), got {shapes}")
+    if any(np.asarray(x).dtype != np.float32 for x in (query, key, value, past_key, past_value)):
+        raise ValueError("attention: every input must be float32")
+    (B, N, S, H), (_, KN, _, _) = shapes[0], shapes[1]
+    P = shapes[3][2]
+    if KN < 1 or N % KN or shapes[1] != (B, KN, S, H) or shapes[2] != shapes[1] or \
+            shapes[3] != (B, KN, P, H) or shapes[4] != shapes[3] or S < 1 or H < 1:
+        raise ValueError(f"attention: shapes {shapes} are not query [B, N, S, H], key and value [B, KN, S, H], "
+                         f"past key and value [B, KN, P, H] with KN dividing N")
+    # [B, S, heads, H] rows as the kernel reads them: views when S == 1, else copies
+    q, k, v = (_f32(np.asarray(x).transpose(0, 2, 1, 3)).reshape(B, S, -1) for x in (query, key, value))
+    seq = np.full(B, P + S - 1, np.int64)
+    out, present_k, present_v = _launch(
+        q, k, v, past_key, past_value, seq, None, None, present, isa, P + S,
+        batch=B, seq=S, num_heads=N, kv_num_heads=KN, head_size=H, past_len=P, present_len=P + S,
+        rotary_dim=0, cache_rows=0, interleaved=0, first_prompt=int(P == 0), scale=float(scale))
+    return out.reshape(B, S, N, H), present_k, present_v

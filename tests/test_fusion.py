@@ -35,6 +35,10 @@ LOGIT_RTOL = 1e-5
 TOKENS = 16
 F32, I64 = TensorProto.FLOAT, TensorProto.INT64
 H, D = 64, 8  # crafted graphs: hidden size, head size
+# the fixtures' causal mask and the constants only it (and the attention scale) read
+MASK_NODES = {"const.attn_scale", "const.axes_0", "const.neg_large", "const.one_i64", "const.zero_f32",
+              "const.zero_i64", "mask.additive", "mask.allowed", "mask.key_positions", "mask.key_row",
+              "mask.query_col", "mask.query_positions"}
 
 
 def patterns(resolved) -> Counter:
@@ -45,8 +49,8 @@ def patterns(resolved) -> Counter:
 
 def test_tiny_llm_fuses_every_norm_and_rotary_into_native_kernels(tiny_llm_path):
     fused, plain = resolve_model(tiny_llm_path), resolve_model(tiny_llm_path, fuse=False)
-    assert patterns(fused) == {"rms_norm": 9, "rotary": 8} and not fused.near_misses
-    assert (len(plain.nodes), len(fused.nodes)) == (255, 159)
+    assert patterns(fused) == {"rms_norm": 9, "rotary": 8, "attention": 4} and not fused.near_misses
+    assert (len(plain.nodes), len(fused.nodes)) == (255, 115)
     assert not plain.fusions and not plain.near_misses and not plain.fusion_enabled
     by_name = {n.name: n for n in fused.nodes}
     norm = by_name["layers.0.input_norm.scale"]  # named for the pattern's last node
@@ -62,7 +66,8 @@ def test_tiny_llm_fuses_every_norm_and_rotary_into_native_kernels(tiny_llm_path)
         "split", "neg", "rotate_half", "mul_cos", "mul_sin", "add")}
     # every node a fusion replaced is gone, and no other
     gone = {n for f in fused.fusions for n in f.fused_from} - set(by_name)
-    assert {n.name for n in plain.nodes} - set(by_name) - gone == {"const.rms_eps", "const.split_half"}
+    # and the causal mask's nodes, which only the fused attention read (test_attention_fusion)
+    assert {n.name for n in plain.nodes} - set(by_name) - gone == {"const.rms_eps", "const.split_half", *MASK_NODES}
 
 
 @pytest.fixture(scope="module")
@@ -74,22 +79,28 @@ def medium_graph_path(tmp_path_factory):
     return generate(cfg, tmp_path_factory.mktemp("medium-graph"))
 
 
-def test_the_medium_graph_lists_33_norms_and_32_rotaries(medium_graph_path):
+def test_the_medium_graph_lists_33_norms_32_rotaries_and_16_attentions(medium_graph_path):
     path = medium_graph_path
     fused, plain = resolve_model(path), resolve_model(path, fuse=False)
-    assert patterns(fused) == {"rms_norm": 33, "rotary": 32} and not fused.near_misses
-    assert (len(plain.nodes), len(fused.nodes)) == (891, 531)
+    assert patterns(fused) == {"rms_norm": 33, "rotary": 32, "attention": 16} and not fused.near_misses
+    assert (len(plain.nodes), len(fused.nodes)) == (891, 391)
     doc = resolution_report(fused)
     assert doc["fusion"]["patterns"] == [
         {"pattern": "rms_norm", "count": 33, "nodes": [f.node for f in fused.fusions if f.pattern == "rms_norm"]},
-        {"pattern": "rotary", "count": 32, "nodes": [f.node for f in fused.fusions if f.pattern == "rotary"]}]
+        {"pattern": "rotary", "count": 32, "nodes": [f.node for f in fused.fusions if f.pattern == "rotary"]},
+        {"pattern": "attention", "count": 16,
+         "nodes": [f"layers.{i}.attn.context_transpose" for i in range(16)]}]
     assert doc["nodes"]["total"] == doc["nodes"]["kept"] + doc["nodes"]["pruned"] + doc["nodes"]["fused_away"]
-    assert doc["nodes"]["fused_away"] == 33 * 6 + 32 * 5
+    assert doc["nodes"]["fused_away"] == 33 * 6 + 32 * 5 + 16 * 8
 
 
 def test_quantizer_exports_fuse_both_rmsnorm_spellings_and_the_sliced_rotary(quantizer_export):
     fused, plain = resolve_model(quantizer_export), resolve_model(quantizer_export, fuse=False)
-    assert patterns(fused) == {"rms_norm": 5, "rotary": 4} and not fused.near_misses
+    assert patterns(fused) == {"rms_norm": 5, "rotary": 4}
+    # their attention masks padding too (attention_mask): not the causal mask the pattern takes
+    assert {(m.pattern, m.reason) for m in fused.near_misses} == {("attention", (
+        "the mask's condition /model/model/Expand_output_0 is made by Expand /model/model/Expand, not LessOrEqual"))}
+    assert len(fused.near_misses) == 2  # one per block
     assert len(fused.nodes) == len(plain.nodes) - 151  # 624 -> 473 nodes per step
     norm = next(n for n in fused.nodes if n.name == "/model/model/layers.0/input_layernorm/Mul_1")
     assert [n.rsplit("/", 1)[1] for n in norm.fused_from] == ["Pow", "ReduceMean", "Add", "Sqrt", "Div", "Mul",
@@ -149,7 +160,7 @@ def test_session_options_turn_fusion_off(small_llm_path):
     with Session.open(small_llm_path, SessionOptions(fuse=False)) as s:
         assert not s.resolved.fusions and not s.resolved.fusion_enabled
     with Session.open(small_llm_path) as s:
-        assert patterns(s.resolved) == {"rms_norm": 5, "rotary": 4}
+        assert patterns(s.resolved) == {"rms_norm": 5, "rotary": 4, "attention": 2}
 
 
 # ------------------------------------------------------------------- crafted graphs

@@ -11,16 +11,23 @@ Refused at resolve, one line naming the node, the attribute or input and the rul
 what ONNX Runtime itself rejects (num_heads not a multiple of kv_num_heads, do_rotary
 without cos / sin caches) and what this kernel does not implement (a sliding window,
 softcap, smooth softmax, position_ids, attention_bias, head_sink, the QK output).
+
+Also runs ``onnx_prep.fused::Attention``, the causal attention over a KV cache that
+pattern fusion makes of standard ops (core/model/attention_pattern.py), on the same C
+kernel (core/ops/attention.py ``attention_with_past``): any such node is taken, as the
+fusion only makes what the op computes exactly.
 """
 from __future__ import annotations
 
 from onnx_prep.core.kernels.spec import KernelChoice, KernelSpec, MatchContext, node_input, refuse
+from onnx_prep.core.model.fusion import FUSED_DOMAIN
 from onnx_prep.core.model.transforms import GraphNode
 from onnx_prep.core.ops import attention
-from onnx_prep.core.ops.registry import MS_DOMAIN, OpImpl
+from onnx_prep.core.ops.registry import MS_DOMAIN
 
 ID = "gqa"
 OP = (MS_DOMAIN, "GroupQueryAttention")
+FUSED_OP = (FUSED_DOMAIN, "Attention")
 
 # Inputs past the nine the kernel reads: (position, name). ONNX Runtime derives position
 # ids from seqlens_k when position_ids is absent, which is what the builder relies on.
@@ -37,6 +44,8 @@ _CHOICE = KernelChoice(ID)
 
 
 def match(node: GraphNode, ctx: MatchContext) -> KernelChoice:
+    if (node.domain, node.op_type) == FUSED_OP:
+        return _CHOICE
     a = node.attributes
     n, kv = int(a.get("num_heads", 0)), int(a.get("kv_num_heads", 0))
     if n < 1 or kv < 1:
@@ -62,13 +71,4 @@ def match(node: GraphNode, ctx: MatchContext) -> KernelChoice:
     return _CHOICE
 
 
-def implementation(op_type: str, domain: str, opset: int | None) -> OpImpl | None:
-    return attention.group_query_attention if (domain, op_type) == OP else None
-
-
-SPEC = KernelSpec(
-    id=ID,
-    op_types=frozenset({OP}),
-    match=match,
-    implementation=implementation,
-)
+SPEC = KernelSpec.of_table(ID, {OP: attention.group_query_attention, FUSED_OP: attention.attention_with_past}, match)

@@ -24,9 +24,13 @@ Patterns (``PATTERNS``):
   cos / sin tables must have equal halves: they must be computed as ``Concat(f, f)``
   on the last axis followed only by Cos / Sin, Cast, Unsqueeze (not of the last axis),
   Identity and Mul / Div by a scalar constant.
+- ``attention`` → ``onnx_prep.fused::Attention(q, k, v, past_key, past_value, start,
+  end)`` (the ``gqa`` kernel's C code): causal attention over a KV cache, the Concats of
+  the cache included; matched in its own module (attention_pattern.py: what, and why the
+  mask it accepts is exactly causal-with-past).
 
 Where a pattern's anchor is found (the ReduceMean of a square; the Add of two Muls one
-of which reads a rotate-half Concat) but something breaks the match, a ``NearMiss``
+of which reads a rotate-half Concat; a Softmax) but something breaks the match, a ``NearMiss``
 names the node and why (an intermediate read elsewhere, an epsilon that is not a
 constant, an axis that is not the last).
 
@@ -47,8 +51,8 @@ from onnx_prep.core.model.transforms import GraphNode
 from onnx_prep.core.model.weights import WeightDescriptor
 
 FUSED_DOMAIN = "onnx_prep.fused"  # ops that exist only as the result of a fusion here
-RMS_NORM, ROTARY = "rms_norm", "rotary"
-PATTERNS = (RMS_NORM, ROTARY)
+RMS_NORM, ROTARY, ATTENTION = "rms_norm", "rotary", "attention"
+PATTERNS = (RMS_NORM, ROTARY, ATTENTION)
 _SMALL = 64  # a constant of at most this many elements is read for matching
 
 
@@ -418,6 +422,11 @@ def fuse_patterns(nodes: list[GraphNode], values: Mapping[str, np.ndarray], weig
     """Fuse every pattern found in ``nodes`` (topological order, kept); ``weights`` are the
     constant initializers, ``values`` what ``constant_values`` gives. Returns the new node
     list (each fused node where its pattern's last node was), the fusions and the near-misses."""
+    # attention_pattern imports this module's matching framework: imported here, not on top
+    from onnx_prep.core.model.attention_pattern import attention_anchor, match_attention
+
+    matchers = ((RMS_NORM, _rms_anchor, _match_rms_norm), (ROTARY, _rotary_anchor, _match_rotary),
+                (ATTENTION, attention_anchor, match_attention))
     g = _Graph(nodes, values, weights, graph_outputs)
     fusions: list[Fusion] = []
     misses: list[NearMiss] = []
@@ -425,13 +434,14 @@ def fuse_patterns(nodes: list[GraphNode], values: Mapping[str, np.ndarray], weig
     for node in nodes:
         if id(node) in replaced:
             continue
-        rms = _rms_anchor(g, node)
-        rotary = _rotary_anchor(g, node) if rms is None else None
-        if rms is None and rotary is None:
+        for pattern, anchor_of, match in matchers:
+            anchor = anchor_of(g, node)
+            if anchor is not None:
+                break
+        else:
             continue
-        pattern = RMS_NORM if rms is not None else ROTARY
         try:
-            fused, chain = _match_rms_norm(g, node, *rms) if rms is not None else _match_rotary(g, node, *rotary)
+            fused, chain = match(g, node, *anchor)
         except _Miss as miss:
             misses.append(NearMiss(pattern, node.name, str(miss)))
             continue

@@ -18,6 +18,10 @@ buffer. ONNX Runtime's own shared buffer (past and present one max-length array,
 lengths in seqlens_k) is the kernel's ``present=(past_key, past_value)``; the runtime
 does not bind it: a session would have to allocate the KV inputs at their maximum
 length once and feed each step's present back as its past.
+
+``attention_with_past`` runs ``onnx_prep.fused::Attention``, the causal attention over a
+KV cache that pattern fusion makes of standard ops (core/model/attention_pattern.py says
+what it matches and the attributes it sets), on the same C kernel.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import numpy as np
 from onnx_prep.core.errors import NativeError
 from onnx_prep.core.ops import append_buffer
 from onnx_prep.core.ops.attributes import APPEND_IN_PLACE
+from onnx_prep.core.ops.nn import softmax
 
 
 def _inputs(inputs: list) -> list:
@@ -53,6 +58,72 @@ def group_query_attention(inputs, attrs: Mapping[str, Any], prepared):
         kwargs["present"] = tuple(append_buffer.extend(x, 2, rows, spread=(position + 0.5) / count)[0]
                                   for x in (pk, pv))
     return list(kernel(*args, **kwargs))
+
+
+def attention_with_past(inputs, attrs: Mapping[str, Any], prepared):
+    """onnx_prep.fused::Attention(q, k, v, past_key, past_value, mask_start, mask_end) ->
+    (output, present_key, present_value): the ops it replaced (core/model/attention_pattern.py),
+    ``present = Concat(past, new, axis)``, ``probs = Softmax(MatMul(q, Transpose(present_key,
+    [0, 1, 3, 2])) * scale (/ scale with divide = 1) + mask, -1)``, ``output =
+    Transpose(MatMul(probs, present_value), [0, 2, 1, 3])``, the mask ``Where(keys <=
+    queries, 0, mask_fill)`` over ``keys = Range(0, mask_end)``, ``queries =
+    Range(mask_start, mask_end)`` as columns.
+
+    float32 BNSH inputs with one past length P, kv heads equal to the query heads or 1,
+    ``mask_start == P`` and ``mask_end == P + S`` (the mask is then exactly causal: query
+    row s, at position P + s, sees keys 0..P + s) run the native kernel; masked keys get
+    weight 0 there, as ``exp(mask_fill + score - max)`` is in float32 for the fills the
+    fusion accepts. Anything else computes the formula in numpy (the unfused ops'
+    broadcasting and errors), so the node means what the ops it replaced meant.
+    """
+    q, k, v, past_key, past_value, start, end = inputs[:7]
+    start, end = int(np.asarray(start).reshape(-1)[0]), int(np.asarray(end).reshape(-1)[0])
+    scale = float(attrs["scale"])
+    divide = int(attrs.get("divide", 0)) == 1
+    fast = _fast_path(q, k, v, past_key, past_value, start, end, int(attrs.get("axis", 2)))
+    if fast:
+        from onnx_prep import native
+
+        try:
+            kernel = native.attention_with_past
+        except NativeError:  # pragma: no cover - only without the native module
+            kernel = None
+        if kernel is not None:
+            present = None
+            mark = attrs.get(APPEND_IN_PLACE)
+            if mark:
+                position, count = mark
+                present = tuple(append_buffer.extend(x, 2, end, spread=(position + 0.5) / count)[0]
+                                for x in (past_key, past_value))
+            return list(kernel(q, k, v, past_key, past_value, scale=1.0 / scale if divide else scale,
+                               present=present))
+    return list(reference_attention(q, k, v, past_key, past_value, start, end, scale=scale, divide=divide,
+                                    mask_fill=float(attrs["mask_fill"]), axis=int(attrs.get("axis", 2))))
+
+
+def _fast_path(q, k, v, past_key, past_value, start: int, end: int, axis: int) -> bool:
+    arrays = (q, k, v, past_key, past_value)
+    if any(not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 4 for x in arrays) or \
+            axis not in (2, -2):
+        return False
+    B, N, S, H = q.shape
+    KN, P = k.shape[1], past_key.shape[2]
+    return KN in (N, 1) and k.shape == v.shape == (B, KN, S, H) and past_key.shape == past_value.shape == \
+        (B, KN, P, H) and start == P and end == P + S and S > 0
+
+
+def reference_attention(q, k, v, past_key, past_value, start: int, end: int, *, scale: float, divide: bool,
+                        mask_fill: float, axis: int = 2):
+    """The unfused ops' formula in numpy (``attention_with_past`` says which)."""
+    present_key = np.concatenate([past_key, k], axis=axis)
+    present_value = np.concatenate([past_value, v], axis=axis)
+    scores = np.matmul(q, present_key.transpose(0, 1, 3, 2))
+    c = np.asarray(scale, dtype=scores.dtype)
+    scores = scores / c if divide else scores * c
+    keys, queries = np.arange(0, end, dtype=np.int64), np.arange(start, end, dtype=np.int64)
+    mask = np.where(keys[None, :] <= queries[:, None], np.float32(0.0), np.float32(mask_fill))
+    probs = softmax([scores + mask], {"axis": -1}, None)[0]
+    return np.matmul(probs, present_value).transpose(0, 2, 1, 3), present_key, present_value
 
 
 def _appends(q, past_key, past_value, seqlens_k, total) -> bool:

@@ -35,6 +35,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from onnx_prep.core.errors import ModelIOError, OnnxPrepError, TaskFailedError, Where
+from onnx_prep.core.model.fusion import FUSED_DOMAIN
 from onnx_prep.core.ops.attributes import APPEND_IN_PLACE
 from onnx_prep.core.ops.registry import MS_DOMAIN
 from onnx_prep.core.kernels.binding import bind_node
@@ -348,12 +349,12 @@ def direct_replay(program: ActionProgram | ResolvedModel, feeds: Mapping[str, np
 
 def _appends_kv(node, input_names, outputs) -> bool:
     """A node that extends a graph input into a graph output (the KV cache): ``present =
-    Concat(past, new)``, or GroupQueryAttention's past_key / past_value (inputs 3, 4)
-    into present_key / present_value (outputs 1, 2)."""
+    Concat(past, new)``, or GroupQueryAttention's (or the fused Attention's) past_key /
+    past_value (inputs 3, 4) into present_key / present_value (outputs 1, 2)."""
     if node.op_type == "Concat" and node.domain in ("", "ai.onnx"):
         return bool(node.inputs) and node.inputs[0] in input_names and bool(node.outputs) \
             and node.outputs[0] in outputs
-    if node.op_type == "GroupQueryAttention" and node.domain == MS_DOMAIN:
+    if (node.domain, node.op_type) in ((MS_DOMAIN, "GroupQueryAttention"), (FUSED_DOMAIN, "Attention")):
         ins, outs = list(node.inputs) + [""] * 5, list(node.outputs) + [""] * 3
         return all(ins[i] in input_names for i in (3, 4)) and all(outs[i] in outputs for i in (1, 2))
     return False

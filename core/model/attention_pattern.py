@@ -1,0 +1,179 @@
+"""The ``attention`` fusion pattern (run by ``fusion.fuse_patterns`` with the others):
+causal scaled-dot-product attention over a KV cache, spelled with standard ops, becomes
+one ``onnx_prep.fused::Attention`` node that the ``gqa`` kernel's C code computes
+(core/ops/attention.py ``attention_with_past``).
+
+Matched, from the anchor (a Softmax) outwards, every intermediate read by the next node
+of the pattern alone:
+
+- ``present_key = Concat(past_key, k, axis 2)``, ``present_value = Concat(past_value, v,
+  axis 2)``, each read by the pattern alone (a graph output too: the decoder's KV cache);
+- ``scores = MatMul(q, Transpose(present_key, perm [0, 1, 3, 2]))``, then no scale or a
+  ``Mul`` / ``Div`` by a scalar constant;
+- ``Add`` of the mask (either side), ``Softmax`` with ``axis = -1`` given (its default
+  depends on the opset), ``MatMul(probs, present_value)``, ``Transpose(perm [0, 2, 1, 3])``
+  (the node's output);
+- the mask ``Where(LessOrEqual(Unsqueeze(Range(0, end, 1), [0]), Unsqueeze(Range(start,
+  end, 1), [-1])), 0, fill)``: 0 and fill float32 scalar constants, fill <= -1e9, the
+  two Ranges ending at the same value.
+
+Why that mask is exactly causal-with-past: it is ``[end - start, end]``, row i letting
+key j through iff ``j <= start + i``. Added to scores ``[B, N, S, P + S]`` it broadcasts
+without error only when ``end == P + S`` (or 1) and ``end - start == S`` (or 1); in
+the regular case ``start == P`` and query row i, at absolute position P + i, sees keys
+0..P + i. The fused node takes ``start`` and ``end`` as inputs and checks that case at
+each call (the native kernel); any other (a broadcast of a one-row or one-column mask,
+another layout, another dtype) computes the ops' formula in numpy, so the node means
+what the ops meant for every input. A masked key's weight is ``exp(score + fill -
+max)``: 0 in float32 for finite scores whose spread is below ``|fill| - 104``, which is
+why fill must be at most -1e9 (exports write float32's lowest value).
+
+Near-misses name the Softmax and the first thing that breaks: the axis, an intermediate
+read elsewhere, a key that is not a KV Concat (a repeat of kv heads through Expand is
+not matched), a mask that is not the causal one and why.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from onnx_prep.core.model.fusion import FUSED_DOMAIN, _Graph, _Miss
+from onnx_prep.core.model.transforms import GraphNode
+
+ATTENTION = "attention"
+MAX_FILL = -1e9  # the largest mask fill whose masked weights are 0 (see the module docstring)
+
+
+def attention_anchor(g: _Graph, node: GraphNode) -> tuple | None:
+    return () if (node.op_type, node.domain) == ("Softmax", "") else None
+
+
+def _node(g: _Graph, value: str, op_type: str, what: str) -> GraphNode:
+    n = g.made_by(value, op_type)
+    if n is None:
+        found = g.producer.get(value)
+        raise _Miss(f"{what} {value} is made by {found.op_type + ' ' + found.name if found else 'no node'}, "
+                    f"not {op_type}")
+    return n
+
+
+def _read_only_by(g: _Graph, value: str, reader: GraphNode) -> None:
+    """A _Miss unless ``reader`` is the only node reading ``value`` (which may be a graph
+    output: the KV cache's present)."""
+    others = [n for n in g.consumers.get(value, []) if n is not reader]
+    if others:
+        raise _Miss(f"{value} is also read by node {others[0].name}")
+
+
+def _ints(g: _Graph, value: str, what: str) -> list[int]:
+    c = g.const(value) if value else None
+    if c is None:
+        raise _Miss(f"{what} {value} is not a constant")
+    return [int(x) for x in c.reshape(-1)]
+
+
+def _perm(node: GraphNode, want: list[int]) -> None:
+    perm = [int(p) for p in node.attributes.get("perm", ())]
+    if perm != want:
+        raise _Miss(f"Transpose {node.name} perm {perm} is not {want}")
+
+
+def _kv_concat(g: _Graph, value: str, reader: GraphNode, what: str) -> GraphNode:
+    cat = _node(g, value, "Concat", what)
+    if len(cat.inputs) != 2 or int(cat.attributes.get("axis", 0)) not in (2, -2):
+        raise _Miss(f"Concat {cat.name} is not Concat(past, new) on axis 2")
+    _read_only_by(g, value, reader)
+    return cat
+
+
+def _unsqueezed(g: _Graph, value: str, axes: tuple[list[int], ...], what: str) -> str:
+    u = _node(g, value, "Unsqueeze", what)
+    got = _ints(g, u.inputs[1], "Unsqueeze axes") if len(u.inputs) > 1 and u.inputs[1] else \
+        [int(a) for a in u.attributes.get("axes", ())]
+    if got not in axes:
+        raise _Miss(f"the mask is not causal: Unsqueeze {u.name} axes {got} are not {axes[0]}")
+    return u.inputs[0]
+
+
+def _range(g: _Graph, value: str, what: str) -> GraphNode:
+    r = _node(g, value, "Range", f"the mask's {what} positions")
+    if len(r.inputs) != 3 or _ints(g, r.inputs[2], "Range step") != [1]:
+        raise _Miss(f"the mask is not causal: Range {r.name} step is not the constant 1")
+    return r
+
+
+def _causal_mask(g: _Graph, mask: str) -> tuple[str, str, float]:
+    """(start, end, fill) of a causal mask (the module docstring's form), else a _Miss."""
+    where = _node(g, mask, "Where", "the mask")
+    zero, fill = (g.const(v) for v in where.inputs[1:3])
+    for v, name in ((zero, where.inputs[1]), (fill, where.inputs[2])):
+        if v is None or v.size != 1 or v.dtype != np.float32:
+            raise _Miss(f"the mask's value {name} is not a float32 scalar constant")
+    if float(zero.reshape(-1)[0]) != 0.0:
+        raise _Miss(f"the mask is not causal: Where {where.name} lets keys through with {float(zero.reshape(-1)[0]):g}, "
+                    f"not 0")
+    fill = float(fill.reshape(-1)[0])
+    if not fill <= MAX_FILL:
+        raise _Miss(f"the mask's fill {fill:g} is above {MAX_FILL:g}: masked keys would keep a weight")
+    cond = _node(g, where.inputs[0], "LessOrEqual", "the mask's condition")
+    keys = _range(g, _unsqueezed(g, cond.inputs[0], ([0],), "the mask's key row"), "key")
+    queries = _range(g, _unsqueezed(g, cond.inputs[1], ([-1], [1]), "the mask's query column"), "query")
+    if _ints(g, keys.inputs[0], "the key Range start") != [0]:
+        raise _Miss(f"the mask is not causal: key Range {keys.name} does not start at 0")
+    if keys.inputs[1] != queries.inputs[1]:
+        raise _Miss(f"the mask is not causal: Ranges {keys.name} and {queries.name} end at different values "
+                    f"({keys.inputs[1]}, {queries.inputs[1]})")
+    return queries.inputs[0], queries.inputs[1], fill
+
+
+def match_attention(g: _Graph, softmax: GraphNode) -> tuple[GraphNode, list[GraphNode]]:
+    axis = softmax.attributes.get("axis")
+    if axis is None or int(axis) != -1:
+        raise _Miss(f"Softmax axis {axis} is not -1 (the last axis)" if axis is not None else
+                    "Softmax axis is not given (its default depends on the opset)")
+    add = _node(g, softmax.inputs[0], "Add", "the Softmax input")
+    g.only_reader(add.outputs[0], softmax)
+    side = [i for i in (0, 1) if g.made_by(add.inputs[i], "Where") is not None]
+    if not side:
+        raise _Miss(f"Add {add.name} adds no Where mask")
+    mask, scaled = add.inputs[side[0]], add.inputs[1 - side[0]]
+    start, end, fill = _causal_mask(g, mask)
+    chain_scale, scale, divide = [], 1.0, 0
+    scale_node = g.producer.get(scaled)
+    if scale_node is not None and scale_node.domain == "" and scale_node.op_type in ("Mul", "Div"):
+        consts = [i for i in (0, 1) if g.const(scale_node.inputs[i]) is not None
+                  and g.const(scale_node.inputs[i]).size == 1]
+        if scale_node.op_type == "Div":
+            consts = [i for i in consts if i == 1]
+        if not consts:
+            raise _Miss(f"{scale_node.op_type} {scale_node.name} does not scale by a scalar constant")
+        scale = float(g.const(scale_node.inputs[consts[0]]).reshape(-1)[0])
+        divide = int(scale_node.op_type == "Div")
+        if divide and scale == 0.0:
+            raise _Miss(f"Div {scale_node.name} divides by 0")
+        g.only_reader(scaled, add)
+        chain_scale, scaled = [scale_node], scale_node.inputs[1 - consts[0]]
+    scores = _node(g, scaled, "MatMul", "the scores")
+    g.only_reader(scores.outputs[0], chain_scale[0] if chain_scale else add)
+    q, kt = scores.inputs[:2]
+    key_t = _node(g, kt, "Transpose", "the transposed key")
+    _perm(key_t, [0, 1, 3, 2])
+    g.only_reader(kt, scores)
+    k_cat = _kv_concat(g, key_t.inputs[0], key_t, "the key")
+    context = g.only_reader(softmax.outputs[0])
+    if (context.op_type, context.domain) != ("MatMul", "") or context.inputs[0] != softmax.outputs[0]:
+        raise _Miss(f"the weights are read by {context.op_type} {context.name}, not a MatMul by the values")
+    v_cat = _kv_concat(g, context.inputs[1], context, "the value")
+    if int(v_cat.attributes.get("axis", 0)) != int(k_cat.attributes.get("axis", 0)):
+        raise _Miss(f"Concats {k_cat.name} and {v_cat.name} are on different axes")
+    out = g.only_reader(context.outputs[0])
+    if (out.op_type, out.domain) != ("Transpose", ""):
+        raise _Miss(f"the context is read by {out.op_type} {out.name}, not Transpose [0, 2, 1, 3]")
+    _perm(out, [0, 2, 1, 3])
+    chain = [k_cat, v_cat, key_t, scores, *chain_scale, add, softmax, context, out]
+    fused = GraphNode(
+        out.name, "Attention", FUSED_DOMAIN,
+        [q, k_cat.inputs[1], v_cat.inputs[1], k_cat.inputs[0], v_cat.inputs[0], start, end],
+        [out.outputs[0], k_cat.outputs[0], v_cat.outputs[0]],
+        {"scale": scale, "divide": divide, "mask_fill": fill, "axis": int(k_cat.attributes.get("axis", 0))},
+        fused_from=tuple(n.name for n in chain))
+    return fused, chain
