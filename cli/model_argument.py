@@ -15,7 +15,7 @@ from onnx_prep.cli import output
 
 FUSE = typer.Option(
     True, "--fuse/--no-fuse",
-    help="Fuse standard-op RMSNorm and rotary chains into single native-kernel nodes at resolve (docs/resolve.md).")
+    help="Fuse standard-op RMSNorm, rotary and KV-cache attention chains into single native-kernel nodes at resolve (docs/resolve.md).")
 TRUST_SYMLINKS = typer.Option(
     False, "--trust-symlinks",
     help="Accept external data reached through symlinks or hard links (Hugging Face cache snapshots).")
