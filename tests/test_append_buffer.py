@@ -146,7 +146,7 @@ def test_only_past_to_present_concats_are_marked(tiny_llm_path):
     from onnx_prep.core.ops.attributes import APPEND_IN_PLACE
     from onnx_prep.core.model.resolution import resolve_model
 
-    resolved = resolve_model(tiny_llm_path)
+    resolved = resolve_model(tiny_llm_path, fuse=False)  # the KV Concats as the graph spells them
     program = ActionProgram.compile(resolved)
     marked = {a.name for a in program.actions if a.attrs.get(APPEND_IN_PLACE)}
     concats = [a for a in program.actions if a.op_type == "Concat"]
@@ -157,6 +157,11 @@ def test_only_past_to_present_concats_are_marked(tiny_llm_path):
     assert marks == [(i, 8) for i in range(8)]
     plain = ActionProgram.compile(resolved, append_in_place=False)
     assert not any(a.attrs.get(APPEND_IN_PLACE) for a in plain.actions)
+    # fused, each block's attention node writes both its presents: the 4 of them are marked
+    fused = ActionProgram.compile(resolve_model(tiny_llm_path))
+    marked = [a for a in fused.actions if a.attrs.get(APPEND_IN_PLACE)]
+    assert {a.op_type for a in marked} == {"Attention"} and len(marked) == 4
+    assert sorted(a.attrs[APPEND_IN_PLACE] for a in marked) == [(i, 4) for i in range(4)]
 
 
 def test_session_decode_appends_in_place_with_identical_logits(tiny_llm_path):

@@ -357,3 +357,12 @@ def test_resolve_lists_attention_fusions_and_near_misses_in_text_and_json(tiny_l
         "the mask's condition allowed is made by Less allowed, not LessOrEqual")}]
     text = CliRunner().invoke(app, ["resolve", str(miss)]).stdout
     assert "fusion near-misses" in text and "not LessOrEqual" in text
+
+
+def test_a_softmax_over_no_matmul_is_no_anchor(tmp_path):
+    """A classifier's Softmax (over an input, not attention scores) lists no near-miss."""
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("Softmax", ["r"], ["y"], name="softmax", axis=-1)]
+    path = _save(tmp_path, nodes, [_vi("x", [2, 5])], [_vi("y", [2, 5])], {}, name="classifier")
+    resolved = resolve_model(path)
+    assert not resolved.fusions and not resolved.near_misses

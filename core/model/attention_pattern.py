@@ -28,7 +28,8 @@ what the ops meant for every input. A masked key's weight is ``exp(score + fill 
 max)``: 0 in float32 for finite scores whose spread is below ``|fill| - 104``, which is
 why fill must be at most -1e9 (exports write float32's lowest value).
 
-Near-misses name the Softmax and the first thing that breaks: the axis, an intermediate
+The anchor is a Softmax over a MatMul's scores (through at most three element-wise
+steps); near-misses name it and the first thing that breaks: the axis, an intermediate
 read elsewhere, a key that is not a KV Concat (a repeat of kv heads through Expand is
 not matched), a mask that is not the causal one and why.
 """
@@ -43,8 +44,22 @@ ATTENTION = "attention"
 MAX_FILL = -1e9  # the largest mask fill whose masked weights are 0 (see the module docstring)
 
 
+_SCORE_STEPS = ("Add", "Sub", "Mul", "Div", "Where", "Cast")  # what may stand between scores and Softmax
+
+
 def attention_anchor(g: _Graph, node: GraphNode) -> tuple | None:
-    return () if (node.op_type, node.domain) == ("Softmax", "") else None
+    """() when ``node`` is a Softmax over a MatMul's scores (through at most three
+    element-wise steps: a scale, a mask), the anchor of the pattern; else None."""
+    if (node.op_type, node.domain) != ("Softmax", "") or not node.inputs:
+        return None
+    frontier = [node.inputs[0]]
+    for _ in range(4):
+        producers = [g.producer.get(v) for v in frontier]
+        if any(p is not None and (p.op_type, p.domain) == ("MatMul", "") for p in producers):
+            return ()
+        frontier = [v for p in producers if p is not None and p.domain == "" and p.op_type in _SCORE_STEPS
+                    for v in p.inputs if v]
+    return None
 
 
 def _node(g: _Graph, value: str, op_type: str, what: str) -> GraphNode:

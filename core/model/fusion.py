@@ -30,9 +30,9 @@ Patterns (``PATTERNS``):
   mask it accepts is exactly causal-with-past).
 
 Where a pattern's anchor is found (the ReduceMean of a square; the Add of two Muls one
-of which reads a rotate-half Concat; a Softmax) but something breaks the match, a ``NearMiss``
-names the node and why (an intermediate read elsewhere, an epsilon that is not a
-constant, an axis that is not the last).
+of which reads a rotate-half Concat; a Softmax over a MatMul's scores) but something
+breaks the match, a ``NearMiss`` names the node and why (an intermediate read
+elsewhere, an epsilon that is not a constant, an axis that is not the last).
 
 A float16 chain is computed in float32 by the fused kernels (as ONNX Runtime's own
 fusions do): its last bits may differ from the unfused ops'.

@@ -91,10 +91,10 @@ def attention_with_past(inputs, attrs: Mapping[str, Any], prepared):
         if kernel is not None:
             present = None
             mark = attrs.get(APPEND_IN_PLACE)
-            if mark:
+            if mark:  # keys and values get shares of their own: they run out of room on different steps
                 position, count = mark
-                present = tuple(append_buffer.extend(x, 2, end, spread=(position + 0.5) / count)[0]
-                                for x in (past_key, past_value))
+                present = tuple(append_buffer.extend(x, 2, end, spread=(2 * position + j + 0.5) / (2 * count))[0]
+                                for j, x in enumerate((past_key, past_value)))
             return list(kernel(q, k, v, past_key, past_value, scale=1.0 / scale if divide else scale,
                                present=present))
     return list(reference_attention(q, k, v, past_key, past_value, start, end, scale=scale, divide=divide,
