@@ -135,7 +135,8 @@ def test_numpy_warnings_reach_the_user_only_with_debug(small_llm_path, tmp_path)
             e = {p.key: p for p in t.external_data}
             e["offset"].value = str(int(e["offset"].value) + 1)
     onnx.save(model, str(m / small_llm_path.name))
-    args = ["run", str(m / small_llm_path.name), "--tokens", "3", "--no-verify-digests"]
+    # unfused: the garbage overflows in numpy's Softmax and MatMuls (the fused attention's C code does not warn)
+    args = ["run", str(m / small_llm_path.name), "--tokens", "3", "--no-verify-digests", "--no-fuse"]
     quiet, loud = onnx_prep(*args), onnx_prep("--debug", *args)
     assert "RuntimeWarning" in loud.stderr, loud.stderr[-2000:]  # the control: there is something to hide
     assert quiet.returncode == loud.returncode == 0 and "Warning" not in quiet.stderr, quiet.stderr

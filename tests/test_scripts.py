@@ -196,8 +196,9 @@ def test_profile_ops_smoke(tmp_path):
     doc = json.loads(p.stdout)
     ops = {row["op"]: row for row in doc["per_op"]}
     assert ops["MatMulNBits [int4_matmul]"]["count"] == 17  # 4 per block + the LM head
-    # K and V caches of 4 blocks + the rotary tables' concat (the rotate-half concats are fused)
-    assert ops["Concat [numpy]"]["count"] == 9
+    # the rotary tables' concat (the rotate-half concats and the KV caches' are fused)
+    assert ops["Concat [numpy]"]["count"] == 1
+    assert ops["Attention [gqa]"]["count"] == 4  # one per block
     assert doc["actions"] == sum(row["count"] for row in doc["per_op"])
     assert abs(sum(row["share"] for row in doc["per_op"]) - 1.0) < 1e-3
 
