@@ -18,9 +18,10 @@ Passes, in order (``run_transforms``):
    matmul kernel, fused_from both node names, with the layout key MatMulNBits gets
    for the same parameters (the packed bytes are the same; only the source layout
    differs, see ``QDQ_WEIGHT_LAYOUT``).
-2b. ``fusion.fuse_patterns`` (unless turned off) — RMSNorm and rotate-half rotary
-   chains of standard ops become one node of an op a native kernel runs
-   (core/model/fusion.py); their intermediate nodes are left dead.
+2b. ``fusion.fuse_patterns`` (unless turned off) — RMSNorm, rotate-half rotary and
+   causal KV-cache attention chains of standard ops become one node of an op a native
+   kernel runs (core/model/fusion.py, attention_pattern.py); their intermediate nodes
+   (and a causal mask only fused attention read) are left dead.
 3. ``prune_dead_nodes`` — drops nodes none of whose outputs reaches a graph output
    (this also drops the DequantizeLinear nodes step 2 bypassed and the view nodes
    step 1 folded).
