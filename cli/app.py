@@ -22,7 +22,8 @@ try:  # Ctrl-C during the start-up imports: one line and 130, never a traceback
     import typer
     from typer._click.exceptions import ClickException  # typer's own click (typer < 0.29)
 
-    from onnx_prep.cli import build_cache, check, demo, digest, errors, fixture, plan_dump, profile, resolve, run
+    from onnx_prep.cli import (build_cache, check, demo, devices, digest, errors, fixture, plan_dump, profile, resolve,
+                               run)
 except KeyboardInterrupt:
     sys.stderr.write("interrupted\n")
     raise SystemExit(130) from None
@@ -67,6 +68,7 @@ app.command("plan-dump")(plan_dump.plan_dump)
 app.command("digest")(digest.digest)
 app.command("check")(check.check)
 app.command("profile")(profile.profile)
+app.command("devices")(devices.devices)
 
 
 def main() -> None:

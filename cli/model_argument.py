@@ -3,7 +3,8 @@ path given, a folder standing for the one ``.onnx`` file it holds, or else the e
 default model (the tiny INT4 LLM in the user cache, ``fixtures/cache.py``), generated
 first if absent, with a one-line note on stderr saying so. Each command that loads
 also takes ``--trust-symlinks`` (``TRUST_SYMLINKS``) and has ``ONNX_PREP_ISA`` checked
-here, so the same model path and ISA rules hold whichever command met them."""
+here, so the same model path and ISA rules hold whichever command met them; ``run`` and
+``profile`` take ``--device`` (``DEVICE``), checked by their options in core."""
 from __future__ import annotations
 
 import os
@@ -19,6 +20,10 @@ FUSE = typer.Option(
 TRUST_SYMLINKS = typer.Option(
     False, "--trust-symlinks",
     help="Accept external data reached through symlinks or hard links (Hugging Face cache snapshots).")
+DEVICE = typer.Option(
+    "cpu", "--device", metavar="DEVICE",
+    help="Run on: cpu, or cuda (checked first: without a usable CUDA device, or with this build's CUDA path "
+         "incomplete, one line saying why, exit 2; never a silent CPU fallback; docs/cuda.md).")
 
 
 def model_path(model: Path | None) -> Path:

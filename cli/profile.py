@@ -19,7 +19,7 @@ import typer
 
 from onnx_prep.cli import output
 from onnx_prep.cli.errors import run_guarded
-from onnx_prep.cli.model_argument import FUSE, TRUST_SYMLINKS, model_path
+from onnx_prep.cli.model_argument import DEVICE, FUSE, TRUST_SYMLINKS, model_path
 from onnx_prep.core.errors import EXIT_OK
 
 
@@ -72,6 +72,7 @@ def profile(
         None, "--shape", metavar="NAME=N",
         help="Bind symbolic dims (e.g. batch=1,seq=8) for one forward on generated inputs; repeatable."),
     fuse: bool = FUSE,
+    device: str = DEVICE,
 ) -> None:
     """Measure the load: plan, bytes read, prepack, time to first step and output, memory peaks, overlap.
 
@@ -81,7 +82,8 @@ def profile(
         raise typer.Exit(run_guarded(lambda: _sweep(
             model, batch_sweep, budget=budget, tokens=tokens, prompt_ids=prompt_ids, fmt=fmt, plot=plot,
             repeat=repeat, cache_policy=cache_policy, prepared=prepared, compare=compare, json_out=json_out,
-            trust_symlinks=trust_symlinks, load_options_given=(mode != "parallel" or cold or trace is not None),
+            trust_symlinks=trust_symlinks, device=device,
+            load_options_given=(mode != "parallel" or cold or trace is not None),
             forward_options_given=bool(inputs or shape), fuse=fuse)))
 
     def go() -> int:
@@ -90,7 +92,7 @@ def profile(
         options = LoadProfileOptions(modes=parse_modes(mode), cache_policies=tuple(cache_policy.split(",")),
                                      repeat=repeat, cold=cold, trace=trace, compare=compare, prepared=prepared,
                                      verify_digests=verify_digests, trust_symlinks=trust_symlinks,
-                                     inputs=tuple(inputs or ()), shape=tuple(shape or ()), fuse=fuse)
+                                     inputs=tuple(inputs or ()), shape=tuple(shape or ()), fuse=fuse, device=device)
         path = model_path(model)
         with _progress(output.stderr.is_terminal) as progress:
             doc = profile_load(path, options, progress=progress, warn=output.warn)
@@ -117,7 +119,7 @@ def _progress(show: bool) -> Iterator[Callable | None]:
 
 
 def _sweep(model, sizes: str, *, budget, tokens, prompt_ids, fmt, plot, repeat, cache_policy, prepared, compare,
-           json_out, trust_symlinks, load_options_given, forward_options_given, fuse) -> int:
+           json_out, trust_symlinks, device, load_options_given, forward_options_given, fuse) -> int:
     from onnx_prep.cli.sweep_render import FORMATS, render
     from onnx_prep.core.errors import UsageError
     from onnx_prep.core.profile.batch_sweep import SweepOptions, record_batch_sweep
@@ -144,7 +146,7 @@ def _sweep(model, sizes: str, *, budget, tokens, prompt_ids, fmt, plot, repeat, 
 
     options = SweepOptions(batches=ints(sizes, "--batch-sweep"), tokens=tokens, budget=budget, repeat=repeat,
                            cache_policy=cache_policy, prepared=prepared, prompt=ints(prompt_ids, "--prompt-ids"),
-                           compare_ort=compare == "ort", trust_symlinks=trust_symlinks, fuse=fuse)
+                           compare_ort=compare == "ort", trust_symlinks=trust_symlinks, fuse=fuse, device=device)
     with _progress(output.stderr.is_terminal) as progress:
         doc = record_batch_sweep(model_path(model), options,
                                  progress=None if progress is None else (lambda label, d, t: progress(d, t, label)),

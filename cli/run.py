@@ -17,7 +17,7 @@ import typer
 
 from onnx_prep.cli import output
 from onnx_prep.cli.errors import run_guarded
-from onnx_prep.cli.model_argument import FUSE, TRUST_SYMLINKS, model_path
+from onnx_prep.cli.model_argument import DEVICE, FUSE, TRUST_SYMLINKS, model_path
 from onnx_prep.core.errors import EXIT_FINDINGS, EXIT_OK, UsageError
 
 DEFAULT_PROMPT = "1,2,3,4"
@@ -113,6 +113,7 @@ def run(
         help="Bind symbolic dims (e.g. batch=1,seq=8) for one forward on generated inputs; repeatable."),
     outputs_out: Optional[Path] = typer.Option(None, "--outputs-out", metavar="FILE.npz",
                                                help="One forward: write every output to this .npz."),
+    device: str = DEVICE,
 ) -> None:
     """Greedy-decode --tokens tokens per row; print the generated ids and timings. A model that is not a decoder, or --inputs / --shape: run one forward of its graph and summarise each output.
 
@@ -129,7 +130,7 @@ def run(
                              source_pages=source_pages, memory_budget=budget, verify_digests=verify_digests,
                              trust_symlinks=trust_symlinks, cache_policy=cache_policy, prepared=prepared,
                              logits_out=logits_out, inputs=tuple(inputs or ()), shape=tuple(shape or ()),
-                             outputs_out=outputs_out, fuse=fuse, per_node=per_node,
+                             outputs_out=outputs_out, fuse=fuse, per_node=per_node, device=device,
                              decode_flags=tuple(flag for flag, value in given.items() if value is not None))
         # Only on a terminal: a redirected stderr would just collect blank frames.
         show = options.tokens >= PROGRESS_MIN_TOKENS and output.stderr.is_terminal

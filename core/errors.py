@@ -132,3 +132,12 @@ class CancelledError(OnnxPrepError):
 
 class UsageError(OnnxPrepError):
     """A bad option value or combination."""
+
+
+class DeviceError(OnnxPrepError):
+    """CUDA is not usable (its package, driver or device is missing), a device path this
+    build lacks was asked for, or a CUDA driver call failed (core/cuda/)."""
+
+
+class DeviceBudgetError(BudgetError):
+    """A page-in would commit more device memory than the device budget allows."""

@@ -22,10 +22,11 @@ HEAVY = ("numpy", "onnx", "ml_dtypes", "onnxruntime", "onnx_prep.native")
 # --runtime/--compare ort, zstandard without a compressed cache, matplotlib's plots), the
 # test and export stacks, onnx's reference evaluator (no op here needs it), logging (the
 # runtime logs only a swallowed exception: core/errors.log_exception), and rich when the
-# answer is JSON and nothing is wrong (cli/output.py makes its consoles on use).
+# answer is JSON and nothing is wrong (cli/output.py makes its consoles on use), and the
+# CUDA path (cuda-python and core/cuda: only --device cuda and `devices` import them).
 NOT_ON_RUN_PATH = ("onnxruntime", "onnxruntime_genai", "zstandard", "matplotlib", "hypothesis", "jsonschema",
                    "pytest", "torch", "transformers", "onnx_ir", "onnx.reference", "rich", "scipy", "pandas",
-                   "logging")
+                   "logging", "cuda", "onnx_prep.core.cuda")
 
 # The console script's main() in a fresh interpreter; on the way out (SystemExit) it
 # writes every module imported as the last line of stderr.
@@ -68,6 +69,7 @@ def probe(*args: str, watch: tuple[str, ...] | None = HEAVY) -> tuple[int, list[
     (["run", "--tokens", "0"], EXIT_UNUSABLE),
     (["run", "--prompt-ids", "1,x"], EXIT_UNUSABLE),
     (["run", "--compare", "ort", "--runtime", "ort"], EXIT_UNUSABLE),
+    (["devices", "--help"], EXIT_OK),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else str(v))
 def test_answers_without_the_load_path(args, code):
     got, imported = probe(*args)
@@ -118,7 +120,7 @@ def test_commands_are_registered_by_name():
     names = [c.name for c in app.registered_commands]
     assert len(names) == len(set(names))
     assert set(names) == {"fixture", "resolve", "run", "demo", "build-cache", "plan-dump", "digest", "check",
-                          "profile"}
+                          "profile", "devices"}
 
 
 def test_a_missing_command_module_is_an_import_error():

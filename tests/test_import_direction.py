@@ -8,20 +8,25 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[1]
-FAMILIES = ("model", "io", "plan", "kernels", "ops", "runtime", "cache", "decode", "profile")
+FAMILIES = ("model", "io", "plan", "kernels", "ops", "runtime", "cache", "decode", "profile", "cuda")
 
 # family -> families it must never import. Everything not listed is allowed.
 FORBIDDEN = {
     "core": {"cli"},  # the library never imports the commands (applies to every core.*)
     "native": {"cli", "fixtures", *(f"core.{f}" for f in FAMILIES)},
     "fixtures": {"cli", "core.runtime", "core.plan", "core.cache", "core.decode", "core.profile"},
-    "core.model": {"core.plan", "core.runtime", "core.cache", "core.decode", "core.profile", "core.ops"},
-    "core.io": {"core.plan", "core.runtime", "core.cache", "core.decode", "core.kernels", "core.ops"},
-    "core.kernels": {"core.plan", "core.runtime", "core.cache", "core.decode", "core.profile"},
-    "core.ops": {"core.plan", "core.runtime", "core.cache", "core.decode", "core.profile", "core.kernels"},
-    "core.plan": {"core.runtime", "core.cache", "core.decode", "core.profile"},
-    "core.runtime": {"core.cache", "core.decode", "core.profile"},
+    "core.model": {"core.plan", "core.runtime", "core.cache", "core.decode", "core.profile", "core.ops", "core.cuda"},
+    "core.io": {"core.plan", "core.runtime", "core.cache", "core.decode", "core.kernels", "core.ops", "core.cuda"},
+    "core.kernels": {"core.plan", "core.runtime", "core.cache", "core.decode", "core.profile", "core.cuda"},
+    "core.ops": {"core.plan", "core.runtime", "core.cache", "core.decode", "core.profile", "core.kernels",
+                 "core.cuda"},
+    "core.plan": {"core.runtime", "core.cache", "core.decode", "core.profile", "core.cuda"},
+    "core.runtime": {"core.cache", "core.decode", "core.profile", "core.cuda"},
     "core.cache": {"core.decode", "core.profile"},
+    # CUDA sits beside the cache, above the runtime (its device slot pool is the runtime's
+    # slot-pool interface; the runtime knows it only through that): decoding and
+    # profiling reach it for --device, nothing below them does.
+    "core.cuda": {"core.cache", "core.decode", "core.profile"},
 }
 
 
@@ -71,6 +76,8 @@ def test_no_forbidden_import():
 
 @pytest.mark.parametrize("family,module", [("core.kernels", "onnx_prep.core.runtime.session"),
                                            ("core.model", "onnx_prep.cli.app"),
-                                           ("core.plan", "onnx_prep.core.runtime.arenas")])
+                                           ("core.plan", "onnx_prep.core.runtime.arenas"),
+                                           ("core.runtime", "onnx_prep.core.cuda.device_slot_pool"),
+                                           ("core.cuda", "onnx_prep.core.decode.run_record")])
 def test_the_rules_catch_a_violation(family, module):
     assert _family(module) in _rules(family)

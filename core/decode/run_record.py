@@ -76,6 +76,7 @@ class RunOptions:
     decode_flags: tuple[str, ...] = ()
     fuse: bool = True  # the prepared runtime fuses standard-op patterns at resolve (core/model/fusion.py)
     per_node: bool = False  # with compare: the first step compared value by value (node_comparison.py)
+    device: str = "cpu"  # --device: cuda is refused, saying why (core/cuda/device_selection.py)
 
     @property
     def one_forward(self) -> bool:
@@ -115,6 +116,10 @@ class RunOptions:
             raise UsageError("all --prompt-ids rows must have the same length, got "
                              f"{[len(r) for r in self.distinct_rows]}",
                              hint="padding is not supported: give prompts of equal length")
+        if self.device != "cpu":  # the CPU path imports nothing of CUDA
+            from onnx_prep.core.cuda.device_selection import require_device
+
+            require_device(self.device)
         # Last: the policy names live beside the reader, which imports numpy and onnx.
         from onnx_prep.core.runtime.source_pages import SOURCE_PAGES
 

@@ -56,6 +56,7 @@ class SweepOptions:
     threads: int | None = None
     trust_symlinks: bool = False
     fuse: bool = True  # fuse standard-op patterns at resolve (core/model/fusion.py)
+    device: str = "cpu"  # --device: cuda is refused, saying why (core/cuda/device_selection.py)
 
     def __post_init__(self) -> None:
         from onnx_prep.core.option_ranges import MAX_BATCH, MAX_TOKENS, check_range
@@ -71,6 +72,10 @@ class SweepOptions:
         if self.cache_policy not in ("disabled", "read-only", "require-complete"):
             raise UsageError(f"--cache-policy {self.cache_policy!r}: a sweep reads the cache or not "
                              "(disabled, read-only, require-complete); build it with onnx-prep build-cache")
+        if self.device != "cpu":  # the CPU path imports nothing of CUDA
+            from onnx_prep.core.cuda.device_selection import require_device
+
+            require_device(self.device)
 
 
 _PERCENT = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*%\s*$")

@@ -95,6 +95,7 @@ class LoadProfileOptions:
     inputs: tuple[str, ...] = ()  # --inputs: one forward on these files (core/profile/load_feeds.py)
     shape: tuple[str, ...] = ()  # --shape: symbolic dims of the generated inputs
     fuse: bool = True  # fuse standard-op patterns at resolve (core/model/fusion.py)
+    device: str = "cpu"  # --device: cuda is refused, saying why (core/cuda/device_selection.py)
 
     def __post_init__(self) -> None:
         from onnx_prep.core.option_ranges import check_range
@@ -113,6 +114,10 @@ class LoadProfileOptions:
                 raise UsageError(f"--trace: folder {folder} does not exist", Where(file=str(self.trace)))
             if Path(self.trace).is_dir():
                 raise UsageError("--trace names a folder, not a file", Where(file=str(self.trace)))
+        if self.device != "cpu":  # the CPU path imports nothing of CUDA
+            from onnx_prep.core.cuda.device_selection import require_device
+
+            require_device(self.device)
         # Last: the policy names live beside the cache reader, which imports numpy and onnx.
         object.__setattr__(self, "cache_policies", parse_policies(",".join(self.cache_policies)))
 

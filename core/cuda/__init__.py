@@ -1,0 +1,18 @@
+"""CUDA: device discovery, ``--device`` selection, stable-VA device slots over a driver
+protocol, and the graph-capture predicate (docs/cuda.md). Optional at install
+(``pip install 'onnx-prep[cuda]'``: cuda-python) and imported only when a CUDA path is
+asked for; nothing here runs on the CPU path."""
+from onnx_prep.core.lazy_exports import lazy_exports
+
+__all__, __getattr__, __dir__ = lazy_exports(__name__, {
+    "DeviceDriver": "driver",
+    "DriverCallError": "driver",
+    "DriverUnavailable": "driver",
+    "CudaPythonDriver": "cuda_python_driver",
+    "DeviceInfo": "device_probe",
+    "DeviceProbe": "device_probe",
+    "probe_devices": "device_probe",
+    "devices_record": "device_probe",
+    "DEVICES": "device_selection",
+    "require_device": "device_selection",
+})
