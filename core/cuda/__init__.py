@@ -15,4 +15,7 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     "devices_record": "device_probe",
     "DEVICES": "device_selection",
     "require_device": "device_selection",
+    "DeviceSlotPool": "device_slot_pool",
+    "DeviceSlotCounters": "device_slot_pool",
+    "DeviceView": "device_slot_pool",
 })

@@ -5,8 +5,9 @@ when the key is materialized; eviction decommits the pages and the next
 materialization commits them again at the SAME address, so the views made once over
 it (the hot path's binding, the cold path's values) stay valid.
 
-Contract (what the materializer and the session rely on; a device pool, reserving
-device virtual addresses, implements the same):
+Contract (what the materializer and the session rely on; the device pool, reserving
+device virtual addresses, implements the same: core/cuda/device_slot_pool.py, whose
+views are device addresses):
 
 ``reserve(key, capacity)``  reserve (and open) the key's range ahead of any work.
 ``map_file(key, nbytes, fd, offset) -> view``  (host pool) the key's bytes are a

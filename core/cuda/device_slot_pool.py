@@ -1,0 +1,269 @@
+"""DeviceSlotPool: prepared objects in device memory under stable virtual addresses, the
+second implementation of the slot-pool interface (core/runtime/slot_pool.py).
+
+Per prepared key, a device address range is reserved once (``cuMemAddressReserve``,
+whole granules of the driver's allocation granularity, queried, never assumed). A
+page-in creates physical memory for it (``cuMemCreate``), maps it at the start of the
+key's range (``cuMemMap``) and sets read-write access after EVERY map (``cuMemSetAccess``:
+a fresh mapping has none); eviction unmaps and releases it (``cuMemUnmap``,
+``cuMemRelease``) while the range stays reserved, so the next page-in puts the object at
+the SAME address and a captured graph that reads it keeps replaying. ``close`` frees
+every range (``cuMemAddressFree``). The calls go through a
+:class:`~onnx_prep.core.cuda.driver.DeviceDriver`: cuda-python's, or the fake the tests
+use, which enforces the same rules.
+
+What the materializer and the store rely on is the host pool's contract, with one
+difference: ``commit`` and ``view`` return a :class:`DeviceView` (a device address and
+a size; kernels take pointers), not a host array, and ``upload`` / ``page_in`` copy the
+bytes from the host.
+
+Budget: the bytes committed (each object rounded up to whole granules: what the device
+really holds) never exceed ``budget``. A page-in that would pass it raises
+:class:`~onnx_prep.core.errors.DeviceBudgetError` before any driver call, and the pool
+is unchanged; as on the host, choosing what to evict is the session's (its
+``EvictionPolicy`` under the budget, evicting through the store, whose buffers'
+``release`` decommits here), not the pool's. ``headroom()`` says what fits now.
+
+Counters (``counters()``): committed bytes, their peak, page-ins, evictions, and the
+bytes copied host to device.
+
+Thread-safe: one lock around each operation, driver calls included, so the budget check
+and the commit it admits are one step.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from onnx_prep.core.cuda.driver import DeviceDriver
+from onnx_prep.core.errors import DeviceBudgetError, DeviceError, OnnxPrepError, Where
+from onnx_prep.core.model.prepared_key import PreparedKey
+
+__all__ = ["DeviceSlotCounters", "DeviceSlotPool", "DeviceView"]
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class DeviceView:
+    """What a kernel is given for a resident object: its device ``address`` (the same
+    across evict → page-in) and ``nbytes``; ``typed_as`` the weight descriptor of a raw
+    weight (dtype, dims), None for packed bytes."""
+
+    address: int
+    nbytes: int
+    typed_as: Any = None
+
+
+@dataclass
+class DeviceSlotCounters:
+    committed_bytes: int = 0  # granule-rounded, now
+    peak_committed_bytes: int = 0
+    page_ins: int = 0  # commits that mapped memory
+    evictions: int = 0  # decommits that unmapped it
+    host_to_device_bytes: int = 0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+class _Slot:
+    __slots__ = ("address", "size", "nbytes", "handle", "mapped", "view")
+
+    def __init__(self, address: int, size: int) -> None:
+        self.address = address  # reserved once; never changes
+        self.size = size  # bytes reserved (whole granules)
+        self.nbytes: int | None = None  # the object's size, fixed at its first commit
+        self.handle: Any = None  # the physical allocation while resident
+        self.mapped = 0  # bytes mapped (whole granules), 0 when evicted
+        self.view: DeviceView | None = None
+
+
+class DeviceSlotPool:
+    """Stable-VA device slots on ``device`` through ``driver``, holding at most
+    ``budget`` committed bytes (None: whatever the device gives)."""
+
+    def __init__(self, driver: DeviceDriver, device: int = 0, *, budget: int | None = None) -> None:
+        self.driver = driver
+        self.device = device
+        driver.use_device(device)
+        if not driver.vmm_supported(device):
+            raise DeviceError(f"CUDA device {device} ({driver.device_name(device)}) does not support virtual memory "
+                              "management: stable-VA slots need it")
+        self.granularity = int(driver.allocation_granularity(device))
+        if self.granularity <= 0:
+            raise DeviceError(f"cuMemGetAllocationGranularity gave {self.granularity} for device {device}")
+        if budget is not None and budget < self.granularity:
+            raise DeviceBudgetError(f"device budget of {budget:,} bytes is below one allocation granule "
+                                    f"({self.granularity:,} bytes)")
+        self.budget = budget
+        self._lock = threading.Lock()
+        self._slots: dict[PreparedKey, _Slot] = {}
+        self._counters = DeviceSlotCounters()
+        self._closed = False
+
+    # -- the slot-pool interface
+    def reserve(self, key: PreparedKey, capacity: int) -> None:
+        """Reserve ``key``'s address range (``capacity`` rounded up to whole granules)."""
+        with self._lock:
+            self._open()
+            if key in self._slots:
+                raise ValueError(f"prepared object {key!r} already has a device range")
+            self._slots[key] = self._reserve(capacity)
+
+    def commit(self, key: PreparedKey, nbytes: int, typed_as: Any = None) -> DeviceView:
+        """Map physical memory for ``nbytes`` under ``key``'s range (reserving one now if
+        it has none, or a larger one if its reserved range was too small: before its
+        first commit only) and return its view; nothing to do if resident."""
+        size = _round_up(max(int(nbytes), 1), self.granularity)
+        with self._lock:
+            self._open()
+            slot = self._slots.get(key)
+            if slot is not None and slot.nbytes is not None and slot.nbytes != nbytes:
+                raise OnnxPrepError(f"prepared object changed size ({slot.nbytes} -> {nbytes})", Where(tensor=key))
+            if slot is not None and slot.mapped:
+                return slot.view
+            self._admit(key, size)
+            if slot is None or (slot.nbytes is None and slot.size < size):
+                if slot is not None:  # the estimate was too low: a range that fits
+                    self.driver.address_free(slot.address, slot.size)
+                    del self._slots[key]
+                slot = self._slots[key] = self._reserve(size)
+            self._map(slot, size)
+            if slot.nbytes is None:
+                slot.nbytes = nbytes
+                slot.view = DeviceView(slot.address, nbytes, typed_as)
+            return slot.view
+
+    def decommit(self, key: PreparedKey) -> None:
+        """Unmap and release ``key``'s memory; its range (and view) keep their address."""
+        with self._lock:
+            slot = self._slots[key]
+            if slot.mapped:
+                self._unmap(slot)
+                self._counters.evictions += 1
+
+    def buffer(self, key: PreparedKey, nbytes: int, reservation: Any):
+        from onnx_prep.core.runtime.slot_pool import SlotBuffer
+
+        return SlotBuffer(self, key, nbytes, reservation)
+
+    def view(self, key: PreparedKey) -> DeviceView:
+        return self._slots[key].view
+
+    def committed_bytes(self, key: PreparedKey | None = None) -> int:
+        with self._lock:
+            if key is None:
+                return self._counters.committed_bytes
+            slot = self._slots.get(key)
+            return 0 if slot is None else slot.mapped
+
+    # -- copies
+    def upload(self, key: PreparedKey, data: Any) -> None:
+        """Copy ``data`` (a host buffer, at most the object's size) to the start of
+        ``key``'s resident memory."""
+        n = memoryview(data).nbytes
+        with self._lock:
+            slot = self._slots[key]
+            if not slot.mapped:
+                raise DeviceError(f"upload to an evicted slot ({n:,} bytes)", Where(tensor=key))
+            if n > slot.nbytes:
+                raise DeviceError(f"upload of {n:,} bytes into an object of {slot.nbytes:,}", Where(tensor=key))
+            self.driver.copy_to_device(slot.address, data)
+            self._counters.host_to_device_bytes += n
+
+    def page_in(self, key: PreparedKey, data: Any, typed_as: Any = None) -> DeviceView:
+        """``commit`` for ``data``'s size, then ``upload`` it: one object made resident."""
+        view = self.commit(key, memoryview(data).nbytes, typed_as)
+        self.upload(key, data)
+        return view
+
+    def copy_to_host(self, key: PreparedKey) -> bytes:
+        """The resident object's bytes, read back (checks and tests)."""
+        with self._lock:
+            slot = self._slots[key]
+            if not slot.mapped:
+                raise DeviceError("read of an evicted slot", Where(tensor=key))
+            return self.driver.copy_to_host(slot.address, slot.nbytes)
+
+    # -- accounting
+    def counters(self) -> DeviceSlotCounters:
+        with self._lock:
+            return DeviceSlotCounters(**asdict(self._counters))
+
+    def headroom(self) -> int | None:
+        """Bytes a page-in may still commit under the budget (None: no budget)."""
+        with self._lock:
+            return None if self.budget is None else self.budget - self._counters.committed_bytes
+
+    def address(self, key: PreparedKey) -> int:
+        return self._slots[key].address
+
+    def close(self) -> None:
+        """Unmap and release what is resident, free every range (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            slots, self._slots = self._slots, {}
+            for slot in slots.values():
+                if slot.mapped:
+                    self._unmap(slot)
+                self.driver.address_free(slot.address, slot.size)
+
+    def __enter__(self) -> DeviceSlotPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- under the lock
+    def _open(self) -> None:
+        if self._closed:
+            raise DeviceError("the device slot pool is closed")
+
+    def _reserve(self, capacity: int) -> _Slot:
+        size = _round_up(max(int(capacity), 1), self.granularity)
+        return _Slot(self.driver.address_reserve(size, self.granularity), size)
+
+    def _admit(self, key: PreparedKey, size: int) -> None:
+        if self.budget is None:
+            return
+        if size > self.budget:
+            raise DeviceBudgetError(f"prepared object needs {size:,} device bytes (whole granules of "
+                                    f"{self.granularity:,}), more than the device budget of {self.budget:,}",
+                                    Where(tensor=key), hint="raise --budget")
+        committed = self._counters.committed_bytes
+        if committed + size > self.budget:
+            raise DeviceBudgetError(f"paging in {size:,} device bytes would pass the device budget "
+                                    f"({committed:,} of {self.budget:,} committed)", Where(tensor=key),
+                                    hint="evict a resident object first")
+
+    def _map(self, slot: _Slot, size: int) -> None:
+        d = self.driver
+        handle = d.create(size, self.device)
+        try:
+            d.map(slot.address, size, handle)
+        except BaseException:
+            d.release(handle)
+            raise
+        try:
+            d.set_access(slot.address, size, self.device)
+        except BaseException:
+            d.unmap(slot.address, size)
+            d.release(handle)
+            raise
+        slot.handle, slot.mapped = handle, size
+        c = self._counters
+        c.committed_bytes += size
+        c.peak_committed_bytes = max(c.peak_committed_bytes, c.committed_bytes)
+        c.page_ins += 1
+
+    def _unmap(self, slot: _Slot) -> None:
+        self.driver.unmap(slot.address, slot.mapped)
+        self.driver.release(slot.handle)
+        self._counters.committed_bytes -= slot.mapped
+        slot.handle, slot.mapped = None, 0
