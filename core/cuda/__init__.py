@@ -18,4 +18,6 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     "DeviceSlotPool": "device_slot_pool",
     "DeviceSlotCounters": "device_slot_pool",
     "DeviceView": "device_slot_pool",
+    "CaptureDecision": "graph_capture",
+    "capture_decision": "graph_capture",
 })
