@@ -63,9 +63,11 @@ def test_a_missing_driver_library_is_named_with_the_loaders_error():
 
 def test_unavailable_and_failing_drivers_give_one_line_reasons():
     def missing():
-        raise DriverUnavailable("the CUDA driver library libcuda.so.1 is missing (not found)")
+        raise DriverUnavailable("the CUDA driver library libcuda.so.1 is missing (not found)",
+                                "cuda.bindings.driver 13")
 
     assert probe_devices(missing).reason == "the CUDA driver library libcuda.so.1 is missing (not found)"
+    assert probe_devices(missing).binding == "cuda.bindings.driver 13"  # the package was found
     probe = probe_devices(lambda: FakeDriver(init_error="CUDA_ERROR_NO_DEVICE"))
     assert not probe.usable and probe.reason == "cuInit failed: CUDA_ERROR_NO_DEVICE (100)"
     assert probe.binding == "fake driver"

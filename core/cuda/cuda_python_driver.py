@@ -46,7 +46,10 @@ def _version() -> str:
 def load_driver() -> CudaPythonDriver:
     """The driver, once its package and library are there (else :class:`DriverUnavailable`)."""
     module, binding = import_binding()
-    load_driver_library()
+    try:
+        load_driver_library()
+    except DriverUnavailable as exc:
+        raise DriverUnavailable(exc.reason, binding) from None
     return CudaPythonDriver(module, binding)
 
 

@@ -98,7 +98,7 @@ def probe_devices(load: Callable[[], DeviceDriver] | None = None) -> DeviceProbe
     try:
         driver = load()
     except DriverUnavailable as exc:
-        return DeviceProbe(usable=False, reason=exc.reason)
+        return DeviceProbe(usable=False, reason=exc.reason, binding=exc.binding)
     binding = driver.binding
     try:
         driver.init()

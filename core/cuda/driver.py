@@ -46,9 +46,10 @@ class DriverUnavailable(Exception):
     """No driver to talk to: ``reason`` says why in one line (the package or the library
     is missing). Discovery turns it into its answer; it never reaches a user as such."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, binding: str | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.binding = binding  # the cuda-python module found, when the driver library is what is missing
 
 
 def load_driver_library(name: str = DRIVER_LIBRARY) -> None:
