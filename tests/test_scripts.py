@@ -273,3 +273,15 @@ def test_startup_profile_smoke(tmp_path, small_llm_path):
     for line in ("interpreter", "first output", "close", "exit", "total", "bytecode: onnx_prep", "imports (one"):
         assert line in p.stdout
     _check_activity(doc["machine_activity"], p.stdout)
+
+
+def test_gpu_check_script_parses():
+    """scripts/gpu_check.sh installs cuda-python, so it is not run here (docs/cuda.md): its
+    shell and its embedded Python at least parse."""
+    script = ROOT / "scripts" / "gpu_check.sh"
+    p = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stderr
+    text = script.read_text()
+    python = text.split("<<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0]
+    compile(python, "gpu_check.sh (python)", "exec")
+    assert "tests/test_cuda_" in text and "results.json" in python
