@@ -4,7 +4,8 @@
  * (past rows copied unless the buffer is shared, then the new rows, keys rotated) and
  * computes the outputs of the num_heads / kv_num_heads query heads that read it. Per
  * query row: rotate q, scores = scale * q.k over the causal span, a max-subtracted
- * softmax, out = sum p * v. The dot products and the weighted sum go through the ISA's
+ * softmax, out = sum p * v. With an additive mask (op_gqa_params.mask) a query row
+ * weighs every key of its row's total length, the mask added to its score. The dot products and the weighted sum go through the ISA's
  * op_attn_table (attention_simd.c); everything else is portable C shared by all ISAs.
  *
  * NOTE: a padding row of a first prompt (s >= total_b: rows of different lengths in one
@@ -117,10 +118,12 @@ static void unit(const op_attn_table *t, const op_gqa_params *p, const float *qu
                 rotate(p, cos_cache, sin_cache, past + s, qs, q);
                 qs = q;
             }
-            const int64_t span = past + s + 1 < total ? past + s + 1 : total;
+            const float *m = p->mask ? p->mask + b * p->mask_b + h * p->mask_h + s * p->mask_s : NULL;
+            const int64_t span = m ? total : past + s + 1 < total ? past + s + 1 : total;
             float mx = -INFINITY;
             for (int64_t i = 0; i < span; i++) {
                 scores[i] = p->scale * t->dot(qs, pk + i * H, (size_t)H);
+                if (m) scores[i] += m[i];
                 if (scores[i] > mx) mx = scores[i];
             }
             float sum = 0.0f;
@@ -131,6 +134,11 @@ static void unit(const op_attn_table *t, const op_gqa_params *p, const float *qu
             const float inv = 1.0f / sum;
             float *o = out + ((b * S + s) * N + h) * H;
             memset(o, 0, row_bytes);
+            if (m && !(sum >= 1.0f && sum <= (float)span)) {  /* a NaN row (see the header) */
+                if (!p->nan_to_zero)
+                    for (int64_t i = 0; i < H; i++) o[i] = NAN;
+                continue;
+            }
             for (int64_t i = 0; i < span; i++) t->axpy(o, scores[i] * inv, pv + i * H, (size_t)H);
         }
     }

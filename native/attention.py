@@ -125,7 +125,7 @@ def group_query_attention(query: np.ndarray, key: np.ndarray | None, value: np.n
     return out, present_k, present_v
 
 
-def _launch(q, k, v, past_key, past_value, seqlens, cos, sin, present, isa, total, **params):
+def _launch(q, k, v, past_key, past_value, seqlens, cos, sin, present, isa, total, mask=None, **params):
     """Run the C kernel on fp32 q / k / v ``[B, S, heads * H]`` (C-contiguous) and past KV
     ``[B, KN, P, H]`` (or None), writing present into ``present`` when given (else fresh
     arrays): ``(output [B, S, N * H], present key, present value)``. ``params``: the
@@ -148,8 +148,12 @@ def _launch(q, k, v, past_key, past_value, seqlens, cos, sin, present, isa, tota
     out = np.empty((B, params["seq"], params["num_heads"] * H), np.float32)
     (pk, pk_rows), (pv, pv_rows) = [src or (None, 0) for src, _ in kv]
     (_, qk_rows), (_, qv_rows) = [dest for _, dest in kv]
-    p = ffi.new("op_gqa_params *", dict(past_key_stride=pk_rows, past_value_stride=pv_rows,
-                                        present_key_stride=qk_rows, present_value_stride=qv_rows, **params))
+    fields = dict(past_key_stride=pk_rows, past_value_stride=pv_rows, present_key_stride=qk_rows,
+                  present_value_stride=qv_rows, **params)
+    if mask is not None:  # a float32 view [B, N, S, T] whose keys are contiguous (see _mask_view)
+        fields.update(mask=_address(mask), **dict(zip(("mask_b", "mask_h", "mask_s"),
+                                                      (st // 4 for st in mask.strides[:3]))))
+    p = ffi.new("op_gqa_params *", fields)
     bad = ffi.new("int64_t *")
     status = lib.op_group_query_attention(
         isa_id(isa), p, ptr(q, "float *"), ptr(k, "float *"), ptr(v, "float *"), _address(pk),
@@ -164,8 +168,27 @@ def _launch(q, k, v, past_key, past_value, seqlens, cos, sin, present, isa, tota
     return out, present_k, present_v
 
 
+def _mask_view(mask: np.ndarray, shape: tuple[int, int, int, int]) -> np.ndarray:
+    """``mask`` as a float32 view broadcast to ``shape`` ([B, N, S, T]) whose last axis is
+    contiguous (the kernel's strides for the others, 0 where broadcast); a ValueError when
+    it does not broadcast."""
+    m = np.asarray(mask)
+    if m.dtype != np.float32 or m.ndim > 4:
+        raise ValueError(f"attention: the mask must be float32 of rank <= 4, got {m.dtype} {list(m.shape)}")
+    try:
+        view = np.broadcast_to(m, shape)
+    except ValueError:
+        raise ValueError(f"attention: the mask {list(m.shape)} does not broadcast to {list(shape)} "
+                         f"(batch, heads, queries, keys)") from None
+    if view.strides[3] != 4 or any(st % 4 for st in view.strides):
+        m4 = m.reshape((1,) * (4 - m.ndim) + m.shape)
+        view = np.broadcast_to(np.ascontiguousarray(np.broadcast_to(m4, m4.shape[:3] + shape[3:])), shape)
+    return view
+
+
 def attention_with_past(query: np.ndarray, key: np.ndarray, value: np.ndarray, past_key: np.ndarray,
-                        past_value: np.ndarray, *, scale: float,
+                        past_value: np.ndarray, *, scale: float, mask: np.ndarray | None = None,
+                        nan_to_zero: bool = False,
                         present: tuple[np.ndarray, np.ndarray] | None = None, isa: str | None = None
                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Causal attention over a KV cache, all in BNSH (the fused ``onnx_prep.fused::Attention``
@@ -179,6 +202,13 @@ def attention_with_past(query: np.ndarray, key: np.ndarray, value: np.ndarray, p
     P + S, H]``, written into ``present`` when given (as ``group_query_attention``
     does: a present that starts where its past starts gets only the new rows). float32
     only; every row of the batch has the same past.
+
+    ``mask`` (float32, broadcasting to ``[B, N, S, P + S]``) replaces the causal span:
+    every query row weighs all P + S keys with ``softmax(scale * q.k + mask)``, so any
+    mask (padding, causal, -inf or float32-lowest fills) means what an ``Add`` of it
+    before the Softmax means. A row whose softmax is not a number (every key at -inf)
+    is NaN, as the Softmax op gives, or 0 with ``nan_to_zero`` (the exports'
+    ``Where(IsNaN(p), 0, p)`` after it).
     """
     shapes = [np.shape(x) for x in (query, key, value, past_key, past_value)]
     if any(len(s) != 4 for s in shapes):
@@ -194,8 +224,10 @@ def attention_with_past(query: np.ndarray, key: np.ndarray, value: np.ndarray, p
     # [B, S, heads, H] rows as the kernel reads them: views when S == 1, else copies
     q, k, v = (_f32(np.asarray(x).transpose(0, 2, 1, 3)).reshape(B, S, -1) for x in (query, key, value))
     seq = np.full(B, P + S - 1, np.int64)
+    mask_view = None if mask is None else _mask_view(mask, (B, N, S, P + S))
     out, present_k, present_v = _launch(
-        q, k, v, past_key, past_value, seq, None, None, present, isa, P + S,
+        q, k, v, past_key, past_value, seq, None, None, present, isa, P + S, mask=mask_view,
+        nan_to_zero=int(bool(nan_to_zero)),
         batch=B, seq=S, num_heads=N, kv_num_heads=KN, head_size=H, past_len=P, present_len=P + S,
         rotary_dim=0, cache_rows=0, interleaved=0, first_prompt=int(P == 0), scale=float(scale))
     return out.reshape(B, S, N, H), present_k, present_v

@@ -246,7 +246,13 @@ void op_mailbox_stop(op_mailbox *m);
  * rotary_dim > 0: the first rotary_dim values of each query and new key head are
  * rotated by cos / sin [cache_rows, rotary_dim / 2] at their position, past_b + s.
  * The work is cut by (batch row, kv head) units: [unit_begin, unit_end) of
- * B * kv_num_heads; each unit writes its present rows and its heads' outputs. */
+ * B * kv_num_heads; each unit writes its present rows and its heads' outputs.
+ * mask != NULL: an additive mask instead of the causal span: query s of row b, head h
+ * weighs every present row i < total_b with softmax(scale * q.k_i + mask[b * mask_b +
+ * h * mask_h + s * mask_s + i]) (strides in floats, 0 to broadcast; a row of keys is
+ * contiguous). A row whose softmax is not a number (every key at -inf, a NaN or
+ * infinite score) is NaN, as Softmax's max-subtracted formula gives, or 0 with
+ * nan_to_zero (an IsNaN -> Where(0) after the Softmax). mask NULL: as before. */
 typedef struct {
     int64_t batch, seq, num_heads, kv_num_heads, head_size;
     int64_t past_len;       /* past buffers' dimension 2 (0: no past) */
@@ -257,6 +263,9 @@ typedef struct {
     int32_t interleaved;    /* rotary pairs (2i, 2i+1) instead of (i, i + rotary_dim/2) */
     int32_t first_prompt;   /* 1: past_b = 0 for every row */
     float scale;            /* applied to Q.K before the softmax */
+    const float *mask;      /* NULL: causal; else additive, see above */
+    int64_t mask_b, mask_h, mask_s;
+    int32_t nan_to_zero;
 } op_gqa_params;
 /* OP_E_ARG for a shape or a seqlens_k value outside the buffers (see above);
  * *bad_row is then the batch row at fault (-1: not a row's). */
