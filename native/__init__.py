@@ -13,7 +13,7 @@ from onnx_prep.core.errors import NativeError
 
 try:
     from onnx_prep.native._module import NATIVE_VERSION, ffi, lib  # noqa: F401
-    from onnx_prep.native.attention import attention_with_past, group_query_attention
+    from onnx_prep.native.attention import attention_over_cache, attention_with_past, group_query_attention
     from onnx_prep.native.elementwise import erf
     from onnx_prep.native.handoff import Mailbox, MatmulBatch, matmul_nbits_batch
     from onnx_prep.native.gather_block_quantized import (
@@ -60,6 +60,7 @@ __all__ = [
     "StableSlot",
     "PANEL_N",
     "active_isa",
+    "attention_over_cache",
     "attention_with_past",
     "available_isas",
     "cpu_features",

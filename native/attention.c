@@ -101,7 +101,7 @@ static void unit(const op_attn_table *t, const op_gqa_params *p, const float *qu
     float *pv = present_value + (b * KN + j) * stride(p->present_value_stride, p->present_len) * H;
     place_past(p, past_key, stride(p->past_key_stride, p->past_len), present_key, pk, b, j, past);
     place_past(p, past_value, stride(p->past_value_stride, p->past_len), present_value, pv, b, j, past);
-    for (int64_t s = 0; s < S; s++) {
+    for (int64_t s = 0; s < S && !p->cache_only; s++) {
         const float *k = key + ((b * S + s) * KN + j) * H, *v = value + ((b * S + s) * KN + j) * H;
         if (p->rotary_dim > 0)
             rotate(p, cos_cache, sin_cache, past + s, k, pk + (past + s) * H);

@@ -231,3 +231,40 @@ def attention_with_past(query: np.ndarray, key: np.ndarray, value: np.ndarray, p
         batch=B, seq=S, num_heads=N, kv_num_heads=KN, head_size=H, past_len=P, present_len=P + S,
         rotary_dim=0, cache_rows=0, interleaved=0, first_prompt=int(P == 0), scale=float(scale))
     return out.reshape(B, S, N, H), present_k, present_v
+
+
+def attention_over_cache(query: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray, *, scale: float,
+                         mask: np.ndarray, nan_to_zero: bool = False, isa: str | None = None) -> np.ndarray:
+    """Masked attention over complete KV caches, all in BNSH (the fused
+    ``onnx_prep.fused::MaskedAttention`` of core/ops/attention.py): query ``[B, N, S, H]``,
+    key / value caches ``[B, KN, T, H]`` (KN divides N: query head h reads kv head h / (N /
+    KN); read in place, never written), ``mask`` float32 broadcasting to ``[B, N, S, T]``.
+    Returns ``softmax(scale * q.k + mask) . v`` as ``[B, N, S, H]`` (a transposed view of
+    the kernel's ``[B, S, N, H]`` rows); ``nan_to_zero`` as ``attention_with_past``'s."""
+    shapes = [np.shape(x) for x in (query, key_cache, value_cache)]
+    if any(len(s) != 4 for s in shapes) or any(np.asarray(x).dtype != np.float32
+                                               for x in (query, key_cache, value_cache)):
+        raise ValueError(f"attention: query and the caches must be float32 4-D (BNSH), got {shapes}")
+    (B, N, S, H), (_, KN, T, _) = shapes[0], shapes[1]
+    if KN < 1 or N % KN or shapes[1] != (B, KN, T, H) or shapes[2] != shapes[1] or not 1 <= S <= T or H < 1:
+        raise ValueError(f"attention: shapes {shapes} are not query [B, N, S, H] and caches [B, KN, T >= S, H] "
+                         f"with KN dividing N")
+    caches = []
+    for name, x in (("key", key_cache), ("value", value_cache)):
+        buf = _kv_buffer(np.asarray(x), (B, KN, T, H), writable=False) or (_f32(x), T)
+        caches.append(buf)
+    (kc, k_rows), (vc, v_rows) = caches
+    q = _f32(np.asarray(query).transpose(0, 2, 1, 3)).reshape(B, S, N * H)
+    view = _mask_view(mask, (B, N, S, T))
+    out = np.empty((B, S, N * H), np.float32)
+    p = ffi.new("op_gqa_params *", dict(
+        batch=B, seq=S, num_heads=N, kv_num_heads=KN, head_size=H, past_len=T, present_len=T,
+        past_key_stride=k_rows, past_value_stride=v_rows, present_key_stride=k_rows, present_value_stride=v_rows,
+        scale=float(scale), mask=_address(view), mask_b=view.strides[0] // 4, mask_h=view.strides[1] // 4,
+        mask_s=view.strides[2] // 4, nan_to_zero=int(bool(nan_to_zero)), cache_only=1))
+    seq = np.full(B, T - 1, np.int64)
+    k_ptr, v_ptr = _address(kc), _address(vc)
+    check(lib.op_group_query_attention(isa_id(isa), p, ptr(q, "float *"), k_ptr, v_ptr, k_ptr, v_ptr,
+                                       ptr(seq, "int64_t *"), ffi.NULL, ffi.NULL, ptr(out, "float *"),
+                                       k_ptr, v_ptr, 0, B * KN, ffi.NULL), "attention_over_cache")
+    return out.reshape(B, S, N, H).transpose(0, 2, 1, 3)

@@ -252,7 +252,10 @@ void op_mailbox_stop(op_mailbox *m);
  * h * mask_h + s * mask_s + i]) (strides in floats, 0 to broadcast; a row of keys is
  * contiguous). A row whose softmax is not a number (every key at -inf, a NaN or
  * infinite score) is NaN, as Softmax's max-subtracted formula gives, or 0 with
- * nan_to_zero (an IsNaN -> Where(0) after the Softmax). mask NULL: as before. */
+ * nan_to_zero (an IsNaN -> Where(0) after the Softmax). mask NULL: as before.
+ * cache_only: the caches are complete (past_len = present_len rows, present_key /
+ * present_value the past buffers themselves); key and value are not read, nothing is
+ * written but the output: attention over a KV cache a Concat already extended. */
 typedef struct {
     int64_t batch, seq, num_heads, kv_num_heads, head_size;
     int64_t past_len;       /* past buffers' dimension 2 (0: no past) */
@@ -266,6 +269,7 @@ typedef struct {
     const float *mask;      /* NULL: causal; else additive, see above */
     int64_t mask_b, mask_h, mask_s;
     int32_t nan_to_zero;
+    int32_t cache_only;     /* 1: past holds every key (present is past, one buffer): nothing is written */
 } op_gqa_params;
 /* OP_E_ARG for a shape or a seqlens_k value outside the buffers (see above);
  * *bad_row is then the batch row at fault (-1: not a row's). */

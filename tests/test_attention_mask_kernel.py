@@ -137,3 +137,28 @@ def test_the_masked_kernel_releases_the_gil():
     mask = np.zeros((2, 1, 4, 2052), np.float32)
     out, _, _ = run_checking_gil_release(lambda: native.attention_with_past(*inputs, scale=0.125, mask=mask))
     assert out.shape == (2, 4, 8, 64)
+
+
+@settings(deadline=None, max_examples=40)
+@given(cases())
+def test_attention_over_complete_caches_matches_the_formula(args):
+    """attention_over_cache: the caches a Concat already extended, read in place (a view
+    with room after its rows too), never written."""
+    case, bcast, kind, nan_to_zero = args
+    q, k, v, pk, pv = kernel_inputs(**case)
+    B, N, S, T = case["B"], case["N"], case["S"], case["P"] + case["S"]
+    room = [np.zeros((B, case["KN"], T + 3, case["H"]), np.float32) for _ in range(2)]
+    caches = []
+    for buf, past, new in zip(room, (pk, pv), (k, v)):
+        buf[:, :, :T] = np.concatenate([past, new], axis=2)
+        caches.append(buf[:, :, :T])
+    before = [c.copy() for c in caches]
+    shape = tuple(1 if b else n for b, n in zip(bcast, (B, N, S))) + (T,)
+    mask = random_mask(np.random.default_rng(case["seed"]), shape, kind)
+    out = native.attention_over_cache(q, *caches, scale=0.3, mask=mask, nan_to_zero=nan_to_zero)
+    want = formula(q, k, v, pk, pv, 0.3, mask, nan_to_zero).transpose(0, 2, 1, 3)
+    assert out.shape == (B, N, S, case["H"])
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+    np.testing.assert_allclose(np.nan_to_num(out), np.nan_to_num(want), rtol=OUT_RTOL, atol=OUT_ATOL)
+    for c, b in zip(caches, before):
+        np.testing.assert_array_equal(c, b)
