@@ -14,8 +14,9 @@ softcap, smooth softmax, position_ids, attention_bias, head_sink, the QK output)
 
 Also runs ``onnx_prep.fused::Attention``, the causal attention over a KV cache that
 pattern fusion makes of standard ops (core/model/attention_pattern.py), on the same C
-kernel (core/ops/attention.py ``attention_with_past``): any such node is taken, as the
-fusion only makes what the op computes exactly.
+kernel (core/ops/attention.py ``attention_with_past``), and ``onnx_prep.fused::MaskedAttention``
+(any additive mask over caches a Concat extended, ``masked_attention``): any such node is
+taken, as the fusion only makes what the op computes exactly.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from onnx_prep.core.ops.registry import MS_DOMAIN
 ID = "gqa"
 OP = (MS_DOMAIN, "GroupQueryAttention")
 FUSED_OP = (FUSED_DOMAIN, "Attention")
+MASKED_OP = (FUSED_DOMAIN, "MaskedAttention")
 
 # Inputs past the nine the kernel reads: (position, name). ONNX Runtime derives position
 # ids from seqlens_k when position_ids is absent, which is what the builder relies on.
@@ -44,7 +46,7 @@ _CHOICE = KernelChoice(ID)
 
 
 def match(node: GraphNode, ctx: MatchContext) -> KernelChoice:
-    if (node.domain, node.op_type) == FUSED_OP:
+    if (node.domain, node.op_type) in (FUSED_OP, MASKED_OP):
         return _CHOICE
     a = node.attributes
     n, kv = int(a.get("num_heads", 0)), int(a.get("kv_num_heads", 0))
@@ -71,4 +73,5 @@ def match(node: GraphNode, ctx: MatchContext) -> KernelChoice:
     return _CHOICE
 
 
-SPEC = KernelSpec.of_table(ID, {OP: attention.group_query_attention, FUSED_OP: attention.attention_with_past}, match)
+SPEC = KernelSpec.of_table(ID, {OP: attention.group_query_attention, FUSED_OP: attention.attention_with_past,
+                                MASKED_OP: attention.masked_attention}, match)

@@ -140,6 +140,36 @@ def _causal_mask(g: _Graph, mask: str) -> tuple[str, str, float]:
     return queries.inputs[0], queries.inputs[1], fill
 
 
+def _scaled_by(g: _Graph, value: str, reader: GraphNode, ops: tuple[str, ...]) -> tuple[str, float, int, list]:
+    """(input, scale, divide, [node]) when ``value`` is made by a ``Mul`` (or, in ``ops``,
+    ``Div``) by a scalar constant read by ``reader`` alone; else (value, 1.0, 0, [])."""
+    node = g.producer.get(value)
+    if node is None or node.domain != "" or node.op_type not in ops:
+        return value, 1.0, 0, []
+    consts = [i for i in (0, 1) if g.const(node.inputs[i]) is not None and g.const(node.inputs[i]).size == 1]
+    if node.op_type == "Div":
+        consts = [i for i in consts if i == 1]
+    if not consts:
+        raise _Miss(f"{node.op_type} {node.name} does not scale by a scalar constant")
+    scale = float(g.const(node.inputs[consts[0]]).reshape(-1)[0])
+    divide = int(node.op_type == "Div")
+    if divide and scale == 0.0:
+        raise _Miss(f"Div {node.name} divides by 0")
+    g.only_reader(value, reader)
+    return node.inputs[1 - consts[0]], scale, divide, [node]
+
+
+def _scores_side(g: _Graph, add: GraphNode) -> int | None:
+    """Which input of ``add`` holds the scores (a MatMul's, through a scalar Mul / Div)."""
+    for i in (0, 1):
+        n = g.producer.get(add.inputs[i])
+        if n is not None and n.domain == "" and n.op_type in ("Mul", "Div"):
+            n = next((g.producer.get(v) for v in n.inputs if g.made_by(v, "MatMul") is not None), None)
+        if n is not None and (n.op_type, n.domain) == ("MatMul", ""):
+            return i
+    return None
+
+
 def match_attention(g: _Graph, softmax: GraphNode) -> tuple[GraphNode, list[GraphNode]]:
     axis = softmax.attributes.get("axis")
     if axis is None or int(axis) != -1:
@@ -148,25 +178,18 @@ def match_attention(g: _Graph, softmax: GraphNode) -> tuple[GraphNode, list[Grap
     add = _node(g, softmax.inputs[0], "Add", "the Softmax input")
     g.only_reader(add.outputs[0], softmax)
     side = [i for i in (0, 1) if g.made_by(add.inputs[i], "Where") is not None]
-    if not side:
-        raise _Miss(f"Add {add.name} adds no Where mask")
+    try:
+        if not side:
+            raise _Miss(f"Add {add.name} adds no Where mask")
+        causal = _causal_mask(g, add.inputs[side[0]])
+    except _Miss as not_causal:
+        scores_side = _scores_side(g, add)
+        if scores_side is None:
+            raise _Miss(f"{not_causal}; and Add {add.name} adds nothing to a MatMul's scores") from None
+        return match_masked_attention(g, softmax, add, scores_side)
     mask, scaled = add.inputs[side[0]], add.inputs[1 - side[0]]
-    start, end, fill = _causal_mask(g, mask)
-    chain_scale, scale, divide = [], 1.0, 0
-    scale_node = g.producer.get(scaled)
-    if scale_node is not None and scale_node.domain == "" and scale_node.op_type in ("Mul", "Div"):
-        consts = [i for i in (0, 1) if g.const(scale_node.inputs[i]) is not None
-                  and g.const(scale_node.inputs[i]).size == 1]
-        if scale_node.op_type == "Div":
-            consts = [i for i in consts if i == 1]
-        if not consts:
-            raise _Miss(f"{scale_node.op_type} {scale_node.name} does not scale by a scalar constant")
-        scale = float(g.const(scale_node.inputs[consts[0]]).reshape(-1)[0])
-        divide = int(scale_node.op_type == "Div")
-        if divide and scale == 0.0:
-            raise _Miss(f"Div {scale_node.name} divides by 0")
-        g.only_reader(scaled, add)
-        chain_scale, scaled = [scale_node], scale_node.inputs[1 - consts[0]]
+    start, end, fill = causal
+    scaled, scale, divide, chain_scale = _scaled_by(g, scaled, add, ("Mul", "Div"))
     scores = _node(g, scaled, "MatMul", "the scores")
     g.only_reader(scores.outputs[0], chain_scale[0] if chain_scale else add)
     q, kt = scores.inputs[:2]
@@ -190,5 +213,83 @@ def match_attention(g: _Graph, softmax: GraphNode) -> tuple[GraphNode, list[Grap
         [q, k_cat.inputs[1], v_cat.inputs[1], k_cat.inputs[0], v_cat.inputs[0], start, end],
         [out.outputs[0], k_cat.outputs[0], v_cat.outputs[0]],
         {"scale": scale, "divide": divide, "mask_fill": fill, "axis": int(k_cat.attributes.get("axis", 0))},
+        fused_from=tuple(n.name for n in chain))
+    return fused, chain
+
+
+def _repeat(g: _Graph, value: str, reader: GraphNode) -> tuple[str, list[str], list[GraphNode], list[GraphNode]]:
+    """(cache, [expand shape, reshape shape], nodes, Shape readers) when ``value`` is the
+    kv heads repeated, ``Reshape(Expand(Unsqueeze(cache, [2]), e), r)`` (allowzero 0),
+    each step read by the next alone but the Reshape's Shape readers (their outputs
+    become the fused node's); else (value, ['', ''], [], [])."""
+    reshape = g.made_by(value, "Reshape")
+    if reshape is None:
+        return value, ["", ""], [], []
+    if int(reshape.attributes.get("allowzero", 0)) != 0:
+        raise _Miss(f"Reshape {reshape.name} has allowzero = 1")
+    expand = _node(g, reshape.inputs[0], "Expand", "the repeated kv heads")
+    unsq = _node(g, expand.inputs[0], "Unsqueeze", "the repeated kv heads")
+    axes = _ints(g, unsq.inputs[1], "Unsqueeze axes") if len(unsq.inputs) > 1 and unsq.inputs[1] else \
+        [int(a) for a in unsq.attributes.get("axes", ())]
+    if axes not in ([2], [-3]):
+        raise _Miss(f"Unsqueeze {unsq.name} axes {axes} are not [2] (a kv head repeat)")
+    g.only_reader(unsq.outputs[0], expand)
+    g.only_reader(expand.outputs[0], reshape)
+    if value in g.outputs:
+        raise _Miss(f"intermediate {value} is a graph output")
+    shapes = []
+    for n in g.consumers.get(value, []):
+        if n is reader:
+            continue
+        if (n.op_type, n.domain) != ("Shape", "") or "start" in n.attributes or "end" in n.attributes:
+            raise _Miss(f"intermediate {value} is used by node {n.name}")
+        shapes.append(n)
+    return unsq.inputs[0], [expand.inputs[1], reshape.inputs[1]], [unsq, expand, reshape], shapes
+
+
+def match_masked_attention(g: _Graph, softmax: GraphNode, add: GraphNode, scores_side: int
+                           ) -> tuple[GraphNode, list[GraphNode]]:
+    """The Hugging Face exports' attention (the module docstring's second form): any
+    additive mask, taken as an input, over key / value caches left to their Concats."""
+    mask = add.inputs[1 - scores_side]
+    scaled, scale, divide, chain_scale = _scaled_by(g, add.inputs[scores_side], add, ("Mul", "Div"))
+    scores = _node(g, scaled, "MatMul", "the scores")
+    g.only_reader(scores.outputs[0], chain_scale[0] if chain_scale else add)
+    q, q_scale, _, q_mul = _scaled_by(g, scores.inputs[0], scores, ("Mul",))
+    kt, k_scale, _, k_mul = _scaled_by(g, scores.inputs[1], scores, ("Mul",))
+    key_t = _node(g, kt, "Transpose", "the transposed key")
+    _perm(key_t, [0, 1, 3, 2])
+    g.only_reader(kt, k_mul[0] if k_mul else scores)
+    key, key_shapes, key_nodes, key_shape_readers = _repeat(g, key_t.inputs[0], key_t)
+    probs, nan_nodes = softmax.outputs[0], []
+    readers = g.consumers.get(probs, [])
+    if probs in g.outputs:
+        raise _Miss(f"intermediate {probs} is a graph output")
+    if sorted(n.op_type for n in readers) == ["IsNaN", "Where"]:  # Where(IsNaN(p), 0, p): a NaN row is 0
+        isnan, where = sorted(readers, key=lambda n: n.op_type)
+        zero = g.const(where.inputs[1])
+        if where.inputs[0] != isnan.outputs[0] or where.inputs[2] != probs or zero is None or zero.size != 1 or \
+                float(zero.reshape(-1)[0]) != 0.0:
+            raise _Miss(f"Where {where.name} is not Where(IsNaN(weights), 0, weights)")
+        g.only_reader(isnan.outputs[0], where)
+        probs, nan_nodes = where.outputs[0], [isnan, where]
+    context = g.only_reader(probs)
+    if (context.op_type, context.domain) != ("MatMul", "") or context.inputs[0] != probs:
+        raise _Miss(f"the weights are read by {context.op_type} {context.name}, not a MatMul by the values")
+    value, value_shapes, value_nodes, value_shape_readers = _repeat(g, context.inputs[1], context)
+    if bool(key_nodes) != bool(value_nodes):
+        raise _Miss("the kv heads of the keys and of the values are not repeated alike")
+    shape_readers = [(0, n) for n in key_shape_readers] + [(1, n) for n in value_shape_readers]
+    # the fused node takes the place of the chain's last node, the context MatMul; a Shape
+    # reader taken in that sat after it has readers fusion.fuse_patterns then moves after
+    chain = [*key_nodes, key_t, *k_mul, *q_mul, scores, *chain_scale, add, softmax, *nan_nodes, *value_nodes,
+             *(n for _, n in shape_readers), context]
+    fused = GraphNode(
+        context.name, "MaskedAttention", FUSED_DOMAIN,
+        [q, key, value, mask, *key_shapes, *value_shapes],
+        [context.outputs[0], *(n.outputs[0] for _, n in shape_readers)],
+        {"scale": scale, "divide": divide, "query_scale": q_scale, "key_scale": k_scale,
+         "nan_to_zero": int(bool(nan_nodes)), "repeat": int(bool(key_nodes)),
+         "shape_outputs": [i for i, _ in shape_readers]},
         fused_from=tuple(n.name for n in chain))
     return fused, chain

@@ -455,4 +455,34 @@ def fuse_patterns(nodes: list[GraphNode], values: Mapping[str, np.ndarray], weig
     if not fusions:
         return nodes, fusions, misses
     out = [replaced.get(id(n), n) for n in nodes]
-    return [n for n in out if n is not None], fusions, misses
+    return _in_order([n for n in out if n is not None]), fusions, misses
+
+
+def _in_order(nodes: list[GraphNode]) -> list[GraphNode]:
+    """``nodes`` unchanged when every node comes after the producers of what it reads,
+    else stably sorted so (a fused node takes its chain's last place; a node that read a
+    value the chain made earlier, a Shape reader taken in, moves after it). Values no
+    node makes (graph inputs, initializers) are ready from the start."""
+    made = {o: i for i, n in enumerate(nodes) for o in n.outputs if o}
+    if all(made.get(v, -1) < i for i, n in enumerate(nodes) for v in n.reads()):
+        return nodes
+    import heapq
+
+    waiting = [len({made[v] for v in n.reads() if v in made}) for n in nodes]
+    readers: dict[int, list[int]] = {}
+    for i, n in enumerate(nodes):
+        for p in {made[v] for v in n.reads() if v in made}:
+            readers.setdefault(p, []).append(i)
+    ready = [i for i, w in enumerate(waiting) if w == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(nodes[i])
+        for r in readers.get(i, []):
+            waiting[r] -= 1
+            if waiting[r] == 0:
+                heapq.heappush(ready, r)
+    if len(order) != len(nodes):  # pragma: no cover - a fusion never makes a cycle of a DAG
+        raise AssertionError("fused graph has a cycle")
+    return order

@@ -21,7 +21,9 @@ length once and feed each step's present back as its past.
 
 ``attention_with_past`` runs ``onnx_prep.fused::Attention``, the causal attention over a
 KV cache that pattern fusion makes of standard ops (core/model/attention_pattern.py says
-what it matches and the attributes it sets), on the same C kernel.
+what it matches and the attributes it sets), on the same C kernel; ``masked_attention``
+runs ``onnx_prep.fused::MaskedAttention``, the attention of the Hugging Face exports
+(any additive mask, kv heads repeated) over the caches their Concats extended.
 """
 from __future__ import annotations
 
@@ -124,6 +126,111 @@ def reference_attention(q, k, v, past_key, past_value, start: int, end: int, *, 
     mask = np.where(keys[None, :] <= queries[:, None], np.float32(0.0), np.float32(mask_fill))
     probs = softmax([scores + mask], {"axis": -1}, None)[0]
     return np.matmul(probs, present_value).transpose(0, 2, 1, 3), present_key, present_value
+
+
+def masked_attention(inputs, attrs: Mapping[str, Any], prepared):
+    """onnx_prep.fused::MaskedAttention(q, key_cache, value_cache, mask, key_expand,
+    key_shape, value_expand, value_shape) -> (output, *shapes): the ops it replaced
+    (core/model/attention_pattern.py), with ``repeat(x, e, r) = Reshape(Expand(Unsqueeze(x,
+    [2]), e), r)`` when ``repeat`` = 1 (the kv heads repeated for the query heads; else x),
+    ``probs = Softmax(MatMul(q * query_scale, Transpose(repeat(key_cache), [0, 1, 3, 2]) *
+    key_scale) * scale (/ scale with divide = 1) + mask, -1)``, zeroed where NaN when
+    ``nan_to_zero`` = 1 (``Where(IsNaN(p), 0, p)``), ``output = MatMul(probs,
+    repeat(value_cache))`` ([B, N, S, H]); then, for each entry of ``shape_outputs`` (0:
+    the repeated keys, 1: the repeated values), that tensor's shape (a Shape node the
+    fusion took in).
+
+    float32 inputs, caches ``[B, KN, T, H]``, query ``[B, N, S <= T, H]``, a repeat whose
+    shapes make each kv head G = N / KN query heads in a row (or KN equal to N or 1 without
+    one) and a mask broadcasting to ``[B, N, S, T]`` run the native kernel
+    (``native.attention_over_cache``) with the three scales folded into one: the scores
+    differ from the ops' by the rounding of that product (a few float32 ulps; the
+    tolerances of tests/test_hf_attention_fusion.py). Anything else computes the ops'
+    formula in numpy (their broadcasting and errors).
+    """
+    q, key, value, mask, kx, ks, vx, vs = (list(inputs) + [None] * 8)[:8]
+    a = {name: float(attrs.get(name, 1.0)) for name in ("query_scale", "key_scale", "scale")}
+    divide, nan_to_zero = int(attrs.get("divide", 0)) == 1, int(attrs.get("nan_to_zero", 0)) == 1
+    repeat = int(attrs.get("repeat", 0)) == 1
+    shape_of = [int(x) for x in attrs.get("shape_outputs", ())]
+    groups = _masked_fast_path(q, key, value, mask, (kx, ks, vx, vs) if repeat else None)
+    if groups:
+        from onnx_prep import native
+
+        try:
+            kernel = native.attention_over_cache
+        except NativeError:  # pragma: no cover - only without the native module
+            kernel = None
+        if kernel is not None:
+            scale = a["query_scale"] * a["key_scale"] * (1.0 / a["scale"] if divide else a["scale"])
+            out = kernel(q, key, value, scale=scale, mask=mask, nan_to_zero=nan_to_zero)
+            B, N, _, H = q.shape
+            repeated = np.array([B, N, key.shape[2], H], np.int64)
+            return [out, *(repeated.copy() for _ in shape_of)]
+    out, rk, rv = reference_masked_attention(q, key, value, mask, (kx, ks, vx, vs) if repeat else None,
+                                             divide=divide, nan_to_zero=nan_to_zero, **a)
+    return [out, *(np.array((rk, rv)[i].shape, np.int64) for i in shape_of)]
+
+
+def _reshaped(shape: tuple[int, ...], target) -> tuple[int, ...] | None:
+    """What Reshape (allowzero 0) makes of ``shape`` with ``target``, or None if it fails."""
+    dims = [shape[i] if d == 0 and i < len(shape) else int(d) for i, d in enumerate(np.asarray(target).reshape(-1))]
+    total = int(np.prod(shape, dtype=np.int64))
+    if dims.count(-1) == 1:
+        known = int(np.prod([d for d in dims if d != -1], dtype=np.int64))
+        if known <= 0 or total % known:
+            return None
+        dims[dims.index(-1)] = total // known
+    return tuple(dims) if int(np.prod(dims, dtype=np.int64)) == total and min(dims, default=0) >= 0 else None
+
+
+def _masked_fast_path(q, key, value, mask, repeat) -> int:
+    """G (query heads per kv head) when the native kernel computes the node exactly
+    (``masked_attention`` says when), else 0."""
+    if any(not isinstance(x, np.ndarray) or x.dtype != np.float32 for x in (q, key, value, mask)) or \
+            q.ndim != 4 or key.ndim != 4 or key.shape != value.shape or mask.ndim > 4:
+        return 0
+    (B, N, S, H), (KB, KN, T, KH) = q.shape, key.shape
+    if (KB, KH) != (B, H) or not 1 <= S <= T or N % KN:
+        return 0
+    G = N // KN
+    if repeat is None:
+        if KN not in (N, 1):
+            return 0
+    else:
+        for x, (e, r) in ((key, repeat[:2]), (value, repeat[2:])):
+            if e is None or r is None:
+                return 0
+            try:
+                five = np.broadcast_shapes((B, KN, 1, T, H), tuple(int(d) for d in np.asarray(e).reshape(-1)))
+            except ValueError:
+                return 0
+            if five != (B, KN, G, T, H) or _reshaped(five, r) != (B, N, T, H):
+                return 0
+    try:
+        np.broadcast_shapes(mask.shape, (B, N, S, T))
+    except ValueError:
+        return 0
+    return G if np.broadcast_shapes(mask.shape, (B, N, S, T)) == (B, N, S, T) else 0
+
+
+def reference_masked_attention(q, key, value, mask, repeat, *, query_scale: float, key_scale: float, scale: float,
+                               divide: bool, nan_to_zero: bool):
+    """The unfused ops' formula in numpy (``masked_attention`` says which): (output, the
+    repeated keys, the repeated values)."""
+    from onnx_prep.core.ops.shape import expand, reshape
+
+    def repeated(x, e, r):
+        return reshape([expand([np.expand_dims(x, 2), e], {}, None)[0], r], {}, None)[0]
+
+    rk, rv = (key, value) if repeat is None else (repeated(key, *repeat[:2]), repeated(value, *repeat[2:]))
+    kt = np.transpose(rk, (0, 1, 3, 2)) * np.asarray(key_scale, dtype=rk.dtype)
+    scores = np.matmul(q * np.asarray(query_scale, dtype=q.dtype), kt)
+    c = np.asarray(scale, dtype=scores.dtype)
+    probs = softmax([(scores / c if divide else scores * c) + mask], {"axis": -1}, None)[0]
+    if nan_to_zero:
+        probs = np.where(np.isnan(probs), np.asarray(0, probs.dtype), probs)
+    return np.matmul(probs, rv), rk, rv
 
 
 def _appends(q, past_key, past_value, seqlens_k, total) -> bool:
