@@ -349,13 +349,13 @@ def test_resolve_lists_attention_fusions_and_near_misses_in_text_and_json(tiny_l
             "nodes": [f"layers.{i}.attn.context_transpose" for i in range(4)]} in doc["fusion"]["patterns"]
     text = CliRunner().invoke(app, ["resolve", str(tiny_llm_path)]).stdout
     assert "4 attention" in text
-    miss = attention_graph(tmp_path, cond="Less")
+    miss = attention_graph(tmp_path, axis=2)
     doc = json.loads(CliRunner().invoke(app, ["resolve", str(miss), "--json"]).stdout)
     jsonschema.validate(doc, schema)
     assert doc["fusion"]["near_misses"] == [{"pattern": "attention", "node": "softmax", "reason": (
-        "the mask's condition allowed is made by Less allowed, not LessOrEqual")}]
+        "Softmax axis 2 is not -1 (the last axis)")}]
     text = CliRunner().invoke(app, ["resolve", str(miss)]).stdout
-    assert "fusion near-misses" in text and "not LessOrEqual" in text
+    assert "fusion near-misses" in text and "is not -1" in text
 
 
 def test_a_softmax_over_no_matmul_is_no_anchor(tmp_path):

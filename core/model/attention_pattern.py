@@ -28,10 +28,21 @@ what the ops meant for every input. A masked key's weight is ``exp(score + fill 
 max)``: 0 in float32 for finite scores whose spread is below ``|fill| - 104``, which is
 why fill must be at most -1e9 (exports write float32's lowest value).
 
+The masked form (``match_masked_attention``), taken when the mask is not that causal
+one (the Hugging Face exports: padding and causality combined from ``attention_mask``):
+the Add's other input is the mask whatever makes it, and it becomes an input of
+``onnx_prep.fused::MaskedAttention``; Q and K may each be scaled by a scalar ``Mul``
+(the exports' √scale on both), the kv heads repeated by ``Reshape(Expand(Unsqueeze(cache,
+[2]), e), r)`` (``e`` and ``r`` inputs, checked at each call) and the Softmax followed by
+``Where(IsNaN(p), 0, p)``. The caches stay with their Concats (their Shape readers make
+the repeat's shapes: taking the Concats in would feed the node its own outputs). The
+kernel computes softmax(scale q.k + mask) over every key for any mask values, so no
+proof about the mask is needed (core/ops/attention.py ``masked_attention``).
+
 The anchor is a Softmax over a MatMul's scores (through at most three element-wise
 steps); near-misses name it and the first thing that breaks: the axis, an intermediate
-read elsewhere, a key that is not a KV Concat (a repeat of kv heads through Expand is
-not matched), a mask that is not the causal one and why.
+read elsewhere, a key that is not a KV Concat, a repeat that is not the one above, a
+Where after the Softmax other than the IsNaN one.
 """
 from __future__ import annotations
 

@@ -27,7 +27,9 @@ Patterns (``PATTERNS``):
 - ``attention`` → ``onnx_prep.fused::Attention(q, k, v, past_key, past_value, start,
   end)`` (the ``gqa`` kernel's C code): causal attention over a KV cache, the Concats of
   the cache included; matched in its own module (attention_pattern.py: what, and why the
-  mask it accepts is exactly causal-with-past).
+  mask it accepts is exactly causal-with-past); with any other mask (the Hugging Face
+  exports'), ``onnx_prep.fused::MaskedAttention(q, key_cache, value_cache, mask, ...)``,
+  the mask an input.
 
 Where a pattern's anchor is found (the ReduceMean of a square; the Add of two Muls one
 of which reads a rotate-half Concat; a Softmax over a MatMul's scores) but something

@@ -84,12 +84,7 @@ def attention_with_past(inputs, attrs: Mapping[str, Any], prepared):
     divide = int(attrs.get("divide", 0)) == 1
     fast = _fast_path(q, k, v, past_key, past_value, start, end, int(attrs.get("axis", 2)))
     if fast:
-        from onnx_prep import native
-
-        try:
-            kernel = native.attention_with_past
-        except NativeError:  # pragma: no cover - only without the native module
-            kernel = None
+        kernel = _native_kernel("attention_with_past")
         if kernel is not None:
             present = None
             mark = attrs.get(APPEND_IN_PLACE)
@@ -101,6 +96,16 @@ def attention_with_past(inputs, attrs: Mapping[str, Any], prepared):
                                present=present))
     return list(reference_attention(q, k, v, past_key, past_value, start, end, scale=scale, divide=divide,
                                     mask_fill=float(attrs["mask_fill"]), axis=int(attrs.get("axis", 2))))
+
+
+def _native_kernel(name: str):
+    """The native module's ``name``, or None without the native module."""
+    from onnx_prep import native
+
+    try:
+        return getattr(native, name)
+    except NativeError:  # pragma: no cover - only without the native module
+        return None
 
 
 def _fast_path(q, k, v, past_key, past_value, start: int, end: int, axis: int) -> bool:
@@ -153,14 +158,9 @@ def masked_attention(inputs, attrs: Mapping[str, Any], prepared):
     divide, nan_to_zero = int(attrs.get("divide", 0)) == 1, int(attrs.get("nan_to_zero", 0)) == 1
     repeat = int(attrs.get("repeat", 0)) == 1
     shape_of = [int(x) for x in attrs.get("shape_outputs", ())]
-    groups = _masked_fast_path(q, key, value, mask, (kx, ks, vx, vs) if repeat else None)
-    if groups:
-        from onnx_prep import native
-
-        try:
-            kernel = native.attention_over_cache
-        except NativeError:  # pragma: no cover - only without the native module
-            kernel = None
+    fast = _masked_fast_path(q, key, value, mask, (kx, ks, vx, vs) if repeat else None)
+    if fast:
+        kernel = _native_kernel("attention_over_cache")
         if kernel is not None:
             scale = a["query_scale"] * a["key_scale"] * (1.0 / a["scale"] if divide else a["scale"])
             out = kernel(q, key, value, scale=scale, mask=mask, nan_to_zero=nan_to_zero)
