@@ -183,7 +183,9 @@ int op_populate_read(const void *p, size_t n);
 /* Map [offset, offset + n) of the file fd read-only at [p, p + round_up(n, page)) of a
  * reserved slot (MAP_FIXED | MAP_PRIVATE, no populate: op_populate_read does that in
  * steps): the slot's bytes ARE the page cache, no copy, no fresh page. p and offset
- * page-aligned. Writing to it faults. 0 or -errno. */
+ * page-aligned. Writing to it faults. Where p and offset are congruent modulo 2 MiB
+ * and n spans a whole 2 MiB unit, the mapping is advised MADV_HUGEPAGE (stable_slot.c
+ * says why). 0 or -errno. */
 int op_slot_map_file(void *p, size_t n, int fd, int64_t offset);
 /* Replace a file mapping made by op_slot_map_file over [p, p+n) (n page-aligned) by
  * an inaccessible reservation again (the address range stays the slot's). 0 or -errno. */
@@ -197,6 +199,11 @@ int op_guard_hit(int slot);
 void op_guard_remove(int slot);
 /* Bytes of [p, p+n) resident in RAM (mincore), or -errno. p page-aligned. */
 int64_t op_resident_bytes(const void *p, size_t n);
+/* Bytes of [p, p+n) mapped by 2 MiB page-table entries (PMD-mapped transparent huge
+ * pages, file or anonymous), read from the process's page tables (the PAGEMAP_SCAN
+ * ioctl of /proc/self/pagemap, Linux 6.7+), or -errno (-ENOTTY: the kernel has no such
+ * ioctl; -ENOSYS: not Linux). p page-aligned. */
+int64_t op_pmd_mapped_bytes(const void *p, size_t n);
 size_t op_page_size(void);
 
 /* ---- GIL-free hand-off of matmul chunks (handoff.c) ------------------------------ */

@@ -211,6 +211,17 @@ class StableSlot:
             raise _os_error(rc, "mincore")
         return int(rc)
 
+    def pmd_mapped_bytes(self) -> int | None:
+        """Bytes of the slot mapped by 2 MiB page-table entries (a file mapping's 2 MiB
+        page-cache folios, or anonymous huge pages), read from the page tables; None where
+        the kernel cannot tell (no PAGEMAP_SCAN before Linux 6.7, not Linux)."""
+        rc = lib.op_pmd_mapped_bytes(self._base, self.capacity)
+        if rc in (-errno.ENOTTY, -errno.ENOSYS, -errno.ENOENT, -errno.EACCES, -errno.EPERM):
+            return None
+        if rc < 0:
+            raise _os_error(rc, "reading the page tables (PAGEMAP_SCAN)")
+        return int(rc)
+
     def __repr__(self) -> str:
         return (f"StableSlot(address={self.address:#x}, capacity={self.capacity}, "
                 f"committed_bytes={self.committed_bytes})")

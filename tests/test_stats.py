@@ -176,7 +176,8 @@ def test_to_json_has_the_documented_shape(tiny):
     assert doc["schema"] == SCHEMA
     assert set(doc) == {"schema", "io", "prepare", "runs", "memory", "tasks", "queues", "kv", "intra_op"}
     assert set(doc["io"]) == {"source_bytes", "source_bytes_read", "source_bytes_mapped", "source_reads",
-                              "source_bytes_dropped", "packed_bytes_read", "packed_bytes_mapped", "packed_reads"}
+                              "source_bytes_dropped", "packed_bytes_read", "packed_bytes_mapped", "packed_bytes_pmd_mapped",
+                              "packed_reads"}
     assert set(doc["prepare"]) == {"prepacks", "prepack_ns", "materializations", "page_ins", "page_in_bytes", "evictions",
                                    "shed", "slot_bytes_warmed"}
     assert doc["runs"] == {"hot": 1, "cold": 0, "yields": 0}

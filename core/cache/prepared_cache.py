@@ -130,8 +130,8 @@ class PreparedCache:
             off="read them into fresh pages")
         self._warn = warn
         self.warnings: list[str] = []
-        self.counters = {"packed_reads": 0, "packed_bytes": 0, "mapped_bytes": 0, "fallbacks": 0,
-                         "persisted": 0, "persisted_bytes": 0}
+        self.counters = {"packed_reads": 0, "packed_bytes": 0, "mapped_bytes": 0, "pmd_mapped_bytes": 0,
+                         "fallbacks": 0, "persisted": 0, "persisted_bytes": 0}
         self._lock = threading.Lock()
         self._fds: dict[str, int] = {}
         self._writer: CacheWriter | None = None
@@ -346,6 +346,14 @@ class PreparedCache:
             if verified:
                 self._verified.add(e.key)
         return True
+
+    def count_pmd_mapped(self, nbytes: int | None) -> None:
+        """Of a mapped entry's bytes, ``nbytes`` were mapped by 2 MiB page-table entries
+        (the page tables say so after the mapping was populated); None: the kernel cannot
+        tell, and the summary's ``pmd_mapped_bytes`` is null from then on."""
+        with self._lock:
+            have = self.counters["pmd_mapped_bytes"]
+            self.counters["pmd_mapped_bytes"] = None if have is None or nbytes is None else have + nbytes
 
     def _unusable(self, e: CacheEntry, reason: str) -> bool:
         """Record entry ``e`` as unusable (a warning; it is rebuilt from its sources and,

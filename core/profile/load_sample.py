@@ -215,6 +215,8 @@ def measure_load(spec: LoadSpec, *, warn=None) -> LoadMeasurement:
         "prepack_kernel_ms": st.prepack_ns / 1e6,
         "source_bytes": st.source_bytes,
         "packed_bytes": st.packed_bytes_read,
+        "packed_bytes_mapped": st.packed_bytes_mapped,
+        "packed_bytes_pmd_mapped": st.pmd_mapped,
         "prepacks": st.prepacks,
         "packed_reads": st.packed_reads,
         **{f"peak_{a}_bytes": int(st.arena_peaks.get(a, 0)) for a in ("preparation", "prepared", "execution", "io")},

@@ -186,6 +186,12 @@ class Materializer:
                 if ok:
                     self._count("packed_bytes_read", payload.length)
                     self._count("packed_bytes_mapped", payload.length)
+                    # exact, from the page tables: 2 MiB-aligned payloads in 2 MiB folios
+                    # are mapped by PMD entries (docs/runtime.md, "Page-ins")
+                    pmd = self.slots.pmd_mapped_bytes(key)
+                    self._count("packed_pmd_unknown" if pmd is None else "packed_bytes_pmd_mapped",
+                                1 if pmd is None else pmd)
+                    self.cache.count_pmd_mapped(pmd)
                     return
                 self.slots.commit(key, nbytes)  # fresh pages at the same address
             elif self.cache.read_into(payload, view):

@@ -29,7 +29,8 @@ it), and its arena peaks (what the budget held at most while it was in flight).
 
     {"schema": "stats/1",
      "io": {"source_bytes", "source_bytes_read", "source_bytes_mapped", "source_reads",
-            "source_bytes_dropped", "packed_bytes_read", "packed_bytes_mapped", "packed_reads"},
+            "source_bytes_dropped", "packed_bytes_read", "packed_bytes_mapped", "packed_bytes_pmd_mapped",
+            "packed_reads"},
      "prepare": {"prepacks", "prepack_ns", "materializations", "page_ins", "page_in_bytes",
                  "evictions", "shed", "slot_bytes_warmed"},
      "runs": {"hot", "cold", "yields"},
@@ -43,7 +44,10 @@ it), and its arena peaks (what the budget held at most while it was in flight).
 ``source_bytes`` is read plus mapped (a session's map path faults every mapped byte in).
 ``packed_*`` count reads of a prepared cache: 0 until there is one. ``packed_bytes_read``
 counts every packed byte a task took from the cache; ``packed_bytes_mapped`` those of
-them mapped into their slots rather than copied.
+them mapped into their slots rather than copied; ``packed_bytes_pmd_mapped`` those of the
+mapped ones the page tables map with 2 MiB entries once populated (read from the page
+tables after each mapping: exact, Linux 6.7+ (PAGEMAP_SCAN); null where the kernel cannot
+tell). Each page-in maps again, so each counts again.
 """
 from __future__ import annotations
 
@@ -89,7 +93,7 @@ _SECTIONS: dict[str, tuple[tuple[str, str], ...]] = {
     "io": (("source_bytes_read", "bytes_read"), ("source_bytes_mapped", "bytes_mapped"),
            ("source_reads", "source_reads"), ("source_bytes_dropped", "bytes_dropped"),
            ("packed_bytes_read", "packed_bytes_read"), ("packed_bytes_mapped", "packed_bytes_mapped"),
-           ("packed_reads", "packed_reads")),
+           ("packed_bytes_pmd_mapped", "packed_bytes_pmd_mapped"), ("packed_reads", "packed_reads")),
     "prepare": (("prepacks", "prepacks"), ("prepack_ns", "prepack_ns"),
                 ("materializations", "materializations"), ("page_ins", "rematerializations"),
                 ("page_in_bytes", "rematerialized_bytes"),
@@ -103,7 +107,10 @@ _SECTIONS: dict[str, tuple[tuple[str, str], ...]] = {
 # JSON keys that differ from the field name (a section's prefix dropped)
 _JSON_KEY = {"hot_runs": "hot", "cold_runs": "cold", "kv_appended_in_place": "appended_in_place",
              "kv_copied": "copied"}
-COUNTER_FIELDS: tuple[tuple[str, str], ...] = tuple(p for ps in _SECTIONS.values() for p in ps)
+# Counted, in no section: mappings whose PMD-mapped bytes the kernel could not tell
+# (packed_bytes_pmd_mapped is null in the JSON when there was one)
+_UNSHOWN = (("packed_pmd_unknown", "packed_pmd_unknown"),)
+COUNTER_FIELDS: tuple[tuple[str, str], ...] = (*(p for ps in _SECTIONS.values() for p in ps), *_UNSHOWN)
 _NO_TASKS = TaskTotals()
 # The counters that are a run's own in its record (the rest is the session's, over the run)
 RUN_OWN = ("hot_runs", "cold_runs", "yields", *(c for _, c in _SECTIONS["kv"] + _SECTIONS["intra_op"]))
@@ -120,7 +127,9 @@ class RuntimeStats:
     source_bytes_dropped: int = 0
     packed_bytes_read: int = 0
     packed_bytes_mapped: int = 0
+    packed_bytes_pmd_mapped: int = 0  # of packed_bytes_mapped, mapped by 2 MiB page-table entries
     packed_reads: int = 0
+    packed_pmd_unknown: int = 0  # mappings the kernel could not tell that of (no PAGEMAP_SCAN)
     # prepare: the session's prepared objects
     prepacks: int = 0
     prepack_ns: int = 0
@@ -177,9 +186,15 @@ class RuntimeStats:
         return Snapshot.of(self).since(Snapshot.of(earlier)).record(
             arena_peaks=self.arena_peaks, global_peak=self.global_peak)
 
+    @property
+    def pmd_mapped(self) -> int | None:
+        """``packed_bytes_pmd_mapped``, or None when a mapping's could not be told."""
+        return None if self.packed_pmd_unknown else self.packed_bytes_pmd_mapped
+
     def to_json(self) -> dict:
         def section(name: str) -> dict:
-            return {_JSON_KEY.get(f, f): getattr(self, f) for f, _ in _SECTIONS[name]}
+            return {_JSON_KEY.get(f, f): self.pmd_mapped if f == "packed_bytes_pmd_mapped" else getattr(self, f)
+                    for f, _ in _SECTIONS[name]}
 
         return {"schema": SCHEMA,
                 "io": {"source_bytes": self.source_bytes, **section("io")},
