@@ -2,8 +2,9 @@
 
 One update is one generation (docs/cache-format.md, "Writing"):
 
-1. packed payloads are appended, 4 KiB aligned, to a private temporary file in the
-   cache's folder (``.<stem>.prepared.tmp-<pid>-<random>.data``), held under an
+1. packed payloads are written, 4 KiB aligned (2 MiB aligned when plain and at least
+   2 MiB, the gaps that leaves left as holes or filled by smaller payloads), to a
+   private temporary file in the cache's folder (``.<stem>.prepared.tmp-<pid>-<random>.data``), held under an
    exclusive ``flock`` while its writer lives;
 2. ``commit``, under the cache's lock file (``<stem>.prepared.lock``): the temporary
    file is fsynced, every entry in it re-read and checked against the digest computed as
@@ -40,6 +41,7 @@ import numpy as np
 from onnx_prep.core.cache.payload_digest import PayloadHasher, payload_digest_of
 from onnx_prep.core.cache.manifest import (
     ALIGNMENT,
+    HUGE_ALIGNMENT,
     CacheEntry,
     CacheManifest,
     SourceRecord,
@@ -52,6 +54,11 @@ __all__ = ["CacheWriteError", "CacheWriter", "cache_lock", "collect_garbage", "c
            "crash_point", "payload_file_name"]
 
 _CHUNK = 1 << 20
+# Payload bytes go to the file in writes of this size, each starting on a multiple of it
+# in a 2 MiB-aligned payload: a buffered write of a whole aligned 2 MiB makes one 2 MiB
+# folio in the page cache (where the file system has large folios; 1 MiB writes made
+# none here), which a mapping at a 2 MiB-aligned address maps with one PMD entry.
+_WRITE_STEP = HUGE_ALIGNMENT
 ZSTD_LEVEL = 3
 
 
@@ -137,6 +144,7 @@ class CacheWriter:
         fcntl.flock(self._fd, fcntl.LOCK_EX)  # alive: garbage collection leaves it alone
         self._lock = threading.Lock()
         self._end = 0
+        self._gaps: list[tuple[int, int]] = []  # [start, end) before 2 MiB-aligned payloads, unwritten
         self.entries: list[CacheEntry] = []  # file = the temporary name until commit
         self.bytes_written = 0
 
@@ -150,19 +158,38 @@ class CacheWriter:
             blob, encoding = _zstd(raw), "zstd"
         digest = payload_digest_of(blob)
         with self._lock:
-            offset = -(-self._end // ALIGNMENT) * ALIGNMENT
+            offset = self._place(len(blob), huge=encoding is None and len(blob) >= HUGE_ALIGNMENT)
             try:
-                for lo in range(0, len(blob), _CHUNK):
+                for lo in range(0, len(blob), _WRITE_STEP):
                     crash_point("payload_write")
-                    _pwrite_all(self._fd, blob[lo:lo + _CHUNK], offset + lo)
+                    _pwrite_all(self._fd, blob[lo:lo + _WRITE_STEP], offset + lo)
             except OSError as exc:
                 raise _write_error(exc, self.folder) from None
-            self._end = offset + len(blob)
             entry = replace(identity, file=self.temp.name, offset=offset, length=len(blob),
                             payload_digest=digest, encoding=encoding, decoded_length=len(raw))
             self.entries.append(entry)
             self.bytes_written += len(blob)
         return entry
+
+    def _place(self, n: int, *, huge: bool) -> int:
+        """The offset for ``n`` more bytes (under the lock). ``huge``: the next 2 MiB
+        boundary, the space skipped to reach it kept as a gap (a hole in the file: never
+        written, no disk block); otherwise the first gap it fits in, else the end, 4 KiB
+        aligned."""
+        end = _round_up(self._end, ALIGNMENT)
+        if huge:
+            offset = _round_up(self._end, HUGE_ALIGNMENT)
+            if offset > end:
+                self._gaps.append((end, offset))
+        else:
+            for i, (lo, hi) in enumerate(self._gaps):
+                if hi - lo >= n:
+                    rest = _round_up(lo + n, ALIGNMENT)
+                    self._gaps[i:i + 1] = [(rest, hi)] if rest < hi else []
+                    return lo
+            offset = end
+        self._end = offset + n
+        return offset
 
     def discard(self) -> None:
         """Drop the temporary file (nothing was committed, or the commit used none)."""
@@ -339,6 +366,10 @@ def _unlink(path: Path, removed: list[str]) -> None:
         removed.append(path.name)
     except FileNotFoundError:
         pass
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
 
 
 def _pwrite_all(fd: int, mv: memoryview, offset: int) -> None:

@@ -28,7 +28,7 @@ from onnx_prep.core.cache.payload_digest import PAYLOAD_DIGEST
 from onnx_prep.core.errors import OnnxPrepError, Where
 
 __all__ = [
-    "ALIGNMENT", "CACHE_FORMAT_VERSION", "CacheEntry", "CacheFormatError", "CacheManifest",
+    "ALIGNMENT", "CACHE_FORMAT_VERSION", "HUGE_ALIGNMENT", "CacheEntry", "CacheFormatError", "CacheManifest",
     "DamagedEntry", "ENCODINGS", "SourceRecord", "decode_manifest", "encode_manifest",
     "read_manifest",
 ]
@@ -38,6 +38,11 @@ CACHE_FORMAT_VERSION = 2  # the container's version (model metadata); entries ca
 # writes xxh64, payload_digest.py), which the reader checks in either algorithm.
 READABLE_VERSIONS = (1, 2)
 ALIGNMENT = 4096  # every payload starts on a 4 KiB boundary: it can be read straight into its slot
+# The writer starts each plain (not compressed) payload of at least this size on a
+# boundary of it: mapped at its slot (which starts on one), its whole 2 MiB units can be
+# 2 MiB page-cache folios mapped by one page-table entry each. The reader does not
+# require it (a 4 KiB-aligned payload of any size stays valid).
+HUGE_ALIGNMENT = 2 << 20
 ENCODINGS = ("zstd",)  # stored-bytes encodings besides none
 
 MAX_MANIFEST_BYTES = 64 << 20  # ~300 bytes per entry: room for ~200,000 entries
