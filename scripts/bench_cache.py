@@ -31,7 +31,8 @@ per repeat with the configurations' order rotated, min / median / max of:
     ort-prepacked           the same on a copy ONNX Runtime saved with its own pre-packed
                             weights (session.save_external_prepacked_constant_initializers)
 
-Then the zstd variant (ratio, decode GB/s, load time), bytes on disk, and the issue's
+Then the zstd variant (ratio, decode GB/s, load time), bytes on disk (allocated,
+st_blocks x 512: the holes before 2 MiB-aligned payloads take none), and the issue's
 targets as ratios of medians with pass/fail. --quick: the tiny model, one repeat (the smoke
 test in tests/test_scripts.py; its timings mean nothing).
 
@@ -96,6 +97,11 @@ def _fmt(st: dict) -> str:
 
 
 # ------------------------------------------------------------------ files
+def _allocated(path: Path) -> int:
+    """Bytes the file system allocated to ``path`` (a hole takes none)."""
+    return path.stat().st_blocks * 512
+
+
 class Files:
     """The model, its caches (raw, zstd, and the one ``build`` recreates) and the ONNX
     Runtime pre-packed copy, all but the model in one temporary folder."""
@@ -122,11 +128,13 @@ class Files:
         return sorted(files | {self.model})
 
     def payload_bytes(self, name: str) -> tuple[int, int, int]:
-        """(stored bytes, decoded bytes, bytes on disk: payload files and manifest) of a cache."""
+        """(stored bytes, decoded bytes, bytes on disk: payload files and manifest) of a cache.
+        On disk is what the file system allocated (st_blocks x 512), not st_size: the
+        writer leaves holes before 2 MiB-aligned payloads, which take no disk."""
         from onnx_prep.core.cache.manifest import read_manifest
 
         m = read_manifest(self.cache[name])
-        disk = sum((self.dirs[name] / f).stat().st_size for f in m.files) + self.cache[name].stat().st_size
+        disk = sum(_allocated(self.dirs[name] / f) for f in m.files) + _allocated(self.cache[name])
         return sum(e.length for e in m.entries), sum(e.decoded_length for e in m.entries), disk
 
 
@@ -362,8 +370,8 @@ def main() -> None:
                  "zstd_stored": zstored, "zstd_disk": zdisk}
         if with_ort:
             sources = {resolved.model_dir / d.file for d in resolved.manifest if d.file}
-            sizes["model_disk"] = sum(p.stat().st_size for p in sources | {files.model})
-            sizes["ort_prepacked_disk"] = sum(p.stat().st_size for p in files.dirs["ort"].iterdir())
+            sizes["model_disk"] = sum(_allocated(p) for p in sources | {files.model})
+            sizes["ort_prepacked_disk"] = sum(_allocated(p) for p in files.dirs["ort"].iterdir())
         res["zstd"] = {"ratio": zstored / zpacked, "decode_gbps": _zstd_decode_gbps(files)}
     tokens = {c: {x["token"] for s in states for x in res["processes"][s][c]} for c in processes}
 
@@ -391,7 +399,7 @@ def main() -> None:
           f"load from it: warm first output {statistics.median(x['first_output_ms'] for x in res['in_process']['warm']['cache-zstd']):.1f} ms, "
           f"all ready {statistics.median(x['all_ready_ms'] for x in res['in_process']['warm']['cache-zstd']):.1f} ms "
           f"(raw: {statistics.median(x['all_ready_ms'] for x in res['in_process']['warm']['cache']):.1f} ms)")
-    print(f"bytes on disk: source payload {sizes['source'] / 2**20:,.1f} MiB, cache {sizes['cache_disk'] / 2**20:,.1f} MiB "
+    print(f"bytes on disk (allocated: st_blocks x 512): source payload {sizes['source'] / 2**20:,.1f} MiB, cache {sizes['cache_disk'] / 2**20:,.1f} MiB "
           f"(packed {sizes['packed'] / 2**20:,.1f} MiB), zstd cache {sizes['zstd_disk'] / 2**20:,.1f} MiB"
           + (f"; ONNX Runtime: model {sizes['model_disk'] / 2**20:,.1f} MiB, its pre-packed copy "
              f"{sizes['ort_prepacked_disk'] / 2**20:,.1f} MiB" if with_ort else ""))
