@@ -214,8 +214,8 @@ def test_bench_cache_smoke(tmp_path):
     compiled = doc["bytecode"]["compiled"]  # the processes spawned read bytecode, as after pip install
     assert compiled["current"] == compiled["modules"] > 50 and "bytecode: onnx_prep" in p.stdout
     assert doc["states"] == (["warm", "cold"] if hasattr(os, "posix_fadvise") else ["warm"])
-    for header in ("in-process load (ms)", "packed bytes read alone", "whole process", "zstd:", "bytes on disk:",
-                   "targets (ratios of medians in this run):"):
+    for header in ("in-process load (ms)", "packed bytes read alone", "whole process", "zstd:",
+                   "bytes on disk (allocated: st_blocks x 512):", "targets (ratios of medians in this run):"):
         assert header in p.stdout
     have_ort = importlib.util.find_spec("onnxruntime") is not None
     assert len(doc["targets"]) == 2 * len(doc["states"]) + 3 + 3 * have_ort
