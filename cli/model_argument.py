@@ -4,7 +4,9 @@ default model (the tiny INT4 LLM in the user cache, ``fixtures/cache.py``), gene
 first if absent, with a one-line note on stderr saying so. Each command that loads
 also takes ``--trust-symlinks`` (``TRUST_SYMLINKS``) and has ``ONNX_PREP_ISA`` checked
 here, so the same model path and ISA rules hold whichever command met them; ``run`` and
-``profile`` take ``--device`` (``DEVICE``), checked by their options in core."""
+``profile`` take ``--device`` (``DEVICE``), checked by their options in core, and
+``--inputs`` / ``--shape`` (``INPUTS``, ``SHAPE``: one forward of any model on the feeds
+core/decode/graph_feeds.py makes)."""
 from __future__ import annotations
 
 import os
@@ -20,6 +22,13 @@ FUSE = typer.Option(
 TRUST_SYMLINKS = typer.Option(
     False, "--trust-symlinks",
     help="Accept external data reached through symlinks or hard links (Hugging Face cache snapshots).")
+INPUTS = typer.Option(
+    None, "--inputs", metavar="FILE",
+    help="One forward of the graph (any model) on these inputs: FILE.npz (arrays by input name) or "
+         "NAME=FILE.npy; repeatable (docs/run.md).")
+SHAPE = typer.Option(
+    None, "--shape", metavar="NAME=N",
+    help="Bind symbolic dims (e.g. batch=1,seq=8) for one forward on generated inputs; repeatable.")
 DEVICE = typer.Option(
     "cpu", "--device", metavar="DEVICE",
     help="Run on: cpu, or cuda (checked first: without a usable CUDA device, or with this build's CUDA path "

@@ -19,7 +19,7 @@ import typer
 
 from onnx_prep.cli import output
 from onnx_prep.cli.errors import run_guarded
-from onnx_prep.cli.model_argument import DEVICE, FUSE, TRUST_SYMLINKS, model_path
+from onnx_prep.cli.model_argument import DEVICE, FUSE, INPUTS, SHAPE, TRUST_SYMLINKS, model_path
 from onnx_prep.core.errors import EXIT_OK
 
 
@@ -64,13 +64,8 @@ def profile(
     plot: Optional[Path] = typer.Option(None, "--plot", metavar="FILE.png|svg",
                                         help="Batch sweep: draw bytes paged per token and tokens/s against N "
                                              "(needs matplotlib: pip install 'onnx-prep[plot]')."),
-    inputs: Optional[List[str]] = typer.Option(
-        None, "--inputs", metavar="FILE",
-        help="Load to one forward of the graph (any model) on these inputs: FILE.npz (arrays by input name) or "
-             "NAME=FILE.npy; repeatable (as for run)."),
-    shape: Optional[List[str]] = typer.Option(
-        None, "--shape", metavar="NAME=N",
-        help="Bind symbolic dims (e.g. batch=1,seq=8) for one forward on generated inputs; repeatable."),
+    inputs: Optional[List[str]] = INPUTS,
+    shape: Optional[List[str]] = SHAPE,
     fuse: bool = FUSE,
     device: str = DEVICE,
 ) -> None:

@@ -17,7 +17,7 @@ import typer
 
 from onnx_prep.cli import output
 from onnx_prep.cli.errors import run_guarded
-from onnx_prep.cli.model_argument import DEVICE, FUSE, TRUST_SYMLINKS, model_path
+from onnx_prep.cli.model_argument import DEVICE, FUSE, INPUTS, SHAPE, TRUST_SYMLINKS, model_path
 from onnx_prep.core.errors import EXIT_FINDINGS, EXIT_OK, UsageError
 
 DEFAULT_PROMPT = "1,2,3,4"
@@ -104,13 +104,8 @@ def run(
     logits_out: Optional[Path] = typer.Option(None, "--logits-out", metavar="FILE.npz",
                                               help="Decoding: write every step's logits (steps x batch x vocab) and "
                                                    "the tokens to this .npz."),
-    inputs: Optional[List[str]] = typer.Option(
-        None, "--inputs", metavar="FILE",
-        help="Run one forward of the graph (any model) on these inputs: FILE.npz (arrays by input name) or "
-             "NAME=FILE.npy; repeatable (docs/run.md)."),
-    shape: Optional[List[str]] = typer.Option(
-        None, "--shape", metavar="NAME=N",
-        help="Bind symbolic dims (e.g. batch=1,seq=8) for one forward on generated inputs; repeatable."),
+    inputs: Optional[List[str]] = INPUTS,
+    shape: Optional[List[str]] = SHAPE,
     outputs_out: Optional[Path] = typer.Option(None, "--outputs-out", metavar="FILE.npz",
                                                help="One forward: write every output to this .npz."),
     device: str = DEVICE,
