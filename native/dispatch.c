@@ -178,33 +178,31 @@ static void bfp_row(const op_kernel_table *kt, const float *a, size_t K, uint32_
     }
 }
 
-int op_matmul_nbits(int isa, const float *A, size_t M, size_t lda, const uint8_t *packed,
-                    size_t packed_size, const float *bias, float *Y, size_t ldy,
-                    size_t col_begin, size_t col_end, int accuracy_level) {
-    op_ran(OP_KERNEL_NONE);
-    op_packed_header h;
-    int st = op_packed_header_read(packed, packed_size, OP_KIND_INT4_MATMUL, &h);
+/* Validation and A preprocessing of one matmul, once for all of its column ranges
+ * (op_matmul_nbits: one range; op_batch_prepare: every chunk of a split, handoff.c).
+ * On OP_OK, p->scratch holds the prepared A (free with op_mm_prep_release). */
+int op_mm_prepare(op_mm_prep *p, int isa, const float *A, size_t M, size_t lda, const uint8_t *packed,
+                  size_t packed_size, const float *bias, float *Y, size_t ldy, int accuracy_level) {
+    memset(p, 0, sizeof *p);
+    int st = op_packed_header_read(packed, packed_size, OP_KIND_INT4_MATMUL, &p->h);
     if (st) return st;
     const op_kernel_table *kt = kernels_for(isa, &st);
     if (!kt) return st;
-    if (!A || !Y || M == 0 || lda < h.K || ldy < h.N || col_begin > col_end || col_end > h.N)
-        return OP_E_ARG;
-    if (accuracy_level < 0) accuracy_level = (int)((h.flags & OP_FLAG_ACC_MASK) >> OP_FLAG_ACC_SHIFT);
+    const op_packed_header *h = &p->h;
+    if (!A || !Y || M == 0 || lda < h->K || ldy < h->N) return OP_E_ARG;
+    if (accuracy_level < 0) accuracy_level = (int)((h->flags & OP_FLAG_ACC_MASK) >> OP_FLAG_ACC_SHIFT);
     if (accuracy_level > 4 && accuracy_level != OP_COMPUTE_FMA32) return OP_E_ARG;
-    if (col_begin == col_end) return OP_OK;
 
-    const size_t K = (size_t)h.K, nb = h.n_blocks, bs = h.block_size, Kp = nb * bs;
-    op_mm_args a;
-    memset(&a, 0, sizeof a);
-    a.h = &h;
-    a.panels = packed + h.data_offset;
-    a.M = M;
-    a.Kp = Kp;
-    a.bias = bias;
-    a.Y = Y;
-    a.ldy = ldy;
-    a.col_begin = col_begin;
-    a.col_end = col_end;
+    const size_t K = (size_t)h->K, nb = h->n_blocks, bs = h->block_size, Kp = nb * bs;
+    op_mm_args *a = &p->a;
+    a->h = h;
+    a->panels = packed + h->data_offset;
+    a->M = M;
+    a->Kp = Kp;
+    a->bias = bias;
+    a->Y = Y;
+    a->ldy = ldy;
+    p->kt = kt;
 
     /* NOTE: levels 0-3 run the block floating point path: fp32-accurate (as close to
      * ONNX Runtime's fp32 result as IEEE fp32 FMA chains are: ~1e-7 of the output
@@ -219,26 +217,27 @@ int op_matmul_nbits(int isa, const float *A, size_t M, size_t lda, const uint8_t
     bytes += int8 ? M * Kp : bfp ? M * Kp * 3 : (pad ? M * Kp * sizeof(float) : 0);
     void *scratch = malloc(bytes ? bytes : 1);
     if (!scratch) return OP_E_NOMEM;
+    p->scratch = scratch;
     float *asum = (float *)scratch;
-    a.asum = asum;
+    a->asum = asum;
     if (bfp) {
         float *p2 = asum + M * nb;
         int8_t *d24 = (int8_t *)(p2 + M * nb);
         for (size_t m = 0; m < M; m++)
             bfp_row(kt, A + m * lda, K, (uint32_t)bs, (uint32_t)nb, d24 + m * Kp * 3, p2 + m * nb,
                     asum + m * nb);
-        a.a8 = d24;
-        a.ascale = p2;
-        kt->mm_bfp(&a);
+        a->a8 = d24;
+        a->ascale = p2;
+        p->kernel = kt->mm_bfp;
     } else if (int8) {
         float *ascale = asum + M * nb;
         int8_t *a8 = (int8_t *)(ascale + M * nb);
         for (size_t m = 0; m < M; m++)
             quantize_row(kt, A + m * lda, K, (uint32_t)bs, (uint32_t)nb, a8 + m * Kp, ascale + m * nb,
                          asum + m * nb);
-        a.a8 = a8;
-        a.ascale = ascale;
-        kt->mm_i8(&a);
+        a->a8 = a8;
+        a->ascale = ascale;
+        p->kernel = kt->mm_i8;
     } else {
         const float *src = A;
         size_t ld = lda;
@@ -258,12 +257,49 @@ int op_matmul_nbits(int isa, const float *A, size_t M, size_t lda, const uint8_t
                 for (size_t i = 0; i < bs; i++) s += r[i];
                 asum[m * nb + b] = s;
             }
-        a.A = src;
-        a.lda = ld;
-        kt->mm_f32(&a);
+        a->A = src;
+        a->lda = ld;
+        p->kernel = kt->mm_f32;
     }
-    free(scratch);
     return OP_OK;
+}
+
+/* Columns [col_begin, col_end) of a prepared matmul; any thread, any number of ranges
+ * at once (each writes only its own columns of Y). */
+int op_mm_prep_run(const op_mm_prep *p, size_t col_begin, size_t col_end) {
+    op_ran(OP_KERNEL_NONE);
+    if (col_begin > col_end || col_end > p->h.N) return OP_E_ARG;
+    if (col_begin == col_end) return OP_OK;
+    op_mm_args a = p->a;
+    a.col_begin = col_begin;
+    a.col_end = col_end;
+    p->kernel(&a);
+    return OP_OK;
+}
+
+void op_mm_prep_release(op_mm_prep *p) {
+    free(p->scratch);
+    p->scratch = NULL;
+}
+
+int op_matmul_nbits(int isa, const float *A, size_t M, size_t lda, const uint8_t *packed,
+                    size_t packed_size, const float *bias, float *Y, size_t ldy,
+                    size_t col_begin, size_t col_end, int accuracy_level) {
+    op_ran(OP_KERNEL_NONE);
+    op_mm_prep p;
+    /* the range is checked before A is prepared: an empty range prepares nothing */
+    op_packed_header h;
+    int st = op_packed_header_read(packed, packed_size, OP_KIND_INT4_MATMUL, &h);
+    if (st) return st;
+    if (!kernels_for(isa, &st)) return st;
+    if (!A || !Y || M == 0 || lda < h.K || ldy < h.N || col_begin > col_end || col_end > h.N)
+        return OP_E_ARG;
+    if (accuracy_level > 4 && accuracy_level != OP_COMPUTE_FMA32) return OP_E_ARG;
+    if (col_begin == col_end) return OP_OK;
+    st = op_mm_prepare(&p, isa, A, M, lda, packed, packed_size, bias, Y, ldy, accuracy_level);
+    if (st == OP_OK) st = op_mm_prep_run(&p, col_begin, col_end);
+    op_mm_prep_release(&p);
+    return st;
 }
 
 int op_gemm(int isa, const float *A, size_t M, size_t lda, const uint8_t *packed,

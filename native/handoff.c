@@ -23,6 +23,7 @@
 #include <stdint.h>
 
 #include "onnx_prep_native.h"
+#include "op_internal.h"
 
 #if defined(_WIN32)
 #include <windows.h>
@@ -73,9 +74,11 @@ int64_t op_batch_run(op_mm_batch *b) {
     for (;;) {
         int64_t i = __atomic_fetch_add(&b->next, 1, __ATOMIC_ACQ_REL);
         if (i >= b->n) break;
-        b->rcs[i] = op_matmul_nbits(b->isa, b->A, (size_t)b->M, (size_t)b->lda, b->packed, b->nbytes,
-                                    b->bias, b->Y, (size_t)b->ldy, (size_t)b->ranges[2 * i],
-                                    (size_t)b->ranges[2 * i + 1], b->level);
+        const size_t cb = (size_t)b->ranges[2 * i], ce = (size_t)b->ranges[2 * i + 1];
+        const op_mm_prep *prep = (const op_mm_prep *)b->prep;
+        b->rcs[i] = prep ? op_mm_prep_run(prep, cb, ce)
+                         : op_matmul_nbits(b->isa, b->A, (size_t)b->M, (size_t)b->lda, b->packed, b->nbytes,
+                                           b->bias, b->Y, (size_t)b->ldy, cb, ce, b->level);
         __atomic_fetch_add(&b->done, 1, __ATOMIC_RELEASE);
         ran++;
     }
@@ -83,6 +86,16 @@ int64_t op_batch_run(op_mm_batch *b) {
 }
 
 int op_mailbox_fork_join(op_mailbox *m, op_mm_batch *b) {
+    /* A is prepared (quantized, for level 4) once here, before the publish, and every
+     * chunk reads it: chunks no longer repeat that work, whoever runs them. */
+    op_mm_prep prep;
+    int st = op_mm_prepare(&prep, b->isa, b->A, (size_t)b->M, (size_t)b->lda, b->packed, b->nbytes, b->bias,
+                           b->Y, (size_t)b->ldy, b->level);
+    if (st) {
+        op_mm_prep_release(&prep);
+        return st;
+    }
+    b->prep = &prep;
     b->next = 0;
     b->done = 0;
     __atomic_store_n(&m->batch, b, __ATOMIC_RELEASE);
@@ -93,10 +106,18 @@ int op_mailbox_fork_join(op_mailbox *m, op_mm_batch *b) {
         __atomic_fetch_add(&m->wakes, 1, __ATOMIC_RELAXED);
     }
     int64_t mine = op_batch_run(b);
-    while (__atomic_load_n(&b->done, __ATOMIC_ACQUIRE) < b->n) cpu_relax();
+    if (__atomic_load_n(&b->done, __ATOMIC_ACQUIRE) < b->n) { /* a helper's chunk still runs */
+        int64_t t0 = now_ns();
+        while (__atomic_load_n(&b->done, __ATOMIC_ACQUIRE) < b->n) cpu_relax();
+        m->wait_ns += now_ns() - t0; /* the caller's own fields: no other writer */
+    }
     __atomic_fetch_add(&m->seq, 1, __ATOMIC_SEQ_CST); /* odd: closed */
     while (__atomic_load_n(&m->active, __ATOMIC_SEQ_CST) != 0) cpu_relax();
     __atomic_fetch_add(&m->chunks_by_helpers, b->n - mine, __ATOMIC_RELAXED);
+    m->batches++;
+    if (mine == b->n) m->solo_batches++;
+    b->prep = NULL;
+    op_mm_prep_release(&prep);
     for (int64_t i = 0; i < b->n; i++)
         if (b->rcs[i]) return b->rcs[i];
     return 0;

@@ -114,3 +114,19 @@ class Mailbox:
     def wakes(self) -> int:
         """Publishes that found a helper asleep and woke it."""
         return int(self.c.wakes)
+
+    @property
+    def batches(self) -> int:
+        """Batches published through :meth:`fork_join`."""
+        return int(self.c.batches)
+
+    @property
+    def solo_batches(self) -> int:
+        """Batches whose every chunk the caller ran itself (no helper took one in time)."""
+        return int(self.c.solo_batches)
+
+    @property
+    def wait_ns(self) -> int:
+        """The caller's time waiting, once it had no chunk left to take, for chunks
+        helpers were still running (nanoseconds, monotonic clock)."""
+        return int(self.c.wait_ns)

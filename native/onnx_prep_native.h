@@ -208,7 +208,9 @@ size_t op_page_size(void);
 
 /* ---- GIL-free hand-off of matmul chunks (handoff.c) ------------------------------ */
 /* One INT4 matmul cut into column chunks: op_matmul_nbits's arguments, the chunks'
- * [col_begin, col_end) pairs and a result code per chunk. next / done: internal. */
+ * [col_begin, col_end) pairs and a result code per chunk. next / done / prep:
+ * internal (prep: A prepared once for every chunk, set by op_mailbox_fork_join for the
+ * batch's duration; NULL: each chunk prepares A itself). */
 typedef struct {
     const float *A; int64_t M; int64_t lda;
     const uint8_t *packed; size_t nbytes;
@@ -216,15 +218,19 @@ typedef struct {
     int isa; int level;
     const int64_t *ranges; int64_t n; int *rcs;
     int64_t next; int64_t done;
+    void *prep;
 } op_mm_batch;
 /* Where one run publishes its batches to the helpers lent to it. Zero it, then set
  * seq = 1 (closed) and spin_ns (how long an idle helper spins before it sleeps; 0 =
  * never sleeps). chunks_by_helpers counts the chunks helpers ran; sleeps, the times a
- * helper went to sleep; wakes, the times a publish had to wake one. wake and sleepers
- * belong to handoff.c. */
+ * helper went to sleep; wakes, the times a publish had to wake one; batches, the
+ * batches published; solo_batches, those whose every chunk the caller ran itself;
+ * wait_ns, the caller's time waiting for helpers' chunks once it had none left to take.
+ * wake and sleepers belong to handoff.c. */
 typedef struct {
     uint64_t seq; op_mm_batch *batch; int64_t active; uint32_t stop; int64_t chunks_by_helpers;
     int64_t spin_ns; uint32_t wake; int32_t sleepers; int64_t sleeps; int64_t wakes;
+    int64_t batches; int64_t solo_batches; int64_t wait_ns;
 } op_mailbox;
 /* Run chunks of b until none is left; returns how many this thread ran. */
 int64_t op_batch_run(op_mm_batch *b);

@@ -143,6 +143,21 @@ typedef struct {
     int32_t (*i8_round)(const float *a, size_t n, float inv, int8_t *a8);
 } op_kernel_table;
 
+/* One matmul validated and its A prepared once, for any number of column ranges run on
+ * any threads (dispatch.c: op_mm_prepare, op_mm_prep_run, op_mm_prep_release). a.h
+ * points into the struct: it must not move between prepare and release. */
+typedef struct {
+    op_packed_header h;
+    op_mm_args a;
+    const op_kernel_table *kt;
+    void (*kernel)(const op_mm_args *);
+    void *scratch;
+} op_mm_prep;
+int op_mm_prepare(op_mm_prep *p, int isa, const float *A, size_t M, size_t lda, const uint8_t *packed,
+                  size_t packed_size, const float *bias, float *Y, size_t ldy, int accuracy_level);
+int op_mm_prep_run(const op_mm_prep *p, size_t col_begin, size_t col_end);
+void op_mm_prep_release(op_mm_prep *p);
+
 /* The portable hooks (dispatch.c): the scalar table's, and the tails of the ISAs'. */
 int64_t op_bfp_digits_portable(const float *a, size_t n, double inv, int8_t *dst);
 float op_block_amax_portable(const float *a, size_t n, int *finite);

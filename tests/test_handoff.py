@@ -66,6 +66,61 @@ def test_a_mailbox_nobody_serves_runs_every_chunk_on_the_caller():
     np.testing.assert_array_equal(y2, y)
 
 
+@pytest.mark.parametrize("level", [0, "fma", 4])
+def test_many_chunks_share_one_prepared_a_and_equal_a_whole_call(level):
+    # the mailbox prepares A once for every chunk of a batch (handoff.c): any number of
+    # chunks, rows, a K past the last whole block and a bias give the whole call's bits
+    K, N = 300, 1000
+    p = _packed(K, N, 1 if level == "fma" else level)
+    compute = "fma" if level == "fma" else None
+    box = native.Mailbox()
+    for rows, chunks in ((1, 16), (3, 7), (2, 1)):
+        A = rng.standard_normal((rows, K)).astype(np.float32)
+        bias = rng.standard_normal(N).astype(np.float32)
+        y, batch = native.matmul_nbits_batch(A, p, _ranges(N, chunks), bias=bias, compute=compute)
+        box.fork_join(batch)
+        np.testing.assert_array_equal(y, native.matmul_nbits(A, p, bias=bias, compute=compute))
+
+
+def test_a_mailbox_counts_its_batches_solo_batches_and_the_callers_wait():
+    K, N = 256, 1280
+    p = _packed(K, N)
+    A = rng.standard_normal((1, K)).astype(np.float32)
+    alone = native.Mailbox()  # nobody serves: every batch is the caller's alone, no wait
+    for _ in range(3):
+        alone.fork_join(native.matmul_nbits_batch(A, p, _ranges(N, 4))[1])
+    assert (alone.batches, alone.solo_batches, alone.wait_ns, alone.chunks_by_helpers) == (3, 3, 0, 0)
+    box = native.Mailbox()
+    helper = threading.Thread(target=box.serve)
+    helper.start()
+    published = 0
+    try:
+        while published < 2000 and not (box.chunks_by_helpers and published >= 20):
+            box.fork_join(native.matmul_nbits_batch(A, p, _ranges(N, 4))[1])
+            published += 1
+    finally:
+        box.stop()
+        helper.join()
+    assert box.batches == published
+    assert box.solo_batches < published  # the helper took chunks of some batch...
+    # ...at least one of every batch the caller did not run alone
+    assert box.chunks_by_helpers >= published - box.solo_batches
+    assert box.wait_ns >= 0
+
+
+def test_a_batch_whose_a_cannot_be_prepared_fails_before_it_is_published():
+    K, N = 256, 640
+    p = _packed(K, N).copy()
+    A = rng.standard_normal((1, K)).astype(np.float32)
+    out = np.zeros((1, N), np.float32)
+    _, batch = native.matmul_nbits_batch(A, p, _ranges(N, 4), out=out)
+    p[:8] = 0  # the packed header, after the batch's checks
+    box = native.Mailbox()
+    with pytest.raises(NativeError):
+        box.fork_join(batch)
+    assert box.batches == 0 and not out.any()  # nothing published, no chunk ran
+
+
 def test_serve_returns_once_stopped_even_if_stopped_first():
     box = native.Mailbox()
     box.stop()
