@@ -125,3 +125,13 @@ def test_split_matmuls_equal_whole_ones_bit_for_bit(tiny_llm_path, monkeypatch):
     for name in ref:
         assert np.array_equal(hot[name], ref[name]), name
         assert np.array_equal(cold[name], ref[name]), name
+
+
+def test_decode_gemvs_are_cut_into_chunks_of_about_chunk_work_prefill_into_one_per_part():
+    mib = 1 << 20
+    # one row: ~CHUNK_WORK chunks, at least one and at most MAX_CHUNKS_PER_PART per part
+    assert intra_op.chunk_count(int(2.4 * mib), 1, 2) == 2
+    assert intra_op.chunk_count(13 * mib, 1, 2) == 6
+    assert intra_op.chunk_count(36 * mib, 1, 2) == 2 * intra_op.MAX_CHUNKS_PER_PART
+    # more rows: one chunk per part
+    assert intra_op.chunk_count(36 * mib, 8, 2) == 2

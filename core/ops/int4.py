@@ -102,7 +102,7 @@ def matmul_nbits(inputs, attrs, prepared):
         if split is not None and intra_op.worth_splitting(packed.nbytes, a2.shape[0]):
             fork_join, parts = split
             box = intra_op.mailbox()
-            chunks = intra_op.chunk_count(packed.nbytes, a2.shape[0], parts, helpers_waiting=box is not None)
+            chunks = intra_op.chunk_count(packed.nbytes, a2.shape[0], parts)
             ranges = intra_op.column_ranges(N, chunks, native.PANEL_N)
             intra_op.count_split(len(ranges))
             if box is not None:  # helpers wait in C: hand the chunks over there

@@ -71,16 +71,19 @@ def worth_splitting(packed_bytes: int, rows: int) -> bool:
     return _work(packed_bytes, rows) >= MIN_SPLIT_WORK
 
 
-def chunk_count(packed_bytes: int, rows: int, parts: int, *, helpers_waiting: bool = False) -> int:
+def chunk_count(packed_bytes: int, rows: int, parts: int) -> int:
     """How many column chunks to cut a split INT4 matmul into, for ``parts`` threads.
 
-    NOTE: with more than one row, or with helpers already waiting in C (a run's
-    mailbox), one chunk per part: every kernel call prepares A (quantizes or splits it
-    per block, ~2.5 ns an element), so chunks repeat that work; an 8-row prefill in 16
-    chunks was slower than in 2, and a medium decode token with waiting helpers took
-    26.6 ms in 2 chunks a GEMV against 28.9 ms in up to 16 (medians of 30, interleaved).
-    More chunks only pay when a helper may wake late (``fork_join``)."""
-    if rows > 1 or helpers_waiting:
+    NOTE: a decode GEMV (one row) is cut into ~CHUNK_WORK chunks, so a helper that joins
+    late, or is descheduled on a busy machine, leaves the caller a small chunk to wait
+    for, not half the GEMV. Through a run's mailbox A is prepared (quantized, at level
+    4) once per matmul, not per chunk (native/handoff.c), so on one thread 16 chunks cost
+    what one does (level 4, weights streamed, min of 5: 2048x32000 1493 us whole, 1427 in
+    16 chunks; 5632x2048 272 and 274); through ``fork_join`` each chunk prepares A again
+    (5632x2048: 300 us in 16 chunks), still worth it there for a late-waking worker.
+    With more than one row, one chunk per part: each chunk's kernel call repeats its
+    per-call work for every row, and an 8-row prefill in 16 chunks was slower than in 2."""
+    if rows > 1:
         return parts
     return max(parts, min(parts * MAX_CHUNKS_PER_PART, packed_bytes // CHUNK_WORK))
 
