@@ -285,3 +285,22 @@ def test_gpu_check_script_parses():
     python = text.split("<<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0]
     compile(python, "gpu_check.sh (python)", "exec")
     assert "tests/test_cuda_" in text and "results.json" in python
+
+
+def test_gemv_step_profile_smoke(tmp_path):
+    out = tmp_path / "gemv.json"
+    p = _run(["scripts/gemv_step_profile.py", "--preset", "tiny-llm", "--split-all", "--compare", "huge-pages",
+              "--tokens", "5", "--rounds", "2", "--json", str(out)], tmp_path / "cache")
+    assert p.returncode == 0, p.stderr  # includes: both sessions' greedy tokens identical
+    doc = json.loads(out.read_text())
+    _check_activity(doc["machine_activity"], p.stdout)
+    assert set(doc["steps"]) == set(doc["open_s"]) == set(doc["replay_ms"]) == {"4k", "huge"}
+    for mode, steps in doc["steps"].items():
+        assert doc["replay_ms"][mode] > 0
+        assert all(len(v) == 2 * 3 for v in steps.values())  # 2 rounds of 3 decode steps kept
+        # --split-all: all 17 INT4 matmuls of a step (4 per block + the LM head) go
+        # through the mailbox; every batch is the caller's alone or a helper took a chunk
+        assert steps["batches"] == [17] * 6
+        assert all(s <= b for s, b in zip(steps["solo"], steps["batches"]))
+        assert all(h >= b - s for h, b, s in zip(steps["helper_chunks"], steps["batches"], steps["solo"]))
+        assert all(w <= f + 1e-6 for w, f in zip(steps["wait_ms"], steps["fj_ms"]))

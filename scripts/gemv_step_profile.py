@@ -1,0 +1,203 @@
+"""Where a decode step's time goes around its split INT4 GEMVs, measured so that it
+survives other work on the machine: thread CPU time of the run's own thread, the
+hand-off's counters (native/handoff.c) and the step's GEMVs replayed on one thread.
+
+    .venv/bin/python scripts/gemv_step_profile.py [--preset medium | --model PATH]
+        [--tokens 24] [--rounds 4] [--threads 2] [--compare huge-pages] [--json FILE]
+
+Per decode step (the prefill and the first decode step left out), min and median of:
+  wall_ms        the step's wall time (what other work on the machine inflates most)
+  cpu_ms         CPU time of the run's thread over the step
+  fj_ms          wall time inside Mailbox.fork_join (the split GEMVs), summed
+  fj_cpu_ms      the run thread's CPU time inside fork_join: its own chunks and its wait
+  wait_ms        the run thread's wait, with no chunk left to take, for helpers' chunks
+  batches        split GEMVs; solo: those whose every chunk the run thread ran itself
+                 (no helper arrived in time); helper_chunks: chunks helpers ran
+and ``replay_ms``: the CPU time of one step's GEMVs (same activations, same prepared
+weights) run whole and back to back on this thread, min over repeats: the GEMVs'
+one-thread cost, to set against fj_cpu_ms + the helpers' share.
+
+``--compare huge-pages`` opens the model twice, its prepared weights on 4 KiB pages and
+on transparent huge pages (``SessionOptions.huge_pages``), runs them interleaved round by
+round, and prints each session's open + prepare time (the huge pages' first-use cost
+lands there). The greedy tokens of every session must be identical (checked).
+``--split-all`` splits every INT4 matmul however small (smoke runs on tiny fixtures).
+Figures are indicative; wall times need a quiet machine (scripts/bench_decode_speed.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+METRICS = ("wall_ms", "cpu_ms", "fj_ms", "fj_cpu_ms", "wait_ms", "batches", "solo", "helper_chunks")
+MODES = {"none": {"default": None}, "huge-pages": {"4k": False, "huge": True}}
+
+
+class StepProbe:
+    """Counts what one session's steps spend in Mailbox.fork_join (wrapped at class
+    level while the probe is active; one session runs at a time)."""
+
+    def __init__(self) -> None:
+        self.acc = dict.fromkeys(METRICS[2:], 0.0)
+        self.capture: list | None = None  # when a list: every INT4 matmul's (A, packed, bias)
+
+    def install(self):
+        from onnx_prep import native
+        from onnx_prep.native import handoff
+
+        orig_fj, orig_batch, orig_whole = handoff.Mailbox.fork_join, native.matmul_nbits_batch, native.matmul_nbits
+        acc = self.acc
+
+        def fork_join(box, batch):
+            w0, s0, h0, b0 = box.wait_ns, box.solo_batches, box.chunks_by_helpers, box.batches
+            t, c = time.perf_counter(), time.thread_time()
+            orig_fj(box, batch)
+            acc["fj_cpu_ms"] += (time.thread_time() - c) * 1e3
+            acc["fj_ms"] += (time.perf_counter() - t) * 1e3
+            acc["wait_ms"] += (box.wait_ns - w0) / 1e6
+            acc["solo"] += box.solo_batches - s0
+            acc["helper_chunks"] += box.chunks_by_helpers - h0
+            acc["batches"] += box.batches - b0
+
+        def batch(A, packed, ranges, *, bias=None, **kw):
+            if self.capture is not None:
+                self.capture.append((A.copy(), packed, bias))
+            return orig_batch(A, packed, ranges, bias=bias, **kw)
+
+        def whole(A, packed, *, bias=None, **kw):
+            if self.capture is not None:
+                self.capture.append((A.copy(), packed, bias))
+            return orig_whole(A, packed, bias=bias, **kw)
+
+        handoff.Mailbox.fork_join, native.matmul_nbits_batch, native.matmul_nbits = fork_join, batch, whole
+
+        def uninstall():
+            handoff.Mailbox.fork_join = orig_fj
+            native.matmul_nbits_batch, native.matmul_nbits = orig_batch, orig_whole
+        return uninstall
+
+    def reset(self) -> None:
+        for k in self.acc:
+            self.acc[k] = 0.0
+
+
+def replay_ms(gemvs: list, repeats: int) -> float:
+    """Min CPU time of ``gemvs`` run whole, back to back, on this thread."""
+    from onnx_prep import native
+
+    best = float("inf")
+    for _ in range(repeats):
+        c = time.thread_time()
+        for A, packed, bias in gemvs:
+            native.matmul_nbits(A, packed, bias=bias)
+        best = min(best, (time.thread_time() - c) * 1e3)
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="medium")
+    ap.add_argument("--model", type=Path, help="a decoder model file instead of --preset")
+    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--compare", choices=sorted(MODES), default="none")
+    ap.add_argument("--split-all", action="store_true")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    if args.tokens < 4:
+        ap.error("--tokens must be at least 4 (the prefill and the first decode step are left out)")
+
+    from onnx_prep.core.decode.decoder_io import DecoderIO
+    from onnx_prep.core.decode.export_hints import ExportHints
+    from onnx_prep.core.decode.generation import greedy_decode
+    from onnx_prep.core.model.resolution import resolve_model
+    from onnx_prep.core.ops import intra_op
+    from onnx_prep.core.profile.machine_activity import MachineActivity, describe
+    from onnx_prep.core.runtime.session import Session
+    from onnx_prep.fixtures import FixtureConfig, ensure_cached
+
+    path = args.model if args.model is not None else ensure_cached(FixtureConfig.preset(args.preset))
+    resolved = resolve_model(path)
+    hints = ExportHints.from_config(path)
+    io = DecoderIO.discover(resolved.inputs, resolved.outputs, None, model=str(path),
+                            hints=hints or (lambda: ExportHints.for_model(path)))
+    if args.split_all:
+        intra_op.MIN_SPLIT_WORK = 1
+    prompt = np.arange(1, 9, dtype=np.int64)[None, :]
+    probe = StepProbe()
+    uninstall = probe.install()
+    sessions, open_s = {}, {}
+    steps: dict[str, dict[str, list[float]]] = {}
+    replay: dict[str, float] = {}
+    tokens: dict[str, list] = {}
+    try:
+        for mode, huge in MODES[args.compare].items():
+            t = time.perf_counter()
+            s = Session(resolved, cpu_workers=args.threads, intra_op_threads=args.threads, huge_pages=huge)
+            s.prepare()
+            open_s[mode] = time.perf_counter() - t
+            sessions[mode] = s
+            steps[mode] = {k: [] for k in METRICS}
+        activity0 = MachineActivity.now()
+        for r in range(args.rounds):
+            for mode, s in sessions.items():
+                rows: list[dict] = []
+                orun = s.run
+
+                def run(feeds, orun=orun, rows=rows):
+                    probe.reset()
+                    probe.capture = [] if r == 0 and len(rows) == 2 else None
+                    t, c = time.perf_counter(), time.thread_time()
+                    out = orun(feeds)
+                    row = dict(probe.acc, wall_ms=(time.perf_counter() - t) * 1e3,
+                               cpu_ms=(time.thread_time() - c) * 1e3)
+                    if probe.capture is not None:
+                        row["gemvs"], probe.capture = probe.capture, None
+                    rows.append(row)
+                    return out
+
+                s.run = run
+                try:
+                    res = greedy_decode(s, io, prompt, args.tokens)
+                finally:
+                    del s.run
+                tokens.setdefault(mode, res.tokens.tolist())
+                if tokens[mode] != next(iter(tokens.values())):
+                    raise SystemExit(f"{mode}: greedy tokens differ from the other session's")
+                for row in rows[2:]:
+                    for k in METRICS:
+                        steps[mode][k].append(row[k])
+                if r == 0:
+                    replay[mode] = replay_ms(rows[2]["gemvs"], max(3, args.rounds * 2))
+        activity = MachineActivity.now().since(activity0)
+    finally:
+        uninstall()
+        for s in sessions.values():
+            s.close()
+
+    name = args.model or args.preset
+    print(f"{name}: {args.threads} threads, {args.rounds} rounds of {args.tokens} tokens per session, "
+          f"per decode step (min / median)")
+    for mode in sessions:
+        print(f"  [{mode}] open + prepare {open_s[mode]:.2f} s; GEMVs replayed on one thread "
+              f"{replay[mode]:.2f} ms")
+        for k in METRICS:
+            v = steps[mode][k]
+            print(f"    {k:14s} {min(v):9.2f} {statistics.median(v):9.2f}")
+    print(describe(activity))
+    if args.json:
+        args.json.write_text(json.dumps({"model": str(name), "threads": args.threads, "open_s": open_s,
+                                         "replay_ms": replay, "steps": steps, "tokens": tokens,
+                                         "machine_activity": activity}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
