@@ -15,7 +15,7 @@ try:
     from onnx_prep.native._module import NATIVE_VERSION, ffi, lib  # noqa: F401
     from onnx_prep.native.attention import attention_over_cache, attention_with_past, group_query_attention
     from onnx_prep.native.elementwise import erf
-    from onnx_prep.native.handoff import Mailbox, MatmulBatch, matmul_nbits_batch
+    from onnx_prep.native.handoff import Mailbox, MatmulBatch, MatmulSplit, matmul_nbits_batch
     from onnx_prep.native.gather_block_quantized import (
         gather_block_quantized,
         gather_packed_size,
@@ -55,6 +55,7 @@ __all__ = [
     "GRANULE",
     "Mailbox",
     "MatmulBatch",
+    "MatmulSplit",
     "NATIVE_VERSION",
     "PackedHeader",
     "StableSlot",

@@ -15,12 +15,14 @@ while batches keep coming; after ``spin_ns`` without one it sleeps until the nex
 (docs/runtime.md, "Intra-op parallelism")."""
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from onnx_prep.native._module import check, ffi, lib
 from onnx_prep.native.isa import isa_id
-from onnx_prep.native.matmul_nbits import compute_mode, split_args
-from onnx_prep.native.packed import ptr
+from onnx_prep.native.matmul_nbits import bias_f32, col_range, compute_mode, out_rows, rows_f32
+from onnx_prep.native.packed import k_n, ptr
 
 
 class MatmulBatch:
@@ -41,21 +43,54 @@ class MatmulBatch:
             check(self.c.rcs[i], "matmul_nbits")
 
 
+class MatmulSplit:
+    """The fixed part of one weight's split ``matmul_nbits``: the packed buffer and its
+    column ``ranges``, checked and handed to C once. A prepared weight keeps its
+    address, so an op that splits the same weight every decode step builds this once
+    and then, per call, only the batch of that call's A, bias and Y (:meth:`batch`).
+
+    It holds ``packed`` weakly (``weight``: a weak reference, ``on_release`` called when
+    the array goes), so a cache of splits never keeps an evicted weight's memory; each
+    batch holds the weight while it lives."""
+
+    __slots__ = ("weight", "K", "N", "chunks", "_mode", "_flat", "_pk", "_nbytes", "_full")
+
+    def __init__(self, packed: np.ndarray, ranges, *, compute: str | None = None, on_release=None) -> None:
+        self._mode = compute_mode(None, compute)
+        self.K, self.N = k_n(packed, lib.OP_KIND_INT4_MATMUL)
+        ranges = [col_range(cb, ce, self.N, "matmul_nbits") for cb, ce in ranges]
+        self._full = sum(ce - cb for cb, ce in ranges) == self.N
+        self.chunks = len(ranges)
+        self._flat = ffi.new("int64_t[]", [v for cb, ce in ranges for v in (cb, ce)])
+        # the address only: a cdata from ffi.from_buffer would keep the array alive
+        self._pk = ffi.cast("uint8_t *", ffi.cast("uintptr_t", ptr(packed, "uint8_t *")))
+        self._nbytes = packed.nbytes
+        self.weight = weakref.ref(packed) if on_release is None else weakref.ref(packed, on_release)
+
+    def batch(self, A: np.ndarray, *, bias: np.ndarray | None = None,
+              out: np.ndarray | None = None) -> tuple[np.ndarray, MatmulBatch]:
+        """``(Y, batch)`` for this call's ``A`` (and ``bias``, ``out``), checked here."""
+        packed = self.weight()
+        if packed is None:
+            raise ValueError("matmul_nbits: the split's packed weight was released")
+        A2, M, lda = rows_f32(A, self.K, "matmul_nbits")
+        bias = bias_f32(bias, self.N, "matmul_nbits")
+        res, o2, ldy = out_rows(out, A.shape[:-1], M, self.N, self._full, "matmul_nbits")
+        c = ffi.new("op_mm_batch *")
+        rcs = ffi.new("int[]", max(1, self.chunks))
+        c.A, c.M, c.lda = ptr(A2, "float *"), M, lda
+        c.packed, c.nbytes = self._pk, self._nbytes
+        c.bias, c.Y, c.ldy = ptr(bias, "float *"), ptr(o2, "float *"), ldy
+        c.isa, c.level = isa_id(None), self._mode
+        c.ranges, c.n, c.rcs = self._flat, self.chunks, rcs
+        return res, MatmulBatch(c, (A2, packed, self._flat, bias, o2, rcs), self.chunks)
+
+
 def matmul_nbits_batch(A: np.ndarray, packed: np.ndarray, ranges, *, bias: np.ndarray | None = None,
                        out: np.ndarray | None = None, compute: str | None = None) -> tuple[np.ndarray, MatmulBatch]:
     """``(Y, batch)``: ``matmul_nbits`` over the column ``ranges`` (together: all of Y),
     as one batch. Arguments are checked here, as by ``matmul_nbits_parts``."""
-    mode = compute_mode(None, compute)
-    res, A2, M, lda, bias, ranges, o2, ldy = split_args(A, packed, ranges, bias, out)
-    c = ffi.new("op_mm_batch *")
-    flat = ffi.new("int64_t[]", [v for cb, ce in ranges for v in (cb, ce)])
-    rcs = ffi.new("int[]", max(1, len(ranges)))
-    c.A, c.M, c.lda = ptr(A2, "float *"), M, lda
-    c.packed, c.nbytes = ptr(packed, "uint8_t *"), packed.nbytes
-    c.bias, c.Y, c.ldy = ptr(bias, "float *"), ptr(o2, "float *"), ldy
-    c.isa, c.level = isa_id(None), mode
-    c.ranges, c.n, c.rcs = flat, len(ranges), rcs
-    return res, MatmulBatch(c, (A2, packed, bias, o2, flat, rcs), len(ranges))
+    return MatmulSplit(packed, ranges, compute=compute).batch(A, bias=bias, out=out)
 
 
 # NOTE: how long an idle helper spins before it sleeps. A hot decode step publishes a

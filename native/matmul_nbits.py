@@ -172,8 +172,8 @@ def bias_f32(bias: np.ndarray | None, N: int, what: str) -> np.ndarray | None:
 
 def split_args(A: np.ndarray, packed: np.ndarray, ranges, bias, out):
     """A split matmul's arguments, checked once: ``(Y, A2, M, lda, bias, ranges, o2, ldy)``
-    (Y the result, o2 its 2-D row view); for :func:`matmul_nbits_parts` and
-    ``handoff.matmul_nbits_batch``."""
+    (Y the result, o2 its 2-D row view); for :func:`matmul_nbits_parts`
+    (``handoff.MatmulSplit`` checks the same, its weight once and A per call)."""
     K, N = k_n(packed, lib.OP_KIND_INT4_MATMUL)
     A2, M, lda = rows_f32(A, K, "matmul_nbits")
     bias = bias_f32(bias, N, "matmul_nbits")

@@ -121,6 +121,54 @@ def test_a_batch_whose_a_cannot_be_prepared_fails_before_it_is_published():
     assert box.batches == 0 and not out.any()  # nothing published, no chunk ran
 
 
+def test_a_split_built_once_serves_every_call_and_holds_its_weight_weakly():
+    import gc
+
+    K, N = 300, 1000
+    p = _packed(K, N)
+    released = []
+    split = native.MatmulSplit(p, _ranges(N, 4), on_release=released.append)
+    box = native.Mailbox()
+    for rows in (1, 3, 1):
+        A = rng.standard_normal((rows, K)).astype(np.float32)
+        bias = rng.standard_normal(N).astype(np.float32)
+        y, batch = split.batch(A, bias=bias)
+        box.fork_join(batch)
+        np.testing.assert_array_equal(y, native.matmul_nbits(A, p, bias=bias))
+    with pytest.raises(ValueError):
+        split.batch(np.zeros((1, K + 1), np.float32))  # A is checked per call
+    del p, batch, y
+    gc.collect()
+    assert split.weight() is None and len(released) == 1  # the split kept nothing alive
+    with pytest.raises(ValueError, match="released"):
+        split.batch(np.zeros((1, K), np.float32))
+
+
+def test_the_int4_op_reuses_a_weights_split_and_drops_it_with_the_weight(monkeypatch):
+    import gc
+
+    from onnx_prep.core.ops import int4
+
+    monkeypatch.setattr(intra_op, "MIN_SPLIT_WORK", 1)  # this small matmul splits
+
+    K, N = 256, 1280
+    p = _packed(K, N)
+    box = native.Mailbox()
+    attrs = {"K": K, "N": N, "block_size": 32, "bits": 4}
+    A = rng.standard_normal((1, 1, K)).astype(np.float32)
+    splits = []
+    with intra_op.using(lambda *a, **k: 0, parts=2, mailbox=intra_op.LazyMailbox(lambda: box)):
+        for _ in range(3):
+            y = int4.matmul_nbits([A, None, None, None], attrs, {1: p})[0]
+            np.testing.assert_array_equal(y, native.matmul_nbits(A, p))
+            splits.append(int4._SPLITS[id(p)])
+    assert box.batches == 3 and splits[0] is splits[1] is splits[2]
+    key = id(p)
+    del p, splits
+    gc.collect()
+    assert key not in int4._SPLITS
+
+
 def test_serve_returns_once_stopped_even_if_stopped_first():
     box = native.Mailbox()
     box.stop()
