@@ -51,7 +51,7 @@ class StepProbe:
         from onnx_prep import native
         from onnx_prep.native import handoff
 
-        orig_fj, orig_batch, orig_whole = handoff.Mailbox.fork_join, native.matmul_nbits_batch, native.matmul_nbits
+        orig_fj, orig_batch, orig_whole = handoff.Mailbox.fork_join, handoff.MatmulSplit.batch, native.matmul_nbits
         acc = self.acc
 
         def fork_join(box, batch):
@@ -65,21 +65,21 @@ class StepProbe:
             acc["helper_chunks"] += box.chunks_by_helpers - h0
             acc["batches"] += box.batches - b0
 
-        def batch(A, packed, ranges, *, bias=None, **kw):
+        def batch(split, A, *, bias=None, **kw):
             if self.capture is not None:
-                self.capture.append((A.copy(), packed, bias))
-            return orig_batch(A, packed, ranges, bias=bias, **kw)
+                self.capture.append((A.copy(), split.weight(), bias))
+            return orig_batch(split, A, bias=bias, **kw)
 
         def whole(A, packed, *, bias=None, **kw):
             if self.capture is not None:
                 self.capture.append((A.copy(), packed, bias))
             return orig_whole(A, packed, bias=bias, **kw)
 
-        handoff.Mailbox.fork_join, native.matmul_nbits_batch, native.matmul_nbits = fork_join, batch, whole
+        handoff.Mailbox.fork_join, handoff.MatmulSplit.batch, native.matmul_nbits = fork_join, batch, whole
 
         def uninstall():
             handoff.Mailbox.fork_join = orig_fj
-            native.matmul_nbits_batch, native.matmul_nbits = orig_batch, orig_whole
+            handoff.MatmulSplit.batch, native.matmul_nbits = orig_batch, orig_whole
         return uninstall
 
     def reset(self) -> None:
@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     sessions, open_s = {}, {}
     steps: dict[str, dict[str, list[float]]] = {}
     replay: dict[str, float] = {}
+    replayed: dict[str, int] = {}  # INT4 matmuls of the replayed step
     tokens: dict[str, list] = {}
     try:
         for mode, huge in MODES[args.compare].items():
@@ -175,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                     for k in METRICS:
                         steps[mode][k].append(row[k])
                 if r == 0:
+                    replayed[mode] = len(rows[2]["gemvs"])
                     replay[mode] = replay_ms(rows[2]["gemvs"], max(3, args.rounds * 2))
         activity = MachineActivity.now().since(activity0)
     finally:
@@ -186,15 +188,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{name}: {args.threads} threads, {args.rounds} rounds of {args.tokens} tokens per session, "
           f"per decode step (min / median)")
     for mode in sessions:
-        print(f"  [{mode}] open + prepare {open_s[mode]:.2f} s; GEMVs replayed on one thread "
-              f"{replay[mode]:.2f} ms")
+        print(f"  [{mode}] open + prepare {open_s[mode]:.2f} s; the step's {replayed[mode]} GEMVs replayed "
+              f"on one thread {replay[mode]:.2f} ms")
         for k in METRICS:
             v = steps[mode][k]
             print(f"    {k:14s} {min(v):9.2f} {statistics.median(v):9.2f}")
     print(describe(activity))
     if args.json:
         args.json.write_text(json.dumps({"model": str(name), "threads": args.threads, "open_s": open_s,
-                                         "replay_ms": replay, "steps": steps, "tokens": tokens,
+                                         "replay_ms": replay, "replayed_gemvs": replayed, "steps": steps, "tokens": tokens,
                                          "machine_activity": activity}, indent=2))
     return 0
 

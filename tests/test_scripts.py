@@ -296,7 +296,7 @@ def test_gemv_step_profile_smoke(tmp_path):
     _check_activity(doc["machine_activity"], p.stdout)
     assert set(doc["steps"]) == set(doc["open_s"]) == set(doc["replay_ms"]) == {"4k", "huge"}
     for mode, steps in doc["steps"].items():
-        assert doc["replay_ms"][mode] > 0
+        assert doc["replay_ms"][mode] > 0 and doc["replayed_gemvs"][mode] == 17
         assert all(len(v) == 2 * 3 for v in steps.values())  # 2 rounds of 3 decode steps kept
         # --split-all: all 17 INT4 matmuls of a step (4 per block + the LM head) go
         # through the mailbox; every batch is the caller's alone or a helper took a chunk
