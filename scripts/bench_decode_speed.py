@@ -3,7 +3,8 @@ batch 1, 2, 4, 8 and accuracy levels 0 and 4, on the ``medium`` fixture and on a
 onnxruntime-genai builder export of a Llama of the same shape, in one run.
 
     .venv/bin/python scripts/bench_decode_speed.py [--batches 1,2,4,8] [--tokens 32]
-        [--repeats 3] [--models medium-acc0,medium-acc4,builder-acc1,builder-acc4] [--json FILE]
+        [--repeats 3] [--models medium-acc0,medium-acc4,builder-acc1,builder-acc4] [--from-cache]
+        [--json FILE]
 
 Models (generated locally, cached, never committed):
   medium-acc0   the ``medium`` fixture (16 blocks, hidden 2048, MatMulNBits accuracy level 0)
@@ -23,6 +24,12 @@ prefill). Prints min / median / max per cell, the ratio of medians, and whether 
 greedy tokens were identical. For medium-acc4 at batch 1 it also runs
 ``scripts/profile_ops.py`` to give the step's INT4 GEMV (MatMulNBits) time against the
 whole step (the issue's "within 1.5x of the GEMV time alone").
+
+``--from-cache`` first builds each model's prepared cache (``onnx-prep build-cache``, into
+the scratch folder) and runs ours from it (``--prepared``, ``--cache-policy
+require-complete``; a builder export is copied and given its weights' digests first, ``digest --write``, as a cache reuses no entry of a source without one): the weights are then the cache's payloads mapped into their slots,
+with 2 MiB page-table entries where the page cache allows (docs/runtime.md), instead of
+packed into 4 KiB pages at load. ONNX Runtime runs as without it.
 Run it alone: other work on the machine changes every figure.
 """
 from __future__ import annotations
@@ -81,9 +88,11 @@ def builder(level: int) -> Path:
     return folder / rx.MODEL_FILE
 
 
-def run(model: Path, runtime: str, batch: int, tokens: int) -> dict:
+def run(model: Path, runtime: str, batch: int, tokens: int, cache: Path | None = None) -> dict:
     cmd = [str(EXE), "run", str(model), "--runtime", runtime, "--batch", str(batch), "--tokens", str(tokens),
            "--json", "--memory-budget", "16GiB"]
+    if cache is not None and runtime == "prepared":
+        cmd += ["--prepared", str(cache), "--cache-policy", "require-complete"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}): {p.stderr.strip()[-400:]}")
@@ -97,6 +106,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--from-cache", action="store_true",
+                    help="build each model's prepared cache first and run ours from it")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     from onnx_prep.core.profile.machine import describe_machine
@@ -108,9 +119,29 @@ def main(argv=None) -> int:
     for name in names:
         kind, level = name.rsplit("-acc", 1)
         paths[name] = medium(int(level), scratch) if kind == "medium" else builder(int(level))
+    caches: dict[str, Path | None] = {name: None for name in names}
+    if args.from_cache:
+        for name in names:
+            if name.startswith("builder"):
+                # a real export declares no weight digests, and the cache reuses no entry of a source
+                # without one (docs/cache-format.md): a copy gets them (digest --write) first
+                copy = scratch / name
+                shutil.copytree(paths[name].parent, copy)
+                paths[name] = copy / paths[name].name
+                subprocess.run([str(EXE), "digest", str(paths[name]), "--write"], check=True, capture_output=True,
+                               timeout=1800)
+            folder = scratch / f"cache-{name}"
+            folder.mkdir()
+            p = subprocess.run([str(EXE), "build-cache", str(paths[name]), "--cache-dir", str(folder)],
+                               capture_output=True, text=True, timeout=1800)
+            if p.returncode != 0:
+                raise SystemExit(f"build-cache {paths[name]} failed ({p.returncode}): {p.stderr.strip()[-400:]}")
+            caches[name] = next(folder.glob("*.prepared.onnx"))
     facts = describe_machine()
-    print(f"{facts}; {args.tokens} tokens, {args.repeats} repeats, tokens/s min/median/max")
-    record = {"machine": facts, "tokens": args.tokens, "repeats": args.repeats, "rows": []}
+    print(f"{facts}; {args.tokens} tokens, {args.repeats} repeats, tokens/s min/median/max"
+          + ("; ours from each model's prepared cache" if args.from_cache else ""))
+    record = {"machine": facts, "tokens": args.tokens, "repeats": args.repeats, "from_cache": args.from_cache,
+              "rows": []}
     print(f"{'model':14s} {'N':>2s}  {'ours tok/s':>22s}  {'ORT tok/s':>22s}  {'ours/ORT':>8s}  tokens")
     for name in names:
         for n in batches:
@@ -118,7 +149,7 @@ def main(argv=None) -> int:
             toks = {}
             for r in range(args.repeats):
                 for rt in (("prepared", "ort") if r % 2 == 0 else ("ort", "prepared")):
-                    out = run(paths[name], rt, n, args.tokens)
+                    out = run(paths[name], rt, n, args.tokens, caches[name])
                     got[rt].append(out["tokens_per_s"])
                     toks[rt] = out["tokens"]
             med = {k: statistics.median(v) for k, v in got.items()}
