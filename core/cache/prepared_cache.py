@@ -133,6 +133,10 @@ class PreparedCache:
         self.counters = {"packed_reads": 0, "packed_bytes": 0, "mapped_bytes": 0, "pmd_mapped_bytes": 0,
                          "fallbacks": 0, "persisted": 0, "persisted_bytes": 0}
         self._lock = threading.Lock()
+        # The background writer runs while this is set (hold_writes clears it).
+        self._writes_open = threading.Event()
+        self._writes_open.set()
+        self._holds = 0
         self._fds: dict[str, int] = {}
         self._writer: CacheWriter | None = None
         self._queue: queue.Queue | None = None
@@ -423,11 +427,34 @@ class PreparedCache:
             self._sources.update(sources)
         self._queue.put((identity, packed, done))
 
+    def hold_writes(self) -> Callable[[], None]:
+        """Hold the background writer until the returned ``release()`` is called (once;
+        later calls do nothing), or until :meth:`flush`. A session holds it over its first
+        run: the writer's page-cache writes and checksums, though at idle priority, took
+        the first output of a first build of the medium fixture from 679 to 838 ms
+        (medians of 3, in process, 2 vCPUs); held, the objects are written right after
+        the first output instead."""
+        with self._lock:
+            self._holds += 1
+            self._writes_open.clear()
+        released = [False]
+
+        def release() -> None:
+            with self._lock:
+                if released[0]:
+                    return
+                released[0] = True
+                self._holds = max(0, self._holds - 1)  # a flush in between zeroed it
+                if self._holds == 0:
+                    self._writes_open.set()
+        return release
+
     def _write_loop(self) -> None:
         from onnx_prep.core.runtime.slot_pool import to_idle_priority
 
         to_idle_priority()  # never competes with the load for a core
         while True:
+            self._writes_open.wait()  # hold_writes: not before the first output
             item = self._queue.get()
             if item is None:
                 self._queue.task_done()
@@ -451,7 +478,11 @@ class PreparedCache:
 
     def flush(self) -> None:
         """Wait until every object handed to :meth:`persist` is written (or dropped) and
-        unpinned: a session calls this before it releases its objects."""
+        unpinned: a session calls this before it releases its objects. It ends any
+        :meth:`hold_writes`."""
+        with self._lock:
+            self._holds = 0
+            self._writes_open.set()
         q = self._queue if self.policy is CachePolicy.BUILD_IF_MISSING else None
         if q is not None:
             q.join()

@@ -172,6 +172,7 @@ class Session:
         self._stats = SessionStats(self.reader.counters, self.budget)
         self._lock = threading.RLock()
         self._closed = False
+        self._held_writes = False  # the first run held the cache writer (_hold_cache_writes)
         plan = self.plan
 
         # Every requirement's stable slot is reserved here, before any worker runs, so
@@ -318,7 +319,30 @@ class Session:
 
     def run_async(self, ctx: RuntimeContext) -> ExecutionHandle:
         self._check_open()
-        return self.runs.run_async(ctx)
+        release = self._hold_cache_writes()
+        try:
+            handle = self.runs.run_async(ctx)
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        if release is not None:
+            handle.add_finalizer(release)  # at once for a run that finished in run_async
+        return handle
+
+    def _hold_cache_writes(self):
+        """For the session's first run: hold the prepared cache's background writer until
+        the run ends (``PreparedCache.hold_writes``), so a first build persists after its
+        first output, not beside it. Not under a PREPARED or global limit: objects
+        waiting to be written stay pinned, and the run may need their room."""
+        with self._lock:
+            if self._held_writes:
+                return None
+            self._held_writes = True
+        hold = getattr(self.plan.cache, "hold_writes", None)
+        if hold is None or self.budget.global_limit is not None or self.budget.limit(Arena.PREPARED) is not None:
+            return None
+        return hold()
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Exactly ``run_async(RuntimeContext(feeds)).wait()``; returns the outputs."""
