@@ -22,6 +22,12 @@ size all match; otherwise it is a miss with its reason. A malformed manifest is 
 (payload file missing or short) is a miss with a warning, and an entry whose payload
 does not match its digest when read is rebuilt from its sources in the same task (a
 warning; an error under ``require-complete``).
+
+Why one module of ~650 lines: the lookups' outcomes, the open payload files, the mapped
+entries and the background writer (its queue, its hold over a session's first run, its
+errors) change under one lock and are read together by ``summary`` and ``commit``; the
+format itself (manifest.py), the writes (cache_writer.py), lineage and payload digests
+already live in modules of their own.
 """
 from __future__ import annotations
 
