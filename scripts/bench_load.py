@@ -91,7 +91,7 @@ def _drop_cache(resolved) -> None:
 def _feeds(resolved, prompt_len: int):
     from onnx_prep.core.profile.load_feeds import decoder_prompt_feeds
 
-    return decoder_prompt_feeds(resolved, prompt_len)
+    return decoder_prompt_feeds(resolved.inputs, resolved.outputs, resolved.model_path, prompt_len)
 
 
 SOURCE_IO = "map"

@@ -37,29 +37,33 @@ class LoadFeeds:
         return {"kind": self.kind.to_json(), "prompt_ids": self.prompt_ids, "inputs": self.inputs}
 
 
-def load_feeds(resolved, inputs: Sequence[str] = (), shape: Sequence[str] = (), *,
-               budget: int | None = None) -> LoadFeeds:
-    """The first forward's feeds for ``resolved`` (the module docstring's rules).
-    ``inputs`` / ``shape``: the ``--inputs`` and ``--shape`` values; ``budget``: the bytes
-    generated inputs may take (default: run's default budget). Raises the typed errors
-    of ``core/errors.py`` for a model or an option that cannot run."""
+def load_feeds(graph_inputs: Sequence, graph_outputs: Sequence, model_path, inputs: Sequence[str] = (),
+               shape: Sequence[str] = (), *, budget: int | None = None) -> LoadFeeds:
+    """The first forward's feeds for a model with these graph inputs and outputs
+    (``ValueInfo``s: a resolution's, or ONNX Runtime's session's) at ``model_path`` (the
+    module docstring's rules). ``inputs`` / ``shape``: the ``--inputs`` and ``--shape``
+    values; ``budget``: the bytes generated inputs may take (default: run's default
+    budget). Raises the typed errors of ``core/errors.py`` for a model or an option that
+    cannot run."""
     from onnx_prep.core.decode.model_kind import GRAPH, ModelKind, model_kind
 
-    kind = model_kind(resolved.inputs)
+    kind = model_kind(graph_inputs)
     if inputs or shape:
         if kind.is_decoder:
             kind = ModelKind(GRAPH, f"{'--inputs' if inputs else '--shape'} given; {kind.reason}")
     if kind.is_decoder:
-        return LoadFeeds(decoder_prompt_feeds(resolved), kind, list(range(1, PROMPT_LEN + 1)), None)
+        return LoadFeeds(decoder_prompt_feeds(graph_inputs, graph_outputs, model_path), kind,
+                         list(range(1, PROMPT_LEN + 1)), None)
     from onnx_prep.core.decode.graph_feeds import graph_feeds, parse_input_files, parse_shape_bindings
     from onnx_prep.core.decode.run_memory import default_memory_budget
 
-    feeds = graph_feeds(resolved.inputs, parse_input_files(inputs), parse_shape_bindings(shape),
-                        model=str(resolved.model_path), budget=budget or default_memory_budget())
+    feeds = graph_feeds(graph_inputs, parse_input_files(inputs), parse_shape_bindings(shape),
+                        model=str(model_path), budget=budget or default_memory_budget())
     return LoadFeeds(dict(feeds.arrays), kind, None, feeds.to_json())
 
 
-def decoder_prompt_feeds(resolved, prompt_len: int = PROMPT_LEN) -> dict:
+def decoder_prompt_feeds(graph_inputs: Sequence, graph_outputs: Sequence, model_path,
+                         prompt_len: int = PROMPT_LEN) -> dict:
     """A decoder's first forward: ids 1..prompt_len (one row), empty past."""
     import numpy as np
 
@@ -67,7 +71,7 @@ def decoder_prompt_feeds(resolved, prompt_len: int = PROMPT_LEN) -> dict:
     from onnx_prep.core.decode.export_hints import ExportHints
     from onnx_prep.core.decode.generation import step_feeds
 
-    io = DecoderIO.discover(resolved.inputs, resolved.outputs, model=str(resolved.model_path),
-                            hints=lambda: ExportHints.for_model(resolved.model_path))
+    io = DecoderIO.discover(graph_inputs, graph_outputs, model=str(model_path),
+                            hints=lambda: ExportHints.for_model(model_path))
     ids = np.arange(1, prompt_len + 1, dtype=np.int64)[None, :]
     return step_feeds(io, ids, io.empty_past(1), 0)

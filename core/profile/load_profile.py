@@ -187,7 +187,7 @@ def profile_load(model_path: Path, options: LoadProfileOptions, *,
     resolved = resolve_model(model_path, trust_symlinks=options.trust_symlinks, fuse=options.fuse)
     spec0 = LoadSpec(model=str(model_path), inputs=tuple(options.inputs), shape=tuple(options.shape),
                      trust_symlinks=options.trust_symlinks, fuse=options.fuse)
-    first = spec0.feeds(resolved)  # feeds that cannot be made fail here, in one line
+    first = spec0.feeds(resolved.inputs, resolved.outputs)  # feeds that cannot be made fail here, in one line
     if options.compare == "ort":
         from onnx_prep.core.decode.ort_runner import import_onnxruntime
 

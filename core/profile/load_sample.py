@@ -1,5 +1,6 @@
 """One load, measured: a fresh Session over the model, its first output (a decoder's
-fixed prompt, or one forward of any other model: core/profile/load_feeds.py), and the figures of docs/profile.md taken from the runtime's own record
+fixed prompt, or one forward of any other model: core/profile/load_feeds.py), and the
+figures of docs/profile.md taken from the runtime's own record
 (``Session.stats()``, ``Session.timeline()``, the run's context). This module is also
 the child process ``onnx-prep profile`` starts for each repeat, so that every load
 meets a process with nothing loaded, mapped or allocated before it:
@@ -25,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from onnx_prep.core.profile.load_feeds import PROMPT_LEN, decoder_prompt_feeds, load_feeds
+from onnx_prep.core.profile.load_feeds import load_feeds
 
 MODES = ("parallel", "sequential")
 ORT_DECODE_TOKENS = 4  # decode steps ONNX Runtime runs after its first output (--compare ort)
@@ -55,9 +56,10 @@ class LoadSpec:
         doc = json.loads(text)
         return cls(**{**doc, "inputs": tuple(doc.get("inputs", ())), "shape": tuple(doc.get("shape", ()))})
 
-    def feeds(self, resolved):
-        """The first forward's feeds (``load_feeds.LoadFeeds``)."""
-        return load_feeds(resolved, self.inputs, self.shape)
+    def feeds(self, graph_inputs, graph_outputs):
+        """The first forward's feeds for a model with this graph I/O
+        (``load_feeds.LoadFeeds``)."""
+        return load_feeds(graph_inputs, graph_outputs, self.model, self.inputs, self.shape)
 
 
 @dataclass
@@ -169,7 +171,7 @@ def measure_load(spec: LoadSpec, *, warn=None) -> LoadMeasurement:
     t = time.perf_counter_ns()
     resolved = resolve_model(Path(spec.model), trust_symlinks=spec.trust_symlinks, fuse=spec.fuse)
     resolve_ms = (time.perf_counter_ns() - t) / 1e6
-    feeds = spec.feeds(resolved).arrays
+    feeds = spec.feeds(resolved.inputs, resolved.outputs).arrays
     cache = None
     if spec.cache_policy != "disabled":
         from onnx_prep.core.cache.prepared_cache import PreparedCache
@@ -245,22 +247,21 @@ def measure_ort(spec: LoadSpec) -> dict[str, Any]:
     from onnx_prep.core.decode.export_hints import ExportHints
     from onnx_prep.core.decode.generation import greedy_decode
     from onnx_prep.core.decode.ort_runner import OrtRunner
-    from onnx_prep.core.model.resolution import resolve_model
 
     import numpy as np
 
-    first = spec.feeds(resolve_model(Path(spec.model), trust_symlinks=spec.trust_symlinks))
     t = time.perf_counter_ns()
     runner = OrtRunner(spec.model)
     create_ms = (time.perf_counter_ns() - t) / 1e6
     try:
+        inputs, outputs = runner.value_infos()
+        first = spec.feeds(inputs, outputs)  # from ONNX Runtime's own view of the graph's I/O
         if not first.decodes:
             t = time.perf_counter_ns()
             runner.run(first.arrays)
             run_ms = (time.perf_counter_ns() - t) / 1e6
             return {"create_ms": create_ms, "first_run_ms": run_ms, "first_output_ms": create_ms + run_ms,
                     "decode_ms_per_token": None}
-        inputs, outputs = runner.value_infos()
         io = DecoderIO.discover(inputs, outputs, model=spec.model,
                                 hints=lambda: ExportHints.for_model(spec.model))
         prompt = np.asarray([first.prompt_ids], dtype=np.int64)
