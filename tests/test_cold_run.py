@@ -4,6 +4,8 @@ models with real external data, the real scheduler, store, stable slots and kern
 Event-gated hooks (the reader's ``before_read``, the run's ``before_step``), no sleeps."""
 from __future__ import annotations
 
+import os
+
 import threading
 
 import numpy as np
@@ -18,7 +20,8 @@ from onnx_prep.core.runtime.execution_handle import SubmissionState
 from onnx_prep.core.runtime.prepared_store import ResidencyState
 from onnx_prep.core.runtime.scheduler import TaskState
 from onnx_prep.core.runtime.session import RuntimeContext, Session
-from onnx_prep.native.stable_slot import GRANULE
+
+PAGE = os.sysconf("SC_PAGESIZE")
 
 T = 30  # a blocked hook gives up after this (a failing test, not a hang)
 
@@ -213,7 +216,7 @@ def _resident_buffers(s: Session) -> dict:
 
 def test_prepared_reservations_are_the_plan_sizes_and_cover_the_slots(tiny_llm_path):
     """Each prepared object's PREPARED-arena reservation is the plan's packed size and
-    the bytes it published; its slot commits those bytes (whole granules); the arena's
+    the bytes it published; its slot commits those bytes (whole pages); the arena's
     live and peak bytes are the sum of what is resident."""
     budget = MemoryBudget()
     with Session.open(tiny_llm_path, budget=budget) as s:
@@ -224,7 +227,7 @@ def test_prepared_reservations_are_the_plan_sizes_and_cover_the_slots(tiny_llm_p
             planned = s.plan.by_key[k].packed_bytes
             assert buf.nbytes == planned, k
             assert buf.reservation.amounts == {Arena.PREPARED: planned}, k
-            assert buf.committed_bytes == -(-planned // GRANULE) * GRANULE, k
+            assert buf.committed_bytes == -(-planned // PAGE) * PAGE, k  # whole pages
         real = sum(b.nbytes for b in bufs.values())
         assert s.store.resident_bytes == real
         assert budget.live(Arena.PREPARED) == real

@@ -2,6 +2,7 @@
 at the same address, RSS falls after decommit, committed bytes are reported."""
 from __future__ import annotations
 
+import os
 import sys
 
 import numpy as np
@@ -13,6 +14,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="RSS and zero-fill semantics checked on Linux only")
 
 MIB = 1024 * 1024
+PAGE = os.sysconf("SC_PAGESIZE")
 
 
 def _rss_bytes() -> int:
@@ -26,8 +28,9 @@ def test_same_address_reads_new_bytes_after_decommit_and_recommit():
     slot = native.StableSlot(5 * MIB)
     assert slot.capacity == 6 * MIB and slot.committed_bytes == 0
     addr = slot.address
-    slot.commit(3 * MIB)
-    assert slot.committed_bytes == 4 * MIB  # rounded up to the 2 MiB granule
+    slot.commit(3 * MIB + 5)
+    assert slot.granule == PAGE and not slot.huge_pages
+    assert slot.committed_bytes == 3 * MIB + PAGE  # rounded up to a whole page, not 2 MiB
     v = slot.view(3 * MIB)
     assert v.ctypes.data == addr
     v[:] = 0xAB
@@ -41,6 +44,19 @@ def test_same_address_reads_new_bytes_after_decommit_and_recommit():
     v[: 1 * MIB] = 0x5C
     assert np.all(slot.view(1 * MIB) == 0x5C)
     del v
+
+
+def test_a_small_commit_populates_pages_not_a_2_mib_granule():
+    """A 4 KiB weight commits (and makes resident) one page; with huge pages asked
+    for and taken, commits are whole 2 MiB granules so each can be one huge page."""
+    slot = native.StableSlot(64 << 10, huge_pages=False)
+    slot.commit(100)
+    assert slot.committed_bytes == PAGE and slot.resident_bytes() == PAGE
+    huge = native.StableSlot(64 << 10, huge_pages=True)
+    if not huge.huge_pages:
+        pytest.skip("this kernel has no transparent huge pages (MADV_HUGEPAGE refused)")
+    huge.commit(100)
+    assert huge.granule == 2 * MIB and huge.committed_bytes == 2 * MIB
 
 
 def test_rss_falls_after_decommit():
