@@ -480,3 +480,62 @@ def test_a_hold_ends_with_its_release_or_a_flush(model):
         assert cache._writes_open.is_set()
     finally:
         cache.close()
+
+
+# ------------------------------------------------------------------ reading first
+
+def _first_run_timeline(path: Path, cache_policy: str | None, **session_kw):
+    """A session's first run (its cache under ``cache_policy``, or none): (outputs, the
+    run's counters, when its first step started, when its last read ended, the plan)."""
+    from onnx_prep.core.plan.task import TaskKind
+    from onnx_prep.core.runtime.session import RuntimeContext
+
+    resolved = resolve_model(path)
+    cache = PreparedCache(resolved, policy=cache_policy) if cache_policy else None
+    try:
+        with Session(resolved, cache=cache, **session_kw) as s:
+            ctx = RuntimeContext(_feeds(path))
+            s.run_async(ctx).wait()
+            reads = [e.end_ns for e in s.timeline()
+                     if e.kind in (TaskKind.READ_PACKED, TaskKind.READ_SOURCE) and e.end_ns is not None]
+            out = dict(ctx.outputs)
+            return out, ctx.counters.snapshot(), ctx.first_step_ns, max(reads), s.plan, s.budget
+    finally:
+        if cache is not None:
+            cache.close()
+
+
+def test_a_load_from_a_complete_mapped_cache_reads_every_object_before_its_first_step(model):
+    """Such a load builds nothing (it maps pages and checks checksums), so its first run
+    waits for every object instead of contending with it for the cores: the first step
+    starts after the last read ended, the run counts it, and the outputs are the
+    reference's."""
+    from onnx_prep.core.runtime.run_loop import reads_first
+
+    want = reference(model)
+    build(model)
+    out, counters, first_step, last_read, plan, budget = _first_run_timeline(model, "read-only")
+    assert reads_first(plan, budget)
+    assert counters.get("reads_first") == 1
+    assert first_step >= last_read
+    assert same(out, want)
+
+
+def test_a_load_that_prepacks_or_streams_does_not_read_first(model):
+    """Without a cache (prepacks), with one entry missing (one prepack), or under a
+    PREPARED limit (the load streams), the first run starts as soon as its first step's
+    objects are in: no barrier."""
+    from onnx_prep.core.runtime.arenas import Arena, MemoryBudget
+    from onnx_prep.core.runtime.run_loop import reads_first
+
+    want = reference(model)
+    out, counters, *_, plan, budget = _first_run_timeline(model, None)
+    assert not reads_first(plan, budget) and "reads_first" not in counters and same(out, want)
+    manifest = build(model)
+    limit = MemoryBudget(limits={Arena.PREPARED: 1 << 40})
+    out, counters, *_, plan, budget = _first_run_timeline(model, "read-only", budget=limit)
+    assert not reads_first(plan, budget) and "reads_first" not in counters and same(out, want)
+    rewrite(model, CacheManifest(manifest.generation, manifest.source_model_digest, manifest.sources,
+                                 manifest.entries[1:]))
+    out, counters, *_, plan, budget = _first_run_timeline(model, "read-only")
+    assert not reads_first(plan, budget) and "reads_first" not in counters and same(out, want)

@@ -180,7 +180,7 @@ def test_to_json_has_the_documented_shape(tiny):
                               "packed_reads"}
     assert set(doc["prepare"]) == {"prepacks", "prepack_ns", "materializations", "page_ins", "page_in_bytes", "evictions",
                                    "shed", "slot_bytes_warmed"}
-    assert doc["runs"] == {"hot": 1, "cold": 0, "yields": 0}
+    assert doc["runs"] == {"hot": 1, "cold": 0, "yields": 0, "reads_first": 0}
     assert set(doc["memory"]["arena_peaks"]) == {"preparation", "prepared", "execution", "io"}
     assert doc["memory"]["global_peak"] >= max(doc["memory"]["arena_peaks"].values())
     assert set(doc["tasks"]) == {"read_source", "prepack"}

@@ -132,6 +132,7 @@ class RunLoop:
                   and plan.by_key[k].request.logical_value in slot_of)
             for keys in self._step_keys)
         self.readiness = store.readiness(r.key for r in plan.requirements)
+        self._reads_first = reads_first(plan, budget)
         self._raw_placeholder = {n: None for n in program.weight_names}
         self._hot_binding = None
         self._hot_weights: dict[str, np.ndarray] | None = None
@@ -163,20 +164,35 @@ class RunLoop:
         # forever, and the session's close waiting for that worker.
         first = None
         try:
-            first = self._submit_continuation(run, deps=())
-            return self._attach(run, first, since)
+            reads = self._all_reads() if self._reads_first else ()
+            if reads:
+                ctx.counters.add("reads_first")
+            first = self._submit_continuation(run, deps=reads)
+            return self._attach(run, first, since, reads)
         except BaseException:
             self._abandon(run, first)
             raise
 
-    def _attach(self, run: _Run, first: TaskHandle, since) -> ExecutionHandle:
-        """The run's handle: its first continuation, and what continuations that yielded
-        before it existed submitted (their producers shared, their next steps owned)."""
+    def _all_reads(self) -> tuple[TaskHandle, ...]:
+        """The producers of every object not yet resident, asked for at DEMANDED (every
+        worker of their queue may run them): what a run that reads first waits for."""
+        handles = []
+        for r in self.plan.requirements:
+            h = self.tasks.ensure(r.publisher, Priority.DEMANDED)
+            if h is not None:
+                handles.append(h)
+        return tuple(handles)
+
+    def _attach(self, run: _Run, first: TaskHandle, since, shared: tuple[TaskHandle, ...] = ()
+                ) -> ExecutionHandle:
+        """The run's handle: its first continuation (``shared``: the producers it waits
+        for), and what continuations that yielded before it existed submitted (their
+        producers shared, their next steps owned)."""
         ctx = run.ctx
         with run.lock:  # a continuation yielding now waits for this block, not for a handle
             early = run.early
             handle = ExecutionHandle(owned=(first, *(nxt for _, nxt in early)),
-                                     shared=tuple(h for waiting, _ in early for h in waiting),
+                                     shared=shared + tuple(h for waiting, _ in early for h in waiting),
                                      name=run.name, keepalive=ctx,
                                      stats=lambda: self._stats.finish(since, ctx.counters.snapshot()))
             handle.add_finalizer(lambda r=run: _release(r.exec_reservation))
@@ -472,6 +488,39 @@ LIMITED_WINDOW_SHARE = 4
 def _release(reservation) -> None:
     if reservation is not None:
         reservation.release()
+
+
+# Non-mapped bytes (raw weights read from their source) a load may read and still read
+# first: the medium fixture's norm weights are 0.26 MiB.
+READS_FIRST_MAX_SOURCE_BYTES = 16 << 20
+
+
+def reads_first(plan: PreparedExecutionPlan, budget: MemoryBudget) -> bool:
+    """Whether a cold run waits for every object before its first step, instead of
+    starting as soon as the first step's objects are in.
+
+    True when every object is a cache payload mapped into its slot (or a raw weight, at
+    most READS_FIRST_MAX_SOURCE_BYTES of them in all) and no limit makes the load stream.
+    NOTE: why: such a load builds nothing; it maps pages and checks checksums, CPU work
+    on the same cores the first step's compute needs. Overlapping the two buys nothing
+    and costs contention (docs/runtime.md, "Reading first", has the figures). On more
+    cores the mapped reads are what the first step waits for either way. A load that prepacks, or streams under
+    a limit, keeps overlapping: its reads wait on storage or its prepacks are the work."""
+    from onnx_prep.core.plan.execution_plan import READ_PACKED_PAYLOAD
+
+    if budget.global_limit is not None or budget.limit(Arena.PREPARED) is not None:
+        return False
+    source = 0
+    for r in plan.requirements:
+        if r.selected.kind == READ_PACKED_PAYLOAD:
+            if not r.selected.payload.mapped:
+                return False
+        elif r.request.layout == RAW_LAYOUT:
+            source += r.read_bytes
+        else:
+            return False
+    return source <= READS_FIRST_MAX_SOURCE_BYTES and any(
+        r.selected.kind == READ_PACKED_PAYLOAD for r in plan.requirements)
 
 
 class _OutputBytes:

@@ -33,7 +33,7 @@ it), and its arena peaks (what the budget held at most while it was in flight).
             "packed_reads"},
      "prepare": {"prepacks", "prepack_ns", "materializations", "page_ins", "page_in_bytes",
                  "evictions", "shed", "slot_bytes_warmed"},
-     "runs": {"hot", "cold", "yields"},
+     "runs": {"hot", "cold", "yields", "reads_first"},
      "memory": {"arena_peaks": {"preparation", "prepared", "execution", "io"}, "global_peak"},
      "tasks": {KIND: {"tasks", "ran", "queue_wait_ns", "run_ns", "cpu_ns"}},
      "queues": {RESOURCE: {"tasks", "ran", "queue_wait_ns", "run_ns", "cpu_ns"}},
@@ -98,7 +98,8 @@ _SECTIONS: dict[str, tuple[tuple[str, str], ...]] = {
                 ("materializations", "materializations"), ("page_ins", "rematerializations"),
                 ("page_in_bytes", "rematerialized_bytes"),
                 ("evictions", "evictions"), ("shed", "shed"), ("slot_bytes_warmed", "slot_bytes_warmed")),
-    "runs": (("hot_runs", "hot_runs"), ("cold_runs", "cold_runs"), ("yields", "yields")),
+    "runs": (("hot_runs", "hot_runs"), ("cold_runs", "cold_runs"), ("yields", "yields"),
+             ("reads_first", "reads_first")),
     "kv": (("kv_appended_in_place", "kv_appended_in_place"), ("kv_copied", "kv_copied")),
     "intra_op": (("matmul_splits", "matmul_splits"), ("split_parts", "split_parts"),
                  ("runs_lending", "runs_lending"), ("chunks_by_helpers", "chunks_by_helpers"),
@@ -113,7 +114,7 @@ _UNSHOWN = (("packed_pmd_unknown", "packed_pmd_unknown"),)
 COUNTER_FIELDS: tuple[tuple[str, str], ...] = (*(p for ps in _SECTIONS.values() for p in ps), *_UNSHOWN)
 _NO_TASKS = TaskTotals()
 # The counters that are a run's own in its record (the rest is the session's, over the run)
-RUN_OWN = ("hot_runs", "cold_runs", "yields", *(c for _, c in _SECTIONS["kv"] + _SECTIONS["intra_op"]))
+RUN_OWN = ("hot_runs", "cold_runs", "yields", "reads_first", *(c for _, c in _SECTIONS["kv"] + _SECTIONS["intra_op"]))
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,7 @@ class RuntimeStats:
     hot_runs: int = 0
     cold_runs: int = 0
     yields: int = 0  # cold-path continuations that waited for a prepared object
+    reads_first: int = 0  # cold runs that waited for every object before their first step (run_loop.reads_first)
     # a run's ops
     kv_appended_in_place: int = 0
     kv_copied: int = 0
