@@ -38,7 +38,7 @@ try:
         matmul_nbits_parts,
         prepack_matmul_nbits,
     )
-    from onnx_prep.native.norm import NormResult, norm_rows, norm_rows_y
+    from onnx_prep.native.norm import NormResult, norm_rows, norm_rows_y, skip_norm_rows
     from onnx_prep.native.packed import PackedHeader, packed_header
     from onnx_prep.native.rotary import rotary_embedding
     from onnx_prep.native.stable_slot import GRANULE, StableSlot
@@ -79,6 +79,7 @@ __all__ = [
     "matmul_nbits_parts",
     "norm_rows",
     "norm_rows_y",
+    "skip_norm_rows",
     "NormResult",
     "packed_header",
     "prepack_gather_block_quantized",

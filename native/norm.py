@@ -69,6 +69,34 @@ def _plain(a, ndim: int) -> bool:
     return type(a) is np.ndarray and a.dtype == _F32 and a.ndim == ndim and a.flags.c_contiguous
 
 
+def skip_norm_rows(x: np.ndarray, skip: np.ndarray, gamma: np.ndarray, *, epsilon: float, simplified: bool,
+                   want_stats: bool) -> NormResult:
+    """``norm_rows(x, gamma, skip=skip, epsilon=epsilon, simplified=simplified,
+    want_sum=True, want_stats=want_stats)``: a decode step's Skip norm (the residual sum
+    comes back as ``sum``; no beta, no bias).
+
+    NOTE: as for :func:`norm_rows_y`: one C call and little else when x and skip are
+    C-contiguous float32 ``[rows, n]`` arrays of one shape and gamma a C-contiguous
+    float32 ``[n]`` (32 of these per medium-shaped decode step, where the general path's
+    conversions and checks cost more than the rows). The same C call: the same bits."""
+    n = x.shape[-1] if x.ndim else 0
+    if not (_plain(x, 2) and _plain(skip, 2) and skip.shape == x.shape and _plain(gamma, 1)
+            and gamma.shape[0] == n and x.shape[0] > 0):
+        return norm_rows(x, gamma, skip=skip, epsilon=epsilon, simplified=simplified, want_sum=True,
+                         want_stats=want_stats)
+    rows = x.shape[0]
+    y = np.empty_like(x)
+    total = np.empty_like(x)
+    mean = np.empty(rows, np.float32) if want_stats else None
+    inv = np.empty(rows, np.float32) if want_stats else None
+    check(lib.op_norm_rows(isa_id(None), ffi.from_buffer("float[]", x), ffi.from_buffer("float[]", skip), rows,
+                           ffi.NULL, ffi.from_buffer("float[]", gamma), ffi.NULL, rows, n, float(epsilon),
+                           1 if simplified else 0, ffi.from_buffer("float[]", y), ffi.from_buffer("float[]", total),
+                           ffi.NULL if mean is None else ffi.from_buffer("float[]", mean),
+                           ffi.NULL if inv is None else ffi.from_buffer("float[]", inv)), "norm_rows")
+    return NormResult(y, total, mean, inv)
+
+
 def norm_rows_y(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray | None, *, epsilon: float,
                 simplified: bool) -> np.ndarray:
     """``norm_rows(x, gamma, beta=beta, epsilon=epsilon, simplified=simplified).y``: the

@@ -177,6 +177,45 @@ def test_the_lean_call_takes_norm_rows_for_any_other_form():
         native.norm_rows_y(x[0], g, None, epsilon=1e-6, simplified=True)
 
 
+@given(shape=rows_n, simplified=st.booleans(), want_stats=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_the_decode_paths_lean_skip_call_gives_norm_rows_bits(shape, simplified, want_stats, seed):
+    """skip_norm_rows (the Skip ops' call without bias or beta) is norm_rows(...,
+    want_sum=True) bit for bit: y, the residual sum and the statistics."""
+    rng = np.random.default_rng(seed)
+    x, skip, g = _values(rng, shape), _values(rng, shape), _values(rng, shape[1])
+    got = native.skip_norm_rows(x, skip, g, epsilon=1e-5, simplified=simplified, want_stats=want_stats)
+    want = native.norm_rows(x, g, skip=skip, epsilon=1e-5, simplified=simplified, want_sum=True,
+                            want_stats=want_stats)
+    for a, b in zip(got, want):
+        if b is None:
+            assert a is None
+        else:
+            np.testing.assert_array_equal(a, b)
+
+
+def test_the_lean_skip_call_takes_norm_rows_for_any_other_form():
+    """A strided skip, a skip of fewer rows (repeated), float16 skip, or a gamma of the
+    wrong length go the general way: the same bits, or norm_rows' ValueError."""
+    rng = np.random.default_rng(8)
+    x, skip, g = _values(rng, (6, 64)), _values(rng, (6, 64)), _values(rng, 64)
+    strided = np.zeros((6, 128), np.float32)
+    strided[:, ::2] = skip
+    want = native.norm_rows(x, g, skip=skip, epsilon=1e-6, simplified=True, want_sum=True)
+    for got in (native.skip_norm_rows(x, strided[:, ::2], g, epsilon=1e-6, simplified=True, want_stats=False),):
+        np.testing.assert_array_equal(got.y, want.y)
+        np.testing.assert_array_equal(got.sum, want.sum)
+    few = skip[:2]
+    np.testing.assert_array_equal(
+        native.skip_norm_rows(x, few, g, epsilon=1e-6, simplified=False, want_stats=True).y,
+        native.norm_rows(x, g, skip=few, epsilon=1e-6, simplified=False, want_sum=True, want_stats=True).y)
+    half = skip.astype(np.float16)
+    np.testing.assert_array_equal(
+        native.skip_norm_rows(x, half, g, epsilon=1e-6, simplified=True, want_stats=False).sum,
+        native.norm_rows(x, g, skip=half, epsilon=1e-6, simplified=True, want_sum=True).sum)
+    with pytest.raises(ValueError, match="gamma"):
+        native.skip_norm_rows(x, skip, g[:63], epsilon=1e-6, simplified=True, want_stats=False)
+
+
 @pytest.mark.parametrize("op, simplified", [("simplified_layer_normalization", True),
                                               ("layer_normalization", False)])
 def test_a_single_output_norm_op_computes_what_norm_rows_does(op, simplified):

@@ -40,6 +40,21 @@ def _norm_rows(x2, gamma, beta, skip2, bias, eps, simplified, want_sum, want_sta
         return _norm_rows_numpy(x2, gamma, beta, skip2, bias, eps, simplified)
 
 
+_LEAN: list = []  # [native.skip_norm_rows or None], looked up on first use
+
+
+def _lean_skip_norm():
+    """``native.skip_norm_rows``, or None without the native module."""
+    if not _LEAN:
+        try:
+            from onnx_prep import native
+
+            _LEAN.append(native.skip_norm_rows)
+        except NativeError:
+            _LEAN.append(None)
+    return _LEAN[0]
+
+
 def _norm_y(x2, gamma, beta, eps, simplified):
     """Only ``y`` of ``_norm_rows`` without skip or bias (``native.norm_rows_y``: the
     decode step's lean call)."""
@@ -118,10 +133,17 @@ def _skip_norm(inputs, attrs, simplified: bool):
     rows = x.size // n if n else 0
     skip2 = np.asarray(skip).reshape(-1, n) if n else np.asarray(skip).reshape(0, 0)
     n_out = attrs.get(N_OUTPUTS, 4)  # the statistics and the sum only when asked for
-    y, total, mean, inv = _norm_rows(
-        x.astype(np.float32, copy=False).reshape(rows, n), _flat(gamma, n), _flat(beta, n),
-        skip2.astype(np.float32, copy=False), _flat(bias, n), float(attrs.get("epsilon", _DEFAULT_EPSILON)),
-        simplified, n_out > 3, n_out > 1)
+    eps = float(attrs.get("epsilon", _DEFAULT_EPSILON))
+    lean = _lean_skip_norm() if (beta is None and bias is None and n_out > 3 and rows and x.dtype == np.float32
+                                 and type(gamma) is np.ndarray and gamma.dtype == np.float32
+                                 and gamma.shape == (n,)) else None
+    if lean is not None:  # the decode step's form (the builder's residual stream): one lean call
+        y, total, mean, inv = lean(x.reshape(rows, n), skip2, gamma, epsilon=eps, simplified=simplified,
+                                   want_stats=True)
+    else:
+        y, total, mean, inv = _norm_rows(
+            x.astype(np.float32, copy=False).reshape(rows, n), _flat(gamma, n), _flat(beta, n),
+            skip2.astype(np.float32, copy=False), _flat(bias, n), eps, simplified, n_out > 3, n_out > 1)
     if n_out <= 1:
         return [y.reshape(x.shape).astype(x.dtype, copy=False)]
     stat_shape = x.shape[:-1] + (1,)
