@@ -231,8 +231,11 @@ def test_bench_cache_smoke(tmp_path):
         assert loads["none"]["packed_bytes"] == loads["build"]["packed_bytes"] == 0
         assert loads["cache"]["source_bytes"] < loads["none"]["source_bytes"] == loads["build"]["source_bytes"]
         assert loads["build"]["persisted_ms"] >= loads["build"]["first_output_ms"] > 0
+        # all-ready runs from the first run's start: the open comes before it
+        assert all(x["open_ms"] > 0 and x["all_ready_ms"] > 0 for x in loads.values())
+        assert all(x["first_output_ms"] > x["open_ms"] for x in loads.values())
         procs = doc["processes"][state]
-        assert set(procs) == {"none", "build", "cache"} | ({"ort", "ort-prepacked"} if have_ort else set())
+        assert set(procs) == {"none", "none-unverified", "build", "cache"} | ({"ort", "ort-prepacked"} if have_ort else set())
         assert all(xs[0]["spawn_to_exit_ms"] > 0 and xs[0]["peak_rss_mib"] > 0 for xs in procs.values())
     assert 0 < doc["zstd"]["ratio"] < 1.5 and doc["zstd"]["decode_gbps"] > 0
     assert sizes["cache_disk"] >= sizes["packed"] > 0
