@@ -324,7 +324,7 @@ uint64_t op_bench_read_streams(const uint8_t *p, size_t n, int streams);
 void op_bench_copy(uint8_t *dst, const uint8_t *src, size_t n);   /* memcpy */
 uint32_t op_bench_spin_wait(volatile uint32_t *flag, uint32_t value); /* spin until value or PARK */
 void op_bench_store(volatile uint32_t *flag, uint32_t value);     /* release store */
-/* ---- payload checksum (checksum.c): XXH64, streaming ---------------------------- */
+/* ---- payload checksum (checksum.c): XXH64, streaming (caches written before XXH3) - */
 typedef struct {
     uint64_t v[4];
     uint64_t total;
@@ -335,6 +335,23 @@ typedef struct {
 void op_xxh64_reset(op_xxh64_state *s, uint64_t seed);
 void op_xxh64_update(op_xxh64_state *s, const void *data, size_t n);
 uint64_t op_xxh64_digest(const op_xxh64_state *s);
+/* ---- payload checksum (checksum.c): XXH3-64 (seed 0, default secret), streaming -- */
+/* op_xxh3_reset picks the best ISA this CPU runs for the long-input loop;
+ * op_xxh3_set_isa forces one (OP_E_ISA where it cannot run). Every ISA gives the same
+ * value, the reference's, whatever the cut of the input into updates. */
+typedef struct {
+    uint64_t acc[8];
+    uint8_t buf[256];   /* the bytes not yet accumulated; buf[192..256) keeps the last
+                           stripe accumulated, for a final stripe that reaches back */
+    uint64_t total;
+    uint32_t buffered;
+    uint32_t in_block;  /* stripes accumulated in the current block (0..15) */
+    int isa;
+} op_xxh3_state;
+void op_xxh3_reset(op_xxh3_state *s);
+int op_xxh3_set_isa(op_xxh3_state *s, int isa);
+void op_xxh3_update(op_xxh3_state *s, const void *data, size_t n);
+uint64_t op_xxh3_digest(const op_xxh3_state *s);
 /* CDEF-END */
 
 #endif

@@ -55,11 +55,14 @@ def test_golden_bytes_pin_the_writer(cache):
     assert [(e.key, e.offset, e.length) for e in m.entries] == [
         ("P:a|int4mm.v1.bs32|cpu", 0, 5000), ("P:b|int4mm.v1.bs32|cpu", 8192, 100)]
     assert m.entries[0].payload_digest == payload_digest_of(np.arange(5000, dtype=np.uint8))
-    assert m.entries[0].payload_digest.startswith("xxh64:")
+    assert [e.payload_digest for e in m.entries] == ["xxh3:1b74bda2c82a8c7a", "xxh3:8d386492dd512dcd"]
+    assert m.format_version == mf.CACHE_FORMAT_VERSION == 3
     assert sorted(os.listdir(folder)) == ["m.prepared.g1.data", "m.prepared.lock", "m.prepared.onnx"]
 
 
-GOLDEN_MANIFEST = "6e72a43623c6b3f4d34683fc9e551fe975f3e7d1d77ae4100b727feae8f8d10f"
+# Version 3 (xxh3 payload digests); the same manifest at version 2 with xxh64 digests
+# was 6e72a43623c6b3f4d34683fc9e551fe975f3e7d1d77ae4100b727feae8f8d10f.
+GOLDEN_MANIFEST = "cc2a3ec331aa89a4b55394ebd9a6272e9e982dfe73042dce4d7a095228cc2706"
 GOLDEN_PAYLOAD = "15c087254e06f1136d1ec04144eec9de5db55e3991d8272b4589e71dc25350a3"
 
 
@@ -79,7 +82,7 @@ def _t(m, i=0):
 
 # each case: (reason, a change to the parsed manifest)
 CASES = {
-    "format_version": lambda m: setattr(_prop(m.metadata_props, mf.META_FORMAT), "value", "3"),
+    "format_version": lambda m: setattr(_prop(m.metadata_props, mf.META_FORMAT), "value", "4"),
     "missing_field": lambda m: m.metadata_props.remove(_prop(m.metadata_props, mf.META_GENERATION)),
     "bad_number:space": lambda m: setattr(_prop(m.metadata_props, mf.META_GENERATION), "value", " 1"),
     "bad_number:arabic": lambda m: setattr(_prop(_t(m).external_data, "offset"), "value", "\u0660"),

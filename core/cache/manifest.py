@@ -33,10 +33,11 @@ __all__ = [
     "read_manifest",
 ]
 
-CACHE_FORMAT_VERSION = 2  # the container's version (model metadata); entries carry the packed format's
-# Versions this reader reads: 1 differs from 2 only in its payload digests (sha256; 2
-# writes xxh64, payload_digest.py), which the reader checks in either algorithm.
-READABLE_VERSIONS = (1, 2)
+CACHE_FORMAT_VERSION = 3  # the container's version (model metadata); entries carry the packed format's
+# Versions this reader reads: they differ only in the payload digests their writer made
+# (1 sha256, 2 xxh64, 3 xxh3; payload_digest.py), which the reader checks in the
+# algorithm each digest names, so an entry kept from an older cache keeps its digest.
+READABLE_VERSIONS = (1, 2, 3)
 ALIGNMENT = 4096  # every payload starts on a 4 KiB boundary: it can be read straight into its slot
 # The writer starts each plain (not compressed) payload of at least this size on a
 # boundary of it: mapped at its slot (which starts on one), its whole 2 MiB units can be
@@ -110,7 +111,7 @@ class CacheEntry:
     file: str
     offset: int
     length: int
-    payload_digest: str  # xxh64 (or sha256) of the stored bytes: payload_digest.py
+    payload_digest: str  # xxh3 (or xxh64, sha256) of the stored bytes: payload_digest.py
     lineage_digest: str
     source_lineage: tuple[str, ...]
     layout: str
@@ -311,7 +312,8 @@ def _payload_digest_field(props: Mapping[str, str], where: Where) -> str:
     value = _required(props, T_PAYLOAD_DIGEST, where, "metadata_props")
     if not PAYLOAD_DIGEST.match(value):
         raise CacheFormatError("bad_digest", f"metadata_props {T_PAYLOAD_DIGEST!r} is not "
-                               "xxh64:<16 hex digits> or sha256:<64 hex digits>", where)
+                               "xxh3:<16 hex digits>, xxh64:<16 hex digits> or sha256:<64 hex digits>",
+                               where)
     return value
 
 
