@@ -47,6 +47,26 @@ def test_build_then_rebuild_nothing_records_validate(model):
     assert "up to date" in text and "nothing written" in text
 
 
+def test_build_cache_writes_xxh3_payload_digests(model):
+    from onnx_prep.core.cache.manifest import read_manifest
+
+    try:
+        import xxhash  # the reference, where present
+    except ImportError:
+        xxhash = None
+    built = json.loads(cli("build-cache", model, "--json").stdout)
+    m = read_manifest(Path(built["cache"]))
+    assert m.format_version == 3 and len(m.entries) == built["objects"] > 0
+    for e in m.entries:
+        with open(model.parent / e.file, "rb") as f:
+            f.seek(e.offset)
+            stored = f.read(e.length)
+        algorithm, hexdigits = e.payload_digest.split(":")
+        assert algorithm == "xxh3" and len(hexdigits) == 16, e.key
+        if xxhash is not None:
+            assert int(hexdigits, 16) == xxhash.xxh3_64_intdigest(stored), e.key
+
+
 def test_run_records_the_cache_it_used(model):
     jsonschema = pytest.importorskip("jsonschema")
     built = json.loads(cli("run", model, "--tokens", "3", "--json", "--cache-policy", "build-if-missing").stdout)
