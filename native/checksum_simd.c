@@ -8,6 +8,10 @@
 #include <immintrin.h>
 
 #define PREFETCH_AHEAD 512 /* bytes: a few stripes ahead of the loads */
+/* 32-bit lane moves within each 128 bits: the high half of each 64-bit lane to its low
+ * half, and the two 64-bit lanes swapped */
+#define HI_TO_LO _MM_SHUFFLE(0, 3, 0, 1)
+#define SWAP64 _MM_SHUFFLE(1, 0, 3, 2)
 
 #pragma GCC push_options
 #pragma GCC target("avx2")
@@ -15,15 +19,15 @@
 /* acc += swap64(d) + lo32(d ^ k) * hi32(d ^ k), per 64-bit lane */
 static inline __m256i acc_avx2(__m256i acc, __m256i d, __m256i k) {
     const __m256i dk = _mm256_xor_si256(d, k);
-    const __m256i prod = _mm256_mul_epu32(dk, _mm256_shuffle_epi32(dk, _MM_SHUFFLE(0, 3, 0, 1)));
-    return _mm256_add_epi64(prod, _mm256_add_epi64(acc, _mm256_shuffle_epi32(d, _MM_SHUFFLE(1, 0, 3, 2))));
+    const __m256i prod = _mm256_mul_epu32(dk, _mm256_shuffle_epi32(dk, HI_TO_LO));
+    return _mm256_add_epi64(prod, _mm256_add_epi64(acc, _mm256_shuffle_epi32(d, SWAP64)));
 }
 
 /* acc = ((acc ^ (acc >> 47)) ^ k) * PRIME32_1, the 64-bit product from two 32x32 ones */
 static inline __m256i scramble_avx2(__m256i acc, __m256i k, __m256i prime) {
     const __m256i dk = _mm256_xor_si256(_mm256_xor_si256(acc, _mm256_srli_epi64(acc, 47)), k);
     const __m256i lo = _mm256_mul_epu32(dk, prime);
-    const __m256i hi = _mm256_mul_epu32(_mm256_shuffle_epi32(dk, _MM_SHUFFLE(0, 3, 0, 1)), prime);
+    const __m256i hi = _mm256_mul_epu32(_mm256_shuffle_epi32(dk, HI_TO_LO), prime);
     return _mm256_add_epi64(lo, _mm256_slli_epi64(hi, 32));
 }
 
@@ -62,15 +66,14 @@ const op_xxh3_table op_xxh3_avx2 = {OP_KERNEL_AVX2, stripes_avx2};
 
 static inline __m512i acc_avx512(__m512i acc, __m512i d, __m512i k) {
     const __m512i dk = _mm512_xor_si512(d, k);
-    const __m512i prod = _mm512_mul_epu32(dk, _mm512_shuffle_epi32(dk, (_MM_PERM_ENUM)_MM_SHUFFLE(0, 3, 0, 1)));
-    return _mm512_add_epi64(prod,
-                            _mm512_add_epi64(acc, _mm512_shuffle_epi32(d, (_MM_PERM_ENUM)_MM_SHUFFLE(1, 0, 3, 2))));
+    const __m512i prod = _mm512_mul_epu32(dk, _mm512_shuffle_epi32(dk, (_MM_PERM_ENUM)HI_TO_LO));
+    return _mm512_add_epi64(prod, _mm512_add_epi64(acc, _mm512_shuffle_epi32(d, (_MM_PERM_ENUM)SWAP64)));
 }
 
 static inline __m512i scramble_avx512(__m512i acc, __m512i k, __m512i prime) {
     const __m512i dk = _mm512_xor_si512(_mm512_xor_si512(acc, _mm512_srli_epi64(acc, 47)), k);
     const __m512i lo = _mm512_mul_epu32(dk, prime);
-    const __m512i hi = _mm512_mul_epu32(_mm512_shuffle_epi32(dk, (_MM_PERM_ENUM)_MM_SHUFFLE(0, 3, 0, 1)), prime);
+    const __m512i hi = _mm512_mul_epu32(_mm512_shuffle_epi32(dk, (_MM_PERM_ENUM)HI_TO_LO), prime);
     return _mm512_add_epi64(lo, _mm512_slli_epi64(hi, 32));
 }
 

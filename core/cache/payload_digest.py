@@ -16,8 +16,9 @@ digests of the sources (lineage.py).
 NOTE: why XXH3 rather than XXH64: checking the digests is most of what a load from the
 cache costs once its payloads are mapped, and XXH3's long-input loop runs on SIMD
 lanes (AVX2, AVX-512; native/checksum_simd.c) where XXH64 is one multiply chain per
-lane: over the 582 MiB medium cache file, mapped fresh, 2 threads, XXH64 took 25 ms and
-XXH3 18.5 ms (1 thread: 34 vs 22 ms); scripts/bench_checksum.py prints the rates here.
+lane: over the 582 MiB medium cache file, mapped fresh, 2 threads (the reference's code,
+the `xxhash` package), XXH64 took 25 ms and XXH3 18.5 ms (1 thread: 34 vs 22 ms);
+scripts/bench_checksum.py prints the rates of this module's three algorithms.
 """
 from __future__ import annotations
 
