@@ -309,13 +309,13 @@ int op_xxh3_set_isa(op_xxh3_state *s, int isa) {
  * when fewer than 64 bytes follow it. */
 void op_xxh3_update(op_xxh3_state *s, const void *data, size_t n) {
     const uint8_t *p = (const uint8_t *)data;
+    op_ran(OP_KERNEL_NONE); /* the stripe loop records its code, if it runs */
     s->total += n;
     if (s->buffered + n <= XXH3_BUF) {
         if (n) memcpy(s->buf + s->buffered, p, n);
         s->buffered += (uint32_t)n;
         return;
     }
-    op_ran(OP_KERNEL_NONE);
     const op_xxh3_table *t = xxh3_table(s->isa);
     if (s->buffered) {
         size_t take = XXH3_BUF - s->buffered;

@@ -130,7 +130,8 @@ def isa_id(isa: str | None) -> int:
 
 def last_kernel() -> str | None:
     """The kernel code that computed the last kernel call (matmul, gemm, gather,
-    prepack, erf) made on the calling thread: one of :data:`KERNEL_CODES`, or None when
+    prepack, erf, norm, rotary, the payload checksum's XXH3 update) made on the calling
+    thread: one of :data:`KERNEL_CODES`, or None when
     that call computed nothing (an error, an empty column range) or there was none.
 
     Written by the kernels themselves, not by the dispatcher, so it shows which table

@@ -144,6 +144,8 @@ def test_each_isa_runs_its_own_stripe_loop(isa, monkeypatch):
     monkeypatch.setenv("ONNX_PREP_ISA", isa)  # the kernels' default: the runtime's way
     assert xxh3(data) == want
     assert native.last_kernel() == isa
+    xxh3(data[:100], isa)  # short: buffered, then the short path in the digest
+    assert native.last_kernel() is None
 
 
 def test_a_hasher_refuses_an_isa_it_cannot_run():
