@@ -5,8 +5,11 @@
  * computes the outputs of the num_heads / kv_num_heads query heads that read it. Per
  * query row: rotate q, scores = scale * q.k over the causal span, a max-subtracted
  * softmax, out = sum p * v. With an additive mask (op_gqa_params.mask) a query row
- * weighs every key of its row's total length, the mask added to its score. The dot products and the weighted sum go through the ISA's
- * op_attn_table (attention_simd.c); everything else is portable C shared by all ISAs.
+ * weighs every key of its row's total length, the mask added to its score. The row's
+ * scores, its softmax and its weighted sum go through the ISA's op_attn_table (one call
+ * each per query row; attention_simd.c); everything else is portable C shared by all
+ * ISAs. The scalar table below is the reference the SIMD tables are tested against:
+ * plain loops and libm's expf.
  *
  * NOTE: a padding row of a first prompt (s >= total_b: rows of different lengths in one
  * batch) attends to the row's total_b positions, as ONNX Runtime's does (its causal
@@ -23,11 +26,35 @@ static float dot_scalar(const float *a, const float *b, size_t n) {
     return s;
 }
 
-static void axpy_scalar(float *y, float a, const float *x, size_t n) {
-    for (size_t i = 0; i < n; i++) y[i] += a * x[i];
+static float scores_scalar(const float *q, const float *k, size_t h, size_t n, float scale, const float *mask,
+                           float *scores) {
+    float mx = -INFINITY;
+    for (size_t i = 0; i < n; i++) {
+        scores[i] = scale * dot_scalar(q, k + i * h, h);
+        if (mask) scores[i] += mask[i];
+        if (scores[i] > mx) mx = scores[i];
+    }
+    return mx;
 }
 
-const op_attn_table op_attn_scalar = {dot_scalar, axpy_scalar, OP_KERNEL_SCALAR};
+static float softmax_scalar(float *scores, size_t n, float max) {
+    float sum = 0.0f;
+    for (size_t i = 0; i < n; i++) {
+        scores[i] = expf(scores[i] - max);
+        sum += scores[i];
+    }
+    return sum;
+}
+
+static void weighted_sum_scalar(float *o, const float *p, float w, const float *v, size_t h, size_t n) {
+    memset(o, 0, h * sizeof(float));
+    for (size_t i = 0; i < n; i++) {
+        const float a = p[i] * w;
+        for (size_t j = 0; j < h; j++) o[j] += a * v[i * h + j];
+    }
+}
+
+const op_attn_table op_attn_scalar = {scores_scalar, softmax_scalar, weighted_sum_scalar, OP_KERNEL_SCALAR};
 
 static const op_attn_table *attn_table(int isa, int *status) {
     if (!op_isa_supported(isa)) {
@@ -120,26 +147,14 @@ static void unit(const op_attn_table *t, const op_gqa_params *p, const float *qu
             }
             const float *m = p->mask ? p->mask + b * p->mask_b + h * p->mask_h + s * p->mask_s : NULL;
             const int64_t span = m ? total : past + s + 1 < total ? past + s + 1 : total;
-            float mx = -INFINITY;
-            for (int64_t i = 0; i < span; i++) {
-                scores[i] = p->scale * t->dot(qs, pk + i * H, (size_t)H);
-                if (m) scores[i] += m[i];
-                if (scores[i] > mx) mx = scores[i];
-            }
-            float sum = 0.0f;
-            for (int64_t i = 0; i < span; i++) {
-                scores[i] = expf(scores[i] - mx);
-                sum += scores[i];
-            }
-            const float inv = 1.0f / sum;
+            const float mx = t->scores(qs, pk, (size_t)H, (size_t)span, p->scale, m, scores);
+            const float sum = t->softmax(scores, (size_t)span, mx);
             float *o = out + ((b * S + s) * N + h) * H;
-            memset(o, 0, row_bytes);
             if (m && !(sum >= 1.0f && sum <= (float)span)) {  /* a NaN row (see the header) */
-                if (!p->nan_to_zero)
-                    for (int64_t i = 0; i < H; i++) o[i] = NAN;
+                for (int64_t i = 0; i < H; i++) o[i] = p->nan_to_zero ? 0.0f : NAN;
                 continue;
             }
-            for (int64_t i = 0; i < span; i++) t->axpy(o, scores[i] * inv, pv + i * H, (size_t)H);
+            t->weighted_sum(o, scores, 1.0f / sum, pv, (size_t)H, (size_t)span);
         }
     }
 }

@@ -1,71 +1,275 @@
-/* The attention kernel's vector primitives (attention.h) for AVX2 + FMA and AVX-512:
- * dot products with four independent accumulators, the weighted sum as one FMA per
- * element. Each ISA's code is enabled for its own section with `#pragma GCC target`
- * (push / pop), never a global -m flag. Head sizes need not be a multiple of the
- * vector width: the tails run the scalar loop. */
+/* The attention kernel's row primitives (attention.h) for AVX2 + FMA and AVX-512.
+ *
+ * Scores: a block of keys at a time (8 on AVX2, 16 on AVX-512), one accumulator
+ * register per key over the head size, the accumulators then folded into one register
+ * of the block's dot products (a transpose-and-add tree), scaled, masked and stored
+ * with one vector op each; keys past n in the last block repeat key n - 1 and are not
+ * stored. Softmax: a vector exp (below) over the row. Weighted sum: up to four vectors
+ * of the output in registers, one pass over the keys per four vectors, one FMA per
+ * element. Head-size tails run under masks, so any head size takes the vector path.
+ *
+ * The vector exp: n = round(x log2 e), r = x - n ln 2 (ln 2 in two parts), exp(r) by
+ * Cephes' degree-6 polynomial (within ~1 ulp of expf), times 2^n. Arguments are
+ * clamped to [-110, 0] (softmax's are <= 0; the clamps keep NaN): -inf and anything
+ * below ~-103.9 give 0, results in expf's subnormal range are rounded once as expf's
+ * (2^n applied as 2^(n + 64) then 2^-64 on AVX2, by scalef on AVX-512), NaN stays NaN
+ * (unit()'s NaN-row rule reads it in the sum).
+ *
+ * NOTE: each ISA's code is enabled for its own section with `#pragma GCC target`
+ * (push / pop), never a global -m flag. */
+#include <math.h>
 #include "attention.h"
 
 #if OP_SIMD
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
 #include <immintrin.h>
 
-static float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+#define EXP_LO (-110.0f)
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693359375f
+#define EXP_LN2_LO (-2.12194440e-4f)
+#define EXP_P0 1.9875691500e-4f
+#define EXP_P1 1.3981999507e-3f
+#define EXP_P2 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P4 1.6666665459e-1f
+#define EXP_P5 5.0000001201e-1f
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+static inline __m256i avx2_lanes(size_t left) {  /* lanes < left set */
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(left > 8 ? 8 : left)), lane);
+}
+
+static inline __m256 exp_avx2(__m256 x) {
+    x = _mm256_min_ps(_mm256_setzero_ps(), _mm256_max_ps(_mm256_set1_ps(EXP_LO), x));  /* NaN: x */
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), r);
+    __m256 y = _mm256_set1_ps(EXP_P0);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P1));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P2));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P3));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P4));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P5));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    /* n in [-159, 0]: 2^(n + 64) is a normal float; the product with 2^-64 rounds once. */
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127 + 64)), 23);
+    return _mm256_mul_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), _mm256_set1_ps(0x1p-64f));
+}
+
+/* The 8 sums of a[0..7] in one register, in order. */
+static inline __m256 fold8_avx2(const __m256 a[8]) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+static float scores_avx2(const float *q, const float *k, size_t h, size_t n, float scale, const float *mask,
+                         float *scores) {
+    const __m256 vscale = _mm256_set1_ps(scale);
+    const __m256i tail = avx2_lanes(h % 8);
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (size_t i0 = 0; i0 < n; i0 += 8) {
+        const float *kr[8];
+        for (int r = 0; r < 8; r++) kr[r] = k + (i0 + (size_t)r < n ? i0 + (size_t)r : n - 1) * h;
+        __m256 acc[8];
+        for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
+        size_t j = 0;
+        for (; j + 8 <= h; j += 8) {
+            const __m256 qv = _mm256_loadu_ps(q + j);
+            for (int r = 0; r < 8; r++) acc[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[r] + j), acc[r]);
+        }
+        if (j < h) {
+            const __m256 qv = _mm256_maskload_ps(q + j, tail);
+            for (int r = 0; r < 8; r++) acc[r] = _mm256_fmadd_ps(qv, _mm256_maskload_ps(kr[r] + j, tail), acc[r]);
+        }
+        const __m256i valid = avx2_lanes(n - i0);
+        __m256 s = _mm256_mul_ps(vscale, fold8_avx2(acc));
+        if (mask) s = _mm256_add_ps(s, _mm256_maskload_ps(mask + i0, valid));
+        _mm256_maskstore_ps(scores + i0, valid, s);
+        s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, _mm256_castsi256_ps(valid));
+        mx = _mm256_max_ps(s, mx);  /* a NaN score: mx kept */
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+static float softmax_avx2(float *scores, size_t n, float max) {
+    const __m256 vmax = _mm256_set1_ps(max);
+    __m256 sum = _mm256_setzero_ps();
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(scores + i), vmax));
+        _mm256_storeu_ps(scores + i, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    if (i < n) {
+        const __m256i valid = avx2_lanes(n - i);
+        const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_maskload_ps(scores + i, valid), vmax));
+        _mm256_maskstore_ps(scores + i, valid, e);
+        sum = _mm256_add_ps(sum, _mm256_and_ps(e, _mm256_castsi256_ps(valid)));
+    }
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
 
-static float dot_avx2(const float *a, const float *b, size_t n) {
+/* o[j0 .. j0 + 8 nv) (the last vector's lanes under `tail`) over every key. */
+static inline __attribute__((always_inline)) void wsum_block_avx2(float *o, const float *p, float w, const float *v,
+                                                                  size_t h, size_t n, size_t j0, int nv,
+                                                                  __m256i tail) {
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    size_t i = 0;
-    for (; i + 32 <= n; i += 32)
-        for (int r = 0; r < 4; r++)
-            acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * r), _mm256_loadu_ps(b + i + 8 * r), acc[r]);
-    for (; i + 8 <= n; i += 8) acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc[0]);
-    float s = hsum256(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
+    for (size_t i = 0; i < n; i++) {
+        const __m256 a = _mm256_set1_ps(p[i] * w);
+        const float *vi = v + i * h + j0;
+        for (int r = 0; r < nv; r++) {
+            const __m256 x = r == nv - 1 ? _mm256_maskload_ps(vi + 8 * r, tail) : _mm256_loadu_ps(vi + 8 * r);
+            acc[r] = _mm256_fmadd_ps(a, x, acc[r]);
+        }
+    }
+    for (int r = 0; r < nv; r++) {
+        if (r == nv - 1)
+            _mm256_maskstore_ps(o + j0 + 8 * r, tail, acc[r]);
+        else
+            _mm256_storeu_ps(o + j0 + 8 * r, acc[r]);
+    }
 }
 
-static void axpy_avx2(float *y, float a, const float *x, size_t n) {
-    const __m256 va = _mm256_set1_ps(a);
-    size_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-    for (; i < n; i++) y[i] += a * x[i];
+static void weighted_sum_avx2(float *o, const float *p, float w, const float *v, size_t h, size_t n) {
+    for (size_t j0 = 0; j0 < h; j0 += 32) {
+        const size_t left = h - j0;
+        const int nv = left >= 32 ? 4 : (int)((left + 7) / 8);
+        const __m256i tail = avx2_lanes(left - 8 * (size_t)(nv - 1));
+        switch (nv) {
+        case 4: wsum_block_avx2(o, p, w, v, h, n, j0, 4, tail); break;
+        case 3: wsum_block_avx2(o, p, w, v, h, n, j0, 3, tail); break;
+        case 2: wsum_block_avx2(o, p, w, v, h, n, j0, 2, tail); break;
+        default: wsum_block_avx2(o, p, w, v, h, n, j0, 1, tail); break;
+        }
+    }
 }
 
-const op_attn_table op_attn_avx2 = {dot_avx2, axpy_avx2, OP_KERNEL_AVX2};
+const op_attn_table op_attn_avx2 = {scores_avx2, softmax_avx2, weighted_sum_avx2, OP_KERNEL_AVX2};
 #pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")
 
-static float dot_avx512(const float *a, const float *b, size_t n) {
+static inline __mmask16 avx512_lanes(size_t left) { return (__mmask16)(left >= 16 ? 0xFFFFu : (1u << left) - 1u); }
+
+static inline __m512 exp_avx512(__m512 x) {
+    x = _mm512_min_ps(_mm512_setzero_ps(), _mm512_max_ps(_mm512_set1_ps(EXP_LO), x));  /* NaN: x */
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
+    __m512 y = _mm512_set1_ps(EXP_P0);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P1));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P2));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P3));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P4));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P5));
+    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
+}
+
+/* Accumulator r of a 16-key block holds key kt(r) (a 4 x 4 transpose), so that the fold
+ * below leaves key i's sum in lane i. */
+static inline int kt(int r) { return (r % 4) * 4 + r / 4; }
+
+/* Lane 4 L + s of the result: the sum of a[4 s + L]. */
+static inline __m512 fold16_avx512(const __m512 a[16]) {
+    __m512 x[8], y[4], z[2];
+    for (int r = 0; r < 8; r++)
+        x[r] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * r], a[2 * r + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * r], a[2 * r + 1], 0xEE));
+    for (int r = 0; r < 4; r++)
+        y[r] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * r], x[2 * r + 1], 0x88),
+                             _mm512_shuffle_f32x4(x[2 * r], x[2 * r + 1], 0xDD));
+    for (int r = 0; r < 2; r++)
+        z[r] = _mm512_add_ps(_mm512_unpacklo_ps(y[2 * r], y[2 * r + 1]), _mm512_unpackhi_ps(y[2 * r], y[2 * r + 1]));
+    const __m512d z0 = _mm512_castps_pd(z[0]), z1 = _mm512_castps_pd(z[1]);
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(z0, z1)), _mm512_castpd_ps(_mm512_unpackhi_pd(z0, z1)));
+}
+
+static float scores_avx512(const float *q, const float *k, size_t h, size_t n, float scale, const float *mask,
+                           float *scores) {
+    const __m512 vscale = _mm512_set1_ps(scale);
+    const __mmask16 tail = avx512_lanes(h % 16);
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (size_t i0 = 0; i0 < n; i0 += 16) {
+        const float *kr[16];
+        for (int r = 0; r < 16; r++) {
+            const size_t i = i0 + (size_t)kt(r);
+            kr[r] = k + (i < n ? i : n - 1) * h;
+        }
+        __m512 acc[16];
+        for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+        size_t j = 0;
+        for (; j + 16 <= h; j += 16) {
+            const __m512 qv = _mm512_loadu_ps(q + j);
+            for (int r = 0; r < 16; r++) acc[r] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kr[r] + j), acc[r]);
+        }
+        if (j < h) {
+            const __m512 qv = _mm512_maskz_loadu_ps(tail, q + j);
+            for (int r = 0; r < 16; r++) acc[r] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(tail, kr[r] + j), acc[r]);
+        }
+        const __mmask16 valid = avx512_lanes(n - i0);
+        __m512 s = _mm512_mul_ps(vscale, fold16_avx512(acc));
+        if (mask) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(valid, mask + i0));
+        _mm512_mask_storeu_ps(scores + i0, valid, s);
+        mx = _mm512_mask_max_ps(mx, valid, s, mx);  /* a NaN score: mx kept */
+    }
+    return _mm512_reduce_max_ps(mx);
+}
+
+static float softmax_avx512(float *scores, size_t n, float max) {
+    const __m512 vmax = _mm512_set1_ps(max);
+    __m512 sum = _mm512_setzero_ps();
+    for (size_t i = 0; i < n; i += 16) {
+        const __mmask16 valid = avx512_lanes(n - i);
+        const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, scores + i), vmax));
+        _mm512_mask_storeu_ps(scores + i, valid, e);
+        sum = _mm512_mask_add_ps(sum, valid, sum, e);
+    }
+    return _mm512_reduce_add_ps(sum);
+}
+
+/* o[j0 .. j0 + 16 nv) (the last vector's lanes under `tail`) over every key. */
+static inline __attribute__((always_inline)) void wsum_block_avx512(float *o, const float *p, float w,
+                                                                    const float *v, size_t h, size_t n, size_t j0,
+                                                                    int nv, __mmask16 tail) {
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    size_t i = 0;
-    for (; i + 64 <= n; i += 64)
-        for (int r = 0; r < 4; r++)
-            acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16 * r), _mm512_loadu_ps(b + i + 16 * r), acc[r]);
-    for (; i + 16 <= n; i += 16) acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc[0]);
-    if (i < n) {  /* the tail under a mask */
-        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
-        acc[1] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc[1]);
+    for (size_t i = 0; i < n; i++) {
+        const __m512 a = _mm512_set1_ps(p[i] * w);
+        const float *vi = v + i * h + j0;
+        for (int r = 0; r < nv; r++)
+            acc[r] = _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(r == nv - 1 ? tail : 0xFFFF, vi + 16 * r), acc[r]);
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+    for (int r = 0; r < nv; r++) _mm512_mask_storeu_ps(o + j0 + 16 * r, r == nv - 1 ? tail : 0xFFFF, acc[r]);
 }
 
-static void axpy_avx512(float *y, float a, const float *x, size_t n) {
-    const __m512 va = _mm512_set1_ps(a);
-    size_t i = 0;
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
-    if (i < n) {
-        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
-        _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(va, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i)));
+static void weighted_sum_avx512(float *o, const float *p, float w, const float *v, size_t h, size_t n) {
+    for (size_t j0 = 0; j0 < h; j0 += 64) {
+        const size_t left = h - j0;
+        const int nv = left >= 64 ? 4 : (int)((left + 15) / 16);
+        const __mmask16 tail = avx512_lanes(left - 16 * (size_t)(nv - 1));
+        switch (nv) {
+        case 4: wsum_block_avx512(o, p, w, v, h, n, j0, 4, tail); break;
+        case 3: wsum_block_avx512(o, p, w, v, h, n, j0, 3, tail); break;
+        case 2: wsum_block_avx512(o, p, w, v, h, n, j0, 2, tail); break;
+        default: wsum_block_avx512(o, p, w, v, h, n, j0, 1, tail); break;
+        }
     }
 }
 
-const op_attn_table op_attn_avx512 = {dot_avx512, axpy_avx512, OP_KERNEL_AVX512};
+const op_attn_table op_attn_avx512 = {scores_avx512, softmax_avx512, weighted_sum_avx512, OP_KERNEL_AVX512};
 #pragma GCC pop_options
 #endif

@@ -36,7 +36,8 @@ KEY_ATOL = 1e-6
 # fp16 inputs: both compute in fp32 and round once to fp16; fp32 results ~1e-6 apart can
 # round to neighbouring fp16 values: one ulp (2^-10 for |x| in [1, 2); outputs are < 2).
 F16_ATOL = 2.0 ** -10
-# ISA paths against the scalar twin: the same products summed in another order.
+# ISA paths against the scalar twin: the same products summed in another order, and a
+# vector exp within ~1 ulp of the twin's expf (tests/test_attention_simd.py).
 ISA_ATOL, ISA_RTOL = 1e-5, 1e-5
 
 
