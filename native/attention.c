@@ -7,7 +7,8 @@
  * softmax, out = sum p * v. With an additive mask (op_gqa_params.mask) a query row
  * weighs every key of its row's total length, the mask added to its score. The row's
  * scores, its softmax and its weighted sum go through the ISA's op_attn_table (one call
- * each per query row; attention_simd.c); everything else is portable C shared by all
+ * each per query row, or per group of OP_ATTN_ROWS query heads of one kv head where the
+ * table has row groups; attention_simd.c); everything else is portable C shared by all
  * ISAs. The scalar table below is the reference the SIMD tables are tested against:
  * plain loops and libm's expf.
  *
@@ -54,7 +55,7 @@ static void weighted_sum_scalar(float *o, const float *p, float w, const float *
     }
 }
 
-const op_attn_table op_attn_scalar = {scores_scalar, softmax_scalar, weighted_sum_scalar, OP_KERNEL_SCALAR};
+const op_attn_table op_attn_scalar = {scores_scalar, softmax_scalar, weighted_sum_scalar, NULL, NULL, OP_KERNEL_SCALAR};
 
 static const op_attn_table *attn_table(int isa, int *status) {
     if (!op_isa_supported(isa)) {
@@ -136,25 +137,44 @@ static void unit(const op_attn_table *t, const op_gqa_params *p, const float *qu
             memcpy(pk + (past + s) * H, k, row_bytes);
         memcpy(pv + (past + s) * H, v, row_bytes);
     }
-    float *q = scratch, *scores = scratch + H;
-    for (int64_t g = 0; g < G; g++) {
-        const int64_t h = j * G + g;
-        for (int64_t s = 0; s < S; s++) {
-            const float *qs = query + ((b * S + s) * N + h) * H;
-            if (p->rotary_dim > 0) {
-                rotate(p, cos_cache, sin_cache, past + s, qs, q);
-                qs = q;
+    /* The query rows of one position s that read this kv head weigh the same keys: up to
+     * OP_ATTN_ROWS of them go through a table's row-group entries at once (each key and
+     * value read once for the group), else one at a time. */
+    const int64_t R = t->scores_rows ? OP_ATTN_ROWS : 1;
+    for (int64_t s = 0; s < S; s++) {
+        const int64_t span0 = past + s + 1 < total ? past + s + 1 : total;
+        const size_t span = (size_t)(p->mask ? total : span0);
+        for (int64_t g0 = 0; g0 < G; g0 += R) {
+            const int64_t rows = G - g0 < R ? G - g0 : R;
+            const float *qs[OP_ATTN_ROWS], *m[OP_ATTN_ROWS];
+            float *sc[OP_ATTN_ROWS], *o[OP_ATTN_ROWS], mx[OP_ATTN_ROWS], w[OP_ATTN_ROWS];
+            for (int64_t r = 0; r < OP_ATTN_ROWS; r++) {
+                const int64_t h = j * G + g0 + (r < rows ? r : rows - 1);  /* past `rows`: the last again */
+                qs[r] = query + ((b * S + s) * N + h) * H;
+                if (p->rotary_dim > 0 && r < rows) rotate(p, cos_cache, sin_cache, past + s, qs[r], scratch + r * H);
+                if (p->rotary_dim > 0) qs[r] = scratch + (r < rows ? r : rows - 1) * H;
+                m[r] = p->mask ? p->mask + b * p->mask_b + h * p->mask_h + s * p->mask_s : NULL;
+                sc[r] = scratch + OP_ATTN_ROWS * H + (r < rows ? r : rows - 1) * p->present_len;
+                o[r] = out + ((b * S + s) * N + h) * H;
             }
-            const float *m = p->mask ? p->mask + b * p->mask_b + h * p->mask_h + s * p->mask_s : NULL;
-            const int64_t span = m ? total : past + s + 1 < total ? past + s + 1 : total;
-            const float mx = t->scores(qs, pk, (size_t)H, (size_t)span, p->scale, m, scores);
-            const float sum = t->softmax(scores, (size_t)span, mx);
-            float *o = out + ((b * S + s) * N + h) * H;
-            if (m && !(sum >= 1.0f && sum <= (float)span)) {  /* a NaN row (see the header) */
-                for (int64_t i = 0; i < H; i++) o[i] = p->nan_to_zero ? 0.0f : NAN;
-                continue;
+            if (rows > 1)
+                t->scores_rows(qs, pk, (size_t)H, span, p->scale, p->mask ? m : NULL, sc, mx);
+            else
+                mx[0] = t->scores(qs[0], pk, (size_t)H, span, p->scale, m[0], sc[0]);
+            int nan_rows = 0;
+            for (int64_t r = 0; r < rows; r++) {
+                const float sum = t->softmax(sc[r], span, mx[r]);
+                w[r] = 1.0f / sum;
+                if (p->mask && !(sum >= 1.0f && sum <= (float)span)) nan_rows |= 1 << r;  /* see the header */
             }
-            t->weighted_sum(o, scores, 1.0f / sum, pv, (size_t)H, (size_t)span);
+            for (int64_t r = rows; r < OP_ATTN_ROWS; r++) w[r] = w[rows - 1];
+            if (rows > 1)
+                t->weighted_sum_rows(o, (const float *const *)sc, w, pv, (size_t)H, span);
+            else if (!nan_rows)
+                t->weighted_sum(o[0], sc[0], w[0], pv, (size_t)H, span);
+            for (int64_t r = 0; r < rows; r++)
+                if (nan_rows & (1 << r))
+                    for (int64_t i = 0; i < H; i++) o[r][i] = p->nan_to_zero ? 0.0f : NAN;
         }
     }
 }
@@ -194,7 +214,7 @@ int op_group_query_attention(int isa, const op_gqa_params *p, const float *query
         }
     }
     if (unit_begin == unit_end) return OP_OK;
-    float *scratch = malloc((size_t)(p->head_size + p->present_len) * sizeof(float));
+    float *scratch = malloc((size_t)OP_ATTN_ROWS * (size_t)(p->head_size + p->present_len) * sizeof(float));
     if (!scratch) return OP_E_NOMEM;
     for (int64_t u = unit_begin; u < unit_end; u++) {
         const int64_t b = u / p->kv_num_heads, j = u % p->kv_num_heads;

@@ -7,6 +7,10 @@
  * stored. Softmax: a vector exp (below) over the row. Weighted sum: up to four vectors
  * of the output in registers, one pass over the keys per four vectors, one FMA per
  * element. Head-size tails run under masks, so any head size takes the vector path.
+ * Row groups (four query rows over the same keys): each key block and value row is
+ * loaded once and multiplied into all four rows' accumulators, with per (row, key) the
+ * same operations in the same order as the single-row entries (the fold adds every
+ * accumulator's lanes in the same tree, whichever lane it lands in).
  *
  * The vector exp: n = round(x log2 e), r = x - n ln 2 (ln 2 in two parts), exp(r) by
  * Cephes' degree-6 polynomial (within ~1 ulp of expf), times 2^n. Arguments are
@@ -156,7 +160,91 @@ static void weighted_sum_avx2(float *o, const float *p, float w, const float *v,
     }
 }
 
-const op_attn_table op_attn_avx2 = {scores_avx2, softmax_avx2, weighted_sum_avx2, OP_KERNEL_AVX2};
+/* A row group's scores, 2 keys at a time: accumulator 2 L + s holds row L's product with
+ * key s, so the fold leaves them in lanes 2 L, 2 L + 1 (the same accumulation and fold
+ * per (row, key) as scores_avx2: the same bits). */
+static void scores_rows_avx2(const float *const q[], const float *k, size_t h, size_t n, float scale,
+                             const float *const mask[], float *const scores[], float max[]) {
+    const __m256 vscale = _mm256_set1_ps(scale);
+    const __m256i tail = avx2_lanes(h % 8);
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (size_t i0 = 0; i0 < n; i0 += 2) {
+        const int pair = i0 + 1 < n;
+        const float *k0 = k + i0 * h, *k1 = pair ? k0 + h : k0;
+        __m256 acc[8];
+        for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
+        size_t j = 0;
+        for (; j + 8 <= h; j += 8) {
+            const __m256 kv0 = _mm256_loadu_ps(k0 + j), kv1 = _mm256_loadu_ps(k1 + j);
+            for (int L = 0; L < 4; L++) {
+                const __m256 qv = _mm256_loadu_ps(q[L] + j);
+                acc[2 * L] = _mm256_fmadd_ps(qv, kv0, acc[2 * L]);
+                acc[2 * L + 1] = _mm256_fmadd_ps(qv, kv1, acc[2 * L + 1]);
+            }
+        }
+        if (j < h) {
+            const __m256 kv0 = _mm256_maskload_ps(k0 + j, tail), kv1 = _mm256_maskload_ps(k1 + j, tail);
+            for (int L = 0; L < 4; L++) {
+                const __m256 qv = _mm256_maskload_ps(q[L] + j, tail);
+                acc[2 * L] = _mm256_fmadd_ps(qv, kv0, acc[2 * L]);
+                acc[2 * L + 1] = _mm256_fmadd_ps(qv, kv1, acc[2 * L + 1]);
+            }
+        }
+        float sc[8];
+        _mm256_storeu_ps(sc, _mm256_mul_ps(vscale, fold8_avx2(acc)));
+        for (int L = 0; L < 4; L++) {
+            for (int s = 0; s <= pair; s++) {
+                const float x = mask ? sc[2 * L + s] + mask[L][i0 + (size_t)s] : sc[2 * L + s];
+                scores[L][i0 + (size_t)s] = x;
+                sc[2 * L + s] = x;
+            }
+            if (!pair) sc[2 * L + 1] = -INFINITY;
+        }
+        mx = _mm256_max_ps(_mm256_loadu_ps(sc), mx);  /* a NaN score: mx kept */
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, _mm256_max_ps(mx, _mm256_permute_ps(mx, 0xB1)));
+    for (int L = 0; L < 4; L++) max[L] = lanes[2 * L];
+}
+
+/* A row group's outputs o[r][j0 .. j0 + 8 nv) over every key (nv 1 or 2). */
+static inline __attribute__((always_inline)) void wsum_rows_block_avx2(float *const o[], const float *const p[],
+                                                                       const float w[], const float *v, size_t h,
+                                                                       size_t n, size_t j0, int nv, __m256i tail) {
+    __m256 acc[4][2];
+    for (int r = 0; r < 4; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (size_t i = 0; i < n; i++) {
+        const float *vi = v + i * h + j0;
+        __m256 x[2];
+        for (int c = 0; c < nv; c++) x[c] = c == nv - 1 ? _mm256_maskload_ps(vi + 8 * c, tail) : _mm256_loadu_ps(vi + 8 * c);
+        for (int r = 0; r < 4; r++) {
+            const __m256 a = _mm256_set1_ps(p[r][i] * w[r]);
+            for (int c = 0; c < nv; c++) acc[r][c] = _mm256_fmadd_ps(a, x[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < nv; c++) {
+            if (c == nv - 1)
+                _mm256_maskstore_ps(o[r] + j0 + 8 * c, tail, acc[r][c]);
+            else
+                _mm256_storeu_ps(o[r] + j0 + 8 * c, acc[r][c]);
+        }
+}
+
+static void weighted_sum_rows_avx2(float *const o[], const float *const p[], const float w[], const float *v,
+                                   size_t h, size_t n) {
+    for (size_t j0 = 0; j0 < h; j0 += 16) {
+        const size_t left = h - j0;
+        const __m256i tail = avx2_lanes(left > 8 ? left - 8 : left);
+        if (left > 8)
+            wsum_rows_block_avx2(o, p, w, v, h, n, j0, 2, tail);
+        else
+            wsum_rows_block_avx2(o, p, w, v, h, n, j0, 1, tail);
+    }
+}
+
+const op_attn_table op_attn_avx2 = {scores_avx2, softmax_avx2, weighted_sum_avx2, scores_rows_avx2,
+                                    weighted_sum_rows_avx2, OP_KERNEL_AVX2};
 #pragma GCC pop_options
 
 #pragma GCC push_options
@@ -270,6 +358,98 @@ static void weighted_sum_avx512(float *o, const float *p, float w, const float *
     }
 }
 
-const op_attn_table op_attn_avx512 = {scores_avx512, softmax_avx512, weighted_sum_avx512, OP_KERNEL_AVX512};
+/* A row group's scores, 4 keys at a time: accumulator 4 s + L holds row L's product with
+ * key s, so that the fold leaves row L's four scores in 128-bit lane L (the same
+ * accumulation and fold per (row, key) as scores_avx512: the same bits). */
+static void scores_rows_avx512(const float *const q[], const float *k, size_t h, size_t n, float scale,
+                               const float *const mask[], float *const scores[], float max[]) {
+    const __m512 vscale = _mm512_set1_ps(scale);
+    const __mmask16 tail = avx512_lanes(h % 16);
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (size_t i0 = 0; i0 < n; i0 += 4) {
+        const float *kr[4];
+        for (int s = 0; s < 4; s++) kr[s] = k + (i0 + (size_t)s < n ? i0 + (size_t)s : n - 1) * h;
+        __m512 acc[16];
+        for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+        size_t j = 0;
+        for (; j + 16 <= h; j += 16) {
+            __m512 kv[4];
+            for (int s = 0; s < 4; s++) kv[s] = _mm512_loadu_ps(kr[s] + j);
+            for (int L = 0; L < 4; L++) {
+                const __m512 qv = _mm512_loadu_ps(q[L] + j);
+                for (int s = 0; s < 4; s++) acc[4 * s + L] = _mm512_fmadd_ps(qv, kv[s], acc[4 * s + L]);
+            }
+        }
+        if (j < h) {
+            __m512 kv[4];
+            for (int s = 0; s < 4; s++) kv[s] = _mm512_maskz_loadu_ps(tail, kr[s] + j);
+            for (int L = 0; L < 4; L++) {
+                const __m512 qv = _mm512_maskz_loadu_ps(tail, q[L] + j);
+                for (int s = 0; s < 4; s++) acc[4 * s + L] = _mm512_fmadd_ps(qv, kv[s], acc[4 * s + L]);
+            }
+        }
+        const __mmask8 valid = (__mmask8)(n - i0 >= 4 ? 0xF : (1u << (n - i0)) - 1u);
+        __m512 sc = _mm512_mul_ps(vscale, fold16_avx512(acc));
+        if (mask) {
+            __m512 mv = _mm512_setzero_ps();
+            mv = _mm512_insertf32x4(mv, _mm_maskz_loadu_ps(valid, mask[0] + i0), 0);
+            mv = _mm512_insertf32x4(mv, _mm_maskz_loadu_ps(valid, mask[1] + i0), 1);
+            mv = _mm512_insertf32x4(mv, _mm_maskz_loadu_ps(valid, mask[2] + i0), 2);
+            mv = _mm512_insertf32x4(mv, _mm_maskz_loadu_ps(valid, mask[3] + i0), 3);
+            sc = _mm512_add_ps(sc, mv);
+        }
+        _mm_mask_storeu_ps(scores[0] + i0, valid, _mm512_extractf32x4_ps(sc, 0));
+        _mm_mask_storeu_ps(scores[1] + i0, valid, _mm512_extractf32x4_ps(sc, 1));
+        _mm_mask_storeu_ps(scores[2] + i0, valid, _mm512_extractf32x4_ps(sc, 2));
+        _mm_mask_storeu_ps(scores[3] + i0, valid, _mm512_extractf32x4_ps(sc, 3));
+        const __mmask16 v16 = (__mmask16)(valid * 0x1111u);
+        mx = _mm512_mask_max_ps(mx, v16, sc, mx);  /* a NaN score: mx kept */
+    }
+    /* Row L's max: the max of 128-bit lane L. */
+    __m512 m = _mm512_max_ps(mx, _mm512_permute_ps(mx, 0x4E));
+    m = _mm512_max_ps(m, _mm512_permute_ps(m, 0xB1));
+    float lanes[16];
+    _mm512_storeu_ps(lanes, m);
+    for (int L = 0; L < 4; L++) max[L] = lanes[4 * L];
+}
+
+/* A row group's outputs o[r][j0 .. j0 + 16 nv) over every key. */
+static inline __attribute__((always_inline)) void wsum_rows_block_avx512(float *const o[], const float *const p[],
+                                                                         const float w[], const float *v, size_t h,
+                                                                         size_t n, size_t j0, int nv,
+                                                                         __mmask16 tail) {
+    __m512 acc[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+    for (size_t i = 0; i < n; i++) {
+        const float *vi = v + i * h + j0;
+        __m512 x[4];
+        for (int c = 0; c < nv; c++) x[c] = _mm512_maskz_loadu_ps(c == nv - 1 ? tail : 0xFFFF, vi + 16 * c);
+        for (int r = 0; r < 4; r++) {
+            const __m512 a = _mm512_set1_ps(p[r][i] * w[r]);
+            for (int c = 0; c < nv; c++) acc[r][c] = _mm512_fmadd_ps(a, x[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < nv; c++) _mm512_mask_storeu_ps(o[r] + j0 + 16 * c, c == nv - 1 ? tail : 0xFFFF, acc[r][c]);
+}
+
+static void weighted_sum_rows_avx512(float *const o[], const float *const p[], const float w[], const float *v,
+                                     size_t h, size_t n) {
+    for (size_t j0 = 0; j0 < h; j0 += 64) {
+        const size_t left = h - j0;
+        const int nv = left >= 64 ? 4 : (int)((left + 15) / 16);
+        const __mmask16 tail = avx512_lanes(left - 16 * (size_t)(nv - 1));
+        switch (nv) {
+        case 4: wsum_rows_block_avx512(o, p, w, v, h, n, j0, 4, tail); break;
+        case 3: wsum_rows_block_avx512(o, p, w, v, h, n, j0, 3, tail); break;
+        case 2: wsum_rows_block_avx512(o, p, w, v, h, n, j0, 2, tail); break;
+        default: wsum_rows_block_avx512(o, p, w, v, h, n, j0, 1, tail); break;
+        }
+    }
+}
+
+const op_attn_table op_attn_avx512 = {scores_avx512, softmax_avx512, weighted_sum_avx512, scores_rows_avx512,
+                                      weighted_sum_rows_avx512, OP_KERNEL_AVX512};
 #pragma GCC pop_options
 #endif

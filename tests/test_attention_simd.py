@@ -136,3 +136,33 @@ def test_a_nan_score_or_a_row_all_at_minus_inf_is_a_nan_row_on_every_isa(isa):
         w = softmax_weights(args, name)
         assert np.isnan(w[:2]).all()
         np.testing.assert_allclose(w[2], np.full(T, 1 / T, np.float32), rtol=EXP_RTOL)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("G", [2, 3, 4, 5, 7, 8])
+def test_a_row_group_gives_each_head_s_own_result_bit_for_bit(isa, G):
+    """The query heads that read one kv head go through the table's row-group entries,
+    OP_ATTN_ROWS (4) at a time (a smaller group repeats its last row); each head alone
+    (one query head per kv head) takes the single-row entries: the same bits."""
+    rng = np.random.default_rng(G)
+    H = 80  # a 16-wide tail on AVX2's two-vector passes, a partial third vector on AVX-512
+    for keys in (7, 257):
+        inputs = gqa_inputs(rng, B=1, S=1, N=G, KN=1, H=H, lens=[keys], total=keys, past_len=keys - 1, rotary=True)
+        q = inputs[0]
+        grouped = native.group_query_attention(*inputs, num_heads=G, kv_num_heads=1, isa=isa)[0]
+        assert native.last_kernel() == isa
+        for h in range(G):
+            alone = native.group_query_attention(q[..., h * H:(h + 1) * H], *inputs[1:], num_heads=1,
+                                                 kv_num_heads=1, isa=isa)[0]
+            np.testing.assert_array_equal(grouped[..., h * H:(h + 1) * H], alone, err_msg=f"head {h}, {keys} keys")
+
+    f = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    S, P, H = 3, 38, 24
+    q, k, v, pk, pv = f(1, G, S, H), f(1, 1, S, H), f(1, 1, S, H), f(1, 1, P, H), f(1, 1, P, H)
+    mask = np.where(rng.random((1, G, S, P + S)) < 0.3, -np.inf, 0).astype(np.float32)
+    mask[0, G - 1, 1] = -np.inf  # a fully masked row in the last group
+    grouped = native.attention_with_past(q, k, v, pk, pv, scale=0.3, mask=mask, isa=isa)[0]
+    assert np.isnan(grouped[0, 1, G - 1]).all() and np.isnan(grouped).sum() == H
+    for h in range(G):
+        alone = native.attention_with_past(q[:, h:h + 1], k, v, pk, pv, scale=0.3, mask=mask[:, h:h + 1], isa=isa)[0]
+        np.testing.assert_array_equal(grouped[:, :, h:h + 1], alone, err_msg=f"masked head {h}")
