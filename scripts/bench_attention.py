@@ -7,15 +7,20 @@ CPU has (or the ones given). The present buffers are the pasts themselves (the
 runtime's shared, in-place buffers), so a call writes only the new key / value rows,
 as a decode step does; everything is cache-resident after the first call ("hot"). Each
 row prints min / median / max over --reps timed calls (after --warmup untimed ones),
-one Python call each (~a few us of argument checks included).
+one Python call each (~a few us of argument checks included), and the line on other
+work on the machine meanwhile (core/profile/machine_activity.py) that says whether
+the figures are to be trusted. --json writes the samples (us) per ISA and past.
 
 Usage: python scripts/bench_attention.py [--reps 200] [--warmup 20] [--isa avx512 ...]
+       [--pasts 40 256 1024 4096] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -47,21 +52,32 @@ def time_calls(args: list, kw: dict, isa: str, reps: int, warmup: int) -> list[f
 
 
 def main() -> None:
+    from onnx_prep.core.profile.machine_activity import MachineActivity, describe
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--isa", nargs="*", default=None, help="ISAs to run (default: every one available)")
+    ap.add_argument("--pasts", nargs="*", type=int, default=list(PASTS))
+    ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     isas = a.isa or list(native.available_isas())
     rng = np.random.default_rng(0)
     print(f"GroupQueryAttention B=1 S=1, {N}/{KN} heads, H={H}, rotary; us per call, {a.reps} calls")
     print(f"{'isa':8} {'past':>6} {'min':>9} {'median':>9} {'max':>9}")
-    for past in PASTS:
+    samples: dict[str, list[float]] = {}
+    activity0 = MachineActivity.now()
+    for past in a.pasts:
         args, kw = step_inputs(rng, past)
         for isa in isas:
             us = time_calls(args, kw, isa, a.reps, a.warmup)
             ran = native.last_kernel()
+            samples[f"{ran}.{past}"] = us
             print(f"{ran:8} {past:6d} {min(us):9.1f} {statistics.median(us):9.1f} {max(us):9.1f}")
+    activity = MachineActivity.now().since(activity0)
+    print(describe(activity))
+    if a.json:
+        a.json.write_text(json.dumps({"times_us": samples, "machine_activity": activity}, indent=2))
 
 
 if __name__ == "__main__":

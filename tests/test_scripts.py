@@ -153,6 +153,19 @@ def test_bench_intra_op_smoke(tmp_path):
     assert all(len(v) == 1 and v[0] > 0 for v in times.values())
 
 
+def test_bench_attention_smoke(tmp_path):
+    out = tmp_path / "attention.json"
+    p = _run(["scripts/bench_attention.py", "--pasts", "40", "300", "--reps", "3", "--warmup", "1",
+              "--json", str(out)], tmp_path / "cache")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(out.read_text())
+    _check_activity(doc["machine_activity"], p.stdout)
+    from onnx_prep import native
+    # every ISA the CPU has ran under its own name (the kernel's report, not the request)
+    assert set(doc["times_us"]) == {f"{i}.{past}" for i in native.available_isas() for past in (40, 300)}
+    assert all(len(v) == 3 and min(v) > 0 for v in doc["times_us"].values())
+
+
 def test_bench_decode_smoke(tmp_path):
     out = tmp_path / "decode.json"
     p = _run(["scripts/bench_decode.py", "--preset", "tiny-llm", "--tokens", "60", "--json", str(out)],
