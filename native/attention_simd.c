@@ -125,41 +125,6 @@ static float softmax_avx2(float *scores, size_t n, float max) {
     return _mm_cvtss_f32(s);
 }
 
-/* o[j0 .. j0 + 8 nv) (the last vector's lanes under `tail`) over every key. */
-static inline __attribute__((always_inline)) void wsum_block_avx2(float *o, const float *p, float w, const float *v,
-                                                                  size_t h, size_t n, size_t j0, int nv,
-                                                                  __m256i tail) {
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (size_t i = 0; i < n; i++) {
-        const __m256 a = _mm256_set1_ps(p[i] * w);
-        const float *vi = v + i * h + j0;
-        for (int r = 0; r < nv; r++) {
-            const __m256 x = r == nv - 1 ? _mm256_maskload_ps(vi + 8 * r, tail) : _mm256_loadu_ps(vi + 8 * r);
-            acc[r] = _mm256_fmadd_ps(a, x, acc[r]);
-        }
-    }
-    for (int r = 0; r < nv; r++) {
-        if (r == nv - 1)
-            _mm256_maskstore_ps(o + j0 + 8 * r, tail, acc[r]);
-        else
-            _mm256_storeu_ps(o + j0 + 8 * r, acc[r]);
-    }
-}
-
-static void weighted_sum_avx2(float *o, const float *p, float w, const float *v, size_t h, size_t n) {
-    for (size_t j0 = 0; j0 < h; j0 += 32) {
-        const size_t left = h - j0;
-        const int nv = left >= 32 ? 4 : (int)((left + 7) / 8);
-        const __m256i tail = avx2_lanes(left - 8 * (size_t)(nv - 1));
-        switch (nv) {
-        case 4: wsum_block_avx2(o, p, w, v, h, n, j0, 4, tail); break;
-        case 3: wsum_block_avx2(o, p, w, v, h, n, j0, 3, tail); break;
-        case 2: wsum_block_avx2(o, p, w, v, h, n, j0, 2, tail); break;
-        default: wsum_block_avx2(o, p, w, v, h, n, j0, 1, tail); break;
-        }
-    }
-}
-
 /* A row group's scores, 2 keys at a time: accumulator 2 L + s holds row L's product with
  * key s, so the fold leaves them in lanes 2 L, 2 L + 1 (the same accumulation and fold
  * per (row, key) as scores_avx2: the same bits). */
@@ -207,22 +172,25 @@ static void scores_rows_avx2(const float *const q[], const float *k, size_t h, s
     for (int L = 0; L < 4; L++) max[L] = lanes[2 * L];
 }
 
-/* A row group's outputs o[r][j0 .. j0 + 8 nv) over every key (nv 1 or 2). */
-static inline __attribute__((always_inline)) void wsum_rows_block_avx2(float *const o[], const float *const p[],
-                                                                       const float w[], const float *v, size_t h,
-                                                                       size_t n, size_t j0, int nv, __m256i tail) {
-    __m256 acc[4][2];
-    for (int r = 0; r < 4; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+/* Rows o[r][j0 .. j0 + 8 nv) of `rows` output rows (the last vector's lanes under `tail`)
+ * over every key: one load of each value vector for all rows, one FMA per element. */
+static inline __attribute__((always_inline)) void wsum_block_avx2(float *const o[], const float *const p[],
+                                                                  const float w[], int rows, const float *v,
+                                                                  size_t h, size_t n, size_t j0, int nv,
+                                                                  __m256i tail) {
+    __m256 acc[4][4];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < nv; c++) acc[r][c] = _mm256_setzero_ps();
     for (size_t i = 0; i < n; i++) {
         const float *vi = v + i * h + j0;
-        __m256 x[2];
+        __m256 x[4];
         for (int c = 0; c < nv; c++) x[c] = c == nv - 1 ? _mm256_maskload_ps(vi + 8 * c, tail) : _mm256_loadu_ps(vi + 8 * c);
-        for (int r = 0; r < 4; r++) {
+        for (int r = 0; r < rows; r++) {
             const __m256 a = _mm256_set1_ps(p[r][i] * w[r]);
             for (int c = 0; c < nv; c++) acc[r][c] = _mm256_fmadd_ps(a, x[c], acc[r][c]);
         }
     }
-    for (int r = 0; r < 4; r++)
+    for (int r = 0; r < rows; r++)
         for (int c = 0; c < nv; c++) {
             if (c == nv - 1)
                 _mm256_maskstore_ps(o[r] + j0 + 8 * c, tail, acc[r][c]);
@@ -231,16 +199,32 @@ static inline __attribute__((always_inline)) void wsum_rows_block_avx2(float *co
         }
 }
 
+/* `rows` output rows (1, or 4 for a row group) in passes of up to four vectors for one
+ * row (32 floats), two for four rows (16: the accumulators stay in registers). */
+static inline __attribute__((always_inline)) void wsum_avx2(float *const o[], const float *const p[],
+                                                            const float w[], int rows, const float *v, size_t h,
+                                                            size_t n) {
+    const int most = rows == 1 ? 4 : 2;
+    for (size_t j0 = 0; j0 < h; j0 += 8 * (size_t)most) {
+        const size_t left = h - j0;
+        const int nv = left >= 8 * (size_t)most ? most : (int)((left + 7) / 8);
+        const __m256i tail = avx2_lanes(left - 8 * (size_t)(nv - 1));
+        switch (nv) {
+        case 4: wsum_block_avx2(o, p, w, rows, v, h, n, j0, 4, tail); break;
+        case 3: wsum_block_avx2(o, p, w, rows, v, h, n, j0, 3, tail); break;
+        case 2: wsum_block_avx2(o, p, w, rows, v, h, n, j0, 2, tail); break;
+        default: wsum_block_avx2(o, p, w, rows, v, h, n, j0, 1, tail); break;
+        }
+    }
+}
+
+static void weighted_sum_avx2(float *o, const float *p, float w, const float *v, size_t h, size_t n) {
+    wsum_avx2(&o, &p, &w, 1, v, h, n);
+}
+
 static void weighted_sum_rows_avx2(float *const o[], const float *const p[], const float w[], const float *v,
                                    size_t h, size_t n) {
-    for (size_t j0 = 0; j0 < h; j0 += 16) {
-        const size_t left = h - j0;
-        const __m256i tail = avx2_lanes(left > 8 ? left - 8 : left);
-        if (left > 8)
-            wsum_rows_block_avx2(o, p, w, v, h, n, j0, 2, tail);
-        else
-            wsum_rows_block_avx2(o, p, w, v, h, n, j0, 1, tail);
-    }
+    wsum_avx2(o, p, w, 4, v, h, n);
 }
 
 const op_attn_table op_attn_avx2 = {scores_avx2, softmax_avx2, weighted_sum_avx2, scores_rows_avx2,
@@ -330,34 +314,6 @@ static float softmax_avx512(float *scores, size_t n, float max) {
     return _mm512_reduce_add_ps(sum);
 }
 
-/* o[j0 .. j0 + 16 nv) (the last vector's lanes under `tail`) over every key. */
-static inline __attribute__((always_inline)) void wsum_block_avx512(float *o, const float *p, float w,
-                                                                    const float *v, size_t h, size_t n, size_t j0,
-                                                                    int nv, __mmask16 tail) {
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (size_t i = 0; i < n; i++) {
-        const __m512 a = _mm512_set1_ps(p[i] * w);
-        const float *vi = v + i * h + j0;
-        for (int r = 0; r < nv; r++)
-            acc[r] = _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(r == nv - 1 ? tail : 0xFFFF, vi + 16 * r), acc[r]);
-    }
-    for (int r = 0; r < nv; r++) _mm512_mask_storeu_ps(o + j0 + 16 * r, r == nv - 1 ? tail : 0xFFFF, acc[r]);
-}
-
-static void weighted_sum_avx512(float *o, const float *p, float w, const float *v, size_t h, size_t n) {
-    for (size_t j0 = 0; j0 < h; j0 += 64) {
-        const size_t left = h - j0;
-        const int nv = left >= 64 ? 4 : (int)((left + 15) / 16);
-        const __mmask16 tail = avx512_lanes(left - 16 * (size_t)(nv - 1));
-        switch (nv) {
-        case 4: wsum_block_avx512(o, p, w, v, h, n, j0, 4, tail); break;
-        case 3: wsum_block_avx512(o, p, w, v, h, n, j0, 3, tail); break;
-        case 2: wsum_block_avx512(o, p, w, v, h, n, j0, 2, tail); break;
-        default: wsum_block_avx512(o, p, w, v, h, n, j0, 1, tail); break;
-        }
-    }
-}
-
 /* A row group's scores, 4 keys at a time: accumulator 4 s + L holds row L's product with
  * key s, so that the fold leaves row L's four scores in 128-bit lane L (the same
  * accumulation and fold per (row, key) as scores_avx512: the same bits). */
@@ -413,40 +369,53 @@ static void scores_rows_avx512(const float *const q[], const float *k, size_t h,
     for (int L = 0; L < 4; L++) max[L] = lanes[4 * L];
 }
 
-/* A row group's outputs o[r][j0 .. j0 + 16 nv) over every key. */
-static inline __attribute__((always_inline)) void wsum_rows_block_avx512(float *const o[], const float *const p[],
-                                                                         const float w[], const float *v, size_t h,
-                                                                         size_t n, size_t j0, int nv,
-                                                                         __mmask16 tail) {
+/* Rows o[r][j0 .. j0 + 16 nv) of `rows` output rows (the last vector's lanes under
+ * `tail`) over every key: one load of each value vector for all rows, one FMA per element. */
+static inline __attribute__((always_inline)) void wsum_block_avx512(float *const o[], const float *const p[],
+                                                                    const float w[], int rows, const float *v,
+                                                                    size_t h, size_t n, size_t j0, int nv,
+                                                                    __mmask16 tail) {
     __m512 acc[4][4];
-    for (int r = 0; r < 4; r++)
-        for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < nv; c++) acc[r][c] = _mm512_setzero_ps();
     for (size_t i = 0; i < n; i++) {
         const float *vi = v + i * h + j0;
         __m512 x[4];
         for (int c = 0; c < nv; c++) x[c] = _mm512_maskz_loadu_ps(c == nv - 1 ? tail : 0xFFFF, vi + 16 * c);
-        for (int r = 0; r < 4; r++) {
+        for (int r = 0; r < rows; r++) {
             const __m512 a = _mm512_set1_ps(p[r][i] * w[r]);
             for (int c = 0; c < nv; c++) acc[r][c] = _mm512_fmadd_ps(a, x[c], acc[r][c]);
         }
     }
-    for (int r = 0; r < 4; r++)
+    for (int r = 0; r < rows; r++)
         for (int c = 0; c < nv; c++) _mm512_mask_storeu_ps(o[r] + j0 + 16 * c, c == nv - 1 ? tail : 0xFFFF, acc[r][c]);
 }
 
-static void weighted_sum_rows_avx512(float *const o[], const float *const p[], const float w[], const float *v,
-                                     size_t h, size_t n) {
+/* `rows` output rows (1, or 4 for a row group) in passes of up to four vectors (64
+ * floats; four rows' 16 accumulators stay in registers). */
+static inline __attribute__((always_inline)) void wsum_avx512(float *const o[], const float *const p[],
+                                                              const float w[], int rows, const float *v, size_t h,
+                                                              size_t n) {
     for (size_t j0 = 0; j0 < h; j0 += 64) {
         const size_t left = h - j0;
         const int nv = left >= 64 ? 4 : (int)((left + 15) / 16);
         const __mmask16 tail = avx512_lanes(left - 16 * (size_t)(nv - 1));
         switch (nv) {
-        case 4: wsum_rows_block_avx512(o, p, w, v, h, n, j0, 4, tail); break;
-        case 3: wsum_rows_block_avx512(o, p, w, v, h, n, j0, 3, tail); break;
-        case 2: wsum_rows_block_avx512(o, p, w, v, h, n, j0, 2, tail); break;
-        default: wsum_rows_block_avx512(o, p, w, v, h, n, j0, 1, tail); break;
+        case 4: wsum_block_avx512(o, p, w, rows, v, h, n, j0, 4, tail); break;
+        case 3: wsum_block_avx512(o, p, w, rows, v, h, n, j0, 3, tail); break;
+        case 2: wsum_block_avx512(o, p, w, rows, v, h, n, j0, 2, tail); break;
+        default: wsum_block_avx512(o, p, w, rows, v, h, n, j0, 1, tail); break;
         }
     }
+}
+
+static void weighted_sum_avx512(float *o, const float *p, float w, const float *v, size_t h, size_t n) {
+    wsum_avx512(&o, &p, &w, 1, v, h, n);
+}
+
+static void weighted_sum_rows_avx512(float *const o[], const float *const p[], const float w[], const float *v,
+                                     size_t h, size_t n) {
+    wsum_avx512(o, p, w, 4, v, h, n);
 }
 
 const op_attn_table op_attn_avx512 = {scores_avx512, softmax_avx512, weighted_sum_avx512, scores_rows_avx512,
