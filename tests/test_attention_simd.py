@@ -15,7 +15,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_native_gqa import ISA_ATOL, ISA_RTOL, gqa_inputs
+from conftest import ort_or_skip
+from test_native_gqa import ISA_ATOL, ISA_RTOL, assert_matches, attrs_of, gqa_inputs, ort_gqa, ours
 
 from onnx_prep import native
 
@@ -166,3 +167,15 @@ def test_a_row_group_gives_each_head_s_own_result_bit_for_bit(isa, G):
     for h in range(G):
         alone = native.attention_with_past(q[:, h:h + 1], k, v, pk, pv, scale=0.3, mask=mask[:, h:h + 1], isa=isa)[0]
         np.testing.assert_array_equal(grouped[:, :, h:h + 1], alone, err_msg=f"masked head {h}")
+
+
+@pytest.mark.parametrize("H, keys, rotary", [(64, 1030, True), (128, 257, True), (80, 1030, False)])
+def test_long_pasts_match_onnx_runtime(H, keys, rotary):
+    """The active ISA's kernel (the runtime's) over pasts longer than test_native_gqa's,
+    at its tolerances (measured <= 4.2e-7 on AVX-512)."""
+    ort_or_skip()
+    inputs = gqa_inputs(np.random.default_rng(keys), B=1, S=1, N=8, KN=2, H=H, lens=[keys], total=keys,
+                        past_len=keys - 1, rotary=rotary)
+    attrs = attrs_of(8, 2, rotary, False)
+    assert_matches(ours(inputs, attrs), ort_gqa(inputs, attrs))
+    assert native.last_kernel() == native.active_isa()
