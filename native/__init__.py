@@ -13,7 +13,12 @@ from onnx_prep.core.errors import NativeError
 
 try:
     from onnx_prep.native._module import NATIVE_VERSION, ffi, lib  # noqa: F401
-    from onnx_prep.native.attention import attention_over_cache, attention_with_past, group_query_attention
+    from onnx_prep.native.attention import (
+        attention_over_cache,
+        attention_with_past,
+        gqa_decode,
+        group_query_attention,
+    )
     from onnx_prep.native.elementwise import erf
     from onnx_prep.native.handoff import Mailbox, MatmulBatch, MatmulSplit, matmul_nbits_batch
     from onnx_prep.native.gather_block_quantized import (
@@ -68,6 +73,7 @@ __all__ = [
     "erf",
     "gather_block_quantized",
     "gather_packed_size",
+    "gqa_decode",
     "group_query_attention",
     "gemm",
     "gemm_b_packed_size",

@@ -348,3 +348,78 @@ def test_a_refusal_is_exit_2_in_one_line_through_the_cli(tmp_path):
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert any("softcap = 50.0" in line and "attn0" in line for line in lines)
     assert "Traceback" not in result.output
+
+
+def _room(x: np.ndarray, extra: int) -> np.ndarray:
+    """``x`` [B, KN, P, H] as the prefix view of a longer buffer (the runtime's append
+    buffers), the room after its rows filled with a marker."""
+    B, KN, P, H = x.shape
+    base = np.full((B, KN, P + extra, H), 7.0, np.float32)
+    base[:, :, :P] = x
+    return base[:, :, :P]
+
+
+@pytest.mark.parametrize("B,rotary,interleaved,seq_dtype,packed", [
+    (1, True, False, np.int32, False), (1, False, False, np.int64, False), (2, True, True, np.int32, False),
+    (3, False, False, np.int32, False), (1, True, False, np.int32, True), (2, True, False, np.int64, True)])
+def test_the_decode_steps_lean_call_gives_the_general_calls_bits(B, rotary, interleaved, seq_dtype, packed,
+                                                                  monkeypatch):
+    """native.gqa_decode (what a session's decode step calls, past and present in append
+    buffers) gives group_query_attention's output and present rows bit for bit, without
+    taking the general path, and leaves the buffers' other rows as they were."""
+    import onnx_prep.native.attention as attention_module
+
+    rng = np.random.default_rng(11)
+    N, KN, H, P = 8, 2, 32, 9
+    q, k, v, pk, pv, seqlens, total, cos, sin = gqa_inputs(
+        rng, B=B, S=1, N=N, KN=KN, H=H, lens=[P + 1] * B, total=P + 1, past_len=P, rotary=rotary, packed=packed)
+    seqlens = seqlens.astype(seq_dtype)
+    kw = dict(num_heads=N, kv_num_heads=KN, scale=0.0, interleaved=interleaved)
+    want = native.group_query_attention(q, k, v, pk, pv, seqlens, total, cos, sin, **kw)
+    past_k, past_v = _room(pk, 4), _room(pv, 4)
+    present = tuple(x.base[:, :, :P + 1] for x in (past_k, past_v))
+
+    def general(*a, **k):
+        raise AssertionError("the lean call took the general path")
+
+    monkeypatch.setattr(attention_module, "group_query_attention", general)
+    got = native.gqa_decode(q, k, v, past_k, past_v, seqlens, total, cos, sin, present=present, **kw)
+    np.testing.assert_array_equal(got[0], want[0])
+    for g, w, base in ((got[1], want[1], past_k.base), (got[2], want[2], past_v.base)):
+        assert g.base is base  # written in place, into the buffer given
+        np.testing.assert_array_equal(g, w)
+        assert (base[:, :, P + 1:] == 7.0).all()  # the room after the new row untouched
+
+
+@pytest.mark.parametrize("change", ["f16", "strided", "packed", "first_prompt", "bad_key", "bad_seqlens"])
+def test_the_lean_call_takes_the_general_path_for_any_other_form(change):
+    """Arguments not in the lean call's form go the general way: the same results, or
+    its one-line ValueError naming the input."""
+    rng = np.random.default_rng(12)
+    B, N, KN, H, P = 2, 4, 2, 16, 6
+    q, k, v, pk, pv, seqlens, total, cos, sin = gqa_inputs(
+        rng, B=B, S=1, N=N, KN=KN, H=H, lens=[P + 1] * B, total=P + 1, past_len=P, rotary=True)
+    kw = dict(num_heads=N, kv_num_heads=KN, scale=0.0, interleaved=False)
+    if change == "f16":
+        q = q.astype(np.float16)
+    elif change == "strided":
+        q = np.repeat(q, 2, axis=2)[..., ::2]
+    elif change == "first_prompt":
+        total = np.array([1], np.int32)
+    elif change == "bad_key":
+        k = k[..., :16]
+    elif change == "bad_seqlens":
+        seqlens = seqlens[:1]
+    present = (np.empty((B, KN, P + 1, H), np.float32), np.empty((B, KN, P + 1, H), np.float32))
+    if change == "packed":
+        k = None
+    try:
+        want = native.group_query_attention(q, k, v, pk, pv, seqlens, total, cos, sin, present=present, **kw)
+    except ValueError as e:
+        with pytest.raises(ValueError, match=re.escape(str(e))):
+            native.gqa_decode(q, k, v, pk, pv, seqlens, total, cos, sin, present=present, **kw)
+        return
+    present2 = tuple(np.empty_like(x) for x in present)
+    got = native.gqa_decode(q, k, v, pk, pv, seqlens, total, cos, sin, present=present2, **kw)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)

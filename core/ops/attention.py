@@ -59,6 +59,7 @@ def group_query_attention(inputs, attrs: Mapping[str, Any], prepared):
         rows = int(np.asarray(total).reshape(-1)[0])
         kwargs["present"] = tuple(append_buffer.extend(x, 2, rows, spread=(position + 0.5) / count)[0]
                                   for x in (pk, pv))
+        return list(native.gqa_decode(*args, **kwargs))  # the lean call: the same checks and bits
     return list(kernel(*args, **kwargs))
 
 
@@ -241,7 +242,14 @@ def _appends(q, past_key, past_value, seqlens_k, total) -> bool:
     if past_key.dtype != np.float32 or past_value.dtype != np.float32 or past_key.shape != past_value.shape:
         return False
     S, P, t = q.shape[1], past_key.shape[2], int(np.asarray(total).reshape(-1)[0])
-    return t == P + S and (P == 0 or bool(np.all(np.asarray(seqlens_k) + 1 == t)))
+    if t != P + S:
+        return False
+    if P == 0:
+        return True
+    seq = np.asarray(seqlens_k)
+    if seq.size == 1:  # batch 1, a decode step: one int, not three array ops
+        return int(seq.reshape(-1)[0]) + 1 == t
+    return bool(np.all(seq + 1 == t))
 
 
 def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:
