@@ -29,7 +29,8 @@ def resolve(
     """Resolve a model without reading its weights: kept nodes, kernels, prepared requirements, payload."""
 
     def go() -> int:
-        from onnx_prep.core.model.resolution import resolution_report, resolve_model
+        from onnx_prep.core.model.resolution import resolve_model
+        from onnx_prep.core.model.resolution_report import resolution_report
 
         doc = resolution_report(resolve_model(model_path(model), trust_symlinks=trust_symlinks, fuse=fuse))
         if json_out:

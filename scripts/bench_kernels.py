@@ -15,6 +15,10 @@ in the same rotation; both on the weights' page kind), and the speedup against
 accuracy level and thread count.
 It also prints memcpy and read bandwidth (1 and 2 threads) and prepack GB/s.
 
+Why one file of ~630 lines: it runs itself in a subprocess per thread count, and each
+subprocess's ``worker`` times ours, numpy and ONNX Runtime on the same weight copies
+in one process, so every figure of a row shares the machine state it was measured in.
+
 Method:
 - Weights rotate through enough copies to exceed 4x the last-level cache, so
   every call streams its weights from DRAM as in real decoding (ORT gets the same:

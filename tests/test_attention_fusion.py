@@ -338,7 +338,7 @@ def test_resolve_lists_attention_fusions_and_near_misses_in_text_and_json(tiny_l
     from typer.testing import CliRunner
 
     from onnx_prep.cli.app import app
-    from onnx_prep.core.model.resolution import schema_path
+    from onnx_prep.core.model.resolution_report import schema_path
 
     schema = json.loads(schema_path().read_text())
     result = CliRunner().invoke(app, ["resolve", str(tiny_llm_path), "--json"])

@@ -9,8 +9,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from decoder_toys import KV_NAMES, build_toy_decoder
-from onnx_prep.core.decode.decoder_io import (DecoderIO, load_io_map, value_infos_from_model,
-                                       value_infos_from_ort)
+from onnx_prep.core.decode.decoder_io import DecoderIO, value_infos_from_model, value_infos_from_ort
+from onnx_prep.core.decode.io_map import load_io_map
 from onnx_prep.core.errors import ModelFormatError, ModelIOError, UsageError
 from onnx_prep.core.model.resolved_model import ValueInfo
 

@@ -25,7 +25,8 @@ from onnx_prep.core.decode.decoder_io import DecoderIO
 from onnx_prep.core.decode.generation import greedy_decode
 from onnx_prep.core.io.external_data import ExternalDataReader
 from onnx_prep.core.kernels.prepack import prepack_all, source_loader
-from onnx_prep.core.model.resolution import resolution_report, resolve_model, schema_path
+from onnx_prep.core.model.resolution import resolve_model
+from onnx_prep.core.model.resolution_report import resolution_report, schema_path
 from onnx_prep.core.runtime.action_program import ActionProgram
 from onnx_prep.core.runtime.session import Session, SessionOptions
 from test_native_norm import RMSNORM_RTOL

@@ -510,7 +510,7 @@ def test_a_load_from_a_complete_mapped_cache_reads_every_object_before_its_first
     waits for every object instead of contending with it for the cores: the first step
     starts after the last read ended, the run counts it, and the outputs are the
     reference's."""
-    from onnx_prep.core.runtime.run_loop import reads_first
+    from onnx_prep.core.runtime.load_order import reads_first
 
     want = reference(model)
     build(model)
@@ -526,7 +526,7 @@ def test_a_load_that_prepacks_or_streams_does_not_read_first(model):
     PREPARED limit (the load streams), the first run starts as soon as its first step's
     objects are in: no barrier."""
     from onnx_prep.core.runtime.arenas import Arena, MemoryBudget
-    from onnx_prep.core.runtime.run_loop import reads_first
+    from onnx_prep.core.runtime.load_order import reads_first
 
     want = reference(model)
     out, counters, *_, plan, budget = _first_run_timeline(model, None)

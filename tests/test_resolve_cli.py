@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from onnx_prep.cli.app import app
-from onnx_prep.core.model.resolution import schema_path
+from onnx_prep.core.model.resolution_report import schema_path
 
 from test_resolve import hf_snapshot
 from test_resolve_models import DATA, custom_op_model, edit_external, single_weight_model, tied_int4_model

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from onnx_prep.core.decode.decoder_io import (IO_MAP_MAX_BYTES, IO_MAP_MAX_DEPTH, DecoderIO, _json_depth,
-                                              load_io_map)
+from onnx_prep.core.decode.decoder_io import DecoderIO
+from onnx_prep.core.decode.io_map import IO_MAP_MAX_BYTES, IO_MAP_MAX_DEPTH, _json_depth, load_io_map
 from onnx_prep.core.decode.generation import greedy_decode
 from onnx_prep.core.decode.run_memory import admit, default_memory_budget, estimate_run_memory, parse_size
 from onnx_prep.core.decode.run_record import RunOptions, record_run

@@ -181,9 +181,10 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
     error. Raises the typed errors of ``core/errors.py`` for unusable input."""
     import numpy as np
 
-    from onnx_prep.core.decode.decoder_io import DecoderIO, load_io_map, value_infos_from_model
+    from onnx_prep.core.decode.decoder_io import DecoderIO, value_infos_from_model
     from onnx_prep.core.decode.export_hints import ExportHints, check_request
     from onnx_prep.core.decode.generation import compare_generations
+    from onnx_prep.core.decode.io_map import load_io_map
     from onnx_prep.core.decode.run_memory import admit, default_memory_budget, estimate_run_memory
 
     path = Path(model)

@@ -4,9 +4,9 @@ from onnx_prep.core.lazy_exports import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     "resolve_model": "resolution",
-    "resolution_report": "resolution",
-    "schema_path": "resolution",
-    "RESOLVE_SCHEMA_VERSION": "resolution",
+    "resolution_report": "resolution_report",
+    "schema_path": "resolution_report",
+    "RESOLVE_SCHEMA_VERSION": "resolution_report",
     "ResolvedModel": "resolved_model",
     "NodeKernel": "resolved_model",
     "PayloadManifest": "resolved_model",

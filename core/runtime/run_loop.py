@@ -23,7 +23,6 @@ is stored here. Concurrent runs share resident objects and own the rest.
 from __future__ import annotations
 
 import itertools
-import math
 import threading
 import time
 from contextlib import contextmanager
@@ -33,7 +32,6 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from onnx_prep.core.errors import BudgetError, OnnxPrepError, UsageError, Where
-from onnx_prep.core.model.dtypes import DTYPES
 from onnx_prep.core.model.prepared_key import PreparedKey
 from onnx_prep.core.model.resolved_model import ResolvedModel
 from onnx_prep.core.ops import append_buffer, cancellation, intra_op, run_counters
@@ -42,6 +40,8 @@ from onnx_prep.core.plan.task import Priority, TaskKind
 from onnx_prep.core.runtime.action_program import ActionProgram
 from onnx_prep.core.runtime.arenas import Arena, MemoryBudget
 from onnx_prep.core.runtime.execution_handle import ExecutionHandle
+from onnx_prep.core.runtime.load_order import reads_first
+from onnx_prep.core.runtime.output_estimate import OutputEstimate
 from onnx_prep.core.runtime.prepared_store import PreparedObjectStore
 from onnx_prep.core.runtime.scheduler import Scheduler, TaskContext, TaskHandle
 from onnx_prep.core.runtime.session_tasks import SessionTasks
@@ -136,7 +136,7 @@ class RunLoop:
         self._raw_placeholder = {n: None for n in program.weight_names}
         self._hot_binding = None
         self._hot_weights: dict[str, np.ndarray] | None = None
-        self._out_estimator = _OutputBytes(resolved)
+        self._out_estimator = OutputEstimate(resolved)
 
     def run_async(self, ctx: RuntimeContext) -> ExecutionHandle:
         """A hot run when every requirement is resident (on this thread, already
@@ -488,65 +488,3 @@ LIMITED_WINDOW_SHARE = 4
 def _release(reservation) -> None:
     if reservation is not None:
         reservation.release()
-
-
-# Non-mapped bytes (raw weights read from their source) a load may read and still read
-# first: the medium fixture's norm weights are 0.26 MiB.
-READS_FIRST_MAX_SOURCE_BYTES = 16 << 20
-
-
-def reads_first(plan: PreparedExecutionPlan, budget: MemoryBudget) -> bool:
-    """Whether a cold run waits for every object before its first step, instead of
-    starting as soon as the first step's objects are in.
-
-    True when every object is a cache payload mapped into its slot (or a raw weight, at
-    most READS_FIRST_MAX_SOURCE_BYTES of them in all) and no limit makes the load stream.
-    NOTE: why: such a load builds nothing; it maps pages and checks checksums, CPU work
-    on the same cores the first step's compute needs. Overlapping the two buys nothing
-    and costs contention (docs/runtime.md, "Reading first", has the figures). On more
-    cores the mapped reads are what the first step waits for either way. A load that prepacks, or streams under
-    a limit, keeps overlapping: its reads wait on storage or its prepacks are the work."""
-    from onnx_prep.core.plan.execution_plan import READ_PACKED_PAYLOAD
-
-    if budget.global_limit is not None or budget.limit(Arena.PREPARED) is not None:
-        return False
-    source = 0
-    for r in plan.requirements:
-        if r.selected.kind == READ_PACKED_PAYLOAD:
-            if not r.selected.payload.mapped:
-                return False
-        elif r.request.layout == RAW_LAYOUT:
-            source += r.read_bytes
-        else:
-            return False
-    return source <= READS_FIRST_MAX_SOURCE_BYTES and any(
-        r.selected.kind == READ_PACKED_PAYLOAD for r in plan.requirements)
-
-
-class _OutputBytes:
-    """Output bytes of a run from declared output shapes, symbolic dims bound by the
-    feeds' shapes (same symbol name = same size); unknown dims count as 1."""
-
-    def __init__(self, resolved: ResolvedModel) -> None:
-        self.inputs = {v.name: v.shape for v in resolved.inputs}
-        self.outputs = [(v.shape, v.elem_type) for v in resolved.outputs]
-
-    def estimate(self, feeds: Mapping[str, np.ndarray]) -> int:
-        sym: dict[str, int] = {}
-        for name, arr in feeds.items():
-            shape = self.inputs.get(name)
-            if shape is None:
-                continue
-            for d, n in zip(shape, np.shape(arr)):
-                if isinstance(d, str):
-                    sym[d] = max(sym.get(d, 0), int(n))
-        total = 0
-        for shape, elem in self.outputs:
-            if shape is None:
-                continue
-            dims = [d if isinstance(d, int) else sym.get(d, 1) if isinstance(d, str) else 1
-                    for d in shape]
-            numel = int(math.prod(dims))
-            dt = DTYPES.get(elem)  # an unknown type, or string, counts 4 bytes an element
-            total += dt.nbytes(numel) if dt is not None and dt.bits else numel * 4
-        return total

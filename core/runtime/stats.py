@@ -144,7 +144,7 @@ class RuntimeStats:
     hot_runs: int = 0
     cold_runs: int = 0
     yields: int = 0  # cold-path continuations that waited for a prepared object
-    reads_first: int = 0  # cold runs that waited for every object before their first step (run_loop.reads_first)
+    reads_first: int = 0  # cold runs that waited for every object before their first step (load_order.reads_first)
     # a run's ops
     kv_appended_in_place: int = 0
     kv_copied: int = 0
