@@ -20,6 +20,7 @@ float16 inputs are computed in float32 and rounded back, as ONNX Runtime does.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -40,19 +41,15 @@ def _norm_rows(x2, gamma, beta, skip2, bias, eps, simplified, want_sum, want_sta
         return _norm_rows_numpy(x2, gamma, beta, skip2, bias, eps, simplified)
 
 
-_LEAN: list = []  # [native.skip_norm_rows or None], looked up on first use
-
-
+@functools.cache
 def _lean_skip_norm():
-    """``native.skip_norm_rows``, or None without the native module."""
-    if not _LEAN:
-        try:
-            from onnx_prep import native
+    """``native.skip_norm_rows``, or None without the native module (looked up once)."""
+    try:
+        from onnx_prep import native
 
-            _LEAN.append(native.skip_norm_rows)
-        except NativeError:
-            _LEAN.append(None)
-    return _LEAN[0]
+        return native.skip_norm_rows
+    except NativeError:
+        return None
 
 
 def _norm_y(x2, gamma, beta, eps, simplified):
