@@ -539,3 +539,24 @@ def test_a_load_that_prepacks_or_streams_does_not_read_first(model):
                                  manifest.entries[1:]))
     out, counters, *_, plan, budget = _first_run_timeline(model, "read-only")
     assert not reads_first(plan, budget) and "reads_first" not in counters and same(out, want)
+
+
+def test_a_load_whose_payloads_left_the_page_cache_keeps_overlapping(model):
+    """Payloads out of the page cache (dropped): the reads wait on storage, so the first
+    run starts as soon as its first step's objects are in, as any other load; the
+    outputs are the reference's."""
+    from onnx_prep.core.profile.page_cache import drop_files
+    from onnx_prep.core.runtime.load_order import reads_first
+
+    want = reference(model)
+    manifest = build(model)
+    dropped = drop_files([model.parent / f for f in manifest.files])
+    if dropped["dropped"] is not True:
+        pytest.skip(f"the payload file's pages could not be dropped here: {dropped}")
+    out, counters, first_step, last_read, plan, budget = _first_run_timeline(model, "read-only")
+    assert "reads_first" not in counters  # decided when the session opened, the pages out
+    assert same(out, want)
+    # read by that load, the payloads are back in the page cache: the next load reads first
+    assert reads_first(plan, budget)
+    out, counters, first_step, last_read, *_ = _first_run_timeline(model, "read-only")
+    assert counters.get("reads_first") == 1 and first_step >= last_read and same(out, want)
