@@ -20,17 +20,14 @@ def reads_first(plan: PreparedExecutionPlan, budget: MemoryBudget) -> bool:
     starting as soon as the first step's objects are in.
 
     True when every object is a cache payload mapped into its slot (or a raw weight, at
-    most READS_FIRST_MAX_SOURCE_BYTES of them in all), each payload's first byte is in
+    most READS_FIRST_MAX_SOURCE_BYTES of them in all), each payload's first page is in
     the page cache (``_resident``) and no limit makes the load stream.
     NOTE: why: such a load builds nothing; it maps pages and checks checksums, CPU work
     on the same cores the first step's compute needs. Overlapping the two buys nothing
     and costs contention (docs/runtime.md, "Reading first", has the figures). On more
     cores the mapped reads are what the first step waits for either way. A load that
     prepacks, streams under a limit, or finds its payloads out of the page cache keeps
-    overlapping: its reads wait on storage or its prepacks are the work. (Reading a cold
-    cache first also lost 2 MiB page-table entries now and then: two workers faulting
-    neighbouring payloads at once let one's readahead fill part of the other's 2 MiB
-    unit with small page-cache folios; 2 of 45 cold loads of the tiny fixture.)"""
+    overlapping: its reads wait on storage or its prepacks are the work."""
     if budget.global_limit is not None or budget.limit(Arena.PREPARED) is not None:
         return False
     source = 0
