@@ -188,36 +188,13 @@ def gqa_decode(query: np.ndarray, key: np.ndarray | None, value: np.ndarray | No
             or (S != 1 and B != 1) or (rd and (cos_cache.shape != sin_cache.shape or rd > H
                                                 or cos_cache.shape[0] < total))):
         return general()
-    pk = _kv_buffer(past_key, past, writable=False)
-    pv = _kv_buffer(past_value, past, writable=False)
-    qk = _kv_buffer(present_k, (B, KN, L, H))
-    qv = _kv_buffer(present_v, (B, KN, L, H))
-    if pk is None or pv is None or qk is None or qv is None:
-        return general()
     seq = seqlens_k if seqlens_k.dtype == np.int64 and seqlens_k.flags.c_contiguous \
         else np.ascontiguousarray(seqlens_k, dtype=np.int64)
-    out = np.empty((B, S, D), np.float32)
-    p = ffi.new("op_gqa_params *", {
-        "batch": B, "seq": S, "num_heads": N, "kv_num_heads": KN, "head_size": H, "past_len": P,
-        "present_len": L, "rotary_dim": rd, "cache_rows": 0 if not rd else cos_cache.shape[0],
-        "interleaved": 1 if interleaved else 0, "first_prompt": 0,
-        "scale": float(scale) if scale else 1.0 / math.sqrt(H),
-        "past_key_stride": pk[1], "past_value_stride": pv[1], "present_key_stride": qk[1],
-        "present_value_stride": qv[1]})
-    bad = ffi.new("int64_t *")
-    status = lib.op_group_query_attention(
-        isa_id(None), p, ffi.from_buffer("float[]", q), ffi.from_buffer("float[]", k),
-        ffi.from_buffer("float[]", v), _address(past_key), _address(past_value),
-        ffi.from_buffer("int64_t[]", seq), ffi.NULL if not rd else ffi.from_buffer("float[]", cos_cache),
-        ffi.NULL if not rd else ffi.from_buffer("float[]", sin_cache), ffi.from_buffer("float[]", out),
-        _address(present_k), _address(present_v), 0, B * KN, bad)
-    if status == lib.OP_E_ARG and bad[0] >= 0:
-        b = int(bad[0])
-        raise ValueError(f"GroupQueryAttention: seqlens_k[{b}] = {int(seq[b])} does not fit sequence {S}, "
-                         f"total_sequence_length {total}, past length {P}"
-                         + (f" and {p.cache_rows} cos/sin rows" if rd else ""))
-    check(status, "group_query_attention")
-    return out, present_k, present_v
+    return _launch(q, k, v, past_key, past_value, seq, cos_cache, sin_cache, present, None, total,
+                   batch=B, seq=S, num_heads=N, kv_num_heads=KN, head_size=H, past_len=P, present_len=L,
+                   rotary_dim=rd, cache_rows=cos_cache.shape[0] if rd else 0,
+                   interleaved=1 if interleaved else 0, first_prompt=0,
+                   scale=float(scale) if scale else 1.0 / math.sqrt(H))
 
 
 def _launch(q, k, v, past_key, past_value, seqlens, cos, sin, present, isa, total, mask=None, **params):
