@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from onnx_prep.native._module import check, ffi, lib
+from onnx_prep.native._module import check, lib
 from onnx_prep.native.isa import isa_id
 from onnx_prep.native.packed import ptr
 
@@ -30,6 +30,15 @@ def _f32(a: np.ndarray | None, n: int | None, what: str) -> np.ndarray | None:
     if n is not None and a.shape != (n,):
         raise ValueError(f"norm_rows: {what} has shape {a.shape}, expected ({n},)")
     return a
+
+
+def _call(x, skip, skip_rows, bias, gamma, beta, epsilon, simplified, y, total, mean, inv, isa) -> None:
+    """The one C call of every entry here, on arrays already in the kernel's form (None:
+    NULL)."""
+    check(lib.op_norm_rows(isa_id(isa), ptr(x, "float *"), ptr(skip, "float *"), skip_rows,
+                           ptr(bias, "float *"), ptr(gamma, "float *"), ptr(beta, "float *"), x.shape[0],
+                           x.shape[1], float(epsilon), 1 if simplified else 0, ptr(y, "float *"),
+                           ptr(total, "float *"), ptr(mean, "float *"), ptr(inv, "float *")), "norm_rows")
 
 
 def norm_rows(x: np.ndarray, gamma: np.ndarray, *, beta: np.ndarray | None = None,
@@ -55,10 +64,7 @@ def norm_rows(x: np.ndarray, gamma: np.ndarray, *, beta: np.ndarray | None = Non
     total = np.empty_like(x) if want_sum else None
     mean = np.empty(rows, np.float32) if want_stats else None
     inv = np.empty(rows, np.float32) if want_stats else None
-    check(lib.op_norm_rows(isa_id(isa), ptr(x, "float *"), ptr(skip, "float *"), skip_rows,
-                           ptr(bias, "float *"), ptr(gamma, "float *"), ptr(beta, "float *"), rows, n,
-                           float(epsilon), int(bool(simplified)), ptr(y, "float *"), ptr(total, "float *"),
-                           ptr(mean, "float *"), ptr(inv, "float *")), "norm_rows")
+    _call(x, skip, skip_rows, bias, gamma, beta, epsilon, simplified, y, total, mean, inv, isa)
     if want_sum and skip is None and bias is None:
         total = x.copy()  # nothing was added: the sum is the input
     return NormResult(y, total, mean, inv)
@@ -89,11 +95,7 @@ def skip_norm_rows(x: np.ndarray, skip: np.ndarray, gamma: np.ndarray, *, epsilo
     total = np.empty_like(x)
     mean = np.empty(rows, np.float32) if want_stats else None
     inv = np.empty(rows, np.float32) if want_stats else None
-    check(lib.op_norm_rows(isa_id(None), ffi.from_buffer("float[]", x), ffi.from_buffer("float[]", skip), rows,
-                           ffi.NULL, ffi.from_buffer("float[]", gamma), ffi.NULL, rows, n, float(epsilon),
-                           1 if simplified else 0, ffi.from_buffer("float[]", y), ffi.from_buffer("float[]", total),
-                           ffi.NULL if mean is None else ffi.from_buffer("float[]", mean),
-                           ffi.NULL if inv is None else ffi.from_buffer("float[]", inv)), "norm_rows")
+    _call(x, skip, rows, None, gamma, None, epsilon, simplified, y, total, mean, inv, None)
     return NormResult(y, total, mean, inv)
 
 
@@ -113,9 +115,5 @@ def norm_rows_y(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray | None, *, ep
             and (beta is None or (_plain(beta, 1) and beta.shape[0] == n))):
         return norm_rows(x, gamma, beta=beta, epsilon=epsilon, simplified=simplified).y
     y = np.empty_like(x)
-    check(lib.op_norm_rows(isa_id(None), ffi.from_buffer("float[]", x), ffi.NULL, 0, ffi.NULL,
-                           ffi.from_buffer("float[]", gamma),
-                           ffi.NULL if beta is None else ffi.from_buffer("float[]", beta), x.shape[0], n,
-                           float(epsilon), 1 if simplified else 0, ffi.from_buffer("float[]", y), ffi.NULL,
-                           ffi.NULL, ffi.NULL), "norm_rows")
+    _call(x, None, 0, None, gamma, beta, epsilon, simplified, y, None, None, None, None)
     return y
