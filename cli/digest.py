@@ -1,5 +1,5 @@
 """``onnx-prep digest MODEL [--write] [-o OUT] [--json]``: compute, check and record the
-digests of a model's external weights (per-tensor SHA-256, the data file's SHA-1
+digests of a model's external weights (per-tensor SHA-256 and XXH3, the data file's SHA-1
 ``checksum``). One core call (``core/model/weight_digests.digest_model``), its record
 rendered as rich tables or JSON (docs/digest.md).
 
@@ -42,7 +42,7 @@ def digest(
     json_out: bool = typer.Option(False, "--json", help="Print the record as JSON (docs/digest.md)."),
     trust_symlinks: bool = TRUST_SYMLINKS,
 ) -> None:
-    """Compute every external weight's SHA-256 and each data file's SHA-1, check those the model records, and with --write record the missing ones."""
+    """Compute every external weight's SHA-256 and XXH3 and each data file's SHA-1, check those the model records, and with --write record the missing ones."""
 
     def go() -> int:
         from onnx_prep.core.model.weight_digests import digest_model

@@ -87,7 +87,7 @@ def render(doc: dict) -> None:
     files = ", ".join(f"{f['file']} ({f['entries']} tensors)" for f in payload["files"]) or "none"
     summary.add_row("payload", f"{_bytes(payload['bytes'])} in {payload['entries']} entries: {files}")
     trusted = digests["tensor_metadata"] + digests["file_checksum"]
-    summary.add_row("digests", f"{trusted} trusted ({digests['tensor_metadata']} fine: per-tensor sha256, "
+    summary.add_row("digests", f"{trusted} trusted ({digests['tensor_metadata']} fine: per-tensor sha256/xxh3, "
                                f"{digests['file_checksum']} coarse: file sha1+range), {digests['none']} missing")
     summary.add_row("prepared requirements", f"{len(doc['requirements'])} distinct; "
                                              f"{len(doc['shared_sources'])} source weights feed more than one")

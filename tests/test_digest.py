@@ -25,14 +25,15 @@ from onnx_prep.core.io.external_data import ExternalDataReader
 from onnx_prep.core.model import weight_digests
 from onnx_prep.core.model.resolution import resolve_model
 from onnx_prep.core.model.weight_digests import compute_digests, digest_model, write_digests
-from onnx_prep.core.model.weights import TENSOR_DIGEST_KEY, DigestSource
+from onnx_prep.core.io.content_digest import digest_of
+from onnx_prep.core.model.weights import TENSOR_DIGEST_KEY, TENSOR_FAST_DIGEST_KEY, DigestSource
 
 DATA = "tiny-llm.onnx.data"
 
 
 def strip_digests(model_path, *, sha256=True, checksum=True, keep=()):
-    """Remove the per-tensor sha256 and/or the ONNX checksum of every initializer not in
-    ``keep``, in place (the entries' order and other keys stay)."""
+    """Remove the per-tensor digests (sha256 and xxh3) and/or the ONNX checksum of every
+    initializer not in ``keep``, in place (the entries' order and other keys stay)."""
     m = onnx.load(str(model_path), load_external_data=False)
     for t in m.graph.initializer:
         if t.name in keep:
@@ -137,6 +138,30 @@ def test_only_the_missing_digests_are_added(bare, tiny_llm_path):
     assert onnx.load(str(bare), load_external_data=False) == onnx.load(str(tiny_llm_path), load_external_data=False)
 
 
+def test_a_model_digested_before_the_xxh3_gains_only_its_xxh3(bare, tiny_llm_path):
+    """A model whose weights record their sha256 alone (what ``digest --write`` wrote
+    before the xxh3): each recorded sha256 is verified, each xxh3 added after it."""
+    shutil.copy(tiny_llm_path, bare)
+    m = onnx.load(str(bare), load_external_data=False)
+    for t in m.graph.initializer:
+        sha = [(p.key, p.value) for p in t.metadata_props if p.key == TENSOR_DIGEST_KEY]
+        del t.metadata_props[:]
+        for key, value in sha:
+            t.metadata_props.add(key=key, value=value)
+    onnx.save(m, str(bare))
+    assert all(d.fast_digest is None and d.load_digest.startswith("sha256:") for d in resolve_model(bare).manifest)
+
+    doc = digest_model(bare, write=True)
+
+    assert {t["status"] for t in doc["tensors"]} == {"added"} and doc["write"]["checksums_added"] == 0
+    # the generator's digests, in its order (sha256, then xxh3), on every weight a load reads
+    original, digested = ({t.name: list(t.metadata_props) for t in onnx.load(str(p), load_external_data=False)
+                           .graph.initializer} for p in (tiny_llm_path, bare))
+    assert len(doc["tensors"]) == 44 and all(digested[t["name"]] == original[t["name"]] for t in doc["tensors"])
+    assert all(d.load_digest == d.fast_digest and d.fast_digest.startswith("xxh3:")
+               for d in resolve_model(bare).manifest)
+
+
 def test_the_digested_model_gives_identical_outputs_in_onnx_runtime(bare, tmp_path):
     ort_or_skip()
     from onnx_prep.core.decode.decoder_io import DecoderIO
@@ -210,7 +235,9 @@ def test_one_pass_hashes_every_tensor_whatever_the_chunk_boundaries(bare, chunk)
             one_pass.visit(i, memoryview(data[i:i + 1]))
     raw = (bare.parent / DATA).read_bytes()
     for d in descs:
-        assert one_pass.sha256[d.name].hexdigest() == hashlib.sha256(raw[d.offset:d.offset + d.length]).hexdigest()
+        tensor = raw[d.offset:d.offset + d.length]
+        assert one_pass.hashers[d.name][TENSOR_DIGEST_KEY].digest() == "sha256:" + hashlib.sha256(tensor).hexdigest()
+        assert one_pass.hashers[d.name][TENSOR_FAST_DIGEST_KEY].digest() == digest_of(tensor)
     if st is not None:
         assert max(sizes) <= chunk and sum(sizes) == len(raw) == st.st_size
         assert one_pass.sha1.hexdigest() == hashlib.sha1(raw).hexdigest()
@@ -225,8 +252,10 @@ def test_overlapping_tensors_each_get_their_own_digest(bare):
     one_pass = weight_digests._FilePass([d, alias], None)
     ExternalDataReader.for_model(resolved).scan_file(d.file, one_pass.visit, chunk=1000)
     raw = (bare.parent / DATA).read_bytes()
-    assert one_pass.sha256["alias"].hexdigest() == hashlib.sha256(raw[alias.offset:d.offset + d.length]).hexdigest()
-    assert one_pass.sha256[d.name].hexdigest() == hashlib.sha256(raw[d.offset:d.offset + d.length]).hexdigest()
+    for t in (alias, d):
+        tensor = raw[t.offset:t.offset + t.length]
+        assert one_pass.hashers[t.name][TENSOR_DIGEST_KEY].digest() == "sha256:" + hashlib.sha256(tensor).hexdigest()
+        assert one_pass.hashers[t.name][TENSOR_FAST_DIGEST_KEY].digest() == digest_of(tensor)
 
 
 def test_scan_file_refuses_a_file_the_manifest_does_not_name_and_one_that_changes(bare):
@@ -314,7 +343,8 @@ def test_inline_and_unused_initializers_get_no_sha256_and_are_counted(tmp_path):
     assert doc["tensors"][0]["sha256"] == "sha256:" + hashlib.sha256(w.tobytes()).hexdigest()
     assert doc["files"][0]["entries"] == 2 and doc["write"]["checksums_added"] == 2
     saved = {t.name: t for t in onnx.load(str(tmp_path / "m.onnx"), load_external_data=False).graph.initializer}
-    assert [p.key for p in saved["w"].metadata_props] == [TENSOR_DIGEST_KEY]
+    assert [(p.key, p.value) for p in saved["w"].metadata_props] == [
+        (TENSOR_DIGEST_KEY, doc["tensors"][0]["sha256"]), (TENSOR_FAST_DIGEST_KEY, digest_of(w.tobytes()))]
     assert not saved["b"].metadata_props and not saved["u"].metadata_props
     sha1 = hashlib.sha1((tmp_path / "w.bin").read_bytes()).hexdigest()
     assert ("checksum", sha1) in [(e.key, e.value) for e in saved["u"].external_data]

@@ -204,5 +204,5 @@ def test_older_digests_check_in_the_algorithm_they_name():
     assert PAYLOAD_DIGEST.match(payload_digest_of(data))
     for bad in ("md5:" + "0" * 32, "xxh3:" + "0" * 15, "xxh3:" + "0" * 64, "xxh128:" + "0" * 32):
         assert not PAYLOAD_DIGEST.match(bad), bad
-    with pytest.raises(ValueError, match="unknown payload digest"):
+    with pytest.raises(ValueError, match="unknown digest algorithm"):
         PayloadHasher("md5")

@@ -26,7 +26,8 @@ from onnx_prep.core.decode.decoder_io import DecoderIO
 from onnx_prep.core.decode.generation import step_feeds
 from onnx_prep.core.errors import DigestError, OnnxPrepError
 from onnx_prep.core.model.resolution import resolve_model
-from onnx_prep.core.model.weights import TENSOR_DIGEST_KEY
+from onnx_prep.core.io.content_digest import digest_of
+from onnx_prep.core.model.weights import TENSOR_DIGEST_KEY, TENSOR_FAST_DIGEST_KEY
 from onnx_prep.core.plan.task import ResourceClass
 from onnx_prep.core.runtime.scheduler import TaskState
 from onnx_prep.core.runtime.session import Session
@@ -234,10 +235,12 @@ def _change_source(model: Path) -> None:
     raw = bytearray(data_file.read_bytes())
     raw[desc.offset:desc.offset + 4] = bytes(b ^ 0x01 for b in raw[desc.offset:desc.offset + 4])
     data_file.write_bytes(bytes(raw))
-    digest = "sha256:" + hashlib.sha256(raw[desc.offset:desc.offset + desc.length]).hexdigest()
+    tensor = bytes(raw[desc.offset:desc.offset + desc.length])
+    new = {TENSOR_DIGEST_KEY: "sha256:" + hashlib.sha256(tensor).hexdigest(), TENSOR_FAST_DIGEST_KEY: digest_of(tensor)}
     m = onnx.load(str(model), load_external_data=False)
     t = next(t for t in m.graph.initializer if t.name == name)
-    next(p for p in t.metadata_props if p.key == TENSOR_DIGEST_KEY).value = digest
+    for p in t.metadata_props:
+        p.value = new.get(p.key, p.value)
     onnx.save(m, str(model))
 
 
@@ -352,8 +355,9 @@ def test_sources_without_digests_are_recorded_as_read_and_never_reused_until_dig
     m = onnx.load(str(model), load_external_data=False)
     digests = {}
     for t in m.graph.initializer:  # neither the per-tensor digest nor the file checksum
-        keep = [p for p in t.metadata_props if p.key != TENSOR_DIGEST_KEY]
-        digests[t.name] = [p.value for p in t.metadata_props if p.key == TENSOR_DIGEST_KEY]
+        keep = [p for p in t.metadata_props if p.key not in (TENSOR_DIGEST_KEY, TENSOR_FAST_DIGEST_KEY)]
+        digests[t.name] = [(p.key, p.value) for p in t.metadata_props
+                           if p.key in (TENSOR_DIGEST_KEY, TENSOR_FAST_DIGEST_KEY)]
         del t.metadata_props[:]
         t.metadata_props.extend(keep)
         ext = [p for p in t.external_data if p.key != "checksum"]
@@ -368,8 +372,8 @@ def test_sources_without_digests_are_recorded_as_read_and_never_reused_until_dig
     # once the model declares the digests (what `onnx-prep digest --write` does), they hit
     m = onnx.load(str(model), load_external_data=False)
     for t in m.graph.initializer:
-        for value in digests[t.name]:
-            t.metadata_props.add(key=TENSOR_DIGEST_KEY, value=value)
+        for key, value in digests[t.name]:
+            t.metadata_props.add(key=key, value=value)
     onnx.save(m, str(model))
     out, cache, _, stats = load(model, "require-complete")
     assert stats.prepacks == 0 and same(out, reference(model))

@@ -21,9 +21,10 @@ from typer.testing import CliRunner
 from onnx_prep.cli.app import app
 from onnx_prep.core.errors import EXIT_OK, EXIT_UNUSABLE, DigestError, ExternalDataError
 from onnx_prep.core.io import external_data
+from onnx_prep.core.io.content_digest import digest_of
 from onnx_prep.core.io.external_data import ExternalDataReader
 from onnx_prep.core.model.resolution import resolve_model
-from onnx_prep.core.model.weights import DigestSource
+from onnx_prep.core.model.weights import TENSOR_DIGEST_KEY, TENSOR_FAST_DIGEST_KEY, DigestSource
 
 DATA = "tiny-llm.onnx.data"
 VICTIM = "lm_head.scales"
@@ -38,7 +39,8 @@ def tiny_copy(tiny_llm_path, tmp_path):
 
 
 def _drop_tensor_digests(m, names):
-    """Remove the per-tensor sha256 (``onnx_prep.sha256`` in the tensor's metadata_props)."""
+    """Remove the per-tensor digests (``onnx_prep.sha256`` and ``onnx_prep.xxh3`` in the
+    tensor's metadata_props)."""
     for t in m.graph.initializer:
         if t.name in names:
             del t.metadata_props[:]
@@ -69,7 +71,8 @@ def test_zeroed_tensor_with_its_digest_fails_the_load(tiny_copy, source_io):
 
     d = _zero(tiny_copy, VICTIM)
     assert d.digest_source is DigestSource.TENSOR_METADATA
-    zero_digest = "sha256:" + hashlib.sha256(b"\0" * d.length).hexdigest()
+    assert d.load_digest == d.fast_digest and d.fast_digest.startswith("xxh3:")  # the one a load checks
+    zero_digest = digest_of(b"\0" * d.length)
     with Session.open(tiny_copy, source_io=source_io) as s:
         with pytest.raises(Exception) as ei:
             s.prepare()
@@ -77,7 +80,7 @@ def test_zeroed_tensor_with_its_digest_fails_the_load(tiny_copy, source_io):
     assert isinstance(cause, DigestError)
     text = str(cause)
     assert f"tensor '{VICTIM}'" in text and f"file {DATA}" in text and f"offset {d.offset}" in text
-    assert f"expected {d.digest}" in text and f"got {zero_digest}" in text
+    assert f"expected {d.fast_digest}" in text and f"got {zero_digest}" in text
 
 
 def test_run_exits_2_on_a_digest_mismatch_and_0_without_verification(tiny_copy):
@@ -87,9 +90,57 @@ def test_run_exits_2_on_a_digest_mismatch_and_0_without_verification(tiny_copy):
     assert bad.exit_code == EXIT_UNUSABLE, bad.output
     line = bad.output.strip()
     assert "\n" not in line and "do not match their declared digest" in line
-    assert f"tensor '{VICTIM}'" in line and f"offset {d.offset}" in line and d.digest in line
+    assert f"tensor '{VICTIM}'" in line and f"offset {d.offset}" in line and d.load_digest in line
     off = runner.invoke(app, ["run", str(tiny_copy), "--tokens", "2", "--no-verify-digests"])
     assert off.exit_code == EXIT_OK, off.output
+
+
+@pytest.mark.parametrize("kept", [TENSOR_DIGEST_KEY, TENSOR_FAST_DIGEST_KEY])
+def test_a_model_recording_one_per_tensor_digest_is_checked_with_that_one(tiny_copy, kept):
+    """A model digested before the xxh3 existed (sha256 only), or one recording only the
+    xxh3: a load checks the digest it has, in that digest's algorithm."""
+    m = onnx.load(str(tiny_copy), load_external_data=False)
+    for t in m.graph.initializer:
+        keep = [(p.key, p.value) for p in t.metadata_props if p.key == kept]
+        del t.metadata_props[:]
+        for key, value in keep:
+            t.metadata_props.add(key=key, value=value)
+    onnx.save(m, str(tiny_copy))
+    d = _zero(tiny_copy, VICTIM)
+    algorithm = "sha256" if kept == TENSOR_DIGEST_KEY else "xxh3"
+    assert d.digest_source is DigestSource.TENSOR_METADATA and d.load_digest == d.digest
+    assert d.digest.startswith(algorithm + ":") and d.fast_digest == (d.digest if algorithm == "xxh3" else None)
+    with pytest.raises(DigestError) as ei:
+        ExternalDataReader.for_model(resolve_model(tiny_copy)).read(d)
+    assert f"expected {d.digest}" in str(ei.value) and f"got {digest_of(bytes(d.length), algorithm)}" in str(ei.value)
+
+
+def test_a_load_checks_the_xxh3_and_every_digest_check_checks_both(tiny_copy):
+    """The sha256 is not what a load hashes (the xxh3 is): a model whose sha256 alone is
+    wrong loads, and the reader that checks every digest (``check --verify-payloads``)
+    names it."""
+    m = onnx.load(str(tiny_copy), load_external_data=False)
+    t = next(t for t in m.graph.initializer if t.name == VICTIM)
+    wrong = "sha256:" + "0" * 64
+    for p in t.metadata_props:
+        if p.key == TENSOR_DIGEST_KEY:
+            p.value = wrong
+    onnx.save(m, str(tiny_copy))
+    r = resolve_model(tiny_copy)
+    d = r.weights[VICTIM]
+    assert d.digest == wrong and d.load_digest == d.fast_digest
+    ExternalDataReader.for_model(r).read(d)  # the xxh3 matches
+    with pytest.raises(DigestError, match=f"expected {wrong}"):
+        ExternalDataReader(r.model_dir, r.manifest, model=str(r.model_path), verify_every_digest=True).read(d)
+
+
+def test_a_malformed_xxh3_digest_is_refused_at_resolve(tiny_copy):
+    m = onnx.load(str(tiny_copy), load_external_data=False)
+    t = next(t for t in m.graph.initializer if t.name == VICTIM)
+    t.metadata_props.add(key=TENSOR_FAST_DIGEST_KEY, value="xxh3:1234")
+    onnx.save(m, str(tiny_copy))
+    with pytest.raises(DigestError, match=r"metadata_props onnx_prep.xxh3 is not 'xxh3:<16 hex>': 'xxh3:1234'"):
+        resolve_model(tiny_copy)
 
 
 def test_corruption_without_a_digest_cannot_be_caught(tiny_copy):

@@ -20,7 +20,7 @@ from onnx_prep.core.decode.decoder_io import DecoderIO
 from onnx_prep.core.decode.generation import greedy_decode, step_feeds
 from onnx_prep.core.kernels.prepack import prepack_all, source_loader
 from onnx_prep.core.model.resolution import resolve_model
-from onnx_prep.core.model.weights import TENSOR_DIGEST_KEY
+from onnx_prep.core.model.weights import TENSOR_DIGEST_KEY, TENSOR_FAST_DIGEST_KEY
 from onnx_prep.core.plan.execution_plan import build_prepared_execution_plan
 from onnx_prep.core.plan.task import TaskKind
 from onnx_prep.core.runtime.action_program import ActionProgram
@@ -47,7 +47,7 @@ def _untied_copy(src, dst):
     path = dst / src.name
     model = onnx.load(str(path), load_external_data=False)
     t = next(t for t in model.graph.initializer if t.name == EMBED_SCALES)
-    keep = [p for p in t.metadata_props if p.key != TENSOR_DIGEST_KEY]
+    keep = [p for p in t.metadata_props if p.key not in (TENSOR_DIGEST_KEY, TENSOR_FAST_DIGEST_KEY)]
     del t.metadata_props[:]
     t.metadata_props.extend(keep)
     onnx.save(model, str(path))

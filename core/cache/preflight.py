@@ -13,9 +13,9 @@ from ``parse_model_file``). Everything else becomes findings of named checks:
 - ``external_data``: each data file present, inside the model's folder and regular
   (one finding per file), each tensor's ``[offset, offset + length)`` inside it (one
   per tensor); ``stat`` only, no payload byte is read.
-- ``digests``: each external tensor has a trusted digest (a per-tensor sha256 in its
-  ``metadata_props`` or the file's ``checksum``); with ``verify_payloads``, each
-  trusted digest is checked by reading through the one reader
+- ``digests``: each external tensor has a trusted digest (a per-tensor sha256 or xxh3
+  in its ``metadata_props``, or the file's ``checksum``); with ``verify_payloads``,
+  every trusted digest (both per-tensor ones where the model records both) is checked by reading through the one reader
   (``ExternalDataReader.map_shared``: one tensor's pages at a time, released after).
 - ``prepared_cache``: the companion prepared cache (``--prepared``, default
   ``<model stem>.prepared.onnx``), by ``core/cache/prepared_cache.prepared_cache_findings``:
@@ -288,7 +288,8 @@ class _State:
         from onnx_prep.core.model.resolved_model import PayloadManifest
 
         reader = ExternalDataReader(self.model_dir, PayloadManifest(tuple(self.readable)),
-                                    trust_symlinks=self.trust_symlinks, model=self.model)
+                                    trust_symlinks=self.trust_symlinks, model=self.model,
+                                    verify_every_digest=True)
         try:
             for subject, d, nbytes in ([(d.file, d, files[d.file]) for d in per_file.values()]
                                        + [(d.name, d, d.length) for d in per_tensor]):

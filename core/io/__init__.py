@@ -1,4 +1,5 @@
-"""The one reader of external data (and later of cache payloads), and atomic file writes."""
+"""The one reader of external data (and later of cache payloads), content digests, and atomic
+file writes."""
 from onnx_prep.core.lazy_exports import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
@@ -9,4 +10,6 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     "check_bounds": "external_data",
     "verify_tensor_digest": "external_data",
     "write_atomically": "atomic_file",
+    "ContentHasher": "content_digest",
+    "digest_of": "content_digest",
 })

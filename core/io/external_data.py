@@ -273,7 +273,7 @@ class ExternalDataReader:
 
     def __init__(self, model_dir: Path, manifest: PayloadManifest, *, trust_symlinks: bool = False,
                  model: str | None = None, verify_digests: bool = True,
-                 compute_digests: bool = False) -> None:
+                 compute_digests: bool = False, verify_every_digest: bool = False) -> None:
         if not isinstance(manifest, PayloadManifest):
             raise TypeError(f"expected a frozen PayloadManifest, got {type(manifest).__name__}")
         self.model_dir = Path(model_dir)
@@ -281,6 +281,8 @@ class ExternalDataReader:
         self.trust_symlinks = trust_symlinks
         self.model = model or str(self.model_dir)
         self.verify_digests = verify_digests  # check trusted digests as bytes are read (_Digest)
+        # each per-tensor digest recorded (xxh3 and sha256), not only the one a load checks
+        self.verify_every_digest = verify_every_digest
         # hash tensors that have no digest as they are read, for content_digest (a
         # prepared cache records what its entries were built from)
         self.compute_digests = compute_digests
@@ -646,7 +648,7 @@ class ExternalDataReader:
             return _Digest(desc, where, self._computed) if self.compute_digests else None
         if not (self.verify_digests if verify is None else verify):
             return None
-        return _Digest(desc, where)
+        return _Digest(desc, where, every=self.verify_every_digest)
 
     def _admit(self, desc: WeightDescriptor) -> Where:
         where = Where(model=self.model, tensor=desc.name, file=desc.file, offset=desc.offset)
@@ -760,8 +762,11 @@ _HASH_CHUNK = 1 << 20
 class _Digest:
     """The check of one tensor's trusted digest during one read.
 
-    - TENSOR_METADATA (``sha256:<hex>`` of the tensor's bytes): the bytes are hashed as
-      they are read (``update``) and compared at the end (``finish``).
+    - TENSOR_METADATA (``xxh3:<hex>`` and/or ``sha256:<hex>`` of the tensor's bytes):
+      the bytes are hashed as they are read (``update``) and compared at the end
+      (``finish``). A load checks one: the XXH3 digest where the model records it
+      (``WeightDescriptor.load_digest``; content_digest.py says why that suffices);
+      ``every=True`` (``check --verify-payloads``) checks each one recorded.
     - FILE_CHECKSUM (the ONNX ``checksum`` key: SHA-1 of the WHOLE data file): checked
       once per file per process (``check_file``), keyed by the file's identity, size and
       modification time, so a file rewritten later is checked again. It costs one pass
@@ -771,33 +776,37 @@ class _Digest:
     With a ``sink`` (the reader's ``compute_digests``) its SHA-256 is computed as it is
     read and recorded there instead."""
 
-    __slots__ = ("desc", "where", "_h", "_sink")
+    __slots__ = ("desc", "where", "_checks", "_sink")
 
-    def __init__(self, desc: WeightDescriptor, where: Where, sink: dict[str, str] | None = None) -> None:
+    def __init__(self, desc: WeightDescriptor, where: Where, sink: dict[str, str] | None = None, *,
+                 every: bool = False) -> None:
+        from onnx_prep.core.io.content_digest import ContentHasher
+
         self.desc, self.where, self._sink = desc, where, sink
-        hashes = desc.digest_source is DigestSource.TENSOR_METADATA or (sink is not None and not desc.trusted)
-        self._h = hashlib.sha256() if hashes else None
+        if sink is not None and not desc.trusted:  # computed, not compared
+            self._checks: list[tuple[str | None, ContentHasher]] = [(None, ContentHasher("sha256"))]
+        else:
+            wanted = desc.tensor_digests if every else tuple(d for d in (desc.load_digest,) if d)
+            self._checks = [(d, ContentHasher.matching(d)) for d in wanted]
 
     @property
     def hashes(self) -> bool:
-        return self._h is not None
+        return bool(self._checks)
 
     @property
     def needs_file(self) -> bool:
         return self.desc.digest_source is DigestSource.FILE_CHECKSUM
 
     def update(self, chunk) -> None:
-        if self._h is not None:
-            self._h.update(chunk)
+        for _, h in self._checks:
+            h.update(chunk)
 
     def finish(self) -> None:
-        if self._h is None:
-            return
-        actual = f"sha256:{self._h.hexdigest()}"
-        if self._sink is not None:
-            self._sink[self.desc.name] = actual
-        else:
-            _compare(self.desc.digest, actual, "tensor bytes", self.where)
+        for expected, h in self._checks:
+            if expected is None:
+                self._sink[self.desc.name] = h.digest()
+            else:
+                _compare(expected, h.digest(), "tensor bytes", self.where)
 
     def check_file(self, fd: int) -> None:
         if self.needs_file:
@@ -852,7 +861,11 @@ def as_array(desc: WeightDescriptor, raw: np.ndarray) -> np.ndarray:
 
 def verify_tensor_digest(desc: WeightDescriptor, data: np.ndarray, where: Where) -> None:
     """Raise DigestError when ``data`` (the tensor's bytes, already in memory) does not
-    match a per-tensor sha256 digest. The reader hashes while reading instead."""
-    if desc.digest_source is not DigestSource.TENSOR_METADATA or desc.digest is None:
+    match the per-tensor digest a load checks (``load_digest``). The reader hashes while
+    reading instead."""
+    expected = desc.load_digest
+    if expected is None:
         return
-    _compare(desc.digest, f"sha256:{hashlib.sha256(data).hexdigest()}", "tensor bytes", where)
+    from onnx_prep.core.io.content_digest import digest_of
+
+    _compare(expected, digest_of(data, expected.split(":", 1)[0]), "tensor bytes", where)

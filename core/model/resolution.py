@@ -7,7 +7,8 @@ and bounds). Everything downstream (plan, runtime, cache) consumes the frozen re
 Steps:
 1. parse (``onnx.load(..., load_external_data=False)``) and check structure;
 2. a ``WeightDescriptor`` per initializer, digest from (first match):
-   ``metadata_props[onnx_prep.sha256] = "sha256:<64 hex>"`` (TENSOR_METADATA, fine),
+   ``metadata_props[onnx_prep.sha256] = "sha256:<64 hex>"`` and/or
+   ``metadata_props[onnx_prep.xxh3] = "xxh3:<16 hex>"`` (TENSOR_METADATA, fine),
    ``external_data checksum = <40 hex>`` SHA-1 of the whole file, combined with offset
    and length (FILE_CHECKSUM, coarse: any change to the file invalidates every tensor
    in it), else NONE. A digest of the wrong form is a DigestError;
@@ -62,9 +63,10 @@ from onnx_prep.core.model.resolved_model import (
     readonly_array,
 )
 from onnx_prep.core.model.transforms import GraphNode, run_transforms
-from onnx_prep.core.model.weights import TENSOR_DIGEST_KEY, DigestSource, WeightDescriptor
+from onnx_prep.core.model.weights import TENSOR_DIGEST_KEY, TENSOR_FAST_DIGEST_KEY, DigestSource, WeightDescriptor
 
 _SHA256 = re.compile(r"^sha256:([0-9a-fA-F]{64})$")
+_XXH3 = re.compile(r"^xxh3:([0-9a-fA-F]{16})$")
 _SHA1 = re.compile(r"^[0-9a-fA-F]{40}$")
 
 
@@ -238,18 +240,17 @@ def weight_descriptor(t: TensorProto, model: str) -> WeightDescriptor:
         numel *= d
     nbytes = dt.nbytes(numel)
 
-    tensor_digest = None
+    tensor_digest = fast_digest = None
     for prop in t.metadata_props:
         if prop.key == TENSOR_DIGEST_KEY:
-            m = _SHA256.match(prop.value)
-            if m is None:
-                raise DigestError(f"metadata_props {TENSOR_DIGEST_KEY} is not 'sha256:<64 hex>': "
-                                  f"{prop.value[:80]!r}", where())
-            tensor_digest = f"sha256:{m.group(1).lower()}"
+            tensor_digest = _recorded_digest(prop, _SHA256, "sha256:<64 hex>", where)
+        elif prop.key == TENSOR_FAST_DIGEST_KEY:
+            fast_digest = _recorded_digest(prop, _XXH3, "xxh3:<16 hex>", where)
+    tensor_digest = tensor_digest or fast_digest
 
     if t.data_location != TensorProto.EXTERNAL:
         source = DigestSource.NONE if tensor_digest is None else DigestSource.TENSOR_METADATA
-        return WeightDescriptor(name, dtype, t.data_type, dims, None, 0, nbytes, tensor_digest, source)
+        return WeightDescriptor(name, dtype, t.data_type, dims, None, 0, nbytes, tensor_digest, source, fast_digest)
 
     ext = external_entries(t, where())
     location = ext.get("location")
@@ -284,7 +285,16 @@ def weight_descriptor(t: TensorProto, model: str) -> WeightDescriptor:
         digest, source = f"sha1:{checksum.lower()}@{offset}+{length}", DigestSource.FILE_CHECKSUM
     else:
         digest, source = None, DigestSource.NONE
-    return WeightDescriptor(name, dtype, t.data_type, dims, location, offset, length, digest, source)
+    return WeightDescriptor(name, dtype, t.data_type, dims, location, offset, length, digest, source, fast_digest)
+
+
+def _recorded_digest(prop, form: re.Pattern, spelled: str, where) -> str:
+    """A per-tensor digest from ``metadata_props`` in its canonical form (lowercase hex),
+    or a DigestError naming the key and what it holds."""
+    m = form.match(prop.value)
+    if m is None:
+        raise DigestError(f"metadata_props {prop.key} is not '{spelled}': {prop.value[:80]!r}", where())
+    return f"{prop.value.split(':', 1)[0]}:{m.group(1).lower()}"
 
 
 def _inline_value(t: TensorProto, d: WeightDescriptor, ctx: _Context) -> np.ndarray:

@@ -1,17 +1,21 @@
 """Weight digests: computing, checking and recording the digests of a model's external
 weights (``onnx-prep digest``, docs/digest.md).
 
-Two digests, both already understood by resolution and checked by the reader:
+The digests, all understood by resolution and checked by the reader:
 
 - per tensor, the SHA-256 of its bytes, ``metadata_props[onnx_prep.sha256] =
-  "sha256:<hex>"`` (fine: a changed byte invalidates one tensor);
+  "sha256:<hex>"``, and their XXH3-64, ``metadata_props[onnx_prep.xxh3] =
+  "xxh3:<hex>"`` (fine: a changed byte invalidates one tensor). A load checks the XXH3
+  one (~16x faster; core/io/content_digest.py says why that suffices); the SHA-256 one
+  is the weight's identity (a prepared cache's lineage) and ``check --verify-payloads``
+  checks both;
 - per data file, the ONNX external-data ``checksum``: the SHA-1 of the whole file, on
   every external-data entry that names the file (coarse: the whole file).
 
 ``compute_digests`` reads each data file once, front to back, through the one reader
 (``ExternalDataReader.scan_file``, 1 MiB at a time: bounded memory), and feeds every
-chunk to the file's SHA-1 and to the SHA-256 of each tensor it overlaps, so each byte is
-read once for both. Digests the model already records are checked on that same pass; a
+chunk to the file's SHA-1 and to the SHA-256 and XXH3 of each tensor it overlaps, so each
+byte is read once for all. Digests the model already records are checked on that same pass; a
 mismatch is a ``DigestError`` naming tensor, file, offset and both digests, and nothing
 is written. ``write_digests`` writes a new model file carrying the missing digests,
 atomically (temporary file in the target's folder, fsync, rename, fsync of the folder);
@@ -37,9 +41,9 @@ from pathlib import Path
 from typing import Callable, ContextManager
 
 from onnx_prep.core.errors import DigestError, UsageError, Where
-from onnx_prep.core.model.weights import TENSOR_DIGEST_KEY
+from onnx_prep.core.model.weights import TENSOR_DIGEST_KEY, TENSOR_FAST_DIGEST_KEY
 
-DIGEST_SCHEMA_VERSION = 1
+DIGEST_SCHEMA_VERSION = 2  # 2: each tensor's xxh3
 PROTOBUF_LIMIT = (1 << 31) - 1  # protobuf cannot serialize a message of 2 GiB or more
 
 # ``progress(label, total_bytes)``: a context manager giving ``advance(nbytes)``.
@@ -50,19 +54,22 @@ VERIFIED, MISSING, ADDED = "verified", "missing", "added"
 
 @dataclass
 class TensorDigest:
-    """One external weight's SHA-256: recorded and checked (verified), absent (missing),
-    or absent and now written (added)."""
+    """One external weight's SHA-256 and XXH3: both recorded and checked (verified),
+    either absent (missing; a recorded one is still checked), or the absent ones now
+    written (added)."""
 
     name: str
     file: str
     offset: int
     length: int
     sha256: str  # "sha256:<hex>", computed
+    xxh3: str  # "xxh3:<hex>", computed
     status: str
+    missing: tuple[str, ...] = ()  # the metadata keys a write adds
 
     def to_json(self) -> dict:
         return {"name": self.name, "file": self.file, "offset": self.offset, "length": self.length,
-                "sha256": self.sha256, "status": self.status}
+                "sha256": self.sha256, "xxh3": self.xxh3, "status": self.status}
 
 
 @dataclass
@@ -121,7 +128,7 @@ def compute_digests(path: str | os.PathLike, *, trust_symlinks: bool = False,
     resolved = resolve_model(model_path, trust_symlinks=trust_symlinks)
     model = str(resolved.model_path)
     proto = parse_model_file(resolved.model_path)
-    recorded_sha256, recorded_sha1, entries = _recorded(proto)
+    recorded, recorded_sha1, entries = _recorded(proto)
     manifest = list(resolved.manifest)
     reader = ExternalDataReader.for_model(resolved, trust_symlinks=trust_symlinks, verify_digests=False)
 
@@ -140,15 +147,21 @@ def compute_digests(path: str | os.PathLike, *, trust_symlinks: bool = False,
             st = reader.scan_file(file, pass_.visit)
             sha1 = pass_.sha1.hexdigest()
             for d in descs:
-                got = f"sha256:{pass_.sha256[d.name].hexdigest()}"
-                want = recorded_sha256.get(d.name)
-                if want is not None and want != got:
-                    raise DigestError(f"tensor bytes do not match their recorded digest: recorded {want}, "
-                                      f"computed {got}", Where(model=model, tensor=d.name, file=file,
-                                                               offset=d.offset),
-                                      hint="the data file changed after the digest was recorded; nothing was written")
-                tensors[d.name] = TensorDigest(d.name, file, d.offset, d.length, got,
-                                               VERIFIED if want is not None else MISSING)
+                got = {key: h.digest() for key, h in pass_.hashers[d.name].items()}
+                missing = []
+                for key, computed in got.items():
+                    want = recorded.get((d.name, key))
+                    if want is None:
+                        missing.append(key)
+                    elif want != computed:
+                        raise DigestError(f"tensor bytes do not match their recorded digest: recorded {want}, "
+                                          f"computed {computed}", Where(model=model, tensor=d.name, file=file,
+                                                                        offset=d.offset),
+                                          hint="the data file changed after the digest was recorded; "
+                                               "nothing was written")
+                tensors[d.name] = TensorDigest(d.name, file, d.offset, d.length, got[TENSOR_DIGEST_KEY],
+                                               got[TENSOR_FAST_DIGEST_KEY], MISSING if missing else VERIFIED,
+                                               tuple(missing))
             named = entries.get(file, [])
             for name in named:
                 want = recorded_sha1.get(name)
@@ -170,8 +183,9 @@ def compute_digests(path: str | os.PathLike, *, trust_symlinks: bool = False,
 
 
 class _FilePass:
-    """The hashes of one pass over a data file: the file's SHA-1, and the SHA-256 of
-    each tensor, fed the parts of each chunk that fall inside it (tensors may overlap).
+    """The hashes of one pass over a data file: the file's SHA-1, and the SHA-256 and
+    XXH3 of each tensor, fed the parts of each chunk that fall inside it (tensors may
+    overlap).
 
     NOTE: with ``pool`` (one worker thread), the chunk's SHA-1 runs there while this
     thread runs its SHA-256s: hashlib releases the GIL for large buffers, so the two
@@ -181,9 +195,12 @@ class _FilePass:
 
     def __init__(self, descs, advance: Callable[[int], None] | None, pool=None) -> None:
         self._pool = pool
+        from onnx_prep.core.io.content_digest import ContentHasher
+
         self.sha1 = hashlib.sha1()
-        self.sha256 = {d.name: hashlib.sha256() for d in descs}
-        self._spans = sorted(((d.offset, d.offset + d.length, self.sha256[d.name]) for d in descs if d.length),
+        self.hashers = {d.name: {TENSOR_DIGEST_KEY: ContentHasher("sha256"), TENSOR_FAST_DIGEST_KEY: ContentHasher()}
+                        for d in descs}
+        self._spans = sorted(((d.offset, d.offset + d.length, self.hashers[d.name]) for d in descs if d.length),
                              key=lambda s: s[0])
         self._next = 0  # the first span not yet begun
         self._open: list[tuple[int, int, object]] = []  # begun, not finished
@@ -196,10 +213,12 @@ class _FilePass:
             self._open.append(self._spans[self._next])
             self._next += 1
         still = []
-        for lo, hi, h in self._open:
-            h.update(view[max(lo, pos) - pos:min(hi, end) - pos])
+        for lo, hi, hashers in self._open:
+            part = view[max(lo, pos) - pos:min(hi, end) - pos]
+            for h in hashers.values():
+                h.update(part)
             if hi > end:
-                still.append((lo, hi, h))
+                still.append((lo, hi, hashers))
         self._open = still
         if sha1 is not None:
             sha1.result()  # the view is reused for the next chunk once both are done
@@ -214,19 +233,20 @@ def external_names(proto) -> set[str]:
     return {t.name for t in proto.graph.initializer if t.data_location == TensorProto.EXTERNAL}
 
 
-def _recorded(proto) -> tuple[dict[str, str], dict[str, str], dict[str, list[str]]]:
-    """From the protobuf: each initializer's recorded sha256 (lowercase, as resolution
-    reads it), each external initializer's recorded checksum (lowercase), and per data
-    file location the initializers whose entries name it."""
+def _recorded(proto) -> tuple[dict[tuple[str, str], str], dict[str, str], dict[str, list[str]]]:
+    """From the protobuf: each initializer's recorded per-tensor digests, keyed (name,
+    metadata key), lowercase as resolution reads them; each external initializer's
+    recorded checksum (lowercase); and per data file location the initializers whose
+    entries name it."""
     from onnx import TensorProto
 
-    sha256: dict[str, str] = {}
+    recorded: dict[tuple[str, str], str] = {}
     sha1: dict[str, str] = {}
     entries: dict[str, list[str]] = {}
     for t in proto.graph.initializer:
         for p in t.metadata_props:
-            if p.key == TENSOR_DIGEST_KEY:
-                sha256[t.name] = p.value.lower()
+            if p.key in (TENSOR_DIGEST_KEY, TENSOR_FAST_DIGEST_KEY):
+                recorded[(t.name, p.key)] = p.value.lower()
         if t.data_location != TensorProto.EXTERNAL:
             continue
         ext = {e.key: e.value for e in t.external_data}
@@ -234,7 +254,7 @@ def _recorded(proto) -> tuple[dict[str, str], dict[str, str], dict[str, list[str
             entries.setdefault(ext["location"], []).append(t.name)
         if "checksum" in ext:
             sha1[t.name] = ext["checksum"].lower()
-    return sha256, sha1, entries
+    return recorded, sha1, entries
 
 
 # -------------------------------------------------------------------------- writing
@@ -244,8 +264,8 @@ def write_digests(digests: WeightDigests, out: str | os.PathLike | None = None, 
     """Write the model with every missing digest recorded: to ``out`` (a file in the
     model's folder, where the data files' relative locations still point), else over the
     model file itself. Only metadata changes: each external-data entry is kept as it is,
-    plus a ``checksum`` where it had none, and each weight gains its
-    ``onnx_prep.sha256``; the data files are never opened for writing. In place with
+    plus a ``checksum`` where it had none, and each weight gains the ``onnx_prep.sha256``
+    and ``onnx_prep.xxh3`` it lacked; the data files are never opened for writing. In place with
     every digest recorded already, nothing is written. Returns the record's ``write``
     part; the statuses of what was written become ``added``."""
     import onnx
@@ -272,7 +292,9 @@ def write_digests(digests: WeightDigests, out: str | os.PathLike | None = None, 
             t.external_data.add(key="checksum", value=f.sha1)
             checksums += 1
         if t.name in by_name:
-            t.metadata_props.add(key=TENSOR_DIGEST_KEY, value=by_name[t.name].sha256)
+            computed = by_name[t.name]
+            for key in computed.missing:
+                t.metadata_props.add(key=key, value=computed.sha256 if key == TENSOR_DIGEST_KEY else computed.xxh3)
     size = proto.ByteSize()
     if size > PROTOBUF_LIMIT:
         raise UsageError(f"the model with its digests would be a {size:,}-byte protobuf, over protobuf's 2 GiB "
