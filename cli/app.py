@@ -98,6 +98,21 @@ def main() -> None:
 # garbage cycles has them collected as before, in fewer, larger passes.
 GC_YOUNG_THRESHOLD = 100_000
 
+# NOTE: OpenBLAS (numpy's BLAS) starts one thread per core when numpy is imported, and
+# each idle thread spins before it sleeps (2^28 cycles by default, ~0.1 s). On a 2-core
+# machine that spin takes a core from the import and the load that follow it: on the
+# medium fixture's run from its cache, one BLAS thread spun ~100 ms (13% of the process's
+# CPU samples) without a single BLAS call; `import numpy` took 75-118 ms instead of
+# 54-60 ms. A short spin (2^4 cycles) keeps the threads for the float GEMMs that use them,
+# which then pay a wake-up each. The user's own setting wins.
+BLAS_SPIN = ("OPENBLAS_THREAD_TIMEOUT", "4")
+
+
+def quiet_blas_threads(environ=os.environ) -> None:
+    """Shorten OpenBLAS's idle spin (``BLAS_SPIN``) unless the environment sets it; only
+    before numpy is imported does it take effect."""
+    environ.setdefault(*BLAS_SPIN)
+
 
 def entry() -> None:
     """The console script (and ``python -m onnx_prep``): ``main()``, then, once its
@@ -115,8 +130,9 @@ def entry() -> None:
     keeps its interpreter.
 
     The collector's youngest threshold is raised for the command first
-    (``GC_YOUNG_THRESHOLD``)."""
+    (``GC_YOUNG_THRESHOLD``), and OpenBLAS's idle spin shortened (``BLAS_SPIN``)."""
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+    quiet_blas_threads()
     try:
         main()
         code = 0

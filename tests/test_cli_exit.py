@@ -5,12 +5,13 @@ a non-daemon thread still running, the usual exit, which waits for it. Each case
 real interpreter running the entry point."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 
-from onnx_prep.cli.app import GC_YOUNG_THRESHOLD
+from onnx_prep.cli.app import BLAS_SPIN, GC_YOUNG_THRESHOLD
 from onnx_prep.core.errors import EXIT_OK, EXIT_UNUSABLE
 
 # ``entry`` (or ``main``: sys.argv[1]) of the console script in a fresh interpreter,
@@ -29,8 +30,35 @@ getattr(app, which)()
 """
 
 
-def _run(code: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60)
+def _run(code: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60, env=env)
+
+
+# What the environment holds for OpenBLAS when numpy is first imported by a command.
+BLAS_PROBE = """
+import os, sys
+sys.argv = ["onnx-prep", "run", "--tokens", "1"]
+from onnx_prep.cli import app
+imported_before_entry = "numpy" in sys.modules
+class Probe:
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy":
+            sys.stderr.write(f"numpy imported with {os.environ.get('OPENBLAS_THREAD_TIMEOUT')}; "
+                             f"before entry: {imported_before_entry}\\n")
+            sys.meta_path.remove(self)
+sys.meta_path.insert(0, Probe())
+app.entry()
+"""
+
+
+@pytest.mark.parametrize("preset", [None, "12"], ids=["default", "user's"])
+def test_openblas_spins_briefly_unless_the_user_says_otherwise(preset):
+    env = {k: v for k, v in os.environ.items() if k != BLAS_SPIN[0]}
+    if preset is not None:
+        env[BLAS_SPIN[0]] = preset
+    p = _run(BLAS_PROBE, env=env)
+    assert p.returncode == EXIT_OK, p.stderr
+    assert f"numpy imported with {preset or BLAS_SPIN[1]}; before entry: False\n" in p.stderr
 
 
 @pytest.mark.parametrize("args, code", [(["--version"], EXIT_OK), (["run", "--tokens", "0"], EXIT_UNUSABLE),
