@@ -73,6 +73,20 @@ def small_llm_copy(small_llm_path, tmp_path) -> Path:
     return dst / small_llm_path.name
 
 
+def keep_tensor_digest(model_path: Path, key: str) -> None:
+    """Rewrite the model at ``model_path`` so each initializer records only its per-tensor
+    digest under ``key`` (``onnx_prep.sha256`` or ``onnx_prep.xxh3``), the other removed."""
+    import onnx
+
+    m = onnx.load(str(model_path), load_external_data=False)
+    for t in m.graph.initializer:
+        kept = [(p.key, p.value) for p in t.metadata_props if p.key == key]
+        del t.metadata_props[:]
+        for k, value in kept:
+            t.metadata_props.add(key=k, value=value)
+    onnx.save(m, str(model_path))
+
+
 def ort_or_skip():
     """ONNX Runtime is the external oracle; tests that need it skip, saying so, where absent."""
     return pytest.importorskip("onnxruntime", reason="onnxruntime not installed: oracle comparison skipped")

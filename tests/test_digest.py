@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import ort_or_skip
+from conftest import keep_tensor_digest, ort_or_skip
 from onnx_prep.core.errors import DigestError, ExternalDataError, UsageError
 from onnx_prep.core.io.external_data import ExternalDataReader
 from onnx_prep.core.model import weight_digests
@@ -142,13 +142,7 @@ def test_a_model_digested_before_the_xxh3_gains_only_its_xxh3(bare, tiny_llm_pat
     """A model whose weights record their sha256 alone (what ``digest --write`` wrote
     before the xxh3): each recorded sha256 is verified, each xxh3 added after it."""
     shutil.copy(tiny_llm_path, bare)
-    m = onnx.load(str(bare), load_external_data=False)
-    for t in m.graph.initializer:
-        sha = [(p.key, p.value) for p in t.metadata_props if p.key == TENSOR_DIGEST_KEY]
-        del t.metadata_props[:]
-        for key, value in sha:
-            t.metadata_props.add(key=key, value=value)
-    onnx.save(m, str(bare))
+    keep_tensor_digest(bare, TENSOR_DIGEST_KEY)
     assert all(d.fast_digest is None and d.load_digest.startswith("sha256:") for d in resolve_model(bare).manifest)
 
     doc = digest_model(bare, write=True)

@@ -18,6 +18,7 @@ import onnx
 import pytest
 from typer.testing import CliRunner
 
+from conftest import keep_tensor_digest
 from onnx_prep.cli.app import app
 from onnx_prep.core.errors import EXIT_OK, EXIT_UNUSABLE, DigestError, ExternalDataError
 from onnx_prep.core.io import external_data
@@ -99,13 +100,7 @@ def test_run_exits_2_on_a_digest_mismatch_and_0_without_verification(tiny_copy):
 def test_a_model_recording_one_per_tensor_digest_is_checked_with_that_one(tiny_copy, kept):
     """A model digested before the xxh3 existed (sha256 only), or one recording only the
     xxh3: a load checks the digest it has, in that digest's algorithm."""
-    m = onnx.load(str(tiny_copy), load_external_data=False)
-    for t in m.graph.initializer:
-        keep = [(p.key, p.value) for p in t.metadata_props if p.key == kept]
-        del t.metadata_props[:]
-        for key, value in keep:
-            t.metadata_props.add(key=key, value=value)
-    onnx.save(m, str(tiny_copy))
+    keep_tensor_digest(tiny_copy, kept)
     d = _zero(tiny_copy, VICTIM)
     algorithm = "sha256" if kept == TENSOR_DIGEST_KEY else "xxh3"
     assert d.digest_source is DigestSource.TENSOR_METADATA and d.load_digest == d.digest
