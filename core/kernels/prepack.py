@@ -13,6 +13,10 @@ of ``onnx_prep.native``, what the layout key names and the cache persists;
 ``reference``, the float32 form the numpy ops read, for tests and for machines without
 the native module, never persisted.
 
+On a device (the device plan, core/plan/device_recipes.py), ``device_recipes`` says
+how the object gets there: packed here and uploaded, or uploaded as sources and packed
+on the device, as the kernel's spec offers and prefers (spec.py, ``DevicePacking``).
+
 Sources are numpy arrays as ``ExternalDataReader.read_array`` returns them (int4/uint4
 stay packed uint8) or as ``ResolvedModel.inline_values`` holds them.
 """
@@ -24,11 +28,11 @@ import numpy as np
 
 from onnx_prep.core.errors import OnnxPrepError, UnsupportedOpError, Where
 from onnx_prep.core.kernels.registry import kernel_spec
-from onnx_prep.core.kernels.spec import NATIVE, REFERENCE, PreparedForm
+from onnx_prep.core.kernels.spec import HOST_PREPACK_ONLY, NATIVE, REFERENCE, PreparedForm
 from onnx_prep.core.model.prepared_key import PrepackRequest
 from onnx_prep.core.ops.attributes import normalize_attributes
 
-__all__ = ["NATIVE", "REFERENCE", "consumer_node", "packed_size", "packing_nodes", "prepack", "prepack_all",
+__all__ = ["NATIVE", "REFERENCE", "consumer_node", "device_recipes", "packed_size", "packing_nodes", "prepack", "prepack_all",
            "source_loader"]
 
 
@@ -74,6 +78,14 @@ def packed_size(kernel_id: str | None, request: PrepackRequest, resolved: Any,
     if node is None or form is None:
         return None
     return form.packed_size(request, normalize_attributes(node.attributes), resolved.weights, backend)
+
+
+def device_recipes(kernel_id: str | None, device: str, source_bytes: int, packed_bytes: int) -> tuple[str, ...]:
+    """The recipes that put ``kernel_id``'s prepared object on ``device``, the one the
+    kernel prefers for these sizes first (``spec.HOST_PREPACK`` / ``spec.DEVICE_PREPACK``)."""
+    form = _prepared_form(kernel_id)
+    packing = form.device_packing(device) if form is not None else HOST_PREPACK_ONLY
+    return packing.recipes(source_bytes, packed_bytes)
 
 
 def packing_nodes(nodes: Iterable[Any]) -> dict[str, Any]:

@@ -13,7 +13,9 @@ A ``KernelSpec`` holds everything about one kernel, so adding an op is one modul
   its op types; ``bind_attrs`` adds reserved attributes at compile time;
 - for a kernel that reads a prepared object, its ``PreparedForm``: the layout key
   (``layout_name`` is its first field), ``prepack``, the exact ``packed_size`` and the
-  input ``position`` the op reads the object at.
+  input ``position`` the op reads the object at, and per device the recipes that put
+  the object there (``DevicePacking``: pack on a CPU worker and upload the packed bytes,
+  or upload the sources and pack on the device; which one the kernel prefers).
 
 Pure Python: resolution calls ``match`` without the native module and without I/O.
 """
@@ -36,6 +38,11 @@ from onnx_prep.core.ops.registry import OpImpl
 # machines without the native module; never persisted).
 NATIVE = "native"
 REFERENCE = "reference"
+
+# Device recipes: how a prepared object reaches a device's memory (the device plan,
+# core/plan/device_recipes.py). Both read the sources; they differ in where they pack.
+HOST_PREPACK = "read_source_prepack_upload"  # pack on a CPU worker, upload the packed bytes
+DEVICE_PREPACK = "read_source_upload_prepack"  # upload the source bytes, pack on the device
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,32 @@ PackedSize = Callable[[PrepackRequest, Mapping[str, Any], Mapping[str, WeightDes
 
 
 @dataclass(frozen=True)
+class DevicePacking:
+    """The recipes a kernel offers to put its prepared object on one device, and which
+    it prefers for an object of ``source`` bytes packing to ``packed`` bytes
+    (``prefers(source, packed)``, one of ``offers``). A kernel that declares nothing
+    for a device offers ``HOST_PREPACK`` only: any packed bytes can be uploaded as they
+    are, but only the kernel knows how to pack on the device."""
+
+    offers: tuple[str, ...] = (HOST_PREPACK,)
+    prefers: Callable[[int, int], str] = lambda source, packed: HOST_PREPACK
+
+    def __post_init__(self) -> None:
+        if not self.offers or any(r not in (HOST_PREPACK, DEVICE_PREPACK) for r in self.offers):
+            raise ValueError(f"device recipes must be among {HOST_PREPACK}, {DEVICE_PREPACK}: {self.offers}")
+
+    def recipes(self, source: int, packed: int) -> tuple[str, ...]:
+        """The offered recipes, the preferred one first."""
+        first = self.prefers(source, packed)
+        if first not in self.offers:
+            raise ValueError(f"preferred device recipe {first!r} is not offered: {self.offers}")
+        return (first,) + tuple(r for r in self.offers if r != first)
+
+
+HOST_PREPACK_ONLY = DevicePacking()
+
+
+@dataclass(frozen=True)
 class PreparedForm:
     """The prepared object a kernel reads instead of some of its constant inputs.
 
@@ -84,6 +117,8 @@ class PreparedForm:
     bytes, e.g. a stable-VA slot's view) when given. ``packed_size`` is exact and reads
     descriptors only. ``layout`` builds the layout key from keyword parameters; every
     key starts with ``layout_name`` (unique per kernel: two kernels never share a key).
+    ``devices``: per device name, the recipes that put the object there (absent:
+    ``HOST_PREPACK_ONLY``).
     """
 
     position: int
@@ -91,6 +126,10 @@ class PreparedForm:
     layout: Callable[..., str]
     prepack: Prepack
     packed_size: PackedSize
+    devices: Mapping[str, DevicePacking] = field(default_factory=lambda: MappingProxyType({}))
+
+    def device_packing(self, device: str) -> DevicePacking:
+        return self.devices.get(device, HOST_PREPACK_ONLY)
 
 
 @dataclass(frozen=True)
