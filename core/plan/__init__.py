@@ -18,6 +18,7 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     "PackedPayloadEntry": "execution_plan",
     "PackedPayloadIndex": "execution_plan",
     "task_to_json": "execution_plan",
+    "DeviceTarget": "device_target",
     "CostModel": "plan_report",
     "plan_dump": "plan_report",
     "plan_report": "plan_report",

@@ -18,6 +18,13 @@ bitset each step needs, the last step that pins each requirement, the last actio
 reads each activation, and per requirement its prefetch distance (the first step that
 needs it) and bytes (read + packed).
 
+A plan built for a device (``device=DeviceTarget(...)``, core/plan/device_target.py)
+puts every prepared object a step pins on that device: the same reads, then uploads
+and, where the kernel prefers it, a prepack on the device, by the recipes of
+``core/plan/device_recipes.py``; its steps run on the device queue and depend on the
+tasks that publish the device objects. Without a target (the default) the plan is the
+CPU plan, as it has always been.
+
 The plan holds no mutable state. ``build_prepared_execution_plan`` accepts only a frozen
 ``ResolvedModel`` and creates read tasks only for entries of its payload manifest.
 """
@@ -25,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 from onnx_prep.core.plan.task import Arena
 from onnx_prep.core.errors import OnnxPrepError
@@ -33,6 +40,9 @@ from onnx_prep.core.model.prepared_key import PrepackRequest, PreparedKey
 from onnx_prep.core.model.resolved_model import NodeKernel, ResolvedModel, require_frozen
 from onnx_prep.core.plan.task import ResourceClass, TaskDescriptor, TaskId, TaskKind, TaskScope
 from onnx_prep.core.model.weights import WeightDescriptor
+
+if TYPE_CHECKING:
+    from onnx_prep.core.plan.device_target import DeviceTarget
 
 # Recipe kinds, cheapest first.
 READ_PACKED_PAYLOAD = "read_packed_payload"
@@ -175,6 +185,7 @@ class PreparedExecutionPlan:
     lookahead: LookaheadWindow
     build_ms: float = 0.0
     cache: PackedPayloadIndex | None = field(default=None, compare=False)  # the index the recipes came from
+    device: DeviceTarget | None = None  # the device the plan is for; None: the CPU plan
     by_id: Mapping[TaskId, TaskDescriptor] = field(init=False, repr=False)
     by_key: Mapping[PreparedKey, PreparedRequirement] = field(init=False, repr=False)
 
@@ -274,8 +285,10 @@ def build_prepared_execution_plan(
     *,
     cache: PackedPayloadIndex | None = None,
     lookahead: LookaheadWindow | None = None,
+    device: DeviceTarget | None = None,
 ) -> PreparedExecutionPlan:
-    """Build the one immutable plan. Rejects anything but a frozen ResolvedModel."""
+    """Build the one immutable plan. Rejects anything but a frozen ResolvedModel.
+    ``device``: the plan for that device (module docstring); None, the CPU plan."""
     import time
 
     t0 = time.perf_counter()
@@ -354,9 +367,19 @@ def build_prepared_execution_plan(
 
     packers = packing_nodes(resolved.nodes)  # a tied embedding's object: the LM head packs it
     requirements: list[PreparedRequirement] = []
+    on_device = None
+    if device is not None:
+        from onnx_prep.core.plan.device_recipes import DeviceTasks
+
+        on_device = DeviceTasks(device, resolved, tasks, source_read, cache)
     for k in keys:
         node = packers.get(k, first_node[k])
         req = req_of[k]
+        if on_device is not None:
+            packed = 0 if req.layout == RAW_LAYOUT else _packed_size_estimate(req, node, resolved)
+            requirements.append(on_device.requirement(req, node=node, packed=packed, bit=bit_of[k],
+                                                      first_step=first_step[k], last_step=last_step[k]))
+            continue
         if req.layout == RAW_LAYOUT:
             desc = resolved.weights[req.logical_value]
             recipe = MaterializationRecipe(READ_SOURCE, sources=(desc.name,))
@@ -399,17 +422,19 @@ def build_prepared_execution_plan(
             publisher=publisher, kernel=node.kernel or "", node=node.name, packed_bytes=packed,
             read_bytes=read_bytes, first_step=first_step[k], last_step=last_step[k]))
 
-    # --- invocation tasks
+    # --- invocation tasks (on a device plan: on its queue, pinning the device objects)
     steps: list[InvocationStep] = []
     prev: TaskId | None = None
+    runs_on = ResourceClass.CPU if device is None else ResourceClass.DEVICE
     for si, (b, e) in enumerate(ranges):
         consuming = next((n for n in resolved.nodes[b:e] if n.requirements), resolved.nodes[b])
         tid = f"I.{si}:{consuming.name}"
-        deps = ([prev] if prev else []) + [requirements[bit_of[k]].publisher for k in step_keys[si]]
+        pinned = [requirements[bit_of[k]] for k in step_keys[si]]
+        deps = ([prev] if prev else []) + [r.publisher for r in pinned]
         out_bytes = 0
         tasks.append(TaskDescriptor(
-            id=tid, scope=TaskScope.INVOCATION, kind=TaskKind.EXECUTE, resource=ResourceClass.CPU,
-            dependencies=tuple(dict.fromkeys(deps)), prepared_requirements=tuple(step_keys[si]),
+            id=tid, scope=TaskScope.INVOCATION, kind=TaskKind.EXECUTE, resource=runs_on,
+            dependencies=tuple(dict.fromkeys(deps)), prepared_requirements=tuple(r.key for r in pinned),
             estimated_output_bytes=out_bytes, arena=Arena.EXECUTION, action_range=(b, e),
             label=consuming.name))
         bits = 0
@@ -433,7 +458,7 @@ def build_prepared_execution_plan(
         resolved=resolved, tasks=tuple(tasks), requirements=tuple(requirements),
         steps=tuple(steps), activation_last_use=MappingProxyType(last_use),
         lookahead=lookahead or LookaheadWindow(DEFAULT_LOOKAHEAD_STEPS, DEFAULT_LOOKAHEAD_BYTES),
-        build_ms=(time.perf_counter() - t0) * 1e3, cache=cache,
+        build_ms=(time.perf_counter() - t0) * 1e3, cache=cache, device=device,
     )
     _check_acyclic(plan)
     return plan

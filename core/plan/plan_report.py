@@ -16,6 +16,13 @@ predicted here). The critical path is the longest chain of dependencies under th
 model: a lower bound on the load that ignores how many workers there are; the
 per-resource totals are the other bound (the same work on one worker per queue).
 
+A plan built for a device (``device="cuda"``: core/plan/device_target.py, no device
+queried) adds, to the same record: the device's assumptions and memory (``summary.device``:
+the slot granularity, given or assumed, the slots and the bytes they commit, the bytes
+a load uploads, the most one step pins, and the budget), the recipe each task serves
+(``tasks[].recipes``), and uploads in the cost model (at ``UPLOAD_BYTES_PER_S``; a
+prepack on the device is not estimated, like execution: nothing has run on one).
+
 Filters (``scope``, ``text``) choose which tasks the record lists; the summary always
 describes the whole plan and says how many tasks the filters left out.
 """
@@ -26,6 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 from onnx_prep.core.model.resolved_model import ResolvedModel
+from onnx_prep.core.plan.device_recipes import DEVICE_RECIPE_KINDS
 from onnx_prep.core.plan.execution_plan import (
     READ_PACKED_PAYLOAD,
     READ_SOURCE,
@@ -50,6 +58,9 @@ IO_BYTES_PER_S = 2.0e9
 # weights were mapped and packed in a median 460 ms by one worker (docs/results.md,
 # sequential init, warm page cache, digests off): ~1.2 GB/s.
 PREPACK_BYTES_PER_S = 1.2e9
+# Host to device from pinned memory over a PCIe 4.0 x16 link: ~25 GB/s (PCIe 5.0 about
+# twice that). A textbook figure, not one measured here: no upload has run on a device.
+UPLOAD_BYTES_PER_S = 25e9
 
 
 @dataclass(frozen=True)
@@ -58,26 +69,35 @@ class CostModel:
 
     io_bytes_per_s: float = IO_BYTES_PER_S
     prepack_bytes_per_s: float = PREPACK_BYTES_PER_S
+    upload_bytes_per_s: float = UPLOAD_BYTES_PER_S
 
     def __post_init__(self) -> None:
-        if not (self.io_bytes_per_s > 0 and self.prepack_bytes_per_s > 0):
+        if not (self.io_bytes_per_s > 0 and self.prepack_bytes_per_s > 0 and self.upload_bytes_per_s > 0):
             raise ValueError(f"cost model rates must be positive: {self}")
 
     def bytes_of(self, t: TaskDescriptor) -> int:
-        """The bytes a task moves: what a read or persist reads or writes, what a prepack packs."""
+        """The bytes a task moves: what a read or persist reads or writes, what a prepack
+        packs, what an upload copies to the device."""
         if t.kind in (TaskKind.READ_SOURCE, TaskKind.READ_PACKED, TaskKind.PERSIST):
             return t.estimated_output_bytes
-        if t.kind is TaskKind.PREPACK:
+        if t.kind in (TaskKind.PREPACK, TaskKind.UPLOAD):
             return t.estimated_input_bytes
         return 0
 
     def seconds(self, t: TaskDescriptor) -> float:
-        rate = self.prepack_bytes_per_s if t.kind is TaskKind.PREPACK else self.io_bytes_per_s
+        if t.kind is TaskKind.PREPACK:  # on a device: not estimated (0 s), as execution
+            return 0.0 if t.resource is ResourceClass.DEVICE else t.estimated_input_bytes / self.prepack_bytes_per_s
+        rate = self.upload_bytes_per_s if t.kind is TaskKind.UPLOAD else self.io_bytes_per_s
         return self.bytes_of(t) / rate  # 0 for what moves no bytes (execute)
 
-    def to_json(self) -> dict:
-        return {"io_bytes_per_s": self.io_bytes_per_s, "prepack_bytes_per_s": self.prepack_bytes_per_s,
-                "execute": "not estimated (0 ms)"}
+    def to_json(self, *, device: bool = False) -> dict:
+        """The rates; ``device``: with the upload rate and the device prepack's (none)."""
+        out: dict = {"io_bytes_per_s": self.io_bytes_per_s, "prepack_bytes_per_s": self.prepack_bytes_per_s,
+                     "execute": "not estimated (0 ms)"}
+        if device:
+            out["upload_bytes_per_s"] = self.upload_bytes_per_s
+            out["device_prepack"] = "not estimated (0 ms)"
+        return out
 
 
 DEFAULT_COST_MODEL = CostModel()
@@ -85,16 +105,31 @@ DEFAULT_COST_MODEL = CostModel()
 
 def plan_dump(model: str | Path, *, open_cache: Callable[[ResolvedModel], PackedPayloadIndex | None] | None = None,
               trust_symlinks: bool = False, cost: CostModel = DEFAULT_COST_MODEL, scope: str | None = None,
-              text: str | None = None, fuse: bool = True) -> dict:
+              text: str | None = None, fuse: bool = True, device: str = "cpu", budget: int | None = None,
+              granularity: int | None = None) -> dict:
     """``plan-dump``'s one call: resolve ``model``, build its plan as a session does and
     report it. ``open_cache(resolved)`` opens the prepared cache to plan with (a
     ``PackedPayloadIndex``, e.g. ``core/cache``'s ``PreparedCache``; None: no cache):
     the plan then reads packed every object the cache holds a compatible entry for.
-    ``fuse``: fuse standard-op patterns at resolve, as a session does by default."""
-    from onnx_prep.core.errors import UnsupportedOpError, Where
+    ``fuse``: fuse standard-op patterns at resolve, as a session does by default.
+    ``device``: ``cpu``, or a device to plan for without querying it (``cuda``), its
+    slots sized at ``granularity`` bytes (None: ``DEFAULT_GRANULARITY``, assumed) and
+    held to ``budget`` committed bytes (a step that alone passes it: DeviceBudgetError)."""
+    from onnx_prep.core.errors import UnsupportedOpError, UsageError, Where
     from onnx_prep.core.model.resolution import resolve_model
+    from onnx_prep.core.plan.device_target import DEFAULT_GRANULARITY, PLAN_DEVICES, DeviceTarget, require_budget
     from onnx_prep.core.plan.execution_plan import build_prepared_execution_plan
 
+    if device not in PLAN_DEVICES:
+        raise UsageError(f"--device must be one of {list(PLAN_DEVICES)}, got {device!r}")
+    if device == "cpu" and (budget is not None or granularity is not None):
+        raise UsageError("--budget and --granularity size a device's slots: give them with --device cuda")
+    target = None
+    if device != "cpu":
+        try:
+            target = DeviceTarget(device, granularity or DEFAULT_GRANULARITY, granularity is not None, budget)
+        except ValueError as exc:
+            raise UsageError(f"--device {device}: {exc}") from None
     resolved = resolve_model(model, trust_symlinks=trust_symlinks, fuse=fuse)
     if resolved.unsupported:  # no plan without a kernel for every node: say which, and where
         ops = "; ".join(f"{u.domain or 'ai.onnx'}::{u.op_type} (nodes {', '.join(u.nodes[:3])}"
@@ -103,11 +138,12 @@ def plan_dump(model: str | Path, *, open_cache: Callable[[ResolvedModel], Packed
                                  hint="run `onnx-prep resolve` to see what resolved")
     cache = open_cache(resolved) if open_cache is not None else None
     try:
-        plan = build_prepared_execution_plan(resolved, cache=cache)
+        plan = build_prepared_execution_plan(resolved, cache=cache, device=target)
     finally:
         close = getattr(cache, "close", None)  # the plan needs only lookups: nothing stays open
         if close is not None:
             close()
+    require_budget(plan)
     return plan_report(plan, cost=cost, scope=scope, text=text)
 
 
@@ -122,6 +158,7 @@ def plan_report(plan: PreparedExecutionPlan, *, cost: CostModel = DEFAULT_COST_M
             if (scope is None or t.scope.value == scope)
             and (not text or text in t.id or text in t.label)]
     index = {t.id: i for i, t in enumerate(plan.tasks)}
+    served = _recipes_served(plan) if plan.device is not None else None
     tasks = []
     for t in kept:
         row = task_to_json(t)
@@ -131,16 +168,30 @@ def plan_report(plan: PreparedExecutionPlan, *, cost: CostModel = DEFAULT_COST_M
         row["estimated_ms"] = round(cost.seconds(t) * 1e3, 6)
         row["finish_ms"] = round(finish[t.id] * 1e3, 6)
         row["critical"] = t.id in on_path
+        if served is not None:
+            row["recipes"] = served.get(t.id, [])
         tasks.append(row)
     return {
         "schema": SCHEMA,
         "model": str(plan.resolved.model_path),
         "summary": _summary(plan, cost, path, finish, shown=len(kept), scope=scope, text=text),
-        "cost_model": cost.to_json(),
+        "cost_model": cost.to_json(device=plan.device is not None),
         "tasks": tasks,
         "requirements": [r.to_json() for r in plan.requirements],
         "steps": [s.to_json() for s in plan.steps],
     }
+
+
+def _recipes_served(plan: PreparedExecutionPlan) -> dict[str, list[str]]:
+    """Per session task, the recipes of the objects it helps make (a shared source read
+    serves every object made from it), in the order of the requirements."""
+    served: dict[str, list[str]] = {}
+    for r in plan.requirements:
+        for t in plan.session_closure([r.key]):
+            kinds = served.setdefault(t.id, [])
+            if r.selected.kind not in kinds:
+                kinds.append(r.selected.kind)
+    return served
 
 
 def _summary(plan: PreparedExecutionPlan, cost: CostModel, path: list[TaskDescriptor],
@@ -163,7 +214,7 @@ def _summary(plan: PreparedExecutionPlan, cost: CostModel, path: list[TaskDescri
         acc["serial_ms"] += cost.seconds(t) * 1e3
     for acc in per_resource.values():
         acc["serial_ms"] = round(acc["serial_ms"], 3)
-    recipes = {kind: 0 for kind in RECIPE_KINDS}
+    recipes = {kind: 0 for kind in (RECIPE_KINDS if plan.device is None else DEVICE_RECIPE_KINDS)}
     for r in plan.requirements:
         recipes[r.selected.kind] += 1
     consumers: dict[str, list[str]] = {}
@@ -171,7 +222,7 @@ def _summary(plan: PreparedExecutionPlan, cost: CostModel, path: list[TaskDescri
         if t.kind is TaskKind.PREPACK:
             for d in t.dependencies:
                 consumers.setdefault(d, []).append(t.id)
-    return {
+    out = {
         "tasks": len(plan.tasks),
         "by_scope": count("scope"),
         "by_kind": count("kind"),
@@ -195,6 +246,12 @@ def _summary(plan: PreparedExecutionPlan, cost: CostModel, path: list[TaskDescri
         "filter": {"scope": scope, "text": text or None, "shown": shown,
                    "filtered_out": len(plan.tasks) - shown},
     }
+    if plan.device is not None:
+        from onnx_prep.core.plan.device_target import device_memory
+
+        out["critical_path"]["upload_bytes"] = sum(cost.bytes_of(t) for t in path if t.kind is TaskKind.UPLOAD)
+        out["device"] = device_memory(plan)
+    return out
 
 
 def _critical_path(plan: PreparedExecutionPlan, cost: CostModel):
