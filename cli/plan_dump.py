@@ -1,7 +1,8 @@
 """``onnx-prep plan-dump [MODEL] [--prepared PATH] [--cache-policy P]
-[--format table|json|dot] [--scope session|invocation] [--filter TEXT] [--json]``: the
-task plan a session of the model executes, before running it (with the prepared cache
-``run`` would use). One core call (``core/plan/plan_report.plan_dump``), one
+[--format table|json|dot] [--scope session|invocation] [--filter TEXT] [--json]
+[--device cpu|cuda] [--budget SIZE] [--granularity SIZE]``: the task plan a session of
+the model executes, before running it (with the prepared cache ``run`` would use); with
+``--device cuda``, the plan for that device, built without querying one. One core call (``core/plan/plan_report.plan_dump``), one
 record, rendered as a summary and a table, as JSON (``core/schemas/plan.schema.json``)
 or as Graphviz (docs/plan-dump.md).
 
@@ -41,6 +42,16 @@ def plan_dump(
                                        help="List only tasks whose id or label contains TEXT."),
     trust_symlinks: bool = TRUST_SYMLINKS,
     fuse: bool = FUSE,
+    device: str = typer.Option(
+        "cpu", "--device", metavar="DEVICE",
+        help="Plan for: cpu, or cuda (uploads to device slots; planned from metadata: no device is queried)."),
+    budget: Optional[str] = typer.Option(
+        None, "--budget", metavar="SIZE",
+        help="--device cuda: device bytes the slots may commit (512MiB, 1.5GB; default: no limit)."),
+    granularity: Optional[str] = typer.Option(
+        None, "--granularity", metavar="SIZE",
+        help="--device cuda: the slot allocation granularity to size with (default: 2MiB, assumed; "
+             "`onnx-prep devices` reports a device's own)."),
 ) -> None:
     """Show the task plan: summary, then each task's scope, kind, resource, dependencies, result and bytes."""
 
@@ -67,7 +78,8 @@ def plan_dump(
             return PreparedCache(resolved, prepared, policy=cache_policy, warn=output.warn)
 
         doc = build(model_path(model), open_cache=open_cache, trust_symlinks=trust_symlinks, scope=scope,
-                    text=text, fuse=fuse)
+                    text=text, fuse=fuse, device=device, budget=_size_option("--budget", budget),
+                    granularity=_size_option("--granularity", granularity))
         if json_out or fmt == "json":
             output.emit_json(doc)
         elif fmt == "dot":
@@ -80,7 +92,22 @@ def plan_dump(
     raise typer.Exit(run_guarded(go))
 
 
+def _size_option(name: str, text: str | None) -> int | None:
+    if text is None:
+        return None
+    from onnx_prep.core.decode.run_memory import parse_size
+
+    try:
+        return parse_size(text)
+    except UsageError as exc:  # its message names --memory-budget
+        raise UsageError(exc.message.replace("--memory-budget", name)) from None
+
+
 # ------------------------------------------------------------------------- render
+
+# How the table names a device plan's recipes (core/plan/device_recipes.py).
+RECIPE_NAMES = {"read_packed_payload_upload": "cache → upload", "read_source_upload_prepack": "upload → pack on device",
+                "read_source_prepack_upload": "pack on cpu → upload", "read_source_upload": "raw → upload"}
 
 def _size(n: int) -> str:
     return f"{n:,} B" if n < 1 << 20 else f"{n:,} B ({n / (1 << 20):.1f} MiB)"
@@ -114,19 +141,25 @@ def render(doc: dict) -> None:
     summary = Table(title=Text(f"plan-dump {doc['model']}"), show_header=False, title_justify="left")
     summary.add_column("what", style="bold")
     summary.add_column("value")
+    if "device" in s:
+        _device_rows(summary, s["device"])
     _row(summary, "tasks", str(s["tasks"]))
     for key in ("scope", "kind", "resource"):
         _row(summary, f"  by {key}", _counts(s[f"by_{key}"]))
     _row(summary, "prepared objects", f"{s['requirements']}, {_size(s['prepared_bytes'])}")
     rc = s["recipes"]
-    _row(summary, "  by recipe", f"read packed {rc['read_packed_payload']}, read and prepacked "
-                                 f"{rc['read_source_and_prepack']}, raw reads {rc['read_source']}")
+    if "device" in s:
+        _row(summary, "  by recipe", ", ".join(f"{RECIPE_NAMES[k]} {n}" for k, n in rc.items()))
+    else:
+        _row(summary, "  by recipe", f"read packed {rc['read_packed_payload']}, read and prepacked "
+                                     f"{rc['read_source_and_prepack']}, raw reads {rc['read_source']}")
     _row(summary, "invocation steps", str(s["invocation_steps"]))
     _row(summary, "bytes to read", f"source {_size(s['bytes_to_read']['source'])}")
     _row(summary, "", f"packed {_size(s['bytes_to_read']['packed'])}")
     cp = s["critical_path"]
     _row(summary, "critical path", f"{len(cp['tasks'])} tasks, {_size(cp['bytes'])}")
-    _row(summary, "", f"{cp['read_bytes']:,} B read, {cp['prepack_bytes']:,} B prepacked")
+    _row(summary, "", f"{cp['read_bytes']:,} B read, {cp['prepack_bytes']:,} B prepacked"
+                      + (f", {cp['upload_bytes']:,} B uploaded" if "upload_bytes" in cp else ""))
     _row(summary, "", f"est. {cp['estimated_ms']:.2f} ms with unlimited workers")
     for r, v in s["serial_by_resource"].items():
         _row(summary, f"{r} queue, one worker", f"{v['tasks']} tasks, {v['bytes']:,} B, est. {v['serial_ms']:.2f} ms")
@@ -134,6 +167,8 @@ def render(doc: dict) -> None:
     _row(summary, "cost model", f"reads {cm['io_bytes_per_s'] / 1e9:g} GB/s; prepacks "
                                 f"{cm['prepack_bytes_per_s'] / 1e9:g} GB/s of source")
     _row(summary, "", f"execute {cm['execute']}")
+    if "upload_bytes_per_s" in cm:
+        _row(summary, "", f"uploads {cm['upload_bytes_per_s'] / 1e9:g} GB/s; device prepacks {cm['device_prepack']}")
     for f in s["fan_out"]:
         _row(summary, "fan-out", f"{f['task']} feeds {len(f['consumers'])} prepacks")
     _row(summary, "look-ahead", f"{s['lookahead']['steps']} steps, {_size(s['lookahead']['bytes'])}")
@@ -151,17 +186,42 @@ def render(doc: dict) -> None:
     table = Table(title="tasks (* on the critical path; → the key a task publishes, where its id does not say)",
                   title_justify="left", box=box.SIMPLE_HEAD, expand=True)
     rows = []
+    device = "device" in s
     for t in doc["tasks"]:
         task = t["id"] if _result(t) in ("-", "its key") else f"{t['id']}\n→ {t['publishes']}"
         rows.append((f"{t['index']}{'*' if t['critical'] else ''}", task, t["scope"], t["kind"], t["resource"],
                      " ".join(f"#{i}" for i in t["dependency_indices"]) or "-",
-                     f"{t['estimated_bytes']:,}" if t["estimated_bytes"] else "-"))
+                     f"{t['estimated_bytes']:,}" if t["estimated_bytes"] else "-")
+                    + (("\n".join(RECIPE_NAMES[r] for r in t["recipes"]) or "-",) if device else ()))
     # the short columns keep their width; the ids and dependencies fold
-    for i, (name, short) in enumerate((("#", True), ("task", False), ("scope", True), ("kind", True),
-                                       ("resource", True), ("depends on", False), ("est. bytes", True))):
-        width = max([len(name)] + [len(r[i]) for r in rows]) if short else None
+    columns = (("#", True), ("task", False), ("scope", True), ("kind", True), ("resource", True),
+               ("depends on", False), ("est. bytes", True)) + ((("recipe", True),) if device else ())
+    for i, (name, short) in enumerate(columns):
+        width = max([len(name)] + [len(line) for r in rows for line in r[i].split("\n")]) if short else None
         table.add_column(name, justify="right" if name in ("#", "est. bytes") else "left", overflow="fold",
                          no_wrap=short, min_width=width, ratio=None if short else {"task": 3}.get(name, 1))
     for r in rows:
         table.add_row(*(Text(c) for c in r))
     output.stdout.print(table)
+
+
+def _device_rows(summary, d: dict) -> None:
+    """A device plan's rows: what was assumed (no device was queried), its slots, its
+    uploads and its budget."""
+    _row(summary, "device", f"{d['name']}: planned from metadata, no device queried")
+    source = ("given (--granularity)" if d["granularity_source"] == "given"
+              else "assumed (`onnx-prep devices` reports a device's; --granularity)")
+    _row(summary, "", f"slot granularity {_size(d['granularity'])}, {source}")
+    _row(summary, "device slots", f"{d['slots']}, {_size(d['committed_bytes'])} committed in whole granules")
+    _row(summary, "", f"for {_size(d['packed_bytes'])} packed")
+    step = d["largest_step"]
+    if step is not None:
+        _row(summary, "", f"largest step: {step['step']} {step['label']}, {_size(step['committed_bytes'])}")
+    _row(summary, "host to device", f"{_size(d['host_to_device_bytes'])} a load")
+    if d["budget"] is None:
+        _row(summary, "budget", "none")
+    elif d["fits"]:
+        _row(summary, "budget", f"{_size(d['budget'])}: every slot fits at once")
+    else:
+        _row(summary, "budget", f"{_size(d['budget'])}: the slots do not fit at once")
+        _row(summary, "", f"a pass pages in at least {_size(d['min_page_in_bytes_per_pass'])}")
