@@ -69,7 +69,7 @@ class DeviceTasks:
     tasks: list[TaskDescriptor]
     source_read: Callable[..., TaskId]
     cache: PackedPayloadIndex | None = None
-    _source_uploads: dict[str, TaskId] = dataclasses.field(default_factory=dict)
+    _source_uploads: dict[str, TaskId] = dataclasses.field(default_factory=dict, init=False)
 
     def requirement(self, req: PrepackRequest, *, node: Any, packed: int, bit: int, first_step: int,
                     last_step: int) -> PreparedRequirement:

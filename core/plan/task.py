@@ -89,7 +89,8 @@ class TaskDescriptor:
 
     ``arena`` is where the task's *output* lives (e.g. ``PREPARATION`` for a source read,
     ``PREPARED`` for a prepack, ``EXECUTION``/``IO`` for invocation outputs), or ``None``
-    when the task produces nothing that occupies memory. ``action_range`` is the
+    when the task produces nothing that occupies host memory (an upload or a device
+    prepack fills a device slot: the device slot pool's memory, not an arena's). ``action_range`` is the
     half-open range ``[begin, end)`` of the invocation action list that an ``EXECUTE``
     task replays.
     """
