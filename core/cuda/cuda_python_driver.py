@@ -54,7 +54,7 @@ def load_driver() -> CudaPythonDriver:
 
 
 class CudaPythonDriver:
-    """Each method: one driver call (or a fixed pair), its result checked."""
+    """Each method: one driver call (or a fixed short sequence), its result checked."""
 
     def __init__(self, cu: Any, binding: str) -> None:
         self.cu = cu
@@ -160,3 +160,95 @@ class CudaPythonDriver:
         out = bytearray(nbytes)
         self._check("cuMemcpyDtoH", self.cu.cuMemcpyDtoH(out, self.cu.CUdeviceptr(address), nbytes))
         return bytes(out)
+
+    # -- plain memory and page-locked host buffers
+    def mem_alloc(self, nbytes: int) -> int:
+        return int(self._check("cuMemAlloc", self.cu.cuMemAlloc(nbytes)))
+
+    def mem_free(self, address: int) -> None:
+        self._check("cuMemFree", self.cu.cuMemFree(self.cu.CUdeviceptr(address)))
+
+    def host_alloc(self, nbytes: int) -> Any:
+        import ctypes
+
+        import numpy as np
+
+        ptr = int(self._check("cuMemAllocHost", self.cu.cuMemAllocHost(nbytes)))
+        return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+
+    def host_free(self, buffer: Any) -> None:
+        self._check("cuMemFreeHost", self.cu.cuMemFreeHost(int(buffer.ctypes.data)))
+
+    # -- streams, async copies, events
+    def stream_create(self) -> Any:
+        return self._check("cuStreamCreate", self.cu.cuStreamCreate(self.cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+
+    def stream_synchronize(self, stream: Any) -> None:
+        self._check("cuStreamSynchronize", self.cu.cuStreamSynchronize(stream))
+
+    def stream_destroy(self, stream: Any) -> None:
+        self._check("cuStreamDestroy", self.cu.cuStreamDestroy(stream))
+
+    def copy_to_device_async(self, address: int, host: Any, stream: Any) -> None:
+        view = memoryview(host).cast("B")
+        self._check("cuMemcpyHtoDAsync",
+                    self.cu.cuMemcpyHtoDAsync(self.cu.CUdeviceptr(address), view, view.nbytes, stream))
+
+    def copy_to_host_async(self, host: Any, address: int, stream: Any) -> None:
+        view = memoryview(host).cast("B")
+        self._check("cuMemcpyDtoHAsync",
+                    self.cu.cuMemcpyDtoHAsync(view, self.cu.CUdeviceptr(address), view.nbytes, stream))
+
+    def event_create(self) -> Any:
+        return self._check("cuEventCreate", self.cu.cuEventCreate(self.cu.CUevent_flags.CU_EVENT_DEFAULT))
+
+    def event_record(self, event: Any, stream: Any) -> None:
+        self._check("cuEventRecord", self.cu.cuEventRecord(event, stream))
+
+    def event_synchronize(self, event: Any) -> None:
+        self._check("cuEventSynchronize", self.cu.cuEventSynchronize(event))
+
+    def event_elapsed_ms(self, start: Any, end: Any) -> float:
+        return float(self._check("cuEventElapsedTime", self.cu.cuEventElapsedTime(start, end)))
+
+    def event_destroy(self, event: Any) -> None:
+        self._check("cuEventDestroy", self.cu.cuEventDestroy(event))
+
+    # -- kernels
+    def module_from_source(self, source: str, name: str, ordinal: int) -> Any:
+        from onnx_prep.core.cuda.nvrtc_program import compile_program
+
+        program = compile_program(source, name, self.compute_capability(ordinal))
+        return self._check("cuModuleLoadData", self.cu.cuModuleLoadData(program.image))
+
+    def module_function(self, module: Any, name: str) -> Any:
+        return self._check("cuModuleGetFunction", self.cu.cuModuleGetFunction(module, name.encode()))
+
+    def module_unload(self, module: Any) -> None:
+        self._check("cuModuleUnload", self.cu.cuModuleUnload(module))
+
+    def launch(self, function: Any, grid: tuple[int, int, int], block: tuple[int, int, int], shared_bytes: int,
+               stream: Any, args) -> None:
+        # cuda-python packs ((values...), (ctypes types...)) into the void** array itself
+        params = (tuple(value for _, value in args), tuple(ctype for ctype, _ in args))
+        self._check("cuLaunchKernel", self.cu.cuLaunchKernel(function, *grid, *block, shared_bytes, stream, params, 0))
+
+    # -- graphs
+    def begin_capture(self, stream: Any) -> None:
+        mode = self.cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        self._check("cuStreamBeginCapture", self.cu.cuStreamBeginCapture(stream, mode))
+
+    def end_capture(self, stream: Any) -> Any:
+        return self._check("cuStreamEndCapture", self.cu.cuStreamEndCapture(stream))
+
+    def graph_instantiate(self, graph: Any) -> Any:
+        return self._check("cuGraphInstantiate", self.cu.cuGraphInstantiate(graph, 0))
+
+    def graph_launch(self, graph_exec: Any, stream: Any) -> None:
+        self._check("cuGraphLaunch", self.cu.cuGraphLaunch(graph_exec, stream))
+
+    def graph_exec_destroy(self, graph_exec: Any) -> None:
+        self._check("cuGraphExecDestroy", self.cu.cuGraphExecDestroy(graph_exec))
+
+    def graph_destroy(self, graph: Any) -> None:
+        self._check("cuGraphDestroy", self.cu.cuGraphDestroy(graph))

@@ -18,19 +18,54 @@ The call sequence of a stable-VA slot (the rules both implementations hold):
    (a fresh mapping has no access) → ``copy_to_device``;
 3. eviction: ``unmap(address, size)`` → ``release(handle)``; the range stays reserved;
 4. close: ``address_free(address, size)`` of the whole reservation, nothing mapped in it.
+
+The call sequence of a device step (activations, kernels, graphs):
+
+5. plain device buffers for activations and outputs: ``mem_alloc(nbytes)`` →
+   ``mem_free(address)`` (cuMemAlloc / cuMemFree); page-locked host buffers that async
+   copies (and graphs) read and write: ``host_alloc(nbytes)`` → ``host_free(buffer)``
+   (cuMemAllocHost / cuMemFreeHost);
+6. a stream: ``stream_create()`` (cuStreamCreate, non-blocking: no implicit wait on the
+   legacy stream) → work on it → ``stream_synchronize`` → ``stream_destroy``;
+7. async copies on a stream: ``copy_to_device_async(address, host, stream)`` /
+   ``copy_to_host_async(host, address, stream)`` (cuMemcpyHtoDAsync / DtoHAsync): the
+   host buffer must stay alive, untouched, until the stream is synchronised;
+8. timing: ``event_create()`` → ``event_record(event, stream)`` → ``event_synchronize``
+   → ``event_elapsed_ms(start, end)`` → ``event_destroy`` (cuEvent*);
+9. kernels: ``module_from_source(source, name, ordinal)`` (NVRTC: nvrtcCreateProgram,
+   nvrtcCompileProgram for the device's ``sm_XY``, its log in the error on failure,
+   nvrtcGetCUBIN; then cuModuleLoadData) → ``module_function(module, name)``
+   (cuModuleGetFunction) → ``launch(function, grid, block, shared_bytes, stream, args)``
+   (cuLaunchKernel; ``args``: ``(ctypes type, value)`` pairs in the kernel's parameter
+   order, ``ctypes.c_void_p`` for a device pointer) → ``module_unload``;
+10. graphs: ``begin_capture(stream)`` (cuStreamBeginCapture, thread-local mode: other
+    threads may keep paging weights in meanwhile) → the step's launches and copies on
+    that stream, recorded, not run → ``end_capture(stream)`` → graph
+    (cuStreamEndCapture) → ``graph_instantiate(graph)`` → exec (cuGraphInstantiate) →
+    ``graph_launch(exec, stream)`` per replay (cuGraphLaunch: the captured launches with
+    the addresses they had, so everything it reads must stay at its address) →
+    ``graph_exec_destroy`` and ``graph_destroy``. A capture must not synchronise its
+    stream (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, and the capture is invalidated), nor
+    copy from pageable host memory: async copies in a captured step use ``host_alloc``'s
+    buffers.
 """
 from __future__ import annotations
 
 import ctypes
 import sys
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from onnx_prep.core.errors import DeviceError
 
-__all__ = ["DRIVER_LIBRARY", "DeviceDriver", "DriverCallError", "DriverUnavailable", "load_driver_library"]
+__all__ = ["DRIVER_LIBRARY", "DeviceDriver", "DriverCallError", "DriverUnavailable", "KernelArg", "load_driver_library"]
 
 # The driver library cuda-python loads (``nvcuda.dll`` on Windows).
 DRIVER_LIBRARY = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
+
+# One kernel argument: its ctypes type (ctypes.c_void_p for a device pointer,
+# ctypes.c_int32, ctypes.c_uint64, ctypes.c_float, ...) and its value.
+KernelArg = tuple[type, Any]
 
 
 class DriverCallError(DeviceError):
@@ -102,3 +137,56 @@ class DeviceDriver(Protocol):
     def copy_to_device(self, address: int, data: Any) -> None: ...  # cuMemcpyHtoD (a buffer's bytes)
 
     def copy_to_host(self, address: int, nbytes: int) -> bytes: ...  # cuMemcpyDtoH
+
+    # -- plain memory (activations, outputs) and page-locked host buffers
+    def mem_alloc(self, nbytes: int) -> int: ...  # cuMemAlloc
+
+    def mem_free(self, address: int) -> None: ...  # cuMemFree
+
+    def host_alloc(self, nbytes: int) -> Any: ...  # cuMemAllocHost: a writable uint8 numpy array over it
+
+    def host_free(self, buffer: Any) -> None: ...  # cuMemFreeHost (a buffer host_alloc returned)
+
+    # -- streams, async copies, events
+    def stream_create(self) -> Any: ...  # cuStreamCreate(CU_STREAM_NON_BLOCKING)
+
+    def stream_synchronize(self, stream: Any) -> None: ...  # cuStreamSynchronize
+
+    def stream_destroy(self, stream: Any) -> None: ...  # cuStreamDestroy
+
+    def copy_to_device_async(self, address: int, host: Any, stream: Any) -> None: ...  # cuMemcpyHtoDAsync
+
+    def copy_to_host_async(self, host: Any, address: int, stream: Any) -> None: ...  # cuMemcpyDtoHAsync (host's size)
+
+    def event_create(self) -> Any: ...  # cuEventCreate (timing on)
+
+    def event_record(self, event: Any, stream: Any) -> None: ...  # cuEventRecord
+
+    def event_synchronize(self, event: Any) -> None: ...  # cuEventSynchronize
+
+    def event_elapsed_ms(self, start: Any, end: Any) -> float: ...  # cuEventElapsedTime
+
+    def event_destroy(self, event: Any) -> None: ...  # cuEventDestroy
+
+    # -- kernels
+    def module_from_source(self, source: str, name: str, ordinal: int) -> Any: ...  # NVRTC, then cuModuleLoadData
+
+    def module_function(self, module: Any, name: str) -> Any: ...  # cuModuleGetFunction
+
+    def module_unload(self, module: Any) -> None: ...  # cuModuleUnload
+
+    def launch(self, function: Any, grid: tuple[int, int, int], block: tuple[int, int, int], shared_bytes: int,
+               stream: Any, args: Sequence[KernelArg]) -> None: ...  # cuLaunchKernel
+
+    # -- graphs
+    def begin_capture(self, stream: Any) -> None: ...  # cuStreamBeginCapture (thread-local mode)
+
+    def end_capture(self, stream: Any) -> Any: ...  # cuStreamEndCapture: the graph
+
+    def graph_instantiate(self, graph: Any) -> Any: ...  # cuGraphInstantiate (flags 0): the executable graph
+
+    def graph_launch(self, graph_exec: Any, stream: Any) -> None: ...  # cuGraphLaunch
+
+    def graph_exec_destroy(self, graph_exec: Any) -> None: ...  # cuGraphExecDestroy
+
+    def graph_destroy(self, graph: Any) -> None: ...  # cuGraphDestroy
