@@ -6,11 +6,13 @@
 # Installs the package with its `test` and `cuda` extras into .venv (building the native
 # module), records what discovery finds (`onnx-prep devices --json`), runs the CUDA
 # tests (tests/test_cuda_*.py: the fake-driver ones and the GPU ones, which run only
-# where a device is usable), and writes OUT_DIR/results.json: the discovery record, each
-# test's outcome and skip reason, and whether the GPU tests ran and passed. Exit 0 only
-# when they did. Minutes on one GPU: nothing here loads a model larger than the small
-# fixture, and there is no device batch sweep to run yet (the device decode path is not
-# built; docs/cuda.md, "Not built").
+# where a device is usable: test_cuda_gpu*.py, the stable-VA slots, the NVRTC-compiled
+# INT4 matmul against the CPU kernel, a graph replayed after a weight's memory was
+# swapped), and writes OUT_DIR/results.json: the discovery record, each test's outcome
+# and skip reason, and whether the GPU tests ran and passed. Exit 0 only when they did.
+# Minutes on one GPU (the largest case is one 4096 x 4096 GEMV and its float64
+# reference), well within the 8 the issue allows; there is no device batch sweep to
+# run yet (the device decode path is not built; docs/cuda.md, "Not built").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-build/gpu-check}

@@ -7,10 +7,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
+from fake_cuda_driver import ready
 from test_native_reference import random_matmul_nbits
 
 from onnx_prep import native
 from onnx_prep.core.cuda.device_int4_matmul import DeviceInt4Matmul
+from onnx_prep.core.cuda.device_slot_pool import DeviceSlotPool
+
+
+@pytest.fixture
+def fake_device():
+    """(fake driver, a DeviceSlotPool on it, a stream): import it into a test module."""
+    d = ready(memory=256 << 20)
+    pool = DeviceSlotPool(d)
+    stream = d.stream_create()
+    yield d, pool, stream
+    pool.close()
 
 
 @dataclass

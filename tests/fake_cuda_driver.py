@@ -359,16 +359,24 @@ class FakeDriver:
         return any(a <= start and start + view.nbytes <= a + b.nbytes for a, b in self.host_buffers.items())
 
     # -- streams and the work queued on them
+    @staticmethod
+    def _live(call: str, handle, kind: type, pool: list, code: str = "CUDA_ERROR_INVALID_HANDLE"):
+        """``handle`` if it is a live one of ``kind`` from ``pool``, else ``code``."""
+        if not isinstance(handle, kind) or handle not in pool or getattr(handle, "destroyed", False) \
+                or getattr(handle, "unloaded", False):
+            raise fail(call, code, f"not a live {kind.__name__[4:].lower()}")
+        return handle
+
+    def _create(self, call: str, handle, pool: list):
+        self._call(call, needs_context=True)
+        pool.append(handle)
+        return handle
+
     def _stream(self, call: str, stream: FakeStream) -> FakeStream:
-        if not isinstance(stream, FakeStream) or stream.destroyed or stream not in self.streams:
-            raise fail(call, "CUDA_ERROR_INVALID_HANDLE", "not a live stream")
-        return stream
+        return self._live(call, stream, FakeStream, self.streams)
 
     def stream_create(self) -> FakeStream:
-        self._call("cuStreamCreate", needs_context=True)
-        stream = FakeStream()
-        self.streams.append(stream)
-        return stream
+        return self._create("cuStreamCreate", FakeStream(), self.streams)
 
     def stream_synchronize(self, stream: FakeStream) -> None:
         self._call("cuStreamSynchronize", needs_context=True)
@@ -443,15 +451,10 @@ class FakeDriver:
 
     # -- events
     def _event(self, call: str, event: FakeEvent) -> FakeEvent:
-        if not isinstance(event, FakeEvent) or event.destroyed or event not in self.events:
-            raise fail(call, "CUDA_ERROR_INVALID_HANDLE", "not a live event")
-        return event
+        return self._live(call, event, FakeEvent, self.events)
 
     def event_create(self) -> FakeEvent:
-        self._call("cuEventCreate", needs_context=True)
-        event = FakeEvent()
-        self.events.append(event)
-        return event
+        return self._create("cuEventCreate", FakeEvent(), self.events)
 
     def event_record(self, event: FakeEvent, stream: FakeStream) -> None:
         self._call("cuEventRecord", needs_context=True)
@@ -494,23 +497,21 @@ class FakeDriver:
 
     def module_function(self, module: FakeModule, name: str) -> FakeFunction:
         self._call("cuModuleGetFunction", name, needs_context=True)
-        if not isinstance(module, FakeModule) or module.unloaded or module not in self.modules:
-            raise fail("cuModuleGetFunction", "CUDA_ERROR_INVALID_VALUE", "not a loaded module")
+        self._live("cuModuleGetFunction", module, FakeModule, self.modules, "CUDA_ERROR_INVALID_VALUE")
         if name not in module.entries:
             raise fail("cuModuleGetFunction", "CUDA_ERROR_NOT_FOUND", f"{module.name} has no function {name}")
         return FakeFunction(module, name)
 
     def module_unload(self, module: FakeModule) -> None:
         self._call("cuModuleUnload", needs_context=True)
-        if not isinstance(module, FakeModule) or module.unloaded or module not in self.modules:
-            raise fail("cuModuleUnload", "CUDA_ERROR_INVALID_VALUE", "not a loaded module")
-        module.unloaded = True
+        self._live("cuModuleUnload", module, FakeModule, self.modules, "CUDA_ERROR_INVALID_VALUE").unloaded = True
 
     def launch(self, function: FakeFunction, grid, block, shared_bytes: int, stream: FakeStream, args) -> None:
         self._call("cuLaunchKernel", getattr(function, "name", None), tuple(grid), tuple(block), shared_bytes,
                    needs_context=True)
-        if not isinstance(function, FakeFunction) or function.module.unloaded or function.module not in self.modules:
-            raise fail("cuLaunchKernel", "CUDA_ERROR_INVALID_HANDLE", "not a function of a loaded module")
+        if not isinstance(function, FakeFunction):
+            raise fail("cuLaunchKernel", "CUDA_ERROR_INVALID_HANDLE", "not a function")
+        self._live("cuLaunchKernel", function.module, FakeModule, self.modules)
         if len(grid) != 3 or len(block) != 3 or min(*grid, *block) < 1:
             raise fail("cuLaunchKernel", "CUDA_ERROR_INVALID_VALUE", f"grid {grid}, block {block}")
         if block[0] * block[1] * block[2] > MAX_THREADS or not 0 <= shared_bytes <= MAX_SHARED:
@@ -546,9 +547,7 @@ class FakeDriver:
         return graph
 
     def _graph(self, call: str, graph: FakeGraph) -> FakeGraph:
-        if not isinstance(graph, FakeGraph) or graph.destroyed or graph not in self.graphs:
-            raise fail(call, "CUDA_ERROR_INVALID_VALUE", "not a live graph")
-        return graph
+        return self._live(call, graph, FakeGraph, self.graphs, "CUDA_ERROR_INVALID_VALUE")
 
     def graph_instantiate(self, graph: FakeGraph) -> FakeGraph:
         self._call("cuGraphInstantiate", needs_context=True)

@@ -10,24 +10,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from cuda_steps import MatmulStep, matmul_case
+from cuda_steps import fake_device as device  # noqa: F401 (a fixture)
 from fake_cuda_driver import ready
 
 from onnx_prep import native
 from onnx_prep.core.cuda import device_int4_matmul
 from onnx_prep.core.cuda.device_int4_matmul import DeviceInt4Matmul, kernel_source, plan_launch
-from onnx_prep.core.cuda.device_slot_pool import DeviceSlotPool, DeviceView
+from onnx_prep.core.cuda.device_slot_pool import DeviceView
 from onnx_prep.core.cuda.driver import DriverCallError
 from onnx_prep.core.errors import DeviceError
-
-
-@pytest.fixture
-def device():
-    d = ready(memory=256 << 20)
-    pool = DeviceSlotPool(d)
-    stream = d.stream_create()
-    yield d, pool, stream
-    d.stream_destroy(stream)
-    pool.close()
 
 
 @pytest.mark.parametrize("M,K,N,bs,zp,bias", [

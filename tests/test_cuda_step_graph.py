@@ -10,22 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from cuda_steps import MatmulStep, matmul_case
-from fake_cuda_driver import ready
+from cuda_steps import fake_device as device  # noqa: F401 (a fixture)
 
-from onnx_prep.core.cuda.device_slot_pool import DeviceSlotPool
 from onnx_prep.core.cuda.graph_capture import capture_decision
 from onnx_prep.core.cuda.step_graph import StepGraph
 
 CAPTURABLE = capture_decision(offload_enabled=True, stable_va=True, kv_capacity_fixed=True, host_ops=0)
-
-
-@pytest.fixture
-def device():
-    d = ready(memory=256 << 20)
-    pool = DeviceSlotPool(d)
-    stream = d.stream_create()
-    yield d, pool, stream
-    pool.close()
 
 
 def counts(graph: StepGraph) -> tuple:

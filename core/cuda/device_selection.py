@@ -5,8 +5,9 @@ import it only for another value, so the CPU path imports nothing of CUDA). ``cu
 is refused with one line, exit 2, in both cases there are today:
 
 - CUDA is not usable here: the probe's reason (core/cuda/device_probe.py);
-- CUDA is usable, but this build has no device decode path yet (no device INT4
-  matmul, no uploads, no graph capture: docs/cuda.md): said so, naming the device.
+- CUDA is usable, but this build has no device decode path yet (the device INT4
+  matmul and step graphs exist, but the session runs no step on the device:
+  docs/cuda.md): said so, naming the device.
 
 Never a silent fall back to the CPU: a user who asked for the GPU gets the GPU or an
 error.
@@ -21,7 +22,7 @@ __all__ = ["DEVICES", "MISSING_DEVICE_PATH", "require_device"]
 DEVICES = ("cpu", "cuda")
 
 # What a device decode needs that this build does not have (docs/cuda.md, "Not built").
-MISSING_DEVICE_PATH = "no device INT4 matmul, weight uploads or CUDA-graph capture"
+MISSING_DEVICE_PATH = "the session runs no step on the device: no weight uploads in the plan, no device ops but the INT4 matmul"
 
 
 def require_device(device: str, probe: DeviceProbe | None = None) -> None:

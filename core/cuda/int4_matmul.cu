@@ -49,6 +49,18 @@ __device__ __forceinline__ float code_at(u32 w, int j) {
     return (float)((w >> ((j & 3) * 8 + (j >> 2) * 4)) & 0xFu);
 }
 
+// a[0..7] = row[k .. k + 7], zeros past K: two 16-byte loads where the row allows them
+// (vec: row 16-byte aligned; every k here is a multiple of 8), else one at a time.
+__device__ __forceinline__ void load_a8(const float *row, int k, int K, bool vec, float a[GROUP_K]) {
+    if (vec && k + GROUP_K <= K) {
+        const float4 lo = __ldg((const float4 *)(row + k)), hi = __ldg((const float4 *)(row + k + 4));
+        a[0] = lo.x, a[1] = lo.y, a[2] = lo.z, a[3] = lo.w, a[4] = hi.x, a[5] = hi.y, a[6] = hi.z, a[7] = hi.w;
+    } else {
+#pragma unroll
+        for (int j = 0; j < GROUP_K; j++) a[j] = k + j < K ? __ldg(row + k + j) : 0.0f;
+    }
+}
+
 __device__ __forceinline__ float scale_at(const unsigned char *rec, int bs, int q) {
     return __ldg((const float *)(rec + (u64)bs * 32) + q);
 }
@@ -63,8 +75,8 @@ __device__ __forceinline__ float zero_at(const unsigned char *rec, int bs, int z
 // Decode (M = 1..8): one warp per 32 columns (a lane per column: a group's 32 words of
 // them are one 128-byte read), GEMV_WARPS warps per block splitting the K blocks
 // (warp w takes blocks w, w + GEMV_WARPS, ...), MR >= M rows in registers. Every lane
-// reads the same A value at once (a broadcast). Grid: ceil(N / 32) blocks of
-// (32, GEMV_WARPS).
+// reads the same 8 A values of a group at once (a broadcast; two 16-byte loads where
+// A's rows are 16-byte aligned). Grid: ceil(N / 32) blocks of (32, GEMV_WARPS).
 template <int MR>
 __device__ __forceinline__ void gemv(const float *__restrict__ A, u64 lda, const unsigned char *__restrict__ packed,
                                      float *__restrict__ Y, u64 ldy, const float *__restrict__ bias, int M, int K,
@@ -75,6 +87,7 @@ __device__ __forceinline__ void gemv(const float *__restrict__ A, u64 lda, const
     const int q = col % PANEL_N;
     const unsigned char *panel = packed + HEADER_BYTES + (u64)(col / PANEL_N) * panel_stride;
     const u64 rec_bytes = record_bytes(bs, zp_kind);
+    const bool vec = (lda % 4 == 0) && ((u64)A % 16 == 0);
     float out[MR];
 #pragma unroll
     for (int m = 0; m < MR; m++) out[m] = 0.0f;
@@ -87,15 +100,18 @@ __device__ __forceinline__ void gemv(const float *__restrict__ A, u64 lda, const
         const int k0 = b * bs;
         for (int g = 0; g < bs / GROUP_K; g++) {
             const u32 w = __ldg(words + g * PANEL_N + q);
+            float c[GROUP_K];
 #pragma unroll
-            for (int j = 0; j < GROUP_K; j++) {
-                const int k = k0 + g * GROUP_K + j;
-                const float c = code_at(w, j);
+            for (int j = 0; j < GROUP_K; j++) c[j] = code_at(w, j);
 #pragma unroll
-                for (int m = 0; m < MR; m++) {
-                    const float a = (m < M && k < K) ? __ldg(A + (u64)m * lda + k) : 0.0f;
-                    acc[m] = fmaf(a, c, acc[m]);
-                    sum_a[m] += a;
+            for (int m = 0; m < MR; m++) {
+                if (m >= M) break;  // uniform: rows past M stay 0
+                float a[GROUP_K];
+                load_a8(A + (u64)m * lda, k0 + g * GROUP_K, K, vec, a);
+#pragma unroll
+                for (int j = 0; j < GROUP_K; j++) {
+                    acc[m] = fmaf(a[j], c[j], acc[m]);
+                    sum_a[m] += a[j];
                 }
             }
         }
