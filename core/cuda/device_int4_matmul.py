@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,8 +105,9 @@ def plan_launch(header: Any, m: int, a_addr: int, packed: DeviceView, y_addr: in
     return KernelLaunch("int4_matmul_tiled", (-(-N // PANEL_N), -(-m // TILE_M), 1), (TILE_THREADS, 1, 1), args)
 
 
-# (id(driver), ordinal) -> (driver, module, {entry: function}): compiled once per process and device
-_loaded: dict[tuple[int, int], tuple[DeviceDriver, Any, dict[str, Any]]] = {}
+# (id(driver), ordinal) -> (the driver, weakly: a dropped one's id may come again; its module;
+# {entry: function}): compiled once per process and device
+_loaded: dict[tuple[int, int], tuple[weakref.ref, Any, dict[str, Any]]] = {}
 _lock = threading.Lock()
 ENTRIES = tuple(f"int4_matmul_gemv_m{r}" for r in GEMV_ROWS) + ("int4_matmul_tiled",)
 
@@ -113,12 +115,12 @@ ENTRIES = tuple(f"int4_matmul_gemv_m{r}" for r in GEMV_ROWS) + ("int4_matmul_til
 def _functions(driver: DeviceDriver, ordinal: int) -> dict[str, Any]:
     with _lock:
         hit = _loaded.get((id(driver), ordinal))
-        if hit is not None and hit[0] is driver:
+        if hit is not None and hit[0]() is driver:
             return hit[2]
         driver.use_device(ordinal)
         module = driver.module_from_source(kernel_source(), SOURCE.name, ordinal)
         functions = {name: driver.module_function(module, name) for name in ENTRIES}
-        _loaded[(id(driver), ordinal)] = (driver, module, functions)
+        _loaded[(id(driver), ordinal)] = (weakref.ref(driver), module, functions)
         return functions
 
 
