@@ -105,8 +105,8 @@ def test_device_cuda_on_a_usable_device_names_the_missing_path_and_exits_2(args,
     p = with_fake_device(*args, env=empty_cache)
     assert p.returncode == EXIT_UNUSABLE
     assert _one_error_line(p) == (
-        "error: --device cuda: the CUDA decode path is not built yet (the session runs no step on the device: no "
-        "weight uploads in the plan, no device ops but the INT4 matmul); found Fake H200 (device 0); use --device cpu; "
+        "error: --device cuda: the CUDA decode path is not built yet (no session executes the device plan yet, and "
+        "no op but the INT4 matmul has a device kernel); found Fake H200 (device 0); use --device cpu; "
         "docs/cuda.md says what exists")
     assert not Path(empty_cache["ONNX_PREP_CACHE"]).exists()
 

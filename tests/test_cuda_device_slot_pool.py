@@ -226,3 +226,19 @@ def test_the_device_pool_has_the_slot_pool_interface():
         host = list(inspect.signature(getattr(HostSlotPool, name)).parameters)
         device = list(inspect.signature(getattr(DeviceSlotPool, name)).parameters)
         assert device == host, name
+
+
+def test_an_upload_on_a_stream_is_queued_until_its_synchronisation_and_counted():
+    d = ready()
+    pool = DeviceSlotPool(d)
+    stream = d.stream_create()
+    pinned = d.host_alloc(G + 5)
+    pinned[:] = 0x33
+    view = pool.commit("w", G + 5)
+    pool.upload("w", pinned, stream)
+    assert d.copy_to_host(view.address, 8) == bytes(8)  # queued, not copied yet
+    d.stream_synchronize(stream)
+    assert pool.copy_to_host("w") == b"\x33" * (G + 5)
+    assert pool.counters().host_to_device_bytes == G + 5
+    assert "cuMemcpyHtoDAsync" in d.names() and "cuMemcpyHtoD" not in d.names()
+    pool.close()

@@ -5,8 +5,8 @@ import it only for another value, so the CPU path imports nothing of CUDA). ``cu
 is refused with one line, exit 2, in both cases there are today:
 
 - CUDA is not usable here: the probe's reason (core/cuda/device_probe.py);
-- CUDA is usable, but this build has no device decode path yet (the device INT4
-  matmul and step graphs exist, but the session runs no step on the device:
+- CUDA is usable, but this build has no device decode path yet (the device plan, the
+  device INT4 matmul and step graphs exist, but no session executes a device plan:
   docs/cuda.md): said so, naming the device.
 
 Never a silent fall back to the CPU: a user who asked for the GPU gets the GPU or an
@@ -22,7 +22,7 @@ __all__ = ["DEVICES", "MISSING_DEVICE_PATH", "require_device"]
 DEVICES = ("cpu", "cuda")
 
 # What a device decode needs that this build does not have (docs/cuda.md, "Not built").
-MISSING_DEVICE_PATH = "the session runs no step on the device: no weight uploads in the plan, no device ops but the INT4 matmul"
+MISSING_DEVICE_PATH = "no session executes the device plan yet, and no op but the INT4 matmul has a device kernel"
 
 
 def require_device(device: str, probe: DeviceProbe | None = None) -> None:

@@ -162,9 +162,11 @@ class DeviceSlotPool:
             return 0 if slot is None else slot.mapped
 
     # -- copies
-    def upload(self, key: PreparedKey, data: Any) -> None:
+    def upload(self, key: PreparedKey, data: Any, stream: Any = None) -> None:
         """Copy ``data`` (a host buffer, at most the object's size) to the start of
-        ``key``'s resident memory."""
+        ``key``'s resident memory: at once (cuMemcpyHtoD), or queued on ``stream``
+        (cuMemcpyHtoDAsync: ``data`` a page-locked buffer, ``driver.host_alloc``'s,
+        left untouched until the stream is synchronised)."""
         n = memoryview(data).nbytes
         with self._lock:
             slot = self._slots[key]
@@ -172,7 +174,10 @@ class DeviceSlotPool:
                 raise DeviceError(f"upload to an evicted slot ({n:,} bytes)", Where(tensor=key))
             if n > slot.nbytes:
                 raise DeviceError(f"upload of {n:,} bytes into an object of {slot.nbytes:,}", Where(tensor=key))
-            self.driver.copy_to_device(slot.address, data)
+            if stream is None:
+                self.driver.copy_to_device(slot.address, data)
+            else:
+                self.driver.copy_to_device_async(slot.address, data, stream)
             self._counters.host_to_device_bytes += n
 
     def page_in(self, key: PreparedKey, data: Any, typed_as: Any = None) -> DeviceView:
