@@ -4,7 +4,9 @@
 #   bash scripts/gpu_check.sh [OUT_DIR]     (default build/gpu-check)
 #
 # Installs the package with its `test` and `cuda` extras into .venv (building the native
-# module), records what discovery finds (`onnx-prep devices --json`), runs the CUDA
+# module), or, where .whl/ holds the wheels scripts/gpu_wheels.sh downloads (a machine
+# that reaches no package index), into a folder on PYTHONPATH beside that machine's own
+# packages, records what discovery finds (`onnx-prep devices --json`), runs the CUDA
 # tests (tests/test_cuda_*.py: the fake-driver ones and the GPU ones, which run only
 # where a device is usable: test_cuda_gpu*.py, the stable-VA slots, the NVRTC-compiled
 # INT4 matmul against the CPU kernel, a graph replayed after a weight's memory was
@@ -18,16 +20,37 @@ cd "$(dirname "$0")/.."
 OUT=${1:-build/gpu-check}
 mkdir -p "$OUT"
 
-if ! { make install && .venv/bin/python -m pip install -q -e '.[test,cuda]'; } >"$OUT/install.log" 2>&1; then
-    echo "gpu_check: the install failed; see $OUT/install.log" >&2
-    exit 2
+if [ -d .whl ]; then
+    # Offline (a lent GPU machine reaches no package index): that machine's python3
+    # (GPU_PYTHON) has numpy, onnx, onnxruntime, pytest and the cuda extra's parts; the
+    # rest comes from the wheels scripts/gpu_wheels.sh put in .whl/. Everything goes into
+    # one folder on PYTHONPATH (GPU_SITE), this package built there with the carried
+    # setuptools and cffi.
+    PY=${GPU_PYTHON:-python3}
+    SITE=${GPU_SITE:-/tmp/onnx-prep-site}
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    if ! { "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+               .whl/*.whl &&
+           "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade \
+               --target "$SITE" .; } >"$OUT/install.log" 2>&1; then
+        echo "gpu_check: the offline install failed; see $OUT/install.log" >&2
+        exit 2
+    fi
+    ONNX_PREP=("$PY" -m onnx_prep)
+else
+    if ! { make install && .venv/bin/python -m pip install -q -e '.[test,cuda]'; } >"$OUT/install.log" 2>&1; then
+        echo "gpu_check: the install failed; see $OUT/install.log" >&2
+        exit 2
+    fi
+    PY=.venv/bin/python
+    ONNX_PREP=(.venv/bin/onnx-prep)
 fi
-.venv/bin/onnx-prep devices --json >"$OUT/devices.json" 2>"$OUT/devices.err"
-.venv/bin/python -m pytest -q -rs -p no:cacheprovider tests/test_cuda_*.py --junitxml "$OUT/cuda-tests.xml" \
+"${ONNX_PREP[@]}" devices --json >"$OUT/devices.json" 2>"$OUT/devices.err"
+"$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda_*.py --junitxml "$OUT/cuda-tests.xml" \
     >"$OUT/cuda-tests.log" 2>&1
 tests_rc=$?
 
-.venv/bin/python - "$OUT" "$tests_rc" <<'EOF'
+"$PY" - "$OUT" "$tests_rc" <<'EOF'
 import json
 import sys
 import xml.etree.ElementTree as ET
