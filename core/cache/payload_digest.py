@@ -3,8 +3,9 @@
 A payload digest is written ``<algorithm>:<hex>`` (core/io/content_digest.py, which
 hashes). The writer uses ``xxh3`` (XXH3-64, seed 0, the default secret; big-endian hex
 of the 64-bit value, 16 digits), computed in C at memory speed. A reader checks an
-entry in the algorithm its digest names, so caches written before stay valid: ``xxh64`` (XXH64, seed 0, 16 digits; format version
-2) and ``sha256`` (64 digits; version 1).
+entry in the algorithm its digest names, so caches written before stay valid:
+``xxh64`` (XXH64, seed 0, 16 digits; format version 2) and ``sha256`` (64 digits;
+version 1).
 
 NOTE: why a fast checksum rather than SHA-256: this digest detects corruption (a
 flipped bit, a torn or truncated write), not tampering: it is stored in the manifest

@@ -44,6 +44,7 @@ from typing import Callable
 import numpy as np
 
 from onnx_prep.core.errors import DigestError, ExternalDataError, UnsafePathError, Where
+from onnx_prep.core.io.content_digest import ContentHasher, digest_of
 from onnx_prep.core.model.dtypes import DTYPES
 from onnx_prep.core.model.resolved_model import PayloadManifest
 from onnx_prep.core.model.weights import DigestSource, WeightDescriptor
@@ -780,8 +781,6 @@ class _Digest:
 
     def __init__(self, desc: WeightDescriptor, where: Where, sink: dict[str, str] | None = None, *,
                  every: bool = False) -> None:
-        from onnx_prep.core.io.content_digest import ContentHasher
-
         self.desc, self.where, self._sink = desc, where, sink
         if sink is not None and not desc.trusted:  # computed, not compared
             self._checks: list[tuple[str | None, ContentHasher]] = [(None, ContentHasher("sha256"))]
@@ -866,6 +865,4 @@ def verify_tensor_digest(desc: WeightDescriptor, data: np.ndarray, where: Where)
     expected = desc.load_digest
     if expected is None:
         return
-    from onnx_prep.core.io.content_digest import digest_of
-
     _compare(expected, digest_of(data, expected.split(":", 1)[0]), "tensor bytes", where)
