@@ -30,7 +30,9 @@ The calls of a device step (driver.py, items 5-10), with the same care:
   (CUDA_ERROR_INVALID_VALUE); an event's time before it ran (CUDA_ERROR_NOT_READY).
 
 Work on a stream is queued, not run, until the stream (or an event recorded on it) is
-synchronised, as on a device: a result read back before that is not there yet. A
+synchronised, as on a device: a result read back before that is not there yet. An
+event recorded again stands for its latest record only (cuEventRecord's rule): waiting
+on it runs the stream up to that record. A
 capture records the stream's launches and copies instead of queueing them; its graph
 replays exactly those, with the addresses and host buffers they were captured with,
 reading whatever is there at replay. Kernels run for real: a module "compiled" from a
@@ -95,6 +97,7 @@ class FakeEvent:
     time_us: int | None = None  # the fake clock when it ran; None: recorded, not run yet
     recorded: bool = False
     destroyed: bool = False
+    records: int = 0  # cuEventRecord calls: an event recorded again stands for its latest record only
 
 
 @dataclass(eq=False)
@@ -414,7 +417,7 @@ class FakeDriver:
             except DriverCallError as exc:
                 stream.pending.clear()
                 raise DriverCallError(call, exc.code, exc.name, exc.detail) from None
-            if op[0] == "event" and op[1] is until:
+            if op[0] == "event" and op[1] is until and op[2] == until.records:
                 return
 
     def _execute(self, op: tuple) -> None:
@@ -428,7 +431,8 @@ class FakeDriver:
             host = memoryview(op[1]).cast("B")
             host[:] = self.read(op[2], host.nbytes)
         elif kind == "event":
-            op[1].time_us = self._clock_us
+            if op[2] == op[1].records:  # an earlier record of an event recorded again is no longer it
+                op[1].time_us = self._clock_us
         elif kind == "launch":
             _, function, grid, block, shared, args = op
             run_kernel(self, function.name, grid, block, shared, args)
@@ -459,7 +463,8 @@ class FakeDriver:
     def event_record(self, event: FakeEvent, stream: FakeStream) -> None:
         self._call("cuEventRecord", needs_context=True)
         self._event("cuEventRecord", event)
-        self._issue("cuEventRecord", stream, ("event", event))
+        self._issue("cuEventRecord", stream, ("event", event, event.records + 1))
+        event.records += 1
         event.stream, event.time_us, event.recorded = stream, None, True
 
     def event_synchronize(self, event: FakeEvent) -> None:

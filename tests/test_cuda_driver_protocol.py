@@ -167,6 +167,28 @@ def test_stream_work_waits_for_a_synchronisation_and_events_time_it():
     assert d.live() == {"allocations": 0, "host_buffers": 0, "streams": 0, "events": 0, "modules": 0, "graphs": 0}
 
 
+def test_an_event_recorded_again_stands_for_its_latest_record():
+    """cuEventRecord's rule: waiting on a re-recorded event waits for the work before its
+    latest record, not the first (what a staging buffer reused across prepacks relies on)."""
+    d = _device()
+    s = d.stream_create()
+    address, first, second, back = d.mem_alloc(4), d.host_alloc(4), d.host_alloc(4), d.host_alloc(4)
+    first[:], second[:] = 1, 2
+    done = d.event_create()
+    d.copy_to_device_async(address, first, s)
+    d.event_record(done, s)
+    d.copy_to_device_async(address, second, s)
+    d.copy_to_host_async(back, address, s)
+    d.event_record(done, s)
+    d.event_synchronize(done)
+    assert back.tolist() == [2, 2, 2, 2]  # everything before the latest record ran
+    d.event_destroy(done)
+    d.stream_destroy(s)
+    d.mem_free(address)
+    for buf in (first, second, back):
+        d.host_free(buf)
+
+
 def test_a_graph_replays_the_captured_copies_with_their_addresses_reading_what_is_there_now():
     d = _device()
     s = d.stream_create()
