@@ -38,7 +38,8 @@ replays exactly those, with the addresses and host buffers they were captured wi
 reading whatever is there at replay. Kernels run for real: a module "compiled" from a
 source lists that source's ``extern "C" __global__`` entries, and a launch of one the
 fake knows (tests/fake_cuda_kernels.py: the INT4 matmul entries, through this
-package's CPU kernel on the fake's device bytes) computes real numbers; one it does
+package's CPU kernel on the fake's device bytes; the INT4 prepack entries, through its
+CPU prepack) computes real numbers; one it does
 not know is refused (CUDA_ERROR_NOT_SUPPORTED), never skipped.
 
 Physical memory is a ``bytearray`` per allocation, so bytes written through one address

@@ -1,4 +1,5 @@
-"""The device INT4 matmul's CUDA source compiled by the real NVRTC, which needs no GPU:
+"""The device kernels' CUDA sources (the INT4 matmul, the INT4 prepack) compiled by the
+real NVRTC, which needs no GPU:
 for the architectures of the GPUs it targets, to a CUBIN holding every entry the
 launches name, none spilling registers to local memory; a source
 NVRTC refuses raises KernelCompileError carrying NVRTC's log. Skipped, saying so,
@@ -10,7 +11,7 @@ import re
 
 import pytest
 
-from onnx_prep.core.cuda.device_int4_matmul import ENTRIES, kernel_source
+from onnx_prep.core.cuda import device_int4_matmul, device_int4_prepack
 from onnx_prep.core.cuda.nvrtc_program import KernelCompileError, compile_program, import_nvrtc, target_architecture
 from onnx_prep.core.errors import EXIT_INTERNAL, DeviceError
 
@@ -37,16 +38,22 @@ def test_the_target_is_the_devices_own_architecture_else_ptx_for_the_newest_belo
         target_architecture((7, 0), supported)
 
 
+PROGRAMS = {"int4_matmul.cu": (device_int4_matmul.kernel_source, tuple(device_int4_matmul.ENTRIES)),
+            "int4_prepack.cu": (device_int4_prepack.kernel_source, tuple(device_int4_prepack.ENTRIES.values()))}
+
+
 @needs_nvrtc
+@pytest.mark.parametrize("program_name", sorted(PROGRAMS))
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0), (8, 9)], ids=["H100/H200", "A100", "L4"])
-def test_the_kernels_compile_to_a_cubin_with_every_entry(capability):
-    program = compile_program(kernel_source(), "int4_matmul.cu", capability, options=("--ptxas-options=-v",))
+def test_the_kernels_compile_to_a_cubin_with_every_entry(capability, program_name):
+    source, entries = PROGRAMS[program_name]
+    program = compile_program(source(), program_name, capability, options=("--ptxas-options=-v",))
     assert program.kind == "cubin" and program.architecture == f"sm_{capability[0]}{capability[1]}"
     assert program.image[:4] == b"\x7fELF"
-    for name in ENTRIES:
+    for name in entries:
         assert name.encode() + b"\0" in program.image, name
     spills = dict(re.findall(r"Function properties for (\w+)\n[^\n]*?(\d+) bytes spill stores", program.log))
-    assert set(spills) == set(ENTRIES), program.log
+    assert set(spills) == set(entries), program.log
     assert set(spills.values()) == {"0"}, program.log  # no entry spills registers to local memory
 
 

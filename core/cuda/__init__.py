@@ -1,6 +1,6 @@
 """CUDA: device discovery, ``--device`` selection, stable-VA device slots over a driver
-protocol, the device INT4 matmul (NVRTC), and decode-step graph capture with its
-predicate (docs/cuda.md). Optional at install
+protocol, the device INT4 matmul and INT4 prepack (NVRTC), and decode-step graph
+capture with its predicate (docs/cuda.md). Optional at install
 (``pip install 'onnx-prep[cuda]'``: cuda-python) and imported only when a CUDA path is
 asked for; nothing here runs on the CPU path."""
 from onnx_prep.core.lazy_exports import lazy_exports
@@ -22,6 +22,9 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     "CaptureDecision": "graph_capture",
     "capture_decision": "graph_capture",
     "DeviceInt4Matmul": "device_int4_matmul",
+    "DeviceInt4Prepack": "device_int4_prepack",
+    "Int4Source": "device_int4_prepack",
+    "PrepackStaging": "device_int4_prepack",
     "KernelCompileError": "nvrtc_program",
     "StepGraph": "step_graph",
     "StepGraphCounters": "step_graph",
