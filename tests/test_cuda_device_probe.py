@@ -36,7 +36,8 @@ def test_every_cuda_module_imports_without_cuda_python():
                "onnx_prep.core.cuda.device_slot_pool", "onnx_prep.core.cuda.graph_capture",
                "onnx_prep.core.cuda.nvrtc_program", "onnx_prep.core.cuda.device_int4_matmul",
                "onnx_prep.core.cuda.device_int4_prepack",
-               "onnx_prep.core.cuda.step_graph", "onnx_prep.cli.devices"]
+               "onnx_prep.core.cuda.step_graph", "onnx_prep.core.cuda.device_tensor_ops",
+               "onnx_prep.core.cuda.device_launchers", "onnx_prep.core.cuda.device_graph", "onnx_prep.cli.devices"]
     code = ("import importlib, sys\n"
             "sys.modules['cuda'] = None  # as if cuda-python were not installed\n"
             f"for m in {modules!r}: importlib.import_module(m)\n"
