@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from onnx_prep.core.cuda.device_tensor_ops import BINARY, CASTS, COPY, PARAMS, THREADS, UNARY
+from onnx_prep.core.cuda.device_tensor_ops import BINARY, CASTS, COPY, GATHER, PARAMS, THREADS, UNARY
 from onnx_prep.core.cuda.driver import DriverCallError
 
 UFUNCS = {"add_f32": np.add, "sub_f32": np.subtract, "mul_f32": np.multiply, "div_f32": np.divide}
@@ -97,8 +97,20 @@ def copy_strided(driver, name: str, grid: tuple, block: tuple, args: tuple) -> N
     _write_strided(driver, v["y"], dims, tuple(v[f"ys{k}"] for k in range(4)), x)
 
 
+def gather_rows(driver, name: str, grid: tuple, block: tuple, args: tuple) -> None:
+    v = check_tensor_op(name, grid, block, args)
+    row, rows = v["row"], v["rows"]
+    idx = np.frombuffer(driver.read(v["idx"], 8 * (v["n"] // row)), dtype=np.int64)
+    x = np.frombuffer(driver.read(v["x"], 4 * row * rows), dtype=np.uint32).reshape(rows, row)
+    k = np.where(idx < 0, idx + rows, idx)
+    inside = (k >= 0) & (k < rows)
+    y = np.zeros((idx.size, row), np.uint32)
+    y[inside] = x[k[inside]]
+    driver.write(v["y"], y.tobytes())
+
+
 # name -> (check at launch, run when the stream gets to it), as fake_cuda_kernels.KERNELS
 KERNELS = {**{e: (check_tensor_op, binary) for e in BINARY.values()},
            **{e: (check_tensor_op, unary) for e in UNARY.values()},
            **{e: (check_tensor_op, cast) for e in CASTS.values()},
-           COPY: (check_tensor_op, copy_strided)}
+           COPY: (check_tensor_op, copy_strided), GATHER: (check_tensor_op, gather_rows)}

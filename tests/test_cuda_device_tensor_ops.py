@@ -149,6 +149,28 @@ def test_concat_is_numpys(ops, shapes, axis):
     assert np.array_equal(bufs.get(y, want.shape), want)
 
 
+@pytest.mark.parametrize("x_shape,idx", [((10, 6), [[3, 0, 9]]), ((5, 2, 3), [4, -1, 0, 4]), ((7,), [[1], [6]])])
+def test_gather_of_rows_is_numpys_take(ops, x_shape, idx):
+    dev, bufs, d, stream = ops
+    x = _f32(np.random.default_rng(len(x_shape)), x_shape)
+    idx = np.array(idx, np.int64)
+    want = np.take(x, idx, axis=0)
+    y = bufs.empty(want.shape)
+    dev.gather(stream, y, bufs.put(x), x_shape, bufs.put(idx), idx.shape)
+    d.stream_synchronize(stream)
+    assert np.array_equal(bufs.get(y, want.shape), want)
+
+
+def test_gather_of_an_index_out_of_range_gives_zeros(ops):
+    # a kernel cannot raise (the CPU op does): the row is zeros, never another row's
+    dev, bufs, d, stream = ops
+    x = np.arange(1, 13, dtype=np.float32).reshape(4, 3)
+    y = bufs.empty((3, 3))
+    dev.gather(stream, y, bufs.put(x), x.shape, bufs.put(np.array([4, -5, 1], np.int64)), (3,))
+    d.stream_synchronize(stream)
+    assert np.array_equal(bufs.get(y, (3, 3)), np.stack([np.zeros(3), np.zeros(3), x[1]]).astype(np.float32))
+
+
 def test_misuse_is_refused_before_any_launch(ops):
     dev, bufs, d, stream = ops
     y, a = bufs.empty(64), bufs.empty(64)

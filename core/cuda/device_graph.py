@@ -23,8 +23,9 @@ and each node goes one of two ways, decided once when the runner is built:
 
 **The plan check**: a node that would run on the device without a launcher, whose
 launcher says what it lacks (a dtype, a Cast), or whose prepared object or raw weight
-was not given, raises DeviceError naming each such node, its op and what is missing,
-when the runner is built: before anything is uploaded or run.
+was not given, raises DeviceError naming each such node, its op and what is missing
+(``refused``: the same as (node, text) pairs), when the runner is built: before
+anything is uploaded or run.
 
 **One run** (``run(feeds)``): the host walks the node list once (``prepare``): host
 nodes compute their values; device nodes get their outputs' shapes from their
@@ -285,11 +286,13 @@ class DeviceGraphRunner:
                                                 "(weights=)"))
         if problems:
             listed = "; ".join(text for _, text in problems)
-            raise DeviceError(f"{len(problems)} node(s) cannot run on the device: {listed}",
-                              Where(model=str(self.resolved.model_path), node=problems[0][0]),
-                              hint="run it on the CPU, or register a device launcher for the op "
-                                   "(core/cuda/device_launchers.py; there are launchers for "
-                                   f"{', '.join(sorted({op for op, _ in self._launchers}))})")
+            error = DeviceError(f"{len(problems)} node(s) cannot run on the device: {listed}",
+                                Where(model=str(self.resolved.model_path), node=problems[0][0]),
+                                hint="run it on the CPU, or register a device launcher for the op "
+                                     "(core/cuda/device_launchers.py; there are launchers for "
+                                     f"{', '.join(sorted({op for op, _ in self._launchers}))})")
+            error.refused = tuple(problems)  # (node name, what is missing), in node order
+            raise error
 
     def _upload_constants(self) -> None:
         """Inline initializers and raw weights device nodes read as data: uploaded once."""

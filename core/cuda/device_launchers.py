@@ -230,6 +230,29 @@ class Concat:
                                            int(call.action.attrs["axis"])))
 
 
+class Gather:
+    """Gather along axis 0 with int64 indices: rows of 32-bit elements (an embedding)."""
+
+    host_inputs = frozenset()
+
+    def check(self, node, in_dtypes):
+        axis = int(node.attributes.get("axis", 0))
+        if axis != 0:
+            return f"its device kernel gathers along axis 0 (rows), not axis {axis}"
+        idx = in_dtypes[1] if len(in_dtypes) > 1 else None
+        if idx is not None and idx != np.int64:
+            return f"its device kernel reads int64 indices, input 1 ({node.inputs[1]}) is {idx}"
+        return _words(node, in_dtypes)
+
+    def outputs(self, call):
+        x, idx = call.inputs[0], call.inputs[1]
+        return [TensorSpec(tuple(idx.shape) + tuple(x.shape[1:]), x.dtype)]
+
+    def launches(self, call):
+        x, idx = call.inputs[0], call.inputs[1]
+        return _ops(call, tops.plan_gather(call.outputs[0].address, x.address, x.shape, idx.address, idx.shape))
+
+
 class View:
     """Reshape, Squeeze, Unsqueeze, Flatten, Identity: the input's buffer under the shape
     the CPU op gives (every device value is contiguous, so each is a view)."""
@@ -285,6 +308,7 @@ DEVICE_LAUNCHERS: dict[tuple[str, str], DeviceLauncher] = {
     ("Transpose", "numpy"): Transpose(),
     ("Split", "numpy"): Split(),
     ("Concat", "numpy"): Concat(),
+    ("Gather", "numpy"): Gather(),
     **{(op, "numpy"): View() for op in ("Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity")},
     ("MatMulNBits", "int4_matmul"): Int4Matmul(),
 }

@@ -1,6 +1,7 @@
 """The standard ops a resolved decoder keeps as ``numpy`` kernels, on a CUDA device: Add,
 Sub, Mul, Div with numpy broadcasting, Sigmoid, Cos, Sin, the casts the fixtures use,
-and Transpose, Split and Concat as strided copies. fp32 (the copies move any 32-bit
+Transpose, Split and Concat as strided copies, and Gather of rows (the builder's fp32
+embedding lookup). fp32 (the copies move any 32-bit
 word), up to 4-D, deterministic: one thread per output element.
 
 The kernels are CUDA C (``tensor_ops.cu`` beside this file, package data), compiled
@@ -35,7 +36,7 @@ from onnx_prep.core.errors import DeviceError
 
 __all__ = ["BINARY", "CASTS", "DeviceTensorOps", "ENTRIES", "PARAMS", "TensorLaunch", "UNARY", "broadcast_shape",
            "contiguous_strides", "kernel_source", "plan_binary", "plan_cast", "plan_concat", "plan_copy",
-           "plan_split", "plan_transpose", "plan_unary"]
+           "plan_gather", "plan_split", "plan_transpose", "plan_unary"]
 
 SOURCE = Path(__file__).with_name("tensor_ops.cu")
 THREADS = 256  # tensor_ops.cu's THREADS: one block's threads, one element each
@@ -47,7 +48,8 @@ UNARY = {"Sigmoid": "sigmoid_f32", "Cos": "cos_f32", "Sin": "sin_f32"}
 CASTS = {("int64", "float32"): "cast_i64_f32", ("int32", "float32"): "cast_i32_f32",
          ("int64", "int32"): "cast_i64_i32"}
 COPY = "copy_strided_b32"
-ENTRIES = (*BINARY.values(), *UNARY.values(), *CASTS.values(), COPY)
+GATHER = "gather_rows_b32"
+ENTRIES = (*BINARY.values(), *UNARY.values(), *CASTS.values(), COPY, GATHER)
 
 _P, _N = ctypes.c_void_p, ctypes.c_int64
 _DIMS = (("d1", _N), ("d2", _N), ("d3", _N))
@@ -56,10 +58,11 @@ _BINARY_PARAMS = (("y", _P), ("a", _P), ("b", _P), ("n", _N), *_DIMS,
 _UNARY_PARAMS = (("y", _P), ("x", _P), ("n", _N))
 _COPY_PARAMS = (("y", _P), ("x", _P), ("n", _N), *_DIMS,
                 *((f"ys{k}", _N) for k in range(4)), *((f"xs{k}", _N) for k in range(4)))
+_GATHER_PARAMS = (("y", _P), ("x", _P), ("idx", _P), ("n", _N), ("row", _N), ("rows", _N))
 # Each entry's parameters, in order (tensor_ops.cu says the same).
 PARAMS: dict[str, tuple[tuple[str, type], ...]] = {
     **{e: _BINARY_PARAMS for e in BINARY.values()}, **{e: _UNARY_PARAMS for e in UNARY.values()},
-    **{e: _UNARY_PARAMS for e in CASTS.values()}, COPY: _COPY_PARAMS}
+    **{e: _UNARY_PARAMS for e in CASTS.values()}, COPY: _COPY_PARAMS, GATHER: _GATHER_PARAMS}
 Shape = tuple[int, ...]
 
 
@@ -267,6 +270,23 @@ def plan_concat(y: int, xs: Sequence[int], shapes: Sequence[Sequence[int]], axis
     return tuple(launches)
 
 
+def plan_gather(y: int, x: int, x_shape: Sequence[int], indices: int, indices_shape: Sequence[int]
+                ) -> tuple[TensorLaunch, ...]:
+    """``Y = X[indices]`` along axis 0 (contiguous X of ``x_shape`` with 32-bit elements,
+    int64 ``indices`` of ``indices_shape``; Y is ``indices_shape + x_shape[1:]``)."""
+    x_shape = tuple(int(d) for d in x_shape)
+    if not x_shape:
+        raise DeviceError("Gather from a scalar")
+    out = _rank("Gather", tuple(indices_shape) + x_shape[1:])
+    _address("Gather's Y", y)
+    _address("Gather's X", x)
+    _address("Gather's indices", indices, 8)
+    row, n = _size(x_shape[1:]), _size(out)
+    if n == 0:
+        return ()
+    return (_launch(GATHER, n, {"y": y, "x": x, "idx": indices, "n": n, "row": row, "rows": x_shape[0]}),)
+
+
 # (id(driver), ordinal) -> (the driver, weakly; its module; {entry: function}): compiled
 # once per process and device, as device_int4_matmul.py does
 _loaded: dict[tuple[int, int], tuple[weakref.ref, Any, dict[str, Any]]] = {}
@@ -318,6 +338,10 @@ class DeviceTensorOps:
     def split(self, stream: Any, ys: Sequence[int], x: int, shape: Sequence[int], axis: int,
               sizes: Sequence[int]) -> tuple[TensorLaunch, ...]:
         return self.launch(stream, plan_split(ys, x, shape, axis, sizes))
+
+    def gather(self, stream: Any, y: int, x: int, x_shape: Sequence[int], indices: int,
+               indices_shape: Sequence[int]) -> tuple[TensorLaunch, ...]:
+        return self.launch(stream, plan_gather(y, x, x_shape, indices, indices_shape))
 
     def concat(self, stream: Any, y: int, xs: Sequence[int], shapes: Sequence[Sequence[int]], axis: int
                ) -> tuple[TensorLaunch, ...]:

@@ -22,7 +22,11 @@
 //     y[offset(i, ys)] = x[offset(i, xs)] over the 4-D block of n elements: 32-bit
 //     words (fp32 or int32) moved unchanged. A Transpose reads with the permuted
 //     strides; a Split output reads a slice of its input; a Concat input is written
-//     into its slice of the output.
+//     into its slice of the output;
+//   gather_rows_b32: y, x, idx, n, row, rows
+//     Gather along axis 0 (an embedding lookup): y[r * row + j] = x[idx[r] * row + j]
+//     for the n / row int64 indices, a negative one counted from the end; one outside
+//     [-rows, rows) gives a row of zeros (a kernel cannot raise: the CPU op does).
 //
 // fp32 follows IEEE-754 as numpy does for +, -, *, / (NVRTC's defaults: -prec-div=true,
 // no fast math); sigmoid is the CPU's 0.5 * (tanh(x / 2) + 1), and tanhf / cosf / sinf
@@ -125,4 +129,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) copy_strided_b32(
     const i64 i = element();
     if (i >= n) return;
     y[offset4(i, d1, d2, d3, ys0, ys1, ys2, ys3)] = x[offset4(i, d1, d2, d3, xs0, xs1, xs2, xs3)];
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) gather_rows_b32(unsigned int *__restrict__ y,
+                                                                      const unsigned int *__restrict__ x,
+                                                                      const i64 *__restrict__ idx, i64 n, i64 row,
+                                                                      i64 rows) {
+    const i64 i = element();
+    if (i >= n) return;
+    i64 k = idx[i / row];
+    if (k < 0) k += rows;
+    y[i] = k >= 0 && k < rows ? x[k * row + i % row] : 0u;
 }
