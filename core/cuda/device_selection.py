@@ -22,7 +22,7 @@ __all__ = ["DEVICES", "MISSING_DEVICE_PATH", "require_device"]
 DEVICES = ("cpu", "cuda")
 
 # What a device decode needs that this build does not have (docs/cuda.md, "Not built").
-MISSING_DEVICE_PATH = "no session executes the device plan yet, and no op but the INT4 matmul has a device kernel"
+MISSING_DEVICE_PATH = "no session executes the device plan yet, and the fused decoder ops have no device kernel"
 
 
 def require_device(device: str, probe: DeviceProbe | None = None) -> None:
