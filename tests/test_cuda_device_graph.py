@@ -15,6 +15,7 @@ from fake_cuda_driver import ready
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_prep import native
+from onnx_prep.core.cuda.arena_layout import ArenaLayout
 from onnx_prep.core.cuda.device_graph import DeviceGraphRunner, DeviceObject
 from onnx_prep.core.cuda.device_slot_pool import DeviceSlotPool
 from onnx_prep.core.cuda.graph_capture import capture_decision
@@ -253,3 +254,29 @@ def test_a_builder_exports_standard_ops_all_have_a_place_the_fused_ones_are_name
     with pytest.raises(DeviceError, match=r"Gather node /model/embed_tokens/Gather: its raw weight "
                                           r"model.embed_tokens.weight was not given \(weights=\)"):
         DeviceGraphRunner(resolved, d, prepared=given, weights=weights)
+
+
+def test_a_step_that_cannot_be_made_is_refused_naming_its_node_before_anything_is_issued(model, device):
+    resolved, packed = model
+    d, pool = device
+    with DeviceGraphRunner(resolved, d, prepared=_on_device(pool, packed)) as runner:
+        launches = d.names().count("cuLaunchKernel")
+        f = feeds(0)
+        f["x"] = np.zeros((1, 3, HIDDEN + 1), np.float32)
+        with pytest.raises(DeviceError, match=r"MatMulNBits input A of shape \[1, 3, 33\] does not end in K=32") as info:
+            runner.run(f)
+        assert info.value.where.node == "up"
+        assert d.names().count("cuLaunchKernel") == launches and d.names().count("cuMemcpyHtoDAsync") == 0
+        _assert_cpu(runner.run(feeds(1)), resolved, packed, feeds(1))  # the runner is still usable
+
+
+def test_the_arena_layout_reuses_given_back_places_first_fit_and_merged():
+    layout = ArenaLayout()
+    a, b, c = layout.alloc(100), layout.alloc(300), layout.alloc(10)
+    assert (a, b, c) == (0, 256, 768) and layout.end == 1024  # 256-byte places
+    layout.release(b, 300)
+    assert layout.alloc(200) == 256  # first fit, in the hole
+    layout.release(a, 100)
+    layout.release(256, 200)
+    assert layout.alloc(700) == 0 and layout.end == 1024  # [0, 768) merged from three places
+    assert layout.alloc(1) == 1024

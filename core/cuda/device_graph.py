@@ -50,15 +50,16 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from onnx_prep.core.cuda.arena_layout import ARENA_ALIGN, ArenaLayout, Region
 from onnx_prep.core.cuda.device_launchers import (DEVICE_LAUNCHERS, Alias, DeviceLauncher, DeviceTensor, LaunchCall,
                                                   phantom)
 from onnx_prep.core.cuda.device_slot_pool import DeviceView
+from onnx_prep.core.cuda.device_step import DeviceStep
 from onnx_prep.core.cuda.driver import DeviceDriver
 from onnx_prep.core.errors import DeviceError, OnnxPrepError, TaskFailedError, Where
 
-__all__ = ["ARENA_ALIGN", "DeviceGraphRunner", "DeviceObject", "DeviceStep", "HOST_OPS"]
+__all__ = ["DeviceGraphRunner", "DeviceObject", "HOST_OPS"]
 
-ARENA_ALIGN = 256
 HOST_OPS = frozenset({"Shape", "Size", "Constant", "Concat", "Unsqueeze", "Squeeze", "Gather", "Cast", "Reshape",
                       "Slice", "ReduceSum", "Add", "Sub", "Mul", "Div", "Range", "Identity"})
 _ALWAYS_HOST = frozenset({"Shape", "Size", "Constant"})
@@ -75,78 +76,6 @@ class DeviceObject:
 
     view: DeviceView
     header: Any
-
-
-class _Layout:
-    """First-fit places in one arena: offsets, 256-byte aligned."""
-
-    def __init__(self) -> None:
-        self.free: list[tuple[int, int]] = []  # (offset, size), sorted, merged
-        self.end = 0
-
-    def alloc(self, nbytes: int) -> int:
-        size = max(-(-nbytes // ARENA_ALIGN), 1) * ARENA_ALIGN
-        for k, (offset, room) in enumerate(self.free):
-            if room >= size:
-                self.free[k:k + 1] = [(offset + size, room - size)] if room > size else []
-                return offset
-        offset, self.end = self.end, self.end + size
-        return offset
-
-    def release(self, offset: int, nbytes: int) -> None:
-        size = max(-(-nbytes // ARENA_ALIGN), 1) * ARENA_ALIGN
-        self.free.append((offset, size))
-        self.free.sort()
-        merged: list[tuple[int, int]] = []
-        for o, s in self.free:
-            if merged and merged[-1][0] + merged[-1][1] == o:
-                merged[-1] = (merged[-1][0], merged[-1][1] + s)
-            else:
-                merged.append((o, s))
-        self.free = merged
-
-
-class _Region:
-    __slots__ = ("offset", "nbytes", "refs")
-
-    def __init__(self, offset: int, nbytes: int) -> None:
-        self.offset, self.nbytes, self.refs = offset, nbytes, 0
-
-
-class DeviceStep:
-    """One run's step: ``step(stream)`` issues it; ``key`` is what a captured graph of
-    it depends on; ``stage()`` writes the host values it copies in into its page-locked
-    buffer (before it is issued), ``outputs()`` reads the results (after the stream is
-    synchronised)."""
-
-    def __init__(self, driver: DeviceDriver, ops: list[tuple], key: tuple, staged: list[tuple[np.ndarray, Any]],
-                 fetched: list[tuple[str, Any, tuple, np.dtype]], host_outputs: dict[str, np.ndarray],
-                 output_names: tuple[str, ...]) -> None:
-        self.driver, self.ops, self.key = driver, ops, key
-        self._staged, self._fetched, self._host_outputs = staged, fetched, host_outputs
-        self._names = output_names
-        self.launches = sum(op[0] == "launch" for op in ops)
-
-    def stage(self) -> None:
-        for array, pinned in self._staged:
-            pinned[:] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-
-    def __call__(self, stream: Any) -> None:
-        d = self.driver
-        for op in self.ops:
-            if op[0] == "launch":
-                _, function, plan = op
-                d.launch(function, plan.grid, plan.block, plan.shared_bytes, stream, plan.args)
-            elif op[0] == "htod":
-                d.copy_to_device_async(op[1], op[2], stream)
-            else:
-                d.copy_to_host_async(op[1], op[2], stream)
-
-    def outputs(self) -> dict[str, np.ndarray]:
-        out = dict(self._host_outputs)
-        for name, pinned, shape, dtype in self._fetched:
-            out[name] = pinned.view(dtype).reshape(shape).copy() if pinned is not None else np.zeros(shape, dtype)
-        return {n: out[n] for n in self._names}
 
 
 def _numpy_dtype(elem_type: int) -> np.dtype | None:
@@ -183,7 +112,7 @@ class DeviceGraphRunner:
         self.prepared = dict(prepared or {})
         self._weights = dict(weights or {})
         self._launchers = DEVICE_LAUNCHERS if launchers is None else launchers
-        self.program = ActionProgram.compile(resolved)
+        self.program = ActionProgram.compile(resolved, append_in_place=False)  # no KV appends here
         self.nodes = resolved.nodes
         self._dtypes = self._static_dtypes()
         self._host = self._classify()
@@ -222,8 +151,7 @@ class DeviceGraphRunner:
             if name in p.slot_of:
                 dt[p.slot_of[name]] = array.dtype
         for name in p.weight_names:
-            w = self.resolved.weights[name]
-            dt[p.slot_of[name]] = _numpy_dtype(getattr(w, "elem_type", 0) or 0)
+            dt[p.slot_of[name]] = _numpy_dtype(self.resolved.weights[name].onnx_type)
         for a, node in zip(p.actions, self.nodes):
             first = dt.get(a.inputs[0]) if a.inputs else None
             op = node.op_type
@@ -324,17 +252,17 @@ class DeviceGraphRunner:
             raise DeviceError("the device graph runner is closed")
         p = self.program
         values = p.new_values(feeds, self._weights)
-        layout = _Layout()
-        regions: dict[int, _Region] = {}  # slot -> its region (views share one)
+        layout = ArenaLayout()
+        regions: dict[int, Region] = {}  # slot -> its region (views share one)
         shapes: dict[int, tuple[tuple, np.dtype]] = {}  # device slot -> (shape, dtype)
         pending: list[tuple] = []  # ("htod", region, slot, array) | ("call", index, in refs, out refs, placed)
         consts = dict(self._constants)  # uploaded once, and views of them
         staged_bytes = 0
 
-        def place(slot: int, shape: tuple, dtype: np.dtype, region: _Region | None = None) -> None:
+        def place(slot: int, shape: tuple, dtype: np.dtype, region: Region | None = None) -> None:
             if region is None:
                 nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-                region = _Region(layout.alloc(nbytes), nbytes)
+                region = Region(layout.alloc(nbytes), nbytes)
             region.refs += 1
             regions[slot], shapes[slot] = region, (tuple(shape), dtype)
 
