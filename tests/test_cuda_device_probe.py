@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from fake_cuda_driver import MiB, FakeDriver
 
+import onnx_prep.core.cuda
 from onnx_prep.core.cuda.cuda_python_driver import import_binding
 from onnx_prep.core.cuda.device_probe import DeviceProbe, describe_device, devices_record, probe_devices
 from onnx_prep.core.cuda.device_selection import require_device
@@ -31,13 +33,11 @@ HAS_CUDA_PYTHON = _has_cuda_python()
 
 def test_every_cuda_module_imports_without_cuda_python():
     """In a fresh interpreter, so nothing imported before hides a missing import."""
-    modules = ["onnx_prep.core.cuda", "onnx_prep.core.cuda.driver", "onnx_prep.core.cuda.cuda_python_driver",
-               "onnx_prep.core.cuda.device_probe", "onnx_prep.core.cuda.device_selection",
-               "onnx_prep.core.cuda.device_slot_pool", "onnx_prep.core.cuda.graph_capture",
-               "onnx_prep.core.cuda.nvrtc_program", "onnx_prep.core.cuda.device_int4_matmul",
-               "onnx_prep.core.cuda.device_int4_prepack",
-               "onnx_prep.core.cuda.step_graph", "onnx_prep.core.cuda.device_tensor_ops",
-               "onnx_prep.core.cuda.device_launchers", "onnx_prep.core.cuda.device_graph", "onnx_prep.cli.devices"]
+    # every module of the package, listed from its folder, so a new one cannot be missed
+    folder = Path(onnx_prep.core.cuda.__file__).parent
+    modules = ["onnx_prep.core.cuda", "onnx_prep.cli.devices"] + sorted(
+        f"onnx_prep.core.cuda.{p.stem}" for p in folder.glob("*.py") if p.stem != "__init__")
+    assert "onnx_prep.core.cuda.weight_residency" in modules
     code = ("import importlib, sys\n"
             "sys.modules['cuda'] = None  # as if cuda-python were not installed\n"
             f"for m in {modules!r}: importlib.import_module(m)\n"

@@ -29,6 +29,8 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     "KernelCompileError": "nvrtc_program",
     "StepGraph": "step_graph",
     "StepGraphCounters": "step_graph",
+    "WeightResidency": "weight_residency",
+    "ResidencyCounters": "weight_residency",
     "DeviceTensorOps": "device_tensor_ops",
     "DEVICE_LAUNCHERS": "device_launchers",
     "register_launcher": "device_launchers",
