@@ -31,6 +31,7 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     "StepGraphCounters": "step_graph",
     "WeightResidency": "weight_residency",
     "ResidencyCounters": "weight_residency",
+    "DeviceDecoder": "device_decoder",
     "DeviceTensorOps": "device_tensor_ops",
     "DEVICE_LAUNCHERS": "device_launchers",
     "register_launcher": "device_launchers",

@@ -154,6 +154,11 @@ class DeviceSlotPool:
     def view(self, key: PreparedKey) -> DeviceView:
         return self._slots[key].view
 
+    def __contains__(self, key: PreparedKey) -> bool:
+        """Whether ``key`` has its address range (resident or not)."""
+        with self._lock:
+            return key in self._slots
+
     def committed_bytes(self, key: PreparedKey | None = None) -> int:
         with self._lock:
             if key is None:

@@ -107,7 +107,8 @@ class WeightResidency:
         self.sizes = {k: -(-max(n, 1) // g) * g for k, n in self.nbytes.items()}
         self.segments = segments(self.uses, self.sizes, pool.budget)
         for k, size in self.sizes.items():  # every weight's address, fixed from now on
-            pool.reserve(k, size)
+            if k not in pool:  # (the caller may have reserved it already, to build launches first)
+                pool.reserve(k, size)
         self._keys = tuple(tuple(dict.fromkeys(self.uses[a:b])) for a, b in self.segments)
         self._positions: dict[PreparedKey, tuple[int, ...]] = {}
         for i, k in enumerate(self.uses):

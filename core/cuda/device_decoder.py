@@ -1,0 +1,200 @@
+"""DeviceDecoder: a resolved model's steps on a CUDA device, its packed weights streamed
+under the device budget: a ``Runner`` for the decode loop (core/decode/generation.py),
+as the CPU session and ONNX Runtime are.
+
+What it puts together:
+
+- the packed objects, made on the host (the CPU prepack, or a prepared cache's payloads:
+  the same bytes on every device), copied once into page-locked host memory, where
+  they stay for the decoder's life: they are what a page-in copies from;
+- every object's device address range, reserved once (``DeviceSlotPool.reserve``)
+  before the node list is built, so the launches carry addresses that hold whatever is
+  paged in or out later;
+- the node list run by :class:`DeviceGraphRunner` (device_graph.py): a run is one
+  :class:`DeviceStep` of copies and launches;
+- :class:`WeightResidency` (weight_residency.py): the order in which the step's launches
+  read packed objects (found from their arguments: an address inside an object's
+  range) is the step's weight order; the step is cut into the residency's segments,
+  each segment's weights made resident before it is issued;
+- a :class:`StepGraph` per segment when ``capture_decision`` allows it (its key: the
+  step's key and the segment), else the segments issued eagerly, the reason kept.
+
+Capture: a step whose shapes change (a KV cache that grows by one row a step, fed as
+this runner feeds it: copied in, not kept on the device) changes the launches' arguments
+each step, so its graphs would be captured again every step; ``kv_capacity_fixed``
+says whether the caller keeps the shapes, and capture is declined, with the predicate's
+reason, when it does not. Counters (``counters()``): the residency's (page-ins,
+evictions, host-to-device bytes, byte hit rate, committed and peak), the graphs'
+(captures, replays, fallbacks, invalidations) summed over segments, steps, and the
+capture reason.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from onnx_prep.core.cuda.device_graph import DeviceGraphRunner, DeviceObject
+from onnx_prep.core.cuda.device_slot_pool import DeviceSlotPool, DeviceView
+from onnx_prep.core.cuda.driver import DeviceDriver
+from onnx_prep.core.cuda.graph_capture import capture_decision
+from onnx_prep.core.cuda.step_graph import StepGraph
+from onnx_prep.core.cuda.weight_residency import WeightResidency
+from onnx_prep.core.errors import DeviceError
+
+__all__ = ["DeviceDecoder"]
+
+
+class _Segment:
+    """Ops ``[start, end)`` of a step, issued by one call (what a StepGraph captures)."""
+
+    def __init__(self, step: Any, start: int, end: int) -> None:
+        self.step, self.start, self.end = step, start, end
+
+    def __call__(self, stream: Any) -> None:
+        d = self.step.driver
+        for op in self.step.ops[self.start:self.end]:
+            if op[0] == "launch":
+                _, function, plan = op
+                d.launch(function, plan.grid, plan.block, plan.shared_bytes, stream, plan.args)
+            elif op[0] == "htod":
+                d.copy_to_device_async(op[1], op[2], stream)
+            else:
+                d.copy_to_host_async(op[1], op[2], stream)
+
+
+class DeviceDecoder:
+    """``resolved`` on ``driver``'s device ``ordinal``; ``packed``: every prepared object
+    the device nodes read (host arrays of packed bytes, by key), ``weights``: the raw
+    weights they read as data; ``budget``: device bytes the packed objects may commit
+    (None: all resident); ``capture``: use CUDA graphs where the predicate allows;
+    ``kv_capacity_fixed``: the caller feeds the same shapes every step."""
+
+    def __init__(self, resolved: Any, driver: DeviceDriver, packed: Mapping[Any, np.ndarray], *,
+                 weights: Mapping[str, np.ndarray] | None = None, budget: int | None = None, capture: bool = True,
+                 kv_capacity_fixed: bool = False, ordinal: int = 0) -> None:
+        from onnx_prep import native
+
+        self.driver = driver
+        self.pool = DeviceSlotPool(driver, ordinal, budget=budget)
+        self.stream = driver.stream_create()
+        self.host: dict[Any, Any] = {}
+        self.runner: DeviceGraphRunner | None = None
+        self.residency: WeightResidency | None = None
+        self._graphs: list[StepGraph] = []
+        self._cuts: tuple[int, ...] = ()
+        self.steps = 0
+        try:
+            prepared = {}
+            for key, array in packed.items():
+                raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+                pinned = driver.host_alloc(raw.nbytes)
+                pinned[:] = raw
+                self.host[key] = pinned
+                self.pool.reserve(key, raw.nbytes)
+                prepared[key] = DeviceObject(DeviceView(self.pool.address(key), raw.nbytes),
+                                             native.packed_header(raw))
+            self._ranges = sorted((self.pool.address(k), self.pool.address(k) + memoryview(h).nbytes, k)
+                                  for k, h in self.host.items())
+            self.runner = DeviceGraphRunner(resolved, driver, prepared=prepared, weights=weights,
+                                            stream=self.stream, ordinal=ordinal)
+        except BaseException:
+            self.close()
+            raise
+        self.decision = capture_decision(offload_enabled=budget is not None, stable_va=True,
+                                         kv_capacity_fixed=kv_capacity_fixed, host_ops=0)
+        self.capture = capture
+        self.reason = self.decision.reason if capture else "capture off (capture=False)"
+
+    # -- the Runner protocol
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        step = self.runner.prepare(feeds)
+        step.stage()
+        uses, at = self._uses(step)
+        if self.residency is None:
+            self.residency = WeightResidency(self.pool, uses, self.host, self.stream)
+            starts = [at[a] for a, _ in self.residency.segments[1:]]
+            self._cuts = (0, *starts, len(step.ops))
+            if self.capture:
+                self._graphs = [StepGraph(self.driver, self.stream, self.decision) for _ in self.residency.segments]
+        elif uses != self.residency.uses:
+            raise DeviceError("the step reads its weights in another order than the first step did "
+                              f"({len(uses)} uses against {len(self.residency.uses)})",
+                              hint="this is a bug in onnx-prep; please report it")
+        else:
+            starts = [at[a] for a, _ in self.residency.segments[1:]]
+            self._cuts = (0, *starts, len(step.ops))
+        cuts = self._cuts
+
+        def run_segment(i: int) -> None:
+            segment = _Segment(step, cuts[i], cuts[i + 1])
+            if self._graphs:
+                self._graphs[i].run(segment, (step.key, i))
+            else:
+                segment(self.stream)
+
+        self.residency.step(run_segment)
+        self.driver.stream_synchronize(self.stream)
+        self.steps += 1
+        return step.outputs()
+
+    def _uses(self, step: Any) -> tuple[tuple[Any, ...], list[int]]:
+        """The packed objects the step's launches read, in launch order, and the op
+        index of each use's launch."""
+        import bisect
+
+        starts = [r[0] for r in self._ranges]
+        uses, at = [], []
+        for index, op in enumerate(step.ops):
+            if op[0] != "launch":
+                continue
+            read = []
+            for _, value in op[2].args:
+                if isinstance(value, int) and value:
+                    j = bisect.bisect_right(starts, value) - 1
+                    if j >= 0 and value < self._ranges[j][1] and self._ranges[j][2] not in read:
+                        read.append(self._ranges[j][2])
+            for key in read:
+                uses.append(key)
+                at.append(index)
+        return tuple(uses), at
+
+    # -- accounting
+    def counters(self) -> dict:
+        r = self.residency.counters().to_json() if self.residency is not None else {}
+        graphs = {"captures": 0, "replays": 0, "fallbacks": 0, "invalidations": 0}
+        for g in self._graphs:
+            for name, n in g.counters().to_json().items():
+                graphs[name] += n
+        return {"steps": self.steps, **r, **graphs, "capture": self.capture and self.decision.ok,
+                "capture_reason": self.reason}
+
+    def close(self) -> None:
+        """Release everything: graphs, the residency, the runner, the pool, the stream,
+        the page-locked copies (idempotent)."""
+        d = self.driver
+        for g in self._graphs:
+            g.close()
+        self._graphs = []
+        if self.residency is not None:
+            self.residency.close()
+            self.residency = None
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
+        if self.stream is not None:
+            d.stream_synchronize(self.stream)
+        self.pool.close()
+        for h in self.host.values():
+            d.host_free(h)
+        self.host = {}
+        if self.stream is not None:
+            d.stream_destroy(self.stream)
+            self.stream = None
+
+    def __enter__(self) -> DeviceDecoder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
