@@ -13,7 +13,7 @@ import pytest
 from fake_cuda_driver import MiB, ready
 from test_cuda_device_graph import _assert_cpu, build_model, feeds
 
-from onnx_prep.core.cuda.device_decoder import DeviceDecoder
+from onnx_prep.core.cuda.device_decoder import DeviceDecoder, open_device_decoder
 from onnx_prep.core.errors import DeviceBudgetError
 from onnx_prep.core.kernels.prepack import prepack_all
 
@@ -82,6 +82,15 @@ def test_a_budget_below_one_weight_is_refused_before_anything_is_paged(model, d)
     with pytest.raises(DeviceBudgetError, match="below one allocation granule"):
         DeviceDecoder(resolved, d, packed, budget=G // 2)
     assert d.live()["graphs"] == 0 and not d.mappings
+
+
+def test_opened_from_the_model_it_reads_packs_and_runs_the_same(model, d):
+    resolved, packed = model
+    f = feeds(7)
+    with open_device_decoder(resolved, d, budget=G) as dec:
+        assert set(dec.host) == set(packed)
+        assert all(np.array_equal(dec.host[k], p.reshape(-1).view(np.uint8)) for k, p in packed.items())
+        _assert_cpu(dec.run(f), resolved, packed, f)
 
 
 @pytest.mark.gpu

@@ -43,7 +43,7 @@ from onnx_prep.core.cuda.step_graph import StepGraph
 from onnx_prep.core.cuda.weight_residency import WeightResidency
 from onnx_prep.core.errors import DeviceError
 
-__all__ = ["DeviceDecoder"]
+__all__ = ["DeviceDecoder", "open_device_decoder"]
 
 
 class _Segment:
@@ -198,3 +198,25 @@ class DeviceDecoder:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def open_device_decoder(resolved: Any, driver: DeviceDriver, *, budget: int | None = None, capture: bool = True,
+                        kv_capacity_fixed: bool = False, verify_digests: bool = True, trust_symlinks: bool = False,
+                        ordinal: int = 0) -> DeviceDecoder:
+    """``resolved`` on the device: its packed objects made by the CPU prepack from sources
+    read (and their digests checked) through the model's one reader, its raw weights
+    read likewise, then a :class:`DeviceDecoder` over them."""
+    from onnx_prep.core.io.external_data import ExternalDataReader
+    from onnx_prep.core.kernels.prepack import prepack_all, source_loader
+    from onnx_prep.core.runtime.action_program import ActionProgram
+
+    reader = ExternalDataReader.for_model(resolved, trust_symlinks=trust_symlinks, verify_digests=verify_digests)
+    try:
+        load = source_loader(resolved, reader)
+        packed = prepack_all(resolved, load)
+        raw = ActionProgram.compile(resolved, append_in_place=False).weight_names
+        weights = {name: load(name) for name in raw}
+    finally:
+        reader.close_shared()
+    return DeviceDecoder(resolved, driver, packed, weights=weights, budget=budget, capture=capture,
+                         kv_capacity_fixed=kv_capacity_fixed, ordinal=ordinal)
