@@ -28,6 +28,7 @@ from onnx_prep.core.cuda.device_int4_prepack import PREPACK_THREADS, ZP_SOURCES,
 from onnx_prep.core.cuda.driver import DriverCallError
 from onnx_prep.core.errors import DeviceError
 from fake_cuda_tensor_ops import KERNELS as TENSOR_OPS  # tensor_ops.cu's twins
+from fake_cuda_decoder_ops import KERNELS as DECODER_KERNELS  # decoder_ops.cu's twins
 
 ZP_NAMES = {v: k for k, v in ZP_KINDS.items()}
 
@@ -112,7 +113,8 @@ def int4_prepack(driver, name: str, grid: tuple, block: tuple, args: tuple) -> N
 # name -> (check at launch, run when the stream gets to it)
 KERNELS = {**{f"int4_matmul_gemv_m{r}": (check_int4_matmul, int4_matmul) for r in GEMV_ROWS},
            "int4_matmul_tiled": (check_int4_matmul, int4_matmul),
-           **{entry: (check_int4_prepack, int4_prepack) for entry in PREPACK_ENTRIES.values()}, **TENSOR_OPS}
+           **{entry: (check_int4_prepack, int4_prepack) for entry in PREPACK_ENTRIES.values()}, **TENSOR_OPS,
+           **DECODER_KERNELS}
 
 
 def check_launch(name: str, grid: tuple, block: tuple, args: tuple) -> None:

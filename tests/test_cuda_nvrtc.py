@@ -1,5 +1,5 @@
-"""The device kernels' CUDA sources (the INT4 matmul, the INT4 prepack) compiled by the
-real NVRTC, which needs no GPU:
+"""The device kernels' CUDA sources (the INT4 matmul, the INT4 prepack, the decoder ops)
+compiled by the real NVRTC, which needs no GPU:
 for the architectures of the GPUs it targets, to a CUBIN holding every entry the
 launches name, none spilling registers to local memory; a source
 NVRTC refuses raises KernelCompileError carrying NVRTC's log. Skipped, saying so,
@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from onnx_prep.core.cuda import device_int4_matmul, device_int4_prepack
+from onnx_prep.core.cuda import device_decoder_ops, device_int4_matmul, device_int4_prepack
 from onnx_prep.core.cuda.nvrtc_program import KernelCompileError, compile_program, import_nvrtc, target_architecture
 from onnx_prep.core.errors import EXIT_INTERNAL, DeviceError
 
@@ -39,7 +39,8 @@ def test_the_target_is_the_devices_own_architecture_else_ptx_for_the_newest_belo
 
 
 PROGRAMS = {"int4_matmul.cu": (device_int4_matmul.kernel_source, tuple(device_int4_matmul.ENTRIES)),
-            "int4_prepack.cu": (device_int4_prepack.kernel_source, tuple(device_int4_prepack.ENTRIES.values()))}
+            "int4_prepack.cu": (device_int4_prepack.kernel_source, tuple(device_int4_prepack.ENTRIES.values())),
+            "decoder_ops.cu": (device_decoder_ops.kernel_source, device_decoder_ops.ENTRIES)}
 
 
 @needs_nvrtc

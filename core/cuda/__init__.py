@@ -1,7 +1,7 @@
 """CUDA: device discovery, ``--device`` selection, stable-VA device slots over a driver
-protocol, the device INT4 matmul, INT4 prepack and tensor ops (NVRTC), a resolved
-model's nodes run on the device (DeviceGraphRunner), and decode-step graph capture with
-its predicate (docs/cuda.md). Optional at install
+protocol, the device INT4 matmul, INT4 prepack, tensor ops and decoder ops (NVRTC), a
+resolved model's nodes run on the device (DeviceGraphRunner), and decode-step graph
+capture with its predicate (docs/cuda.md). Optional at install
 (``pip install 'onnx-prep[cuda]'``: cuda-python) and imported only when a CUDA path is
 asked for; nothing here runs on the CPU path."""
 from onnx_prep.core.lazy_exports import lazy_exports
@@ -26,6 +26,7 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     "DeviceInt4Prepack": "device_int4_prepack",
     "Int4Source": "device_int4_prepack",
     "PrepackStaging": "device_int4_prepack",
+    "DeviceDecoderOps": "device_decoder_ops",
     "KernelCompileError": "nvrtc_program",
     "StepGraph": "step_graph",
     "StepGraphCounters": "step_graph",
