@@ -1,0 +1,160 @@
+"""The device decoder ops (decoder_ops.cu) on a real CUDA device, through cuda-python
+(core/cuda/cuda_python_driver.py): the kernels compiled by NVRTC for the device, each
+op's outputs against the CPU op's on the cases the fake-driver tests run
+(decoder_op_cases.py), plus a long past and a wide norm. Each test skips, with
+discovery's one-line reason, where CUDA is not usable (this CI).
+
+Tolerances, by name:
+
+- EXACT (bit for bit): rotary, the gather, the present KV rows (copies and rotations)
+  and the Skip norms' sum output: the kernels round each product and sum as the CPU
+  kernels do (__fmul_rn / __fadd_rn; the CPU build contracts nothing: -std=c11);
+- ``norm_bound``: the row norm's sums are reassociated (a thread's strided terms, then
+  a tree of NORM_THREADS): per element, FP32_U x (2 (n / NORM_THREADS + log2
+  NORM_THREADS) + 16) x (|v| + |mean|) x inv x |gamma| (+ FP32_U |beta|), twice that
+  against the CPU's own fp32 result;
+- ``gqa_bound``: the scores' dot products (lanes of 32, then a shuffle tree), libdevice's
+  expf and the weighted sums (one FMA chain per output over the span) differ from the
+  CPU's order: 2 FP32_U x ((span + 8) + 2 (H / 32 + 8) x scale ||q|| ||k||) x max |v|.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from decoder_op_cases import GQA_CASES, Buffers, gather_case, gqa_case, norm_case, rotary_case
+
+from onnx_prep.core.cuda.device_decoder_ops import NORM_THREADS, DeviceDecoderOps, check_status
+from onnx_prep.core.cuda.device_probe import probe_devices
+
+PROBE = probe_devices()
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not PROBE.usable, reason=f"needs a CUDA device: {PROBE.one_line()}")]
+FP32_U = 2.0 ** -24
+
+
+@pytest.fixture(scope="module")
+def device():
+    from onnx_prep.core.cuda.cuda_python_driver import load_driver
+
+    d = load_driver()
+    d.init()
+    d.use_device(0)
+    ops = DeviceDecoderOps(d)
+    stream = d.stream_create()
+    bufs = Buffers(d)
+    yield ops, bufs, stream
+    bufs.close()
+    d.stream_destroy(stream)
+
+
+def _run(device, case, **kwargs):
+    ops, bufs, stream = device
+    return case.device(ops, bufs, stream, **kwargs)
+
+
+def assert_exact(got, want, what):
+    assert got.shape == want.shape, what
+    bad = np.argwhere(got.view(np.uint32) != want.view(np.uint32))
+    assert not bad.size, f"{what}: {len(bad)} elements differ, first at {tuple(bad[0])}: {got[tuple(bad[0])]!r} " \
+                         f"vs {want[tuple(bad[0])]!r}"
+
+
+def assert_within(got, want, bound, what):
+    err = np.abs(got.astype(np.float64) - want)
+    worst = np.unravel_index(np.argmax(err - bound), err.shape)
+    assert (err <= bound + 1e-30).all(), f"{what}: |error| {err[worst]:.3g} over the bound {bound[worst]:.3g} at " \
+                                         f"{worst}"
+
+
+def norm_bound(case) -> np.ndarray:
+    rows, n = case.x.shape
+    v = case.x.astype(np.float64) + (0 if case.skip is None else case.skip) + (0 if case.bias is None else case.bias)
+    mean = 0 if case.simplified else v.mean(axis=1, keepdims=True)
+    var = (v - mean) ** 2 if not case.simplified else v ** 2
+    inv = 1 / np.sqrt(var.mean(axis=1, keepdims=True) + case.epsilon)
+    rel = FP32_U * (2 * (n / NORM_THREADS + math.log2(NORM_THREADS)) + 16)
+    bound = rel * (np.abs(v) + np.abs(mean)) * inv * np.abs(case.gamma)
+    return 2 * (bound + (0 if case.beta is None else FP32_U * np.abs(case.beta)))
+
+
+@pytest.mark.parametrize("rows,n", [(1, 512), (4, 4096), (8, 3000), (2, 17)])
+@pytest.mark.parametrize("form", ["rms", "layer", "skip_rms", "skip_layer_bias"])
+def test_row_norm_matches_the_cpu_op(device, rows, n, form):
+    case = norm_case(rows * n, rows, n, simplified="rms" in form, skip=form.startswith("skip"), beta="layer" in form,
+                     bias="bias" in form)
+    want, got = case.cpu(), _run(device, case)
+    assert_within(got["y"], want["y"], norm_bound(case), f"{form} y")
+    if "sum" in want:
+        assert_exact(got["sum"], want["sum"], f"{form} input_skip_bias_sum")
+
+
+@pytest.mark.parametrize("B,S,heads,H,rot,transposed,interleaved,per_token", [
+    (1, 1, 32, 128, 128, False, False, True), (2, 3, 3, 32, 16, False, True, True),
+    (1, 5, 8, 64, 64, True, False, False), (4, 1, 8, 128, 64, True, True, True),
+])
+def test_rotary_is_the_cpu_ops_bits(device, B, S, heads, H, rot, transposed, interleaved, per_token):
+    case = rotary_case(B + S + H, B, S, heads, H, rot, transposed=transposed, interleaved=interleaved,
+                       per_token=per_token, max_pos=4096)
+    want = case.cpu()["y"]
+    assert_exact(_run(device, case)["y"], want, "rotary")
+    assert_exact(_run(device, case, in_place=True)["y"], want, "rotary in place")
+
+
+def gqa_bound(case, want_out) -> np.ndarray:
+    B, S, H = case.shape
+    N, KN = case.num_heads, case.kv_num_heads
+    q = case.q[..., :N * H].reshape(B, S, N, H).astype(np.float64)
+    keys, values = (p.astype(np.float64) for p in case.present)
+    L = case.present_len()
+    k_norm = np.sqrt((keys[:, :, :L] ** 2).sum(-1)).max()
+    q_norm = np.sqrt((q ** 2).sum(-1)).max()
+    scale = case.scale or 1 / math.sqrt(H)
+    if case.past is not None:
+        values = np.concatenate([np.abs(case.past[1]).astype(np.float64).reshape(-1), np.abs(values.reshape(-1))])
+    v_max = max(np.abs(values).max(), np.abs(case.v if case.v is not None else case.q).max())
+    bound = 2 * FP32_U * ((L + 8) + 2 * (H / 32 + 8) * scale * q_norm * k_norm) * v_max
+    return np.full(want_out.shape, bound)
+
+
+@pytest.mark.parametrize("B,S,N,KN,H,P,options", GQA_CASES + [
+    (1, 1, 32, 8, 128, 4000, dict(shared=True, rotary=True)),  # a long past: four chunks of staged keys
+    (4, 1, 16, 4, 64, 700, dict(shared=True, seqlens_i32=True)),
+])
+def test_gqa_matches_the_cpu_kernel(device, B, S, N, KN, H, P, options):
+    case = gqa_case(B * 1000 + S * 100 + P, B, S, N, KN, H, P, **options)
+    want, got = case.cpu(), _run(device, case)
+    assert_exact(got["present_key"], want["present_key"], "present key")
+    assert_exact(got["present_value"], want["present_value"], "present value")
+    assert_within(got["out"], want["out"], gqa_bound(case, want["out"]), "output")
+
+
+@pytest.mark.parametrize("V,K,bs,zp,tied", [
+    (8192, 512, 32, "none", False), (300, 256, 128, "u4", False), (33, 96, 16, "float", False),
+    (8192, 512, 32, "u4", True), (65, 200, 64, "float", True),
+])
+def test_int4_gather_is_the_cpu_kernels_bits(device, V, K, bs, zp, tied):
+    case = gather_case(V + K, V, K, bs, zp, 8, tied=tied)
+    assert_exact(_run(device, case)["rows"], case.cpu()["rows"], "gathered rows")
+
+
+def test_a_bad_position_index_and_seqlens_come_back_as_status_bits(device):
+    ops, bufs, stream = device
+    status = bufs.put(np.zeros(1, np.uint32))
+    rot = rotary_case(1, 1, 2, 2, 16, 16, transposed=False, interleaved=False, per_token=True, max_pos=10)
+    rot.pos[0, 1] = -1
+    y = _run(device, rot, status=status)["y"].reshape(2, 32)
+    assert np.isnan(y[1]).all() and not np.isnan(y[0]).any()
+    gather = gather_case(2, 20, 64, 32, "u4", 2, tied=False)
+    gather.indices[:] = [1, 99]
+    rows = _run(device, gather, status=status)["rows"]
+    assert np.isnan(rows[1]).all() and not np.isnan(rows[0]).any()
+    gqa = gqa_case(3, 2, 1, 4, 2, 16, 6, shared=True)
+    gqa.seqlens[0] = -5
+    out = _run(device, gqa, status=status)["out"]
+    assert np.isnan(out[0]).all() and not np.isnan(out[1]).any()
+    word = int(bufs.get(status, (1,), np.uint32)[0])
+    assert word == 7
+    with pytest.raises(Exception, match="device decoder ops flagged"):
+        check_status(word)
