@@ -13,8 +13,9 @@ from onnx_prep import native
 from onnx_prep.core.cuda.device_decoder_ops import DeviceDecoderOps
 from onnx_prep.core.cuda.device_slot_pool import DeviceView
 from onnx_prep.core.ops import norm
+from onnx_prep.core.ops.attention import attention_with_past
 from onnx_prep.core.ops.attributes import N_OUTPUTS
-from onnx_prep.core.ops.rotary import rotary_embedding, rotary_geometry
+from onnx_prep.core.ops.rotary import rotary_embedding, rotary_from_tables, rotary_geometry
 from onnx_prep.native.attention import group_query_attention
 
 
@@ -140,6 +141,38 @@ def rotary_case(seed: int, B: int, S: int, heads: int, H: int, rot: int, *, tran
                       attrs)
 
 
+@dataclass
+class TablesRotaryCase:
+    """onnx_prep.fused::RotaryEmbedding(x, cos, sin): x ``[B, heads, S, D]``, tables
+    ``[cb, 1, S, D]`` with equal halves, read in place as caches of rows D apart."""
+
+    x: np.ndarray
+    cos: np.ndarray
+    sin: np.ndarray
+
+    def cpu(self) -> dict[str, np.ndarray]:
+        return {"y": rotary_from_tables([self.x, self.cos, self.sin], {}, None)[0]}
+
+    def device(self, ops: DeviceDecoderOps, bufs: Buffers, stream) -> dict[str, np.ndarray]:
+        B, heads, S, D = self.x.shape
+        cb = self.cos.shape[0]
+        pos = np.zeros(1, np.int64) if cb == 1 else np.arange(B * S, dtype=np.int64).reshape(B, S)
+        x, y = bufs.put(self.x), bufs.put(np.zeros_like(self.x))
+        ops.rotary(stream, x, y, bufs.put(pos), bufs.put(self.cos), bufs.put(self.sin), batch=B, seq=S, heads=heads,
+                   head_size=D, rotary_dim=D, max_pos=cb * S, transposed=True, interleaved=False,
+                   pos_per_token=cb != 1, cache_stride=D)
+        ops.driver.stream_synchronize(stream)
+        return {"y": bufs.get(y, self.x.shape)}
+
+
+def tables_rotary_case(seed: int, B: int, heads: int, S: int, D: int, *, per_row: bool) -> TablesRotaryCase:
+    rng = np.random.default_rng(seed)
+    cb = B if per_row else 1
+    angles = rng.uniform(-np.pi, np.pi, (cb, 1, S, D // 2))
+    cos, sin = (np.concatenate([f(angles)] * 2, axis=-1).astype(np.float32) for f in (np.cos, np.sin))
+    return TablesRotaryCase(_f32(rng, B, heads, S, D), cos, sin)
+
+
 # -- gqa --------------------------------------------------------------------------------
 @dataclass
 class GqaCase:
@@ -187,9 +220,11 @@ class GqaCase:
         N, KN = self.num_heads, self.kv_num_heads
         q = bufs.put(self.q)
         if self.k is None:  # packed QKV: k and v are offsets into q's rows
-            k, v, ld = q + 4 * N * H, q + 4 * (N + KN) * H, self.q.shape[2]
+            D = self.q.shape[2]
+            k, v, q_strides = q + 4 * N * H, q + 4 * (N + KN) * H, (S * D, D, H)
+            kv_strides = q_strides
         else:
-            k, v, ld = bufs.put(self.k), bufs.put(self.v), None
+            k, v, q_strides, kv_strides = bufs.put(self.k), bufs.put(self.v), None, None
         present = [bufs.put(p) for p in self.present]
         capacity = self.present[0].shape[2]
         if self.past is not None:
@@ -203,8 +238,8 @@ class GqaCase:
                                                  cache_rows=self.cos.shape[0], cache_width=self.cos.shape[1])
         ops.gqa(stream, q, k, v, past[0], past[1], present[0], present[1], bufs.put(self.seqlens), out,
                 batch=B, seq=S, num_heads=N, kv_num_heads=KN, head_size=H, past_len=self.past_len,
-                total_sequence_length=self.total, past_stride=past_stride, present_stride=capacity, ld_q=ld,
-                ld_kv=ld, seqlens_dtype=str(self.seqlens.dtype), interleaved=self.interleaved, scale=self.scale,
+                total_sequence_length=self.total, past_stride=past_stride, present_stride=capacity,
+                q_strides=q_strides, kv_strides=kv_strides, seqlens_dtype=str(self.seqlens.dtype), interleaved=self.interleaved, scale=self.scale,
                 status=status, **rotary)
         ops.driver.stream_synchronize(stream)
         return {"out": bufs.get(out, (B, S, N * H)), "present_key": bufs.get(present[0], self.present[0].shape),
@@ -261,6 +296,46 @@ GQA_CASES = [  # B, S, N, KN, H, P, gqa_case's options: what the fake and the GP
     (1, 1, 2, 2, 256, 0, dict(shared=True)),  # no past at all
     (1, 1, 8, 4, 24, 2000, dict(shared=True, rotary=True)),  # past over one chunk of staged keys
 ]
+
+
+@dataclass
+class FusedAttentionCase:
+    """onnx_prep.fused::Attention(q, k, v, past_key, past_value, P, P + S): BNSH q ``[B, N,
+    S, H]``, k / v ``[B, KN, S, H]``, past ``[B, KN, P, H]``; present = Concat(past, new),
+    written on the device into buffers with room after the rows."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    past: tuple[np.ndarray, np.ndarray]
+    scale: float
+
+    def cpu(self) -> dict[str, np.ndarray]:
+        P, S = self.past[0].shape[2], self.q.shape[2]
+        out, pk, pv = attention_with_past([self.q, self.k, self.v, *self.past, np.array(P), np.array(P + S)],
+                                          {"scale": self.scale, "mask_fill": -3.4e38}, None)
+        return {"out": out, "present_key": pk, "present_value": pv}
+
+    def device(self, ops: DeviceDecoderOps, bufs: Buffers, stream) -> dict[str, np.ndarray]:
+        B, N, S, H = self.q.shape
+        KN, P = self.k.shape[1], self.past[0].shape[2]
+        present = [bufs.put(np.zeros((B, KN, P + S + 2, H), np.float32)) for _ in range(2)]
+        out = bufs.put(np.zeros((B, S, N, H), np.float32))
+        ops.gqa(stream, bufs.put(self.q), bufs.put(self.k), bufs.put(self.v), bufs.put(self.past[0]),
+                bufs.put(self.past[1]), present[0], present[1], bufs.put(np.full(B, P + S - 1, np.int64)), out,
+                batch=B, seq=S, num_heads=N, kv_num_heads=KN, head_size=H, past_len=P, total_sequence_length=P + S,
+                present_stride=P + S + 2, q_strides=(N * S * H, H, S * H), kv_strides=(KN * S * H, H, S * H),
+                scale=self.scale, same_past=True)
+        ops.driver.stream_synchronize(stream)
+        return {"out": bufs.get(out, (B, S, N, H)),
+                **{name: bufs.get(p, (B, KN, P + S + 2, H))[:, :, :P + S]
+                   for name, p in zip(("present_key", "present_value"), present)}}
+
+
+def fused_attention_case(seed: int, B: int, N: int, KN: int, S: int, H: int, P: int) -> FusedAttentionCase:
+    rng = np.random.default_rng(seed)
+    return FusedAttentionCase(_f32(rng, B, N, S, H), _f32(rng, B, KN, S, H), _f32(rng, B, KN, S, H),
+                              (_f32(rng, B, KN, P, H), _f32(rng, B, KN, P, H)), float(rng.uniform(0.05, 0.3)))
 
 
 # -- int4_gather ------------------------------------------------------------------------

@@ -60,8 +60,10 @@ def _floats(driver, address: int, count: int) -> np.ndarray:
     return np.frombuffer(driver.read(address, 4 * count), dtype=np.float32).copy()
 
 
-def _rows(driver, address: int, rows: int, width: int, stride: int) -> np.ndarray:
-    return np.stack([_floats(driver, address + 4 * r * stride, width) for r in range(rows)])
+def _heads(driver, address: int, B: int, S: int, heads: int, H: int, strides: tuple) -> np.ndarray:
+    """``[B, S, heads * H]`` from head rows at ``address + 4 (b, s, h) . strides``."""
+    return np.stack([_floats(driver, address + 4 * (b * strides[0] + s * strides[1] + h * strides[2]), H)
+                     for b in range(B) for s in range(S) for h in range(heads)]).reshape(B, S, heads * H)
 
 
 def _write_rows(driver, address: int, rows: np.ndarray, stride: int) -> None:
@@ -98,8 +100,9 @@ def rotary(driver, name: str, grid: tuple, block: tuple, args: tuple) -> None:
     pos = np.frombuffer(driver.read(v["pos"], 8 * count), np.int64).copy()
     pos = pos.reshape(B, S) if v["pos_per_token"] else (pos[0] + np.arange(S, dtype=np.int64))[None].repeat(B, 0)
     bad = (pos < 0) | (pos >= v["max_pos"])
-    cos = _floats(driver, v["cos_cache"], v["max_pos"] * rd // 2).reshape(-1, rd // 2)
-    sin = _floats(driver, v["sin_cache"], v["max_pos"] * rd // 2).reshape(-1, rd // 2)
+    span = (v["max_pos"] - 1) * v["cache_stride"] + rd // 2
+    cos, sin = ((np.concatenate([_floats(driver, v[c], span), np.zeros(v["cache_stride"] - rd // 2, np.float32)])
+                 .reshape(-1, v["cache_stride"])[:, :rd // 2]) for c in ("cos_cache", "sin_cache"))
     y = native.rotary_embedding(x, np.where(bad, 0, pos), cos, sin, heads=heads, head_size=H, rotary_dim=rd,
                                 transposed=bool(v["transposed"]), interleaved=bool(v["interleaved"]))
     if bad.any():
@@ -126,9 +129,9 @@ def gqa(driver, name: str, grid: tuple, block: tuple, args: tuple) -> None:
     v = check_decoder_op(name, grid, block, args)
     B, S, N, KN, H = v["batch"], v["seq"], v["num_heads"], v["kv_num_heads"], v["head_size"]
     P, L, ps, qs = v["past_len"], v["present_len"], v["past_stride"], v["present_stride"]
-    q = _rows(driver, v["q"], B * S, N * H, v["ld_q"]).reshape(B, S, N * H)
-    k = _rows(driver, v["k"], B * S, KN * H, v["ld_kv"]).reshape(B, S, KN * H)
-    val = _rows(driver, v["v"], B * S, KN * H, v["ld_kv"]).reshape(B, S, KN * H)
+    q = _heads(driver, v["q"], B, S, N, H, (v["q_b"], v["q_s"], v["q_h"]))
+    k = _heads(driver, v["k"], B, S, KN, H, (v["kv_b"], v["kv_s"], v["kv_h"]))
+    val = _heads(driver, v["v"], B, S, KN, H, (v["kv_b"], v["kv_s"], v["kv_h"]))
     seq_type = np.int32 if v["seqlens_i32"] else np.int64
     seqlens = np.frombuffer(driver.read(v["seqlens"], B * np.dtype(seq_type).itemsize), seq_type).astype(np.int64)
     bad = _gqa_bad_rows(v, seqlens)

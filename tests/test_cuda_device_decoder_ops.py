@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from decoder_op_cases import GQA_CASES, Buffers, gather_case, gqa_case, norm_case, rotary_case
+from decoder_op_cases import (GQA_CASES, Buffers, fused_attention_case, gather_case, gqa_case, norm_case,
+                              rotary_case, tables_rotary_case)
 from fake_cuda_driver import ready
 from hypothesis import given
 from hypothesis import strategies as st
@@ -87,6 +88,18 @@ def test_rotary_equals_the_cpu_op(dev, B, S, heads, H, rot, transposed, interlea
     assert dev.d.launched == ["decoder_rotary", "decoder_rotary"]
 
 
+
+
+@pytest.mark.parametrize("B,heads,S,D,per_row", [(1, 4, 1, 64, False), (2, 3, 5, 32, True), (3, 2, 8, 16, False)])
+def test_the_fused_rotary_reads_its_tables_in_place_and_equals_the_cpu_op(dev, B, heads, S, D, per_row):
+    case = tables_rotary_case(B + S + D, B, heads, S, D, per_row=per_row)
+    assert_same(dev.run(case), case.cpu())
+
+
+@pytest.mark.parametrize("B,N,KN,S,H,P", [(1, 4, 4, 1, 32, 7), (2, 4, 1, 3, 16, 5), (1, 2, 2, 8, 64, 0)])
+def test_the_fused_attention_is_the_gqa_launches_over_bnsh_strides(dev, B, N, KN, S, H, P):
+    case = fused_attention_case(B * 100 + S + P, B, N, KN, S, H, P)
+    assert_same(dev.run(case), case.cpu())
 
 
 @pytest.mark.parametrize("B,S,N,KN,H,P,options", GQA_CASES)
@@ -201,7 +214,8 @@ def _gqa(**change):
     (dict(cos_cache=0x8000, sin_cache=0x9000, cache_rows=8, cache_width=16), r"cos/sin caches \[8, 16\] are not"),
     (dict(seqlens_dtype="float32"), "seqlens_k is float32"),
     (dict(seqlens_k=0x6004), "seqlens_k 0x6004 is not 8-byte aligned"),
-    (dict(ld_q=100), "row strides q 100"),
+    (dict(q_strides=(256, 64, 60)), r"strides of q \(256, 64, 60\) must each be at least the head size 64"),
+    (dict(ld_out=100), "output row stride 100 is below 256"),
     (dict(batch=70000), "batch=70000 must be 1 .. 65535"),
 ], ids=lambda x: str(x)[:30])
 def test_gqa_misuse_is_refused_before_a_launch(change, error):

@@ -1,19 +1,20 @@
 """The device decoder ops (decoder_ops.cu) on a real CUDA device, through cuda-python
 (core/cuda/cuda_python_driver.py): the kernels compiled by NVRTC for the device, each
 op's outputs against the CPU op's on the cases the fake-driver tests run
-(decoder_op_cases.py), plus a long past and a wide norm. Each test skips, with
+(decoder_op_cases.py), plus a long past and a wide norm, and the fused forms the
+resolver makes of standard ops (onnx_prep.fused::RotaryEmbedding, ::Attention). Each test skips, with
 discovery's one-line reason, where CUDA is not usable (this CI).
 
 Tolerances, by name:
 
-- EXACT (bit for bit): rotary, the gather, the present KV rows (copies and rotations)
+- EXACT (bit for bit): rotary (the fused one too), the gather, the present KV rows (copies and rotations)
   and the Skip norms' sum output: the kernels round each product and sum as the CPU
   kernels do (__fmul_rn / __fadd_rn; the CPU build contracts nothing: -std=c11);
 - ``norm_bound``: the row norm's sums are reassociated (a thread's strided terms, then
   a tree of NORM_THREADS): per element, FP32_U x (2 (n / NORM_THREADS + log2
   NORM_THREADS) + 16) x (|v| + |mean|) x inv x |gamma| (+ FP32_U |beta|), twice that
   against the CPU's own fp32 result;
-- ``gqa_bound``: the scores' dot products (lanes of 32, then a shuffle tree), libdevice's
+- ``gqa_bound`` (``attention_bound``; also the fused Attention's): the scores' dot products (lanes of 32, then a shuffle tree), libdevice's
   expf and the weighted sums (one FMA chain per output over the span) differ from the
   CPU's order: 2 FP32_U x ((span + 8) + 2 (H / 32 + 8) x scale ||q|| ||k||) x max |v|.
 """
@@ -23,7 +24,8 @@ import math
 
 import numpy as np
 import pytest
-from decoder_op_cases import GQA_CASES, Buffers, gather_case, gqa_case, norm_case, rotary_case
+from decoder_op_cases import (GQA_CASES, Buffers, fused_attention_case, gather_case, gqa_case, norm_case,
+                              rotary_case, tables_rotary_case)
 
 from onnx_prep.core.cuda.device_decoder_ops import NORM_THREADS, DeviceDecoderOps, check_status
 from onnx_prep.core.cuda.device_probe import probe_devices
@@ -102,19 +104,24 @@ def test_rotary_is_the_cpu_ops_bits(device, B, S, heads, H, rot, transposed, int
     assert_exact(_run(device, case, in_place=True)["y"], want, "rotary in place")
 
 
+def attention_bound(q_heads: np.ndarray, keys: np.ndarray, values: np.ndarray, span: int, H: int,
+                    scale: float) -> float:
+    """gqa_bound from the query heads' and the keys' L2 norms and the values' magnitude."""
+    q_norm = np.sqrt((q_heads.astype(np.float64) ** 2).sum(-1)).max()
+    k_norm = np.sqrt((keys.astype(np.float64) ** 2).sum(-1)).max()
+    v_max = np.abs(values).max()
+    return 2 * FP32_U * ((span + 8) + 2 * (H / 32 + 8) * scale * q_norm * k_norm) * v_max
+
+
 def gqa_bound(case, want_out) -> np.ndarray:
     B, S, H = case.shape
-    N, KN = case.num_heads, case.kv_num_heads
-    q = case.q[..., :N * H].reshape(B, S, N, H).astype(np.float64)
-    keys, values = (p.astype(np.float64) for p in case.present)
+    N = case.num_heads
+    q = case.q[..., :N * H].reshape(B, S, N, H)
     L = case.present_len()
-    k_norm = np.sqrt((keys[:, :, :L] ** 2).sum(-1)).max()
-    q_norm = np.sqrt((q ** 2).sum(-1)).max()
-    scale = case.scale or 1 / math.sqrt(H)
-    if case.past is not None:
-        values = np.concatenate([np.abs(case.past[1]).astype(np.float64).reshape(-1), np.abs(values.reshape(-1))])
-    v_max = max(np.abs(values).max(), np.abs(case.v if case.v is not None else case.q).max())
-    bound = 2 * FP32_U * ((L + 8) + 2 * (H / 32 + 8) * scale * q_norm * k_norm) * v_max
+    values = [want_out, case.present[1]] + ([] if case.past is None else [case.past[1]])
+    bound = attention_bound(q, np.concatenate([k[:, :, :L].reshape(-1, H) for k in (case.present[0],)]),
+                            np.concatenate([np.abs(x).reshape(-1) for x in values]), L, H,
+                            case.scale or 1 / math.sqrt(H))
     return np.full(want_out.shape, bound)
 
 
@@ -128,6 +135,22 @@ def test_gqa_matches_the_cpu_kernel(device, B, S, N, KN, H, P, options):
     assert_exact(got["present_key"], want["present_key"], "present key")
     assert_exact(got["present_value"], want["present_value"], "present value")
     assert_within(got["out"], want["out"], gqa_bound(case, want["out"]), "output")
+
+
+@pytest.mark.parametrize("B,N,KN,S,H,P", [(1, 32, 32, 1, 128, 500), (2, 8, 1, 4, 64, 37), (1, 4, 4, 8, 32, 0)])
+def test_the_fused_attention_matches_the_cpu_op(device, B, N, KN, S, H, P):
+    case = fused_attention_case(B * 100 + S + P, B, N, KN, S, H, P)
+    want, got = case.cpu(), _run(device, case)
+    assert_exact(got["present_key"], want["present_key"], "present key")
+    assert_exact(got["present_value"], want["present_value"], "present value")
+    bound = attention_bound(case.q, want["present_key"], want["present_value"], P + S, H, case.scale)
+    assert_within(got["out"], want["out"], np.full(want["out"].shape, bound), "output")
+
+
+@pytest.mark.parametrize("B,heads,S,D,per_row", [(1, 32, 1, 128, False), (2, 8, 6, 64, True)])
+def test_the_fused_rotary_is_the_cpu_ops_bits(device, B, heads, S, D, per_row):
+    case = tables_rotary_case(B + S + D, B, heads, S, D, per_row=per_row)
+    assert_exact(_run(device, case)["y"], case.cpu()["y"], "fused rotary")
 
 
 @pytest.mark.parametrize("V,K,bs,zp,tied", [

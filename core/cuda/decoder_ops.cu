@@ -119,13 +119,14 @@ __device__ __forceinline__ void rotate_pair(float xa, float xb, float c, float s
 
 // com.microsoft RotaryEmbedding (rotary.c): x [B][S][heads * head_size] or, transposed,
 // [B][heads][S][head_size]; position ids [B][S] (pos_per_token) or one start id (token
-// s at id + s); caches [max_pos][rot_dim / 2]. The first rot_dim values of a head
+// s at id + s); caches [max_pos][rot_dim / 2], rows cache_stride floats apart (a
+// fused rotary's tables [.., S, 2 x rot_dim / 2] are read in place). The first rot_dim values of a head
 // rotate as pairs (i, i + rot_dim / 2) or, interleaved, (2i, 2i + 1); the rest is
 // copied. One block per (head, token, batch row); y may be x. A position outside the
 // caches writes the token's heads as NaN and flags STATUS_ROTARY_POSITION.
 extern "C" __global__ void __launch_bounds__(ROTARY_THREADS) decoder_rotary(
     const float *x, float *y, const i64 *pos, int pos_per_token, const float *cos_cache, const float *sin_cache,
-    i64 max_pos, int batch, int seq, int heads, int head_size, int rot_dim, int transposed, int interleaved,
+    u64 cache_stride, i64 max_pos, int batch, int seq, int heads, int head_size, int rot_dim, int transposed, int interleaved,
     u32 *status) {
     const int h = blockIdx.x, s = blockIdx.y, b = blockIdx.z, t = threadIdx.x;
     const u64 off = transposed ? (((u64)b * heads + h) * seq + s) * head_size
@@ -139,7 +140,7 @@ extern "C" __global__ void __launch_bounds__(ROTARY_THREADS) decoder_rotary(
         return;
     }
     const int half = rot_dim / 2;
-    const float *c = cos_cache + p * half, *sn = sin_cache + p * half;
+    const float *c = cos_cache + (u64)p * cache_stride, *sn = sin_cache + (u64)p * cache_stride;
     for (int i = t; i < head_size; i += ROTARY_THREADS) {
         if (i < half) {
             const int ia = interleaved ? 2 * i : i, ib = interleaved ? 2 * i + 1 : i + half;
@@ -156,17 +157,19 @@ extern "C" __global__ void __launch_bounds__(ROTARY_THREADS) decoder_rotary(
 // GroupQueryAttention for decode (attention.c), as two launches on one stream:
 // decoder_gqa_append writes each (batch row, kv head)'s present rows, then
 // decoder_gqa_attend computes each (query head, query row, batch row)'s output from
-// them. Layouts: q rows [B * S] of ld_q floats (query head h at h * head_size), k and v
-// rows [B * S] of ld_kv floats (kv head j at j * head_size): separate tensors or the
-// parts of a packed QKV row; past and present [B][KN][stride rows][head_size] (BNSH with
-// room after the rows); a present that is the past's own buffer (same address) gets only
-// the new rows. seqlens_k [B] (int64, or int32 when seqlens_i32). Row b: total =
-// seqlens_k[b] + 1, past = 0 for a first prompt, else total - S; query row s attends to
-// present rows [0, min(past + s + 1, total)), scores scale * q.k, a max-subtracted
-// softmax. Rotary (rotary_dim > 0): q and the new keys rotate at position past + s.
+// them. Layouts: query head h of row s of batch row b at q + b q_b + s q_s + h q_h (its
+// head_size values contiguous), kv head j at k (v) + b kv_b + s kv_s + j kv_h: BSNH
+// tensors, the parts of a packed QKV row, or BNSH ones (onnx_prep.fused::Attention);
+// past and present [B][KN][stride rows][head_size] (BNSH with room after the rows); a
+// present that is the past's own buffer (same address) gets only the new rows; output
+// rows [B * S] of ld_out floats (head h at h * head_size). seqlens_k [B] (int64, or
+// int32 when seqlens_i32). Row b: total = seqlens_k[b] + 1, past = 0 for a first
+// prompt, else total - S; query row s attends to present rows [0, min(past + s + 1,
+// total)), scores scale * q.k, a max-subtracted softmax. Rotary (rotary_dim > 0): q and
+// the new keys rotate at position past + s.
 #define GQA_PARAMS                                                                                             \
-    const float *q, u64 ld_q, const float *k, const float *v, u64 ld_kv, const float *past_key,                 \
-        const float *past_value, u64 past_stride, float *present_key, float *present_value, u64 present_stride, \
+    const float *q, u64 q_b, u64 q_s, u64 q_h, const float *k, const float *v, u64 kv_b, u64 kv_s, u64 kv_h,    \
+        const float *past_key, const float *past_value, u64 past_stride, float *present_key, float *present_value, u64 present_stride, \
         const void *seqlens, int seqlens_i32, const float *cos_cache, const float *sin_cache, i64 cache_rows,   \
         float *out, u64 ld_out, int batch, int seq, int num_heads, int kv_num_heads, int head_size,            \
         i64 past_len, i64 present_len, int rotary_dim, int interleaved, int first_prompt, float scale,        \
@@ -229,8 +232,8 @@ extern "C" __global__ void __launch_bounds__(GQA_THREADS) decoder_gqa_append(GQA
         for (u64 i = (u64)(past + seq) * H + threadIdx.x; i < (u64)present_len * H; i += GQA_THREADS) dst[i] = 0.0f;
     }
     for (int s = 0; s < seq; s++) {
-        const u64 row = (u64)b * seq + s;
-        const float *kr = k + row * ld_kv + (u64)j * H, *vr = v + row * ld_kv + (u64)j * H;
+        const u64 at = (u64)b * kv_b + (u64)s * kv_s + (u64)j * kv_h;
+        const float *kr = k + at, *vr = v + at;
         float *dk = pk + (u64)(past + s) * H, *dv = pv + (u64)(past + s) * H;
         if (rotary_dim > 0)
             rotate_head(kr, dk, H, rotary_dim, interleaved, cos_cache, sin_cache, past + s);
@@ -272,7 +275,7 @@ extern "C" __global__ void __launch_bounds__(GQA_THREADS) decoder_gqa_attend(GQA
         if (t == 0 && h == 0 && s == 0) flag(status, STATUS_GQA_SEQLENS);
         return;
     }
-    const float *qr = q + ((u64)b * seq + s) * ld_q + (u64)h * H;
+    const float *qr = q + (u64)b * q_b + (u64)s * q_s + (u64)h * q_h;
     if (rotary_dim > 0)
         rotate_head(qr, qs, H, rotary_dim, interleaved, cos_cache, sin_cache, past + s);
     else

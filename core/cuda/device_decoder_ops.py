@@ -50,8 +50,8 @@ __all__ = ["DecoderLaunch", "DeviceDecoderOps", "ENTRIES", "PARAMS", "STATUS_BIT
 
 SOURCE = Path(__file__).with_name("decoder_ops.cu")
 _P, _U64, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
-_GQA = (("q", _P), ("ld_q", _U64), ("k", _P), ("v", _P), ("ld_kv", _U64), ("past_key", _P), ("past_value", _P),
-        ("past_stride", _U64), ("present_key", _P), ("present_value", _P), ("present_stride", _U64),
+_GQA = (("q", _P), ("q_b", _U64), ("q_s", _U64), ("q_h", _U64), ("k", _P), ("v", _P), ("kv_b", _U64),
+        ("kv_s", _U64), ("kv_h", _U64), ("past_key", _P), ("past_value", _P), ("past_stride", _U64), ("present_key", _P), ("present_value", _P), ("present_stride", _U64),
         ("seqlens", _P), ("seqlens_i32", _I32), ("cos_cache", _P), ("sin_cache", _P), ("cache_rows", _I64),
         ("out", _P), ("ld_out", _U64), ("batch", _I32), ("seq", _I32), ("num_heads", _I32),
         ("kv_num_heads", _I32), ("head_size", _I32), ("past_len", _I64), ("present_len", _I64),
@@ -62,7 +62,7 @@ PARAMS: dict[str, tuple[tuple[str, type], ...]] = {
                          ("y", _P), ("sum_out", _P), ("rows", _I32), ("n", _I32), ("epsilon", _F32),
                          ("simplified", _I32)),
     "decoder_rotary": (("x", _P), ("y", _P), ("pos", _P), ("pos_per_token", _I32), ("cos_cache", _P),
-                       ("sin_cache", _P), ("max_pos", _I64), ("batch", _I32), ("seq", _I32), ("heads", _I32),
+                       ("sin_cache", _P), ("cache_stride", _U64), ("max_pos", _I64), ("batch", _I32), ("seq", _I32), ("heads", _I32),
                        ("head_size", _I32), ("rot_dim", _I32), ("transposed", _I32), ("interleaved", _I32),
                        ("status", _P)),
     "decoder_gqa_append": _GQA,
@@ -137,7 +137,11 @@ def plan_row_norm(x: int, gamma: int, y: int, rows: int, n: int, *, epsilon: flo
     """The launch of ``y = norm(x (+ skip) (+ bias)) * gamma (+ beta)`` over ``rows``
     contiguous fp32 rows of ``n`` (RMSNorm when ``simplified``, else LayerNorm); skip
     ``[skip_rows, n]`` repeats over the rows; ``sum_out`` (rows of n) receives the
-    input the norm read, the Skip forms' ``input_skip_bias_sum``. ``y`` may be ``x``."""
+    input the norm read, the Skip forms' ``input_skip_bias_sum``. ``y`` may be ``x``.
+    A norm over the axes from ``axis`` on (LayerNormalization) is ``rows = prod(shape[:
+    axis])`` rows of ``n = prod(shape[axis:])``, gamma and beta expanded to ``[n]``. Not
+    produced: the mean / inv_std_var statistics outputs (the builder's graphs read
+    none)."""
     op = "row_norm"
     _counts(op, rows=rows, n=n)
     _aligned(op, x=_required(x), gamma=_required(gamma), y=_required(y), skip=skip, bias=bias, beta=beta,
@@ -158,21 +162,29 @@ def plan_row_norm(x: int, gamma: int, y: int, rows: int, n: int, *, epsilon: flo
 
 def plan_rotary(x: int, y: int, pos: int, cos_cache: int, sin_cache: int, *, batch: int, seq: int, heads: int,
                 head_size: int, rotary_dim: int, max_pos: int, transposed: bool, interleaved: bool,
-                pos_per_token: bool, status: int = 0) -> DecoderLaunch:
+                pos_per_token: bool, cache_stride: int | None = None, status: int = 0) -> DecoderLaunch:
     """The launch of RotaryEmbedding over fp32 ``x`` (``[B, S, heads * head_size]``, or
     ``[B, heads, S, head_size]`` when ``transposed``) into ``y`` (may be ``x``); int64
     position ids ``[B, S]`` (``pos_per_token``) or one start id; caches ``[max_pos,
-    rotary_dim / 2]``. The geometry is the CPU op's (core/ops/rotary.py
-    ``rotary_geometry`` derives it from the node's attributes)."""
+    rotary_dim / 2]``, rows ``cache_stride`` floats apart (default ``rotary_dim / 2``).
+    The geometry is the CPU op's (core/ops/rotary.py ``rotary_geometry`` derives it
+    from the node's attributes). ``onnx_prep.fused::RotaryEmbedding(x, cos, sin)``
+    (``rotary_from_tables``) is the same launch over its tables ``[cb, 1, S, D]`` read in
+    place: transposed, ``rotary_dim = D``, ``cache_stride = D``, ``max_pos = cb * S``,
+    start id 0 (cb 1) or position ids ``b * S + s`` (cb = B)."""
     op = "rotary"
     _counts(op, grid_yz=("batch", "seq"), batch=batch, seq=seq, heads=heads, head_size=head_size, max_pos=max_pos)
     if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_size:
         raise DeviceError(f"device {op}: rotary dim {rotary_dim} must be even, 2 .. head size {head_size}")
+    cache_stride = rotary_dim // 2 if cache_stride is None else cache_stride
+    if cache_stride < rotary_dim // 2:
+        raise DeviceError(f"device {op}: cache rows {cache_stride} floats apart are narrower than rotary dim "
+                          f"{rotary_dim} / 2")
     _aligned(op, x=_required(x), y=_required(y), cos_cache=_required(cos_cache), sin_cache=_required(sin_cache),
              status=status)
     _aligned(op, 8, position_ids=_required(pos))
     values = dict(x=x, y=y, pos=pos, pos_per_token=int(bool(pos_per_token)), cos_cache=cos_cache,
-                  sin_cache=sin_cache, max_pos=max_pos, batch=batch, seq=seq, heads=heads, head_size=head_size,
+                  sin_cache=sin_cache, cache_stride=cache_stride, max_pos=max_pos, batch=batch, seq=seq, heads=heads, head_size=head_size,
                   rot_dim=rotary_dim, transposed=int(bool(transposed)), interleaved=int(bool(interleaved)),
                   status=status)
     return _launch("decoder_rotary", (heads, seq, batch), (ROTARY_THREADS, 1, 1), values)
@@ -196,22 +208,31 @@ def check_gqa_attributes(attrs: Mapping[str, Any]) -> None:
 def plan_gqa(q: int, k: int, v: int, past_key: int, past_value: int, present_key: int, present_value: int,
              seqlens_k: int, out: int, *, batch: int, seq: int, num_heads: int, kv_num_heads: int, head_size: int,
              past_len: int, total_sequence_length: int, past_stride: int | None = None,
-             present_stride: int | None = None, ld_q: int | None = None, ld_kv: int | None = None,
-             ld_out: int | None = None, seqlens_dtype: str = "int64", cos_cache: int = 0, sin_cache: int = 0,
+             present_stride: int | None = None, q_strides: tuple[int, int, int] | None = None,
+             kv_strides: tuple[int, int, int] | None = None, ld_out: int | None = None, seqlens_dtype: str = "int64", cos_cache: int = 0, sin_cache: int = 0,
              cache_rows: int = 0, cache_width: int = 0, interleaved: bool = False, scale: float = 0.0,
-             status: int = 0) -> tuple[DecoderLaunch, DecoderLaunch]:
+             same_past: bool = False, status: int = 0) -> tuple[DecoderLaunch, DecoderLaunch]:
     """The two launches (append, then attend) of GroupQueryAttention over fp32 rows:
-    q rows ``[B * S]`` of ``ld_q`` floats (default ``num_heads * head_size``), k and v
-    rows of ``ld_kv`` (default ``kv_num_heads * head_size``; the parts of a packed QKV
-    row: q at its start, k and v at their offsets, ``ld_q = ld_kv`` the packed row),
-    past KV ``[B, KN, past_stride, H]`` with ``past_len`` rows (0, 0 for none),
-    present ``[B, KN, present_stride, H]`` of ``max(total, past_len)`` rows (present
-    == past: the shared buffer, only the new rows written), ``seqlens_k`` ``[B]``
-    int64 or int32, cos / sin ``[cache_rows, cache_width]`` for rotary inside, output
-    rows of ``ld_out`` (default ``num_heads * head_size``). ``scale`` 0:
-    ``1 / sqrt(head_size)``. Refused, as the CPU kernel refuses them: the shape rules of
-    native/attention.py; and what the device kernels do not build: more than
-    GQA_MAX_ROWS query rows of a continued sequence, a head over GQA_MAX_HEAD."""
+    query head h of row s of batch row b at ``q + 4 (b, s, h) . q_strides`` (element
+    strides, default BSNH ``[B, S, N * H]``: ``(S N H, N H, H)``), kv head j at ``k`` /
+    ``v + 4 (b, s, j) . kv_strides`` (default ``(S KN H, KN H, H)``; a packed QKV row:
+    q at its start, k and v at their offsets, both strides ``(S D, D, H)``; BNSH
+    tensors: ``(N S H, H, S H)``), past KV ``[B, KN, past_stride, H]`` with
+    ``past_len`` rows (0, 0 for none), present ``[B, KN, present_stride, H]`` of
+    ``max(total, past_len)`` rows (present == past: the shared buffer, only the new rows
+    written), ``seqlens_k`` ``[B]`` int64 or int32, cos / sin ``[cache_rows,
+    cache_width]`` for rotary inside, output rows of ``ld_out`` (default ``num_heads *
+    head_size``). ``scale`` 0: ``1 / sqrt(head_size)``. Refused, as the CPU kernel
+    refuses them: the shape rules of native/attention.py; and what the device kernels
+    do not build: more than GQA_MAX_ROWS query rows of a sequence, a head over
+    GQA_MAX_HEAD.
+
+    ``onnx_prep.fused::Attention`` (``attention_with_past``'s native path: no mask
+    beyond the causal one) is the same launches: BNSH strides for q, k and v, its
+    ``scale`` (inverted when ``divide``), ``seqlens_k = P + S - 1`` for every row,
+    ``total_sequence_length = P + S`` and ``same_past`` (every batch row has the past
+    P, so GroupQueryAttention's rule that a continued prompt has batch 1 does not
+    apply)."""
     op = "gqa"
     B, S, N, KN, H = batch, seq, num_heads, kv_num_heads, head_size
     _counts(op, grid_yz=("batch",), batch=B, seq=S, num_heads=N, kv_num_heads=KN, head_size=H,
@@ -224,7 +245,7 @@ def plan_gqa(q: int, k: int, v: int, past_key: int, past_value: int, present_key
         raise DeviceError(f"device gqa: head size {H} is over {GQA_MAX_HEAD}, the most the device kernels hold")
     total = total_sequence_length
     first_prompt = S == total
-    if not first_prompt and S != 1 and B != 1:
+    if not first_prompt and S != 1 and B != 1 and not same_past:
         raise DeviceError(f"device gqa: a continued prompt (sequence {S}, total {total}) needs batch 1")
     if S > GQA_MAX_ROWS:
         raise DeviceError(f"device gqa: {S} query rows per sequence; the device kernels are built for decode "
@@ -243,12 +264,15 @@ def plan_gqa(q: int, k: int, v: int, past_key: int, past_value: int, present_key
         if past and past == present and past_stride != present_stride:
             raise DeviceError(f"device gqa: past_{what} is present_{what}'s buffer: one row stride, got "
                               f"{past_stride} and {present_stride}")
-    ld_q = N * H if ld_q is None else ld_q
-    ld_kv = KN * H if ld_kv is None else ld_kv
+    q_strides = (S * N * H, N * H, H) if q_strides is None else tuple(q_strides)
+    kv_strides = (S * KN * H, KN * H, H) if kv_strides is None else tuple(kv_strides)
     ld_out = N * H if ld_out is None else ld_out
-    if ld_q < N * H or ld_kv < KN * H or ld_out < N * H:
-        raise DeviceError(f"device gqa: row strides q {ld_q}, kv {ld_kv}, out {ld_out} are below "
-                          f"{N * H}, {KN * H}, {N * H}")
+    for what, strides in (("q", q_strides), ("k / v", kv_strides)):
+        if len(strides) != 3 or min(strides) < H:
+            raise DeviceError(f"device gqa: the (batch, row, head) strides of {what} {strides} must each be at "
+                              f"least the head size {H}")
+    if ld_out < N * H:
+        raise DeviceError(f"device gqa: output row stride {ld_out} is below {N * H}")
     if seqlens_dtype not in ("int64", "int32"):
         raise DeviceError(f"device gqa: seqlens_k is {seqlens_dtype}, expected int32 or int64")
     if bool(cos_cache) != bool(sin_cache):
@@ -261,7 +285,8 @@ def plan_gqa(q: int, k: int, v: int, past_key: int, past_value: int, present_key
              present_value=_required(present_value), out=_required(out), past_key=past_key, past_value=past_value,
              cos_cache=cos_cache, sin_cache=sin_cache, status=status)
     _aligned(op, 8 if seqlens_dtype == "int64" else 4, seqlens_k=_required(seqlens_k))
-    values = dict(q=q, ld_q=ld_q, k=k, v=v, ld_kv=ld_kv, past_key=past_key, past_value=past_value,
+    values = dict(q=q, q_b=q_strides[0], q_s=q_strides[1], q_h=q_strides[2], k=k, v=v, kv_b=kv_strides[0],
+                  kv_s=kv_strides[1], kv_h=kv_strides[2], past_key=past_key, past_value=past_value,
                   past_stride=past_stride, present_key=present_key, present_value=present_value,
                   present_stride=present_stride, seqlens=seqlens_k, seqlens_i32=int(seqlens_dtype == "int32"),
                   cos_cache=cos_cache, sin_cache=sin_cache, cache_rows=cache_rows, out=out, ld_out=ld_out,
