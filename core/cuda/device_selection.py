@@ -22,7 +22,8 @@ __all__ = ["DEVICES", "MISSING_DEVICE_PATH", "require_device"]
 DEVICES = ("cpu", "cuda")
 
 # What a device decode needs that this build does not have (docs/cuda.md, "Not built").
-MISSING_DEVICE_PATH = "no session executes the device plan yet, and the fused decoder ops have no device kernel"
+MISSING_DEVICE_PATH = ("no session executes the device plan yet, and the device graph runner has no launcher for "
+                       "the fused decoder ops")
 
 
 def require_device(device: str, probe: DeviceProbe | None = None) -> None:
