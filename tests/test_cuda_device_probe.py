@@ -143,6 +143,7 @@ def test_require_device_refuses_cuda_with_the_reason_and_never_falls_back():
     with pytest.raises(DeviceError) as not_built:  # usable, but no device decode path in this build
         require_device("cuda", probe_devices(lambda: FakeDriver(name="Fake H200")))
     line = not_built.value.one_line()
-    assert line.startswith("--device cuda: the CUDA decode path is not built yet (no session executes the device "
-                           "plan yet, and the fused decoder ops have no device kernel); found Fake H200 (device 0)")
+    assert line.startswith("--device cuda: the CUDA decode path is not built yet (no session runs a device plan's "
+                           "steps yet (one loads their weights into device slots), and the fused decoder ops have "
+                           "no device kernel); found Fake H200 (device 0)")
     assert not_built.value.exit_code == EXIT_UNUSABLE and "\n" not in line

@@ -159,6 +159,12 @@ class DeviceSlotPool:
         with self._lock:
             return key in self._slots
 
+    def nbytes(self, key: PreparedKey) -> int:
+        """The object's size, fixed at its first commit (0 before it)."""
+        with self._lock:
+            slot = self._slots.get(key)
+            return 0 if slot is None or slot.nbytes is None else slot.nbytes
+
     def committed_bytes(self, key: PreparedKey | None = None) -> int:
         with self._lock:
             if key is None:
