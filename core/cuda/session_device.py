@@ -70,6 +70,7 @@ class CudaSessionDevice:
     # -- staging
     def staging(self, nbytes: int) -> np.ndarray:
         """``nbytes`` of page-locked host memory (uint8), until ``free_staging``."""
+        self.slots.make_current()  # an I/O or CPU worker: the context is per thread
         buf = self.driver.host_alloc(max(int(nbytes), 1))
         with self._lock:
             self._staging[buf.ctypes.data] = buf
@@ -79,6 +80,7 @@ class CudaSessionDevice:
         with self._lock:
             buf = self._staging.pop(buffer.ctypes.data, None)
         if buf is not None:  # (close freed it already)
+            self.slots.make_current()
             self.driver.host_free(buf)
 
     def live_staging(self) -> int:
@@ -104,6 +106,7 @@ class CudaSessionDevice:
                 raise DeviceError(f"upload of {data.nbytes:,} bytes that are not page-locked staging",
                                   Where(tensor=key), hint="this is a bug in onnx-prep; please report it")
             start, end = self._events
+            self.slots.make_current()
             d.event_record(start, self._stream)
             self.slots.upload(key, data, self._stream)
             d.event_record(end, self._stream)
@@ -122,6 +125,7 @@ class CudaSessionDevice:
             self._closed = True
             staging, self._staging = list(self._staging.values()), {}
         d = self.driver
+        self.slots.make_current()
         try:
             if self._stream is not None:
                 d.stream_synchronize(self._stream)  # nothing queued may read staging freed below
