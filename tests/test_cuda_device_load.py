@@ -186,13 +186,13 @@ def test_a_budget_below_every_slot_is_refused_before_any_work(tiny):
 
 class KernelChoiceDevice(CudaSessionDevice):
     """A device that plans with the kernel's choice (device-side prepack for the tiny
-    fixture's INT4 weights) but has no prepack kernel: what the session must refuse."""
+    fixture's INT4 weights), which no session runs yet: what the session must refuse."""
 
     def target(self) -> DeviceTarget:
         return dataclasses.replace(super().target(), prepack="kernel")
 
 
-def test_the_device_prepack_recipe_is_refused_by_name_without_its_kernel(tiny):
+def test_the_device_prepack_recipe_is_refused_by_name(tiny):
     kernel = build_prepared_execution_plan(tiny, device=DeviceTarget("cuda"))
     host = build_prepared_execution_plan(tiny, device=DeviceTarget("cuda", prepack="host"))
     on_device = [r for r in kernel.requirements if r.selected.kind == READ_SOURCE_UPLOAD_PREPACK]
@@ -208,7 +208,8 @@ def test_the_device_prepack_recipe_is_refused_by_name_without_its_kernel(tiny):
     with pytest.raises(DeviceError) as e:
         Session(tiny, SessionOptions(device=KernelChoiceDevice(driver)))
     line = str(e.value)
-    assert "\n" not in line and READ_SOURCE_UPLOAD_PREPACK in line and "no device-side prepack kernel" in line
+    assert "\n" not in line and READ_SOURCE_UPLOAD_PREPACK in line
+    assert "a session does not run the device-side prepack yet" in line
     assert f"{len(on_device)} object(s)" in line and 'prepack="host"' in e.value.hint
     assert driver.live() == NOTHING_LIVE
 

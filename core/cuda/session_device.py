@@ -16,9 +16,10 @@ It holds what a session's device load needs, made once and freed by ``close``:
 
 ``target()`` is what the session plans for: the pool's granularity (queried from the
 driver, so "given"), its budget, and ``prepack="host"``: the device-side prepack (the
-``read_source_upload_prepack`` recipe) needs a kernel this build does not have
-(``packs_on_device`` is False), so the plan packs on a CPU worker wherever the kernel
-offers that, and the session refuses the recipe by name should a plan select it.
+``read_source_upload_prepack`` recipe) has its kernel (``device_int4_prepack.py``) but
+no session task runs it yet (``packs_on_device`` is False), so the plan packs on a CPU
+worker wherever the kernel offers that, and the session refuses the recipe by name
+should a plan select it.
 
 Nothing here runs a step: the session refuses ``run`` on a device (session.py).
 """
@@ -43,7 +44,7 @@ class CudaSessionDevice:
     most ``budget`` committed slot bytes (None: whatever the device gives)."""
 
     name = "cuda"
-    packs_on_device = False  # no device-side prepack kernel in this build
+    packs_on_device = False  # the device INT4 prepack is not wired into a session's tasks yet
 
     def __init__(self, driver: DeviceDriver | None = None, ordinal: int = 0, *, budget: int | None = None) -> None:
         if driver is None:

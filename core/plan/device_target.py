@@ -18,7 +18,7 @@ a budget, whether every slot fits at once or how much a pass must page in at lea
 (``core/kernels/spec.py``, ``DevicePacking``): ``"kernel"`` takes the kernel's
 preference (``plan-dump``'s default: what a device build would do), ``"host"`` packs on
 a CPU worker and uploads the packed bytes wherever the kernel offers that. A session
-whose device has no device-side prepack kernel plans with ``"host"``
+plans with ``"host"`` while it cannot run the device-side prepack
 (core/cuda/session_device.py).
 """
 from __future__ import annotations

@@ -38,10 +38,10 @@ the device's ``target()``, every prepared object lives in the device's slot pool
 workspace gets it), and ``prepare()`` loads every object into its device slot. The
 session owns the device from then on: ``close()`` closes it (slots, stream, staging),
 as does a construction that fails. What is refused, each in one line: a plan that
-packs on the device when the device has no kernel for it; a budget below every slot
-at once (nothing pages a device load yet); a prepared cache that persists (a device
-session does not write one: build it first). ``run`` is refused: the device step is
-not built.
+packs on the device (``packs_on_device`` False: no session runs that yet); a budget
+below every slot at once (nothing pages a device load yet); a prepared cache that
+persists (a device session does not write one: build it first). ``run`` is refused:
+the device step is not built.
 """
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ __all__ = ["SessionDevice", "device_prepack_refused"]
 class SessionDevice(Protocol):
     name: str  # the plan's device name ("cuda")
     slots: Any  # the device slot pool (slot_pool.SlotPool's contract)
-    # Whether the device can run the device-side prepack (the ``read_source_upload_prepack``
+    # Whether a session can run the device-side prepack on it (the ``read_source_upload_prepack``
     # recipe); False: the session plans with ``prepack="host"`` and refuses that recipe.
     packs_on_device: bool
 
@@ -54,11 +54,11 @@ class SessionDevice(Protocol):
 
 
 def device_prepack_refused(device: str, objects: list[str]) -> DeviceError:
-    """The one line that refuses the device-side prepack recipe where the device has no
-    kernel for it: naming the recipe, the objects the plan selected it for, the fix."""
+    """The one line that refuses the device-side prepack recipe where a session cannot run
+    it: naming the recipe, the objects the plan selected it for, the fix."""
     from onnx_prep.core.kernels.spec import DEVICE_PREPACK
 
     some = ", ".join(objects[:3]) + (f" and {len(objects) - 3} more" if len(objects) > 3 else "")
     return DeviceError(f"the plan packs {len(objects)} object(s) on {device} ({DEVICE_PREPACK}: {some}), "
-                       f"and this build has no device-side prepack kernel",
+                       "and a session does not run the device-side prepack yet",
                        hint='plan with DeviceTarget(prepack="host"): pack on a CPU worker, upload the packed bytes')
