@@ -4,8 +4,9 @@ the real one refuses, each with the real ``CUresult`` code and name. (One file o
 500 lines: it is one device, whose memory, streams, modules and graphs every call
 shares; the kernels it runs are in fake_cuda_kernels.py.)
 
-- every call before ``init`` (CUDA_ERROR_NOT_INITIALIZED), memory calls before
-  ``use_device`` (CUDA_ERROR_INVALID_CONTEXT);
+- every call before ``init`` (CUDA_ERROR_NOT_INITIALIZED), memory calls on a thread
+  that has not called ``use_device`` (CUDA_ERROR_INVALID_CONTEXT: a context is current
+  per thread, as on the driver);
 - sizes and addresses that are not whole granules; ``create`` past the device's memory
   (CUDA_ERROR_OUT_OF_MEMORY);
 - ``map`` outside a reserved range, over a mapping, or of an unknown or released handle;
@@ -49,6 +50,7 @@ the fake decides anything the pool should decide.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 from onnx_prep.core.cuda.driver import DriverCallError
@@ -144,7 +146,7 @@ class FakeDriver:
     graphs: list[FakeGraph] = field(default_factory=list)  # graphs and executable graphs
     launched: list[str] = field(default_factory=list)  # kernel names, in the order they RAN
     _initialised: bool = False
-    _current: int | None = None
+    _threads: threading.local = field(default_factory=threading.local, repr=False)  # .current: the context
     _next: int = BASE
     _next_alloc: int = ALLOC_BASE
     _clock_us: int = 0
@@ -154,8 +156,8 @@ class FakeDriver:
         self.calls.append((name, *args))
         if name != "cuInit" and not self._initialised:
             raise fail(name, "CUDA_ERROR_NOT_INITIALIZED", "cuInit was not called")
-        if needs_context and self._current is None:
-            raise fail(name, "CUDA_ERROR_INVALID_CONTEXT", "no current context (use_device)")
+        if needs_context and getattr(self._threads, "current", None) is None:
+            raise fail(name, "CUDA_ERROR_INVALID_CONTEXT", "no current context on this thread (use_device)")
 
     def _ordinal(self, call: str, ordinal: int) -> None:
         if not 0 <= ordinal < self.devices:
@@ -199,7 +201,7 @@ class FakeDriver:
         return self.granularity
 
     def use_device(self, ordinal: int) -> None:
-        self._current = self._query("cuCtxSetCurrent", ordinal, ordinal)
+        self._threads.current = self._query("cuCtxSetCurrent", ordinal, ordinal)
 
     # -- virtual memory
     def _granules(self, call: str, *values: int) -> None:

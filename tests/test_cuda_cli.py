@@ -105,8 +105,8 @@ def test_device_cuda_on_a_usable_device_names_the_missing_path_and_exits_2(args,
     p = with_fake_device(*args, env=empty_cache)
     assert p.returncode == EXIT_UNUSABLE
     assert _one_error_line(p) == (
-        "error: --device cuda: the CUDA decode path is not built yet (no session executes the device plan yet, and "
-        "the device graph runner has no launcher for the fused decoder ops); found Fake H200 (device 0); "
+        "error: --device cuda: the CUDA decode path is not built yet (the device graph runner has no launcher for the fused decoder ops, and"
+        " no session runs a step on the device (one loads the weights into device slots)); found Fake H200 (device 0); "
         "use --device cpu; docs/cuda.md says what exists")
     assert not Path(empty_cache["ONNX_PREP_CACHE"]).exists()
 

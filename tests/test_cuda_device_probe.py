@@ -143,7 +143,6 @@ def test_require_device_refuses_cuda_with_the_reason_and_never_falls_back():
     with pytest.raises(DeviceError) as not_built:  # usable, but no device decode path in this build
         require_device("cuda", probe_devices(lambda: FakeDriver(name="Fake H200")))
     line = not_built.value.one_line()
-    assert line.startswith("--device cuda: the CUDA decode path is not built yet (no session executes the device "
-                           "plan yet, and the device graph runner has no launcher for the fused decoder ops); "
-                           "found Fake H200 (device 0)")
+    assert line.startswith("--device cuda: the CUDA decode path is not built yet (the device graph runner has no launcher for the fused decode"
+                           "r ops, and no session runs a step on the device (one loads the weights into device slots)); found Fake H200 (device 0)")
     assert not_built.value.exit_code == EXIT_UNUSABLE and "\n" not in line

@@ -218,6 +218,25 @@ def test_the_fake_driver_needs_init_and_a_current_device():
     d.init()
     with pytest.raises(DriverCallError, match="CUDA_ERROR_INVALID_CONTEXT"):
         d.address_reserve(G, G)
+    d.use_device(0)
+    d.address_reserve(G, G)
+    errors = []  # a context is current per thread: another thread has none yet
+    t = threading.Thread(target=lambda: errors.append(pytest.raises(DriverCallError, d.host_alloc, 8)))
+    t.start()
+    t.join()
+    assert "CUDA_ERROR_INVALID_CONTEXT" in str(errors[0].value)
+
+
+def test_the_pool_makes_its_context_current_on_each_thread_that_uses_it():
+    d = ready()
+    pool = DeviceSlotPool(d)
+    assert d.names().count("cuCtxSetCurrent") == 1
+    pool.commit("a", G)  # the same thread: nothing more
+    t = threading.Thread(target=lambda: (pool.commit("b", G), pool.decommit("a")))
+    t.start()
+    t.join()
+    assert d.names().count("cuCtxSetCurrent") == 2 and pool.committed_bytes() == G
+    pool.close()
 
 
 def test_the_device_pool_has_the_slot_pool_interface():

@@ -1,9 +1,9 @@
 """CUDA: device discovery, ``--device`` selection, stable-VA device slots over a driver
 protocol, the device INT4 matmul, INT4 prepack, tensor ops and decoder ops (NVRTC), a
-resolved model's nodes run on the device (DeviceGraphRunner), and decode-step graph
-capture with its predicate (docs/cuda.md). Optional at install
-(``pip install 'onnx-prep[cuda]'``: cuda-python) and imported only when a CUDA path is
-asked for; nothing here runs on the CPU path."""
+resolved model's nodes run on the device (DeviceGraphRunner), decode-step graph capture
+with its predicate, and the device a session loads its weights onto (docs/cuda.md).
+Optional at install (``pip install 'onnx-prep[cuda]'``: cuda-python) and imported only
+when a CUDA path is asked for; nothing here runs on the CPU path."""
 from onnx_prep.core.lazy_exports import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
@@ -38,4 +38,5 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     "register_launcher": "device_launchers",
     "DeviceGraphRunner": "device_graph",
     "DeviceObject": "device_graph",
+    "CudaSessionDevice": "session_device",
 })

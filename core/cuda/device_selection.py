@@ -6,8 +6,8 @@ is refused with one line, exit 2, in both cases there are today:
 
 - CUDA is not usable here: the probe's reason (core/cuda/device_probe.py);
 - CUDA is usable, but this build has no device decode path yet (the device plan, the
-  device INT4 matmul and step graphs exist, but no session executes a device plan:
-  docs/cuda.md): said so, naming the device.
+  device INT4 matmul and step graphs exist, and a session loads a device plan's weights,
+  but none runs its steps: docs/cuda.md): said so, naming the device.
 
 Never a silent fall back to the CPU: a user who asked for the GPU gets the GPU or an
 error.
@@ -22,8 +22,8 @@ __all__ = ["DEVICES", "MISSING_DEVICE_PATH", "require_device"]
 DEVICES = ("cpu", "cuda")
 
 # What a device decode needs that this build does not have (docs/cuda.md, "Not built").
-MISSING_DEVICE_PATH = ("no session executes the device plan yet, and the device graph runner has no launcher for "
-                       "the fused decoder ops")
+MISSING_DEVICE_PATH = ("the device graph runner has no launcher for the fused decoder ops, and no "
+                       "session runs a step on the device (one loads the weights into device slots)")
 
 
 def require_device(device: str, probe: DeviceProbe | None = None) -> None:

@@ -28,7 +28,10 @@ Counters (``counters()``): committed bytes, their peak, page-ins, evictions, and
 bytes copied host to device.
 
 Thread-safe: one lock around each operation, driver calls included, so the budget check
-and the commit it admits are one step.
+and the commit it admits are one step. A context is current per thread on the driver, so
+each operation first makes the device's current on the calling thread (``make_current``,
+once per thread): a session commits on its device worker and evicts from whichever
+thread runs.
 """
 from __future__ import annotations
 
@@ -89,7 +92,8 @@ class DeviceSlotPool:
     def __init__(self, driver: DeviceDriver, device: int = 0, *, budget: int | None = None) -> None:
         self.driver = driver
         self.device = device
-        driver.use_device(device)
+        self._threads = threading.local()  # .current: the device's context is current on this thread
+        self.make_current()
         if not driver.vmm_supported(device):
             raise DeviceError(f"CUDA device {device} ({driver.device_name(device)}) does not support virtual memory "
                               "management: stable-VA slots need it")
@@ -105,11 +109,19 @@ class DeviceSlotPool:
         self._counters = DeviceSlotCounters()
         self._closed = False
 
+    def make_current(self) -> None:
+        """Make the device's (primary) context current on the calling thread, once per
+        thread: every driver call of the device needs it there."""
+        if not getattr(self._threads, "current", False):
+            self.driver.use_device(self.device)
+            self._threads.current = True
+
     # -- the slot-pool interface
     def reserve(self, key: PreparedKey, capacity: int) -> None:
         """Reserve ``key``'s address range (``capacity`` rounded up to whole granules)."""
         with self._lock:
             self._open()
+            self.make_current()
             if key in self._slots:
                 raise ValueError(f"prepared object {key!r} already has a device range")
             self._slots[key] = self._reserve(capacity)
@@ -121,6 +133,7 @@ class DeviceSlotPool:
         size = _round_up(max(int(nbytes), 1), self.granularity)
         with self._lock:
             self._open()
+            self.make_current()
             slot = self._slots.get(key)
             if slot is not None and slot.nbytes is not None and slot.nbytes != nbytes:
                 raise OnnxPrepError(f"prepared object changed size ({slot.nbytes} -> {nbytes})", Where(tensor=key))
@@ -143,6 +156,7 @@ class DeviceSlotPool:
         with self._lock:
             slot = self._slots[key]
             if slot.mapped:
+                self.make_current()
                 self._unmap(slot)
                 self._counters.evictions += 1
 
@@ -159,6 +173,12 @@ class DeviceSlotPool:
         with self._lock:
             return key in self._slots
 
+    def nbytes(self, key: PreparedKey) -> int:
+        """The object's size, fixed at its first commit (0 before it)."""
+        with self._lock:
+            slot = self._slots.get(key)
+            return 0 if slot is None or slot.nbytes is None else slot.nbytes
+
     def committed_bytes(self, key: PreparedKey | None = None) -> int:
         with self._lock:
             if key is None:
@@ -174,6 +194,7 @@ class DeviceSlotPool:
         left untouched until the stream is synchronised)."""
         n = memoryview(data).nbytes
         with self._lock:
+            self.make_current()
             slot = self._slots[key]
             if not slot.mapped:
                 raise DeviceError(f"upload to an evicted slot ({n:,} bytes)", Where(tensor=key))
@@ -197,6 +218,7 @@ class DeviceSlotPool:
             slot = self._slots[key]
             if not slot.mapped:
                 raise DeviceError("read of an evicted slot", Where(tensor=key))
+            self.make_current()
             return self.driver.copy_to_host(slot.address, slot.nbytes)
 
     # -- accounting
@@ -218,6 +240,7 @@ class DeviceSlotPool:
             if self._closed:
                 return
             self._closed = True
+            self.make_current()
             slots, self._slots = self._slots, {}
             for slot in slots.values():
                 if slot.mapped:

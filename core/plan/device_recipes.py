@@ -19,7 +19,10 @@ filled into the object's device slot by the first recipe that applies:
 
 A cache entry comes first (nothing to pack); otherwise the packing kernel's spec says
 which of the two prepack recipes it offers and prefers for the device
-(``core/kernels/prepack.device_recipes``), and the plan takes its preference.
+(``core/kernels/prepack.device_recipes``), and the plan takes its preference, unless
+the target says ``prepack="host"`` (``DeviceTarget``): then it packs on a CPU worker
+wherever the kernel offers that (a session on a device without a device-side prepack
+kernel plans so).
 
 Every ``upload`` and device ``prepack`` runs on the ``device`` resource (the device's
 queue). Its ``estimated_input_bytes`` are the bytes it copies host to device (an
@@ -91,8 +94,11 @@ class DeviceTasks:
 
         external = tuple(n for n in req.source_lineage if n in weights and weights[n].external)
         source = sum(weights[n].length for n in req.source_lineage if n in weights)
-        recipes = [MaterializationRecipe(kind, sources=external)
-                   for kind in device_recipes(node.kernel, self.target.name, source, packed)]
+        kinds = list(device_recipes(node.kernel, self.target.name, source, packed))
+        if self.target.prepack == "host" and READ_SOURCE_PREPACK_UPLOAD in kinds:
+            kinds.remove(READ_SOURCE_PREPACK_UPLOAD)
+            kinds.insert(0, READ_SOURCE_PREPACK_UPLOAD)
+        recipes = [MaterializationRecipe(kind, sources=external) for kind in kinds]
         entry = self.cache.lookup(req) if self.cache is not None else None
         if entry is not None:
             recipes.insert(0, MaterializationRecipe(READ_PACKED_PAYLOAD_UPLOAD, payload=entry))

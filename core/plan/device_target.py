@@ -13,6 +13,13 @@ commit (each object rounded up to whole granules, as the device slot pool commit
 them), the bytes a load copies host to device, the most any one step pins, and, under
 a budget, whether every slot fits at once or how much a pass must page in at least.
 ``require_budget(plan)`` refuses a budget that a step alone does not fit in.
+
+``prepack`` chooses where a packed object is packed when its kernel offers both
+(``core/kernels/spec.py``, ``DevicePacking``): ``"kernel"`` takes the kernel's
+preference (``plan-dump``'s default: what a device build would do), ``"host"`` packs on
+a CPU worker and uploads the packed bytes wherever the kernel offers that. A session
+plans with ``"host"`` while it cannot run the device-side prepack
+(core/cuda/session_device.py).
 """
 from __future__ import annotations
 
@@ -22,9 +29,11 @@ from typing import Any
 from onnx_prep.core.errors import DeviceBudgetError
 from onnx_prep.core.plan.task import TaskKind
 
-__all__ = ["PLAN_DEVICES", "DEFAULT_GRANULARITY", "DeviceTarget", "device_memory", "require_budget"]
+__all__ = ["PLAN_DEVICES", "PREPACK_CHOICES", "DEFAULT_GRANULARITY", "DeviceTarget", "device_memory",
+           "require_budget"]
 
 PLAN_DEVICES = ("cpu", "cuda")  # what a plan can be built for; cpu is the plan without a target
+PREPACK_CHOICES = ("kernel", "host")  # where packing happens when a kernel offers both (module docstring)
 # NOTE: 2 MiB is the minimum VMM allocation granularity current NVIDIA GPUs report
 # (cuMemGetAllocationGranularity); assumed for sizing only, and said so: the device
 # slot pool never assumes it.
@@ -34,12 +43,14 @@ DEFAULT_GRANULARITY = 2 << 20
 @dataclass(frozen=True)
 class DeviceTarget:
     """A device to plan for: its name, the slot granularity to size with (``granularity_given``:
-    the caller's figure, else assumed) and an optional budget of committed bytes."""
+    the caller's figure, else assumed), an optional budget of committed bytes, and where
+    to pack (``prepack``: one of ``PREPACK_CHOICES``)."""
 
     name: str
     granularity: int = DEFAULT_GRANULARITY
     granularity_given: bool = False
     budget: int | None = None
+    prepack: str = "kernel"
 
     def __post_init__(self) -> None:
         if self.name not in PLAN_DEVICES or self.name == "cpu":
@@ -50,6 +61,8 @@ class DeviceTarget:
             raise ValueError(f"granularity must be a power of two, got {g!r}")
         if self.budget is not None and (not isinstance(self.budget, int) or self.budget <= 0):
             raise ValueError(f"budget must be a positive number of bytes, got {self.budget!r}")
+        if self.prepack not in PREPACK_CHOICES:
+            raise ValueError(f"prepack must be one of {list(PREPACK_CHOICES)}, got {self.prepack!r}")
 
     def slot_bytes(self, nbytes: int) -> int:
         """What an object of ``nbytes`` commits in its slot: whole granules."""

@@ -13,29 +13,46 @@ tied source) and return a :class:`Source`.
 
 Publishing goes through the store's load protocol (``begin_load`` ... ``publish``) into
 the slot pool: the bytes are written once, in place, at the key's stable address.
+
+A session on a device (``SessionOptions(device=...)``, session_device.py) runs a device
+plan (core/plan/device_recipes.py) through the same table: its uploads publish, and
+their host side publishes nothing but returns page-locked staging (a :class:`Source`
+with ``pinned`` set, holding the task's Preparation reservation): a CPU prepack packs
+straight into it, a packed read reads the cache payload into it, a source read that
+feeds an upload reads into it. The upload commits the key's device slot, copies the
+staging on the device queue's stream between two events, and the staging goes back
+once the copy is done (``sources_used``, as a source after its prepacks). The
+device-side prepack (``read_source_upload_prepack``) has no body here: refused by name.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from onnx_prep.core.errors import OnnxPrepError, Where
 from onnx_prep.core.io.external_data import ExternalDataReader, as_array
+from onnx_prep.core.kernels.spec import DEVICE_PREPACK
 from onnx_prep.core.model.prepared_key import PreparedKey
 from onnx_prep.core.model.resolved_model import ResolvedModel
 from onnx_prep.core.plan.execution_plan import (
+    RAW_LAYOUT,
     READ_PACKED_PAYLOAD,
     READ_SOURCE,
     READ_SOURCE_AND_PREPACK,
     PreparedExecutionPlan,
+    PreparedRequirement,
 )
 from onnx_prep.core.plan.task import TaskDescriptor, TaskId, TaskKind
 from onnx_prep.core.runtime.arenas import Arena
 from onnx_prep.core.runtime.prepared_store import PreparedObjectStore
 from onnx_prep.core.runtime.scheduler import TaskContext, TaskHandle, TaskState
 from onnx_prep.core.runtime.slot_pool import SlotPool
+
+if TYPE_CHECKING:
+    from onnx_prep.core.runtime.session_device import SessionDevice
 
 __all__ = ["Materializer", "Source", "release_source", "SOURCE_IO"]
 
@@ -52,7 +69,7 @@ class Materializer:
     def __init__(self, resolved: ResolvedModel, plan: PreparedExecutionPlan, reader: ExternalDataReader,
                  store: PreparedObjectStore, slots: SlotPool, *, source_io: str, drop_sources: bool,
                  count: Callable[..., None], published: Callable[[PreparedKey], None],
-                 sources_used: Callable[[Iterable[TaskId]], None]) -> None:
+                 sources_used: Callable[[Iterable[TaskId]], None], device: SessionDevice | None = None) -> None:
         self.resolved, self.plan, self.reader = resolved, plan, reader
         self.store, self.slots = store, slots
         self.source_io, self.drop_sources = source_io, drop_sources
@@ -65,19 +82,54 @@ class Materializer:
             READ_PACKED_PAYLOAD: self._read_packed,
         }
         self.cache = plan.cache
+        self.device = device
+        # a device plan: the requirement each host-side task stages for, and the source
+        # reads an upload copies (read into staging, not mapped)
+        self._staged_for: dict[TaskId, PreparedRequirement] = {}
+        self._staged_reads: set[TaskId] = set()
+        if device is not None:
+            self._device_recipes()
+
+    def _device_recipes(self) -> None:
+        from onnx_prep.core.plan.device_recipes import (
+            READ_PACKED_PAYLOAD_UPLOAD,
+            READ_SOURCE_PREPACK_UPLOAD,
+            READ_SOURCE_UPLOAD,
+        )
+
+        for kind in (READ_PACKED_PAYLOAD_UPLOAD, READ_SOURCE_PREPACK_UPLOAD, READ_SOURCE_UPLOAD):
+            self.recipes[kind] = self._upload
+        for r in self.plan.requirements:
+            desc = self.plan.by_id[r.publisher]
+            if desc.kind is not TaskKind.UPLOAD:
+                continue
+            for dep in desc.dependencies:
+                if self.plan.by_id[dep].kind is TaskKind.READ_SOURCE:
+                    self._staged_reads.add(dep)
+                else:
+                    self._staged_for[dep] = r
 
     def task_fn(self, desc: TaskDescriptor) -> Callable[[TaskContext], object]:
         if desc.publishes is None:
-            if desc.kind is not TaskKind.READ_SOURCE:
-                self._unsupported(desc.kind.value)
-            return lambda tctx: self._read_source(desc, tctx)  # feeds prepacks
+            if desc.kind is TaskKind.READ_SOURCE:
+                return lambda tctx: self._read_source(desc, tctx)  # feeds prepacks (or an upload)
+            if desc.id in self._staged_for and desc.kind is TaskKind.PREPACK:
+                return lambda tctx: self._stage_prepack(desc, tctx)
+            if desc.id in self._staged_for and desc.kind is TaskKind.READ_PACKED:
+                return lambda tctx: self._stage_packed(desc, tctx)
+            self._unsupported(desc.kind.value)
         kind = self.plan.by_key[desc.publishes].selected.kind
         body = self.recipes.get(kind)
         if body is None:
-            self._unsupported(desc.kind.value)
+            self._unsupported(kind if self.device is not None else desc.kind.value)
         return lambda tctx: body(desc, tctx)
 
     def _unsupported(self, what: str) -> None:
+        if self.device is not None and what == DEVICE_PREPACK:
+            from onnx_prep.core.runtime.session_device import device_prepack_refused
+
+            raise device_prepack_refused(self.device.name, [r.request.logical_value for r in self.plan.requirements
+                                                            if r.selected.kind == DEVICE_PREPACK])
         raise OnnxPrepError(f"task kind {what} is not supported by this runtime yet",
                             Where(model=str(self.resolved.model_path)),
                             hint="this is a bug in onnx-prep; please report it")
@@ -102,7 +154,20 @@ class Materializer:
         wd = self.resolved.weights[desc.id.split(":", 1)[1]]
         tctx.raise_if_cancelled()
         self._count("source_reads")
-        if self.source_io == "map":
+        pinned = desc.id in self._staged_reads
+        if pinned:
+            # an upload copies it: read straight into page-locked staging (no mapping,
+            # no second copy into staging)
+            buf = self.device.staging(wd.length)
+            try:
+                self.reader.read_into(wd, buf)
+            except BaseException:
+                self.device.free_staging(buf)
+                raise
+            on_release = lambda: self.device.free_staging(buf)  # noqa: E731
+            if self.drop_sources:
+                self.reader.drop_cached(wd)
+        elif self.source_io == "map":
             # NOTE: zero copy: the source is the page cache itself, prefaulted here on the
             # I/O worker through the reader's one mapping of the data file; releasing it
             # drops its pages from the mapping. A pread into a fresh buffer costs a
@@ -116,7 +181,7 @@ class Materializer:
             if self.drop_sources:  # the bytes are in the buffer now
                 self.reader.drop_cached(wd)
         reservation = tctx.detach(Arena.PREPARATION) if tctx.reservation is not None else None
-        return Source(as_array(wd, buf), reservation, on_release)
+        return Source(as_array(wd, buf), reservation, on_release, pinned=pinned)
 
     def _prepack(self, desc: TaskDescriptor, tctx: TaskContext) -> None:
         """READ_SOURCE_AND_PREPACK: prepack straight into the key's stable slot: the
@@ -204,6 +269,94 @@ class Materializer:
         if view is not None:
             self._persist(req, view)
 
+    # ------------------------------------------------------- device recipes (uploads)
+    def _staged(self, tctx: TaskContext, buf: np.ndarray) -> Source:
+        """``buf`` (staging) as the task's result, holding its Preparation reservation
+        until the upload that reads it is done."""
+        reservation = tctx.detach(Arena.PREPARATION) if tctx.reservation is not None else None
+        return Source(buf, reservation, lambda: self.device.free_staging(buf), pinned=True)
+
+    def _stage_prepack(self, desc: TaskDescriptor, tctx: TaskContext) -> Source:
+        """The CPU prepack of ``read_source_prepack_upload``: packed straight into
+        page-locked staging for its upload (written once; no packed copy in between)."""
+        from onnx_prep.core.kernels.prepack import packed_size, prepack
+
+        req = self._staged_for[desc.id]
+        node = self._nodes_by_name[req.node]
+        sources: dict[str, np.ndarray] = {}
+        for dep_id, src in zip(desc.dependencies, tctx.inputs):
+            sources[dep_id.split(":", 1)[1]] = src.array
+        for n in req.request.source_lineage:
+            if n not in sources and n in self.resolved.inline_values:
+                sources[n] = self.resolved.inline_values[n]
+        tctx.raise_if_cancelled()
+        size = packed_size(node.kernel, req.request, self.resolved, node=node)
+        packed = None
+        if size is None:  # no exact size query for this kernel: pack, then copy
+            t0 = time.perf_counter_ns()
+            packed = np.ascontiguousarray(
+                prepack(node.kernel, req.request, sources, node.attributes)).view(np.uint8).reshape(-1)
+            self._count_prepack(t0)
+            size = packed.nbytes
+        buf = self.device.staging(size)
+        try:
+            if packed is None:
+                t0 = time.perf_counter_ns()
+                prepack(node.kernel, req.request, sources, node.attributes, out=buf)
+                self._count_prepack(t0)
+            else:
+                buf[:] = packed
+            self._sources_unchanged(desc)  # before the upload: nothing built from zeros
+        except BaseException:
+            self.device.free_staging(buf)
+            raise
+        return self._staged(tctx, buf)
+
+    def _stage_packed(self, desc: TaskDescriptor, tctx: TaskContext) -> Source:
+        """The packed read of ``read_packed_payload_upload``: the cache payload read (and
+        its digest checked) into page-locked staging; an entry found unusable is rebuilt
+        from its sources into the same staging, as on the CPU."""
+        req = self._staged_for[desc.id]
+        payload = req.selected.payload
+        tctx.raise_if_cancelled()
+        self._count("packed_reads")
+        buf = self.device.staging(req.packed_bytes)
+        try:
+            if self.cache.read_into(payload, buf):
+                self._count("packed_bytes_read", payload.length)
+            else:
+                self._count("cache_fallbacks")
+                self._prepack_from_source(req, buf)
+        except BaseException:
+            self.device.free_staging(buf)
+            raise
+        return self._staged(tctx, buf)
+
+    def _upload(self, desc: TaskDescriptor, tctx: TaskContext) -> None:
+        """An UPLOAD that publishes a device object: commit its device slot, copy the
+        staged bytes on the device queue's stream, timed by device events; the staging
+        goes back once the copy is done."""
+        key = desc.publishes
+        req = self.plan.by_key[key]
+        src: Source = tctx.inputs[0]
+        data = src.array.reshape(-1).view(np.uint8)
+        typed_as = self.resolved.weights.get(req.request.logical_value) if req.kernel == RAW_LAYOUT else None
+        tctx.raise_if_cancelled()
+        if not src.pinned:  # never in a plan this runtime builds: every upload's input is staged
+            raise OnnxPrepError(f"upload {desc.id}: its bytes are not in page-locked staging", Where(tensor=key),
+                                hint="this is a bug in onnx-prep; please report it")
+
+        def fill(nbytes: int, view) -> None:
+            ms = self.device.upload(key, data)
+            self._count("uploads")
+            self._count("host_to_device_bytes", data.nbytes)
+            self._count("upload_ns", round(ms * 1e6))
+
+        try:
+            self._materialize(key, tctx, data.nbytes, fill, typed_as=typed_as)
+        finally:
+            self._sources_used(desc.dependencies)  # the copy is done (or failed): staging back
+
     def _prepack_from_source(self, req, view: np.ndarray) -> None:
         """Build ``req``'s packed object into ``view`` reading its sources here, through
         the one reader (the repair path of an unusable cache entry)."""
@@ -283,14 +436,16 @@ class Materializer:
 
 
 class Source:
-    """A source buffer read for prepacking, with its PREPARATION reservation."""
+    """A source buffer read for prepacking (or staged bytes for an upload), with its
+    PREPARATION reservation."""
 
-    __slots__ = ("array", "reservation", "on_release")
+    __slots__ = ("array", "reservation", "on_release", "pinned")
 
-    def __init__(self, array: np.ndarray, reservation, on_release=None) -> None:
+    def __init__(self, array: np.ndarray, reservation, on_release=None, *, pinned: bool = False) -> None:
         self.array = array
         self.reservation = reservation
         self.on_release = on_release
+        self.pinned = pinned  # page-locked staging an upload copies from (a device plan)
 
     def release(self) -> None:
         self.array = None

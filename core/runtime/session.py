@@ -30,6 +30,18 @@ Residency: every prepared object (packed weight, or raw external weight) lives i
 host stable-VA slot (``onnx_prep.native.StableSlot``) reserved once per key: eviction
 decommits the pages, re-materialization commits them again at the SAME address, so the
 numpy views and the hot path's binding, made once, stay valid.
+
+On a device (``SessionOptions(device=...)``: a ``session_device.SessionDevice``, e.g.
+core/cuda/session_device.py's ``CudaSessionDevice``): the plan is the device plan for
+the device's ``target()``, every prepared object lives in the device's slot pool
+(device stable-VA slots), the plan's uploads run on one device queue (the session's own
+workspace gets it), and ``prepare()`` loads every object into its device slot. The
+session owns the device from then on: ``close()`` closes it (slots, stream, staging),
+as does a construction that fails. What is refused, each in one line: a plan that
+packs on the device (``packs_on_device`` False: no session runs that yet); a budget
+below every slot at once (nothing pages a device load yet); a prepared cache that
+persists (a device session does not write one: build it first). ``run`` is refused:
+the device step is not built.
 """
 from __future__ import annotations
 
@@ -62,6 +74,7 @@ from onnx_prep.core.runtime.materializer import SOURCE_IO, Materializer
 from onnx_prep.core.runtime.prepared_store import PreparedObjectStore
 from onnx_prep.core.runtime.run_loop import RunLoop, RuntimeContext
 from onnx_prep.core.runtime.scheduler import Scheduler, TaskEvent
+from onnx_prep.core.runtime.session_device import SessionDevice
 from onnx_prep.core.runtime.session_tasks import SessionTasks
 from onnx_prep.core.runtime.slot_pool import HostSlotPool, to_idle_priority
 from onnx_prep.core.runtime.stats import RuntimeStats, SessionStats
@@ -78,9 +91,9 @@ class Workspace:
     """
 
     def __init__(self, *, budget: MemoryBudget | None = None, io_workers: int = 2,
-                 cpu_workers: int | None = None, sequential: bool = False) -> None:
+                 cpu_workers: int | None = None, sequential: bool = False, device_queues: int = 0) -> None:
         self.budget = budget or MemoryBudget()
-        self.scheduler = Scheduler(io_workers=io_workers, cpu_workers=cpu_workers,
+        self.scheduler = Scheduler(io_workers=io_workers, cpu_workers=cpu_workers, device_queues=device_queues,
                                    budget=self.budget, sequential=sequential)
 
     def close(self) -> None:
@@ -128,6 +141,8 @@ class SessionOptions:
     # a step value by value with another runtime (core/decode/node_comparison.py). A
     # value that is a view of a weight is valid only while the session is open.
     keep_values: bool = False
+    # The device to load onto (session_device.SessionDevice; the module docstring); None: the CPU
+    device: SessionDevice | None = None
 
     def __post_init__(self) -> None:
         if self.source_io not in SOURCE_IO:
@@ -155,21 +170,33 @@ class Session:
         from onnx_prep.native import active_isa
 
         self.isa = active_isa()  # a bad ONNX_PREP_ISA or a stale build fails here, before any work
-        self.plan: PreparedExecutionPlan = build_prepared_execution_plan(
-            resolved, lookahead=opts.lookahead, cache=opts.cache)
+        device = self.device = opts.device
+        try:
+            self.plan: PreparedExecutionPlan = build_prepared_execution_plan(
+                resolved, lookahead=opts.lookahead, cache=opts.cache,
+                device=None if device is None else device.target())
+            if device is not None:
+                self._check_device_load(device, opts)
+        except BaseException:
+            if device is not None:  # the session owns it (module docstring)
+                device.close()
+            raise
         self.program = ActionProgram.compile(resolved, keep_values=opts.keep_values)
         self.reader = opts.reader or ExternalDataReader.for_model(
             resolved, trust_symlinks=opts.trust_symlinks, verify_digests=opts.verify_digests,
             compute_digests=bool(getattr(opts.cache, "persisting", False)))
         self._own_workspace = opts.workspace is None
+        # NOTE: a device has ONE queue worker: its uploads go through one stream in order
+        # (core/cuda/session_device.py), and a second worker would only wait on its lock.
         self.workspace = opts.workspace or Workspace(budget=opts.budget, io_workers=opts.io_workers,
-                                                     cpu_workers=opts.cpu_workers, sequential=opts.sequential)
+                                                     cpu_workers=opts.cpu_workers, sequential=opts.sequential,
+                                                     device_queues=0 if device is None else 1)
         self.scheduler: Scheduler = self.workspace.scheduler
         self.budget: MemoryBudget = self.workspace.budget
         self.store = PreparedObjectStore()
         # What the session counts, its tasks' timeline, the arena peaks since it opened:
         # stats() is the record of them (core/runtime/stats.py).
-        self._stats = SessionStats(self.reader.counters, self.budget)
+        self._stats = SessionStats(self.reader.counters, self.budget, None if device is None else device.memory)
         self._lock = threading.RLock()
         self._closed = False
         self._held_writes = False  # the first run held the cache writer (_hold_cache_writes)
@@ -185,7 +212,8 @@ class Session:
         huge = opts.huge_pages
         if huge is None and self.budget.limit(Arena.PREPARED) is not None:
             huge = True
-        self.slots = HostSlotPool(huge_pages=huge)
+        # on a device: its slot pool (device stable-VA slots, reserved here alike)
+        self.slots = HostSlotPool(huge_pages=huge) if device is None else device.slots
         for r in plan.requirements:
             if r.packed_bytes > 0:
                 self.slots.reserve(r.key, r.packed_bytes)
@@ -197,7 +225,7 @@ class Session:
         self.materializer = Materializer(
             resolved, plan, self.reader, self.store, self.slots, source_io=self.source_io,
             drop_sources=self._drop_sources, count=self._count, published=self.tasks.published,
-            sources_used=self.tasks.sources_used)
+            sources_used=self.tasks.sources_used, device=device)
 
         # Intra-op parts (core/ops/intra_op.py): the hot path runs on the caller's thread,
         # so its parts are the caller plus the CPU workers; a cold step runs on a worker.
@@ -218,9 +246,35 @@ class Session:
         # thread in the OS's idle class commits the reserved slots' pages ahead of their
         # prepacks, on CPU time the workers leave idle (waiting for reads, at the tail).
         # Only without memory limits: it commits pages before their admission.
-        self._warm_slots = (opts.warm_slots and not self.scheduler.sequential
+        self._warm_slots = (opts.warm_slots and device is None and not self.scheduler.sequential
                             and self.budget.global_limit is None and self.budget.limit(Arena.PREPARED) is None)
         self._warmer: threading.Thread | None = None
+
+    def _check_device_load(self, device: SessionDevice, opts: SessionOptions) -> None:
+        """What a device session refuses before any work (the module docstring)."""
+        from onnx_prep.core.errors import DeviceBudgetError
+        from onnx_prep.core.kernels.spec import DEVICE_PREPACK
+        from onnx_prep.core.plan.device_target import device_memory
+        from onnx_prep.core.runtime.session_device import device_prepack_refused
+
+        plan = self.plan
+        packs = [r.request.logical_value for r in plan.requirements if r.selected.kind == DEVICE_PREPACK]
+        if packs and not device.packs_on_device:
+            raise device_prepack_refused(device.name, packs)
+        memory = device_memory(plan)
+        if memory["fits"] is False:
+            raise DeviceBudgetError(
+                f"device budget {plan.device.budget:,} B is below the {memory['committed_bytes']:,} B that all "
+                f"{memory['slots']} device slots commit ({plan.device.granularity:,} B granules): a device session "
+                "loads every prepared object at once, and nothing pages a device load yet",
+                hint=f"give a device budget of at least {memory['committed_bytes']:,} B")
+        if getattr(opts.cache, "persisting", False):
+            raise UsageError("a session on a device does not write the prepared cache",
+                             hint="build it first (onnx-prep build-cache), then open it read-only")
+        ws = opts.workspace
+        if ws is not None and not ws.scheduler.sequential and ws.scheduler.workers(ResourceClass.DEVICE) == 0:
+            raise UsageError("the shared workspace has no device queue for this session's uploads",
+                             hint="make it with Workspace(device_queues=1)")
 
     @property
     def source_pages(self) -> str:
@@ -253,6 +307,8 @@ class Session:
             self.workspace.close()
         self.store.clear()
         self.slots.close()  # reserved slots never used: their address ranges go back now
+        if self.device is not None:
+            self.device.close()  # its stream, events and any staging left
         self._stats.close()
         self.reader.close_shared()
 
@@ -319,6 +375,7 @@ class Session:
 
     def run_async(self, ctx: RuntimeContext) -> ExecutionHandle:
         self._check_open()
+        self._check_runs_here()
         release = self._hold_cache_writes()
         try:
             handle = self.runs.run_async(ctx)
@@ -372,7 +429,16 @@ class Session:
 
     def replay_hot(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The hot path's baseline (benchmarks): ``RunLoop.replay_hot``."""
+        self._check_runs_here()
         return self.runs.replay_hot(feeds)
+
+    def _check_runs_here(self) -> None:
+        if self.device is not None:
+            from onnx_prep.core.errors import DeviceError
+
+            raise DeviceError(f"this session loads onto {self.device.name}, and the device step is not built "
+                              "(no device graph runner runs a device plan's steps yet): it can prepare, not run",
+                              hint="run on the CPU: a session without a device")
 
     # ------------------------------------------------------------------ statistics
     def stats(self) -> RuntimeStats:

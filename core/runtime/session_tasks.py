@@ -1,11 +1,13 @@
-"""SessionTasks: the current generation of each session task (source reads, prepacks).
+"""SessionTasks: the current generation of each session task (source reads, prepacks,
+and on a device plan uploads and the staging they copy).
 
 A session's prepared objects are produced by the plan's session tasks; each has at most
 one live scheduler task (a *generation*) at a time. This module submits them on demand
 (:meth:`SessionTasks.ensure`: a run's producer chain at CRITICAL, its look-ahead at
 DEMANDED, a prepare at PREFETCH/BACKGROUND), resubmits one whose object was evicted or
 whose last generation failed or was cancelled, follows a tied source's consumers
-together, frees each source buffer once every prepack of it has published, sheds
+together, frees each source buffer once every prepack of it has published (a device
+plan's staged bytes once their upload has), sheds
 speculative work that holds memory a run needs, and asks the eviction policy for room
 while runs wait (:meth:`SessionTasks.wait_for`).
 
@@ -136,7 +138,7 @@ class SessionTasks:
                 dh = self.ensure(d, priority)
                 if dh is not None:
                     deps.append(dh)
-                    if self.plan.by_id[d].kind is TaskKind.READ_SOURCE and self.plan.by_id[d].publishes is None:
+                    if self.plan.by_id[d].publishes is None:  # a read (or a device plan's staging)
                         reads.append((d, dh))
             h = self.scheduler.submit(self._task_fn(desc), resource=desc.resource, priority=priority,
                                       deps=tuple(deps), mem=desc.memory_request(), name=desc.id,
@@ -153,6 +155,8 @@ class SessionTasks:
                 dh.add_done_callback(lambda _h, t=d: self._on_read_done(t))
             if desc.kind is TaskKind.PREPACK:
                 self._ensure_tied(tid, desc, priority)
+                if desc.publishes is None:  # a device plan's CPU prepack into staging: its reads go when it ends
+                    h.add_done_callback(lambda _h, d=desc.dependencies: self.sources_used(d))
             return h
 
     def _ensure_tied(self, tid: TaskId, desc: TaskDescriptor, priority: Priority) -> None:
@@ -341,7 +345,7 @@ class SessionTasks:
                 if h.cancel():
                     shed += 1
         for tid in list(self.handles):
-            if self.plan.by_id[tid].kind is TaskKind.READ_SOURCE and self.plan.by_id[tid].publishes is None:
+            if self.plan.by_id[tid].publishes is None:  # reads (and a device plan's staging)
                 self._maybe_release_read(tid)
         self._count("shed", shed)
         return shed
@@ -361,7 +365,12 @@ class SessionTasks:
             return
         for c in self._read_consumers.get(read_tid, ()):
             key = self.plan.by_id[c].publishes
-            if key is not None and not self.store.is_resident(key):
+            if key is None:  # a device plan's CPU prepack into staging: done with it once it ended
+                ch = self.handles.get(c)
+                if ch is not None and ch.state not in (*_DEAD, TaskState.DONE):
+                    return
+                continue
+            if not self.store.is_resident(key):
                 ch = self.handles.get(c)
                 if ch is None or ch.state not in (*_DEAD, TaskState.DONE):
                     return  # still needed by a consumer that has not published

@@ -39,7 +39,16 @@ it), and its arena peaks (what the budget held at most while it was in flight).
      "queues": {RESOURCE: {"tasks", "ran", "queue_wait_ns", "run_ns", "cpu_ns"}},
      "kv": {"appended_in_place", "copied"},
      "intra_op": {"matmul_splits", "split_parts", "runs_lending", "chunks_by_helpers",
-                  "helper_sleeps", "helper_wakes"}}
+                  "helper_sleeps", "helper_wakes"},
+     "device": {"uploads", "host_to_device_bytes", "upload_ns", "committed_bytes",
+                "peak_committed_bytes"}}   # a session on a device only
+
+``device`` is there for a session that loads onto a device (``SessionOptions(device=...)``;
+a CPU session's record is as it was): its uploads, the bytes they copied host to device
+and their device time (``upload_ns``: the elapsed time of the events recorded around
+each copy on the device's stream, summed), then the device slot pool's committed bytes
+(granule-rounded) when the record was made and their peak since the session opened;
+those two are the pool's, not differences, in a submission's record too.
 
 ``source_bytes`` is read plus mapped (a session's map path faults every mapped byte in).
 ``packed_*`` count reads of a prepared cache: 0 until there is one. ``packed_bytes_read``
@@ -104,6 +113,8 @@ _SECTIONS: dict[str, tuple[tuple[str, str], ...]] = {
     "intra_op": (("matmul_splits", "matmul_splits"), ("split_parts", "split_parts"),
                  ("runs_lending", "runs_lending"), ("chunks_by_helpers", "chunks_by_helpers"),
                  ("helper_sleeps", "helper_sleeps"), ("helper_wakes", "helper_wakes")),
+    "device": (("uploads", "uploads"), ("host_to_device_bytes", "host_to_device_bytes"),
+               ("upload_ns", "upload_ns")),
 }
 # JSON keys that differ from the field name (a section's prefix dropped)
 _JSON_KEY = {"hot_runs": "hot", "cold_runs": "cold", "kv_appended_in_place": "appended_in_place",
@@ -154,11 +165,21 @@ class RuntimeStats:
     chunks_by_helpers: int = 0
     helper_sleeps: int = 0
     helper_wakes: int = 0
+    # a device load (uploads of the device plan)
+    uploads: int = 0
+    host_to_device_bytes: int = 0
+    upload_ns: int = 0  # device time of the uploads (events around each copy)
     # memory and tasks
     arena_peaks: Mapping[str, int] = field(default_factory=dict)  # arena name -> bytes
     global_peak: int = 0
     tasks: Mapping[str, TaskTotals] = field(default_factory=dict)  # by task kind
     queues: Mapping[str, TaskTotals] = field(default_factory=dict)  # by resource queue
+    # a session on a device: its slots' {"committed_bytes", "peak_committed_bytes"}; None: the CPU
+    device_memory: Mapping[str, int] | None = None
+
+    @property
+    def upload_ms(self) -> float:
+        return self.upload_ns / 1e6
 
     @property
     def source_bytes(self) -> int:
@@ -172,11 +193,13 @@ class RuntimeStats:
     @classmethod
     def from_counts(cls, counts: Mapping[str, int], *, arena_peaks: Mapping[str, int] | None = None,
                     global_peak: int = 0, tasks: Mapping[str, TaskTotals] | None = None,
-                    queues: Mapping[str, TaskTotals] | None = None) -> RuntimeStats:
+                    queues: Mapping[str, TaskTotals] | None = None,
+                    device_memory: Mapping[str, int] | None = None) -> RuntimeStats:
         """The record of ``counts`` (counter name -> value; missing ones are 0)."""
         return cls(**{f: int(counts.get(c, 0)) for f, c in COUNTER_FIELDS},
                    arena_peaks=dict(arena_peaks or {}), global_peak=global_peak,
-                   tasks=dict(tasks or {}), queues=dict(queues or {}))
+                   tasks=dict(tasks or {}), queues=dict(queues or {}),
+                   device_memory=None if device_memory is None else dict(device_memory))
 
     def counts(self) -> dict[str, int]:
         """The record's counts by counter name (what :meth:`from_counts` takes)."""
@@ -186,7 +209,7 @@ class RuntimeStats:
         """Counts and task totals minus ``earlier``'s. Peaks do not subtract: the result
         keeps this record's."""
         return Snapshot.of(self).since(Snapshot.of(earlier)).record(
-            arena_peaks=self.arena_peaks, global_peak=self.global_peak)
+            arena_peaks=self.arena_peaks, global_peak=self.global_peak, device_memory=self.device_memory)
 
     @property
     def pmd_mapped(self) -> int | None:
@@ -198,15 +221,18 @@ class RuntimeStats:
             return {_JSON_KEY.get(f, f): self.pmd_mapped if f == "packed_bytes_pmd_mapped" else getattr(self, f)
                     for f, _ in _SECTIONS[name]}
 
-        return {"schema": SCHEMA,
-                "io": {"source_bytes": self.source_bytes, **section("io")},
-                "prepare": section("prepare"),
-                "runs": section("runs"),
-                "memory": {"arena_peaks": dict(self.arena_peaks), "global_peak": self.global_peak},
-                "tasks": {k: v.to_json() for k, v in sorted(self.tasks.items())},
-                "queues": {k: v.to_json() for k, v in sorted(self.queues.items())},
-                "kv": section("kv"),
-                "intra_op": section("intra_op")}
+        doc = {"schema": SCHEMA,
+               "io": {"source_bytes": self.source_bytes, **section("io")},
+               "prepare": section("prepare"),
+               "runs": section("runs"),
+               "memory": {"arena_peaks": dict(self.arena_peaks), "global_peak": self.global_peak},
+               "tasks": {k: v.to_json() for k, v in sorted(self.tasks.items())},
+               "queues": {k: v.to_json() for k, v in sorted(self.queues.items())},
+               "kv": section("kv"),
+               "intra_op": section("intra_op")}
+        if self.device_memory is not None:
+            doc["device"] = {**section("device"), **self.device_memory}
+        return doc
 
 
 def _minus(now: Mapping[str, TaskTotals], then: Mapping[str, TaskTotals]) -> dict[str, TaskTotals]:
@@ -235,26 +261,37 @@ class Snapshot:
         counts.update(own or {})
         return Snapshot(counts, _minus(self.tasks, earlier.tasks), _minus(self.queues, earlier.queues))
 
-    def record(self, *, arena_peaks: Mapping[str, int] | None = None, global_peak: int = 0) -> RuntimeStats:
+    def record(self, *, arena_peaks: Mapping[str, int] | None = None, global_peak: int = 0,
+               device_memory: Mapping[str, int] | None = None) -> RuntimeStats:
         return RuntimeStats.from_counts(self.counts, arena_peaks=arena_peaks, global_peak=global_peak,
-                                        tasks=self.tasks, queues=self.queues)
+                                        tasks=self.tasks, queues=self.queues, device_memory=device_memory)
 
 
 class SessionStats:
     """What one session counts, and the records made of it: its :class:`Counters`
     (``counters``; a run's own are merged in when the run ends), its reader's counters,
-    its tasks' :class:`Timeline` (``timeline``) and a peak watch on its budget."""
+    its tasks' :class:`Timeline` (``timeline``) and a peak watch on its budget;
+    ``device_memory()`` (a session on a device) gives its slots' committed bytes and
+    their peak."""
 
-    def __init__(self, reader_counters: Any, budget: Any) -> None:
+    def __init__(self, reader_counters: Any, budget: Any,
+                 device_memory: Callable[[], tuple[int, int]] | None = None) -> None:
         self.counters = Counters()
         self.timeline = Timeline()
         self._reader = reader_counters  # ExternalDataReader.counters
         self._budget = budget
         self._peaks = budget.watch_peaks()
+        self._device_memory = device_memory
+
+    def device(self) -> dict[str, int] | None:
+        if self._device_memory is None:
+            return None
+        committed, peak = self._device_memory()
+        return {"committed_bytes": committed, "peak_committed_bytes": peak}
 
     def record(self) -> RuntimeStats:
         """Since the session opened."""
-        return _with_peaks(self.snapshot(), self._peaks)
+        return _with_peaks(self.snapshot(), self._peaks, self.device())
 
     def snapshot(self) -> Snapshot:
         counts = self.counters.snapshot()
@@ -275,11 +312,13 @@ class SessionStats:
         own = own or {}
         self.counters.merge(own)
         diff = self.snapshot().since(start, own={c: own.get(c, 0) for c in RUN_OWN})
-        return lambda: _with_peaks(diff, watch)
+        device = self.device()
+        return lambda: _with_peaks(diff, watch, device)
 
     def close(self) -> None:
         self._peaks.close()  # the record's peaks stay as they were
 
 
-def _with_peaks(snap: Snapshot, watch: Any) -> RuntimeStats:
-    return snap.record(arena_peaks={a.value: n for a, n in watch.peaks().items()}, global_peak=watch.global_peak)
+def _with_peaks(snap: Snapshot, watch: Any, device: Mapping[str, int] | None = None) -> RuntimeStats:
+    return snap.record(arena_peaks={a.value: n for a, n in watch.peaks().items()}, global_peak=watch.global_peak,
+                       device_memory=device)
