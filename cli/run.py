@@ -109,6 +109,10 @@ def run(
     outputs_out: Optional[Path] = typer.Option(None, "--outputs-out", metavar="FILE.npz",
                                                help="One forward: write every output to this .npz."),
     device: str = DEVICE,
+    device_budget: Optional[str] = typer.Option(
+        None, "--device-budget", metavar="SIZE",
+        help="With --device cuda: device memory the packed weights may commit (e.g. 256MiB); above it they "
+             "are streamed, evicted and paged back every step (default: all resident)."),
 ) -> None:
     """Greedy-decode --tokens tokens per row; print the generated ids and timings. A model that is not a decoder, or --inputs / --shape: run one forward of its graph and summarise each output.
 
@@ -119,13 +123,14 @@ def run(
         from onnx_prep.core.decode.run_record import RunOptions, record_run
 
         budget = None if memory_budget is None else parse_size(memory_budget)
+        dev_budget = None if device_budget is None else parse_size(device_budget, option="--device-budget")
         given = {"--prompt-ids": prompt_ids, "--batch": batch, "--tokens": tokens}
         options = RunOptions(prompt_ids=parse_prompts(prompt_ids, batch), tokens=16 if tokens is None else tokens,
                              runtime=runtime, compare=compare, io_map=io_map, threads=threads,
                              source_pages=source_pages, memory_budget=budget, verify_digests=verify_digests,
                              trust_symlinks=trust_symlinks, cache_policy=cache_policy, prepared=prepared,
                              logits_out=logits_out, inputs=tuple(inputs or ()), shape=tuple(shape or ()),
-                             outputs_out=outputs_out, fuse=fuse, per_node=per_node, device=device,
+                             outputs_out=outputs_out, fuse=fuse, per_node=per_node, device=device, device_budget=dev_budget,
                              decode_flags=tuple(flag for flag, value in given.items() if value is not None))
         # Only on a terminal: a redirected stderr would just collect blank frames.
         show = options.tokens >= PROGRESS_MIN_TOKENS and output.stderr.is_terminal
@@ -162,6 +167,14 @@ def _render(doc: dict) -> None:
     say(f"open {t['open_ms']:.1f} ms · time to first output {t['first_output_ms']:.1f} ms · "
         f"decode {_fmt_rate(t['decode_tokens_per_s'])} tokens/s "
         f"({_fmt_rate(t['decode_steps_per_s'])} steps/s x {doc['batch']} rows)")
+    dv = doc["device"]
+    if dv is not None:
+        budget = "all resident" if dv["budget"] is None else f"budget {dv['budget'] / 2**20:,.1f} MiB"
+        say(f"device {dv['device']} ({budget}): {dv['segments_per_step']} segment(s) a step, "
+            f"{dv['page_ins']} page-ins ({dv['page_in_bytes'] / 2**20:,.1f} MiB host to device), "
+            f"{dv['evictions']} evictions, peak committed {dv['peak_committed_bytes'] / 2**20:,.1f} MiB; graphs: "
+            f"{dv['captures']} captured, {dv['replays']} replayed, {dv['fallbacks']} eager "
+            f"({dv['capture_reason']})")
     c = doc["cache"]
     if c is not None and c["exists"] or (c is not None and c["committed"]):
         e = c["entries"]

@@ -60,4 +60,24 @@ def render(record: dict, fmt: str) -> None:
         times.add_row(*cells)
     output.stdout.print(counters)
     output.stdout.print(times)
+    if record["device"] is not None:
+        _render_device(record, Table)
     output.stdout.print(f"[dim]{record['machine']}[/dim]")
+
+
+def _render_device(record: dict, Table) -> None:
+    dv = record["device"]
+    budget = "all resident" if dv["budget_bytes"] is None else f"budget {_mib(dv['budget_bytes'])} MiB"
+    table = Table(title=f"on {dv['name']} ({budget} of {_mib(dv['committed_bytes'])} MiB committed in "
+                        f"{_mib(dv['granularity'])} MiB granules; {dv['segments_per_step']} segment(s) a step; "
+                        f"{dv['capture_reason']})", title_justify="left")
+    for name in ("N", "MiB to device/token", "page-ins/token", "byte hit", "evictions", "graphs: captured",
+                 "replayed", "eager", "same in repeats", "tokens = CPU", "tokens/s"):
+        table.add_column(name, justify="right")
+    for r in record["rows"]:
+        d = r["device"]
+        table.add_row(str(r["batch"]), _mib(d["bytes_to_device_per_token"]), f"{d['page_ins_per_token']:.2f}",
+                      f"{d['byte_hit_rate']:.3f}", str(d["evictions"]), str(d["captures"]), str(d["replays"]),
+                      str(d["fallbacks"]), "yes" if d["counters_identical"] else "[red]no[/red]",
+                      "yes" if d["tokens_identical_to_cpu"] else "[red]no[/red]", _spread(d["tokens_per_s"]))
+    output.stdout.print(table)

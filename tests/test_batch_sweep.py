@@ -153,7 +153,7 @@ def test_the_command_prints_each_format_and_draws_the_plot(small_llm_path, tmp_p
     assert [r["batch"] for r in json.loads(outs["json"])["rows"]] == [1, 2]
     assert len(outs["jsonl"].splitlines()) == 2 and len(list(csv.DictReader(io.StringIO(outs["csv"])))) == 2
     assert outs["md"].count("\n|") == 4 and "weight streaming" in outs["table"]
-    assert json.loads(_cli(*base, "--json").stdout)["schema"] == "onnx-prep.batch-sweep/1"
+    assert json.loads(_cli(*base, "--json").stdout)["schema"] == "onnx-prep.batch-sweep/2"
     pytest.importorskip("matplotlib", reason="matplotlib not installed: --plot not checked")
     p = _cli(*base, "--plot", tmp_path / "s.png")
     assert p.returncode == 0 and (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"

@@ -30,6 +30,11 @@ from fake_cuda_driver import FakeDriver
 from onnx_prep.core.cuda import device_probe, device_selection
 real = device_probe.probe_devices
 device_probe.probe_devices = device_selection.probe_devices = lambda: real(lambda: FakeDriver(name="Fake H200"))
+def open_fake():
+    d = FakeDriver(name="Fake H200", memory=1 << 30)
+    d.init()
+    return d
+device_selection.open_driver = open_fake
 sys.argv = ["onnx-prep", *sys.argv[1:]]
 from onnx_prep.cli.app import main
 main()
@@ -99,16 +104,69 @@ def test_device_cuda_without_a_usable_device_is_one_line_and_exit_2(args, empty_
     assert not Path(empty_cache["ONNX_PREP_CACHE"]).exists()  # refused before the default model was made
 
 
-@pytest.mark.parametrize("args", [["run", "--device", "cuda"], ["profile", "--device", "cuda"],
-                                  ["profile", "--device", "cuda", "--batch-sweep", "1,2"]], ids=" ".join)
-def test_device_cuda_on_a_usable_device_names_the_missing_path_and_exits_2(args, empty_cache):
-    p = with_fake_device(*args, env=empty_cache)
+def test_the_load_profile_on_a_usable_device_says_it_does_not_run_there_and_exits_2(empty_cache):
+    p = with_fake_device("profile", "--device", "cuda", env=empty_cache)
     assert p.returncode == EXIT_UNUSABLE
     assert _one_error_line(p) == (
-        "error: --device cuda: the CUDA decode path is not built yet (the device graph runner has no launcher for the fused decoder ops, and"
-        " no session runs a step on the device (one loads the weights into device slots)); found Fake H200 (device 0); "
-        "use --device cpu; docs/cuda.md says what exists")
+        "error: --device cuda: the load profile (profile without --batch-sweep) does not run on a device yet; "
+        "found Fake H200 (device 0); use --device cpu; docs/cuda.md says what runs on a device")
     assert not Path(empty_cache["ONNX_PREP_CACHE"]).exists()
+
+
+def _schema(name: str) -> dict:
+    from importlib import resources
+
+    return json.loads(resources.files("onnx_prep.core").joinpath(f"schemas/{name}.schema.json").read_text())
+
+
+def test_run_on_a_fake_device_decodes_the_cpus_tokens_streamed_under_a_device_budget(tmp_path):
+    """The default tiny model through ``run --device cuda`` on the fake device (kernels run
+    by the CPU twins): all resident, and under a 6 MiB budget (its 17 packed objects take a
+    2 MiB granule each) streamed through several segments a step; the tokens are the CPU
+    run's, the device section counts what was paged."""
+    env = {"ONNX_PREP_CACHE": str(tmp_path / "cache")}
+    cpu = onnx_prep("run", "--tokens", "6", "--json", env=env)
+    assert cpu.returncode == EXIT_OK, cpu.stderr
+    want = json.loads(cpu.stdout)
+    assert want["device"] is None
+    for extra, segments in (((), 1), (("--device-budget", "6MiB"), None)):
+        p = with_fake_device("run", "--device", "cuda", "--tokens", "6", "--json", *extra, env=env)
+        assert p.returncode == EXIT_OK, p.stderr
+        doc = json.loads(p.stdout)
+        assert doc["tokens"] == want["tokens"]
+        dv = doc["device"]
+        assert dv["device"] == "Fake H200" and dv["steps"] == 6
+        if segments == 1:
+            assert (dv["segments_per_step"], dv["evictions"], dv["page_ins"]) == (1, 0, 17)
+        else:
+            assert dv["segments_per_step"] > 1 and dv["evictions"] > 0 and dv["peak_committed_bytes"] <= 6 << 20
+            assert dv["page_ins"] > 17
+        assert "kv_capacity_fixed=False" in dv["capture_reason"] and dv["fallbacks"] == 6 * dv["segments_per_step"]
+        jsonschema = pytest.importorskip("jsonschema", reason="jsonschema not installed: schema check skipped")
+        jsonschema.validate(doc, _schema("run"))
+
+
+def test_the_batch_sweep_on_a_fake_device_reports_device_columns_beside_the_cpus(tmp_path):
+    env = {"ONNX_PREP_CACHE": str(tmp_path / "cache")}
+    p = with_fake_device("profile", "--batch-sweep", "1,2", "--budget", "50%", "--tokens", "4", "--repeat", "1",
+                         "--device", "cuda", "--format", "json", env=env)
+    assert p.returncode == EXIT_OK, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["device"]["name"] == "Fake H200" and doc["device"]["segments_per_step"] > 1
+    assert doc["device"]["budget_bytes"] == doc["device"]["committed_bytes"] // 2
+    one, two = (r["device"] for r in doc["rows"])
+    assert one["tokens_identical_to_cpu"] and two["tokens_identical_to_cpu"]
+    # the same weights stream every step whatever N: bytes per emitted token halve
+    assert two["bytes_to_device_per_token"] == pytest.approx(one["bytes_to_device_per_token"] / 2)
+    assert one["evictions"] > 0 and one["peak_committed_bytes"] <= doc["device"]["budget_bytes"]
+    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema not installed: schema check skipped")
+    jsonschema.validate(doc, _schema("batch-sweep"))
+
+
+def test_device_budget_without_a_device_is_a_usage_error():
+    p = onnx_prep("run", "--device-budget", "64MiB", "--tokens", "1")
+    assert p.returncode == EXIT_UNUSABLE
+    assert _one_error_line(p) == "error: --device-budget limits device memory: it needs --device cuda"
 
 
 def test_an_unknown_device_is_a_usage_error():

@@ -14,7 +14,7 @@ from fake_cuda_driver import MiB, FakeDriver
 import onnx_prep.core.cuda
 from onnx_prep.core.cuda.cuda_python_driver import import_binding
 from onnx_prep.core.cuda.device_probe import DeviceProbe, describe_device, devices_record, probe_devices
-from onnx_prep.core.cuda.device_selection import require_device
+from onnx_prep.core.cuda.device_selection import refuse_on_device, require_device
 from onnx_prep.core.cuda.driver import DRIVER_LIBRARY, DriverUnavailable, load_driver_library
 from onnx_prep.core.errors import EXIT_UNUSABLE, DeviceError, UsageError
 
@@ -132,7 +132,7 @@ def test_the_devices_record_matches_its_schema():
 
 
 def test_require_device_refuses_cuda_with_the_reason_and_never_falls_back():
-    require_device("cpu")  # nothing to check
+    assert require_device("cpu") is None  # nothing to check
     with pytest.raises(UsageError, match=r"--device must be one of \['cpu', 'cuda'\], got 'tpu'"):
         require_device("tpu")
     with pytest.raises(DeviceError) as unusable:
@@ -140,9 +140,11 @@ def test_require_device_refuses_cuda_with_the_reason_and_never_falls_back():
     assert unusable.value.one_line() == ("--device cuda: CUDA is not usable: cuInit failed: CUDA_ERROR_NO_DEVICE "
                                          "(100); use --device cpu")
     assert unusable.value.exit_code == EXIT_UNUSABLE
-    with pytest.raises(DeviceError) as not_built:  # usable, but no device decode path in this build
-        require_device("cuda", probe_devices(lambda: FakeDriver(name="Fake H200")))
-    line = not_built.value.one_line()
-    assert line.startswith("--device cuda: the CUDA decode path is not built yet (the device graph runner has no launcher for the fused decode"
-                           "r ops, and no session runs a step on the device (one loads the weights into device slots)); found Fake H200 (device 0)")
-    assert not_built.value.exit_code == EXIT_UNUSABLE and "\n" not in line
+    probe = require_device("cuda", probe_devices(lambda: FakeDriver(name="Fake H200")))
+    assert probe.usable and probe.devices[0].name == "Fake H200"
+    with pytest.raises(DeviceError) as not_there:  # usable, but this command has no device path
+        refuse_on_device("the load profile", probe)
+    line = not_there.value.one_line()
+    assert line == ("--device cuda: the load profile does not run on a device yet; found Fake H200 (device 0); "
+                    "use --device cpu; docs/cuda.md says what runs on a device")
+    assert not_there.value.exit_code == EXIT_UNUSABLE

@@ -170,6 +170,12 @@ class DeviceDecoder:
         return {"steps": self.steps, **r, **graphs, "capture": self.capture and self.decision.ok,
                 "capture_reason": self.reason}
 
+    def device_record(self) -> dict:
+        """``run --json``'s ``device`` section: which device, the budget, and
+        :meth:`counters`."""
+        return {"device": self.driver.device_name(self.pool.device), "budget": self.pool.budget,
+                **self.counters()}
+
     def close(self) -> None:
         """Release everything: graphs, the residency, the runner, the pool, the stream,
         the page-locked copies (idempotent)."""

@@ -1,13 +1,12 @@
 """``--device cpu|cuda``: what a command may run on, checked before any model is read.
 
 ``cpu`` is the default and never reaches this module (the options that take a device
-import it only for another value, so the CPU path imports nothing of CUDA). ``cuda``
-is refused with one line, exit 2, in both cases there are today:
-
-- CUDA is not usable here: the probe's reason (core/cuda/device_probe.py);
-- CUDA is usable, but this build has no device decode path yet (the device plan, the
-  device INT4 matmul and step graphs exist, and a session loads a device plan's weights,
-  but none runs its steps: docs/cuda.md): said so, naming the device.
+import it only for another value, so the CPU path imports nothing of CUDA). For
+``cuda``, ``require_device`` refuses with one line, exit 2, when CUDA is not usable here
+(the probe's reason: core/cuda/device_probe.py), and returns the probe when it is;
+``refuse_on_device`` is the one line of a command (or an option of one) that has no
+device path yet, naming the device found. ``open_driver`` is the driver a device run
+uses, initialised (one function, so a test process can point it at the fake driver).
 
 Never a silent fall back to the CPU: a user who asked for the GPU gets the GPU or an
 error.
@@ -17,26 +16,38 @@ from __future__ import annotations
 from onnx_prep.core.cuda.device_probe import DeviceProbe, probe_devices
 from onnx_prep.core.errors import DeviceError, UsageError
 
-__all__ = ["DEVICES", "MISSING_DEVICE_PATH", "require_device"]
+__all__ = ["DEVICES", "open_driver", "refuse_on_device", "require_device"]
 
 DEVICES = ("cpu", "cuda")
 
-# What a device decode needs that this build does not have (docs/cuda.md, "Not built").
-MISSING_DEVICE_PATH = ("the device graph runner has no launcher for the fused decoder ops, and no "
-                       "session runs a step on the device (one loads the weights into device slots)")
 
-
-def require_device(device: str, probe: DeviceProbe | None = None) -> None:
-    """Return if ``device`` can run; raise UsageError for an unknown name and
-    DeviceError (exit 2) for ``cuda`` (``probe``: default, :func:`probe_devices`)."""
+def require_device(device: str, probe: DeviceProbe | None = None) -> DeviceProbe | None:
+    """None for ``cpu``; for ``cuda`` the probe of a usable device, else DeviceError
+    (exit 2) with the probe's reason; UsageError for an unknown name (``probe``:
+    default, :func:`probe_devices`)."""
     if device not in DEVICES:
         raise UsageError(f"--device must be one of {list(DEVICES)}, got {device!r}")
     if device == "cpu":
-        return
+        return None
     probe = probe_devices() if probe is None else probe
     if not probe.usable:
         raise DeviceError(f"--device cuda: CUDA is not usable: {probe.reason}", hint="use --device cpu")
+    return probe
+
+
+def refuse_on_device(what: str, probe: DeviceProbe) -> None:
+    """Raise the one line (exit 2) for ``what`` (e.g. "the load profile"), which has no
+    device path yet, on the usable device ``probe`` found."""
     found = probe.devices[0]
-    raise DeviceError(f"--device cuda: the CUDA decode path is not built yet ({MISSING_DEVICE_PATH}); "
-                      f"found {found.name} (device {found.ordinal})",
-                      hint="use --device cpu; docs/cuda.md says what exists")
+    raise DeviceError(f"--device cuda: {what} does not run on a device yet; found {found.name} "
+                      f"(device {found.ordinal})",
+                      hint="use --device cpu; docs/cuda.md says what runs on a device")
+
+
+def open_driver():
+    """cuda-python's driver, initialised (``cuInit``)."""
+    from onnx_prep.core.cuda.cuda_python_driver import load_driver
+
+    driver = load_driver()
+    driver.init()
+    return driver

@@ -42,15 +42,16 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20
 _SIZE = re.compile(r"([0-9]{1,15}(?:\.[0-9]{1,6})?)\s*([a-z]{0,3})", re.ASCII)
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, *, option: str = "--memory-budget") -> int:
     """Bytes of a size written ``8GiB``, ``512M`` (binary), ``2GB`` (decimal), ``1.5g`` or
-    a plain byte count; ``UsageError`` for anything else or outside 1 MiB to 1 EiB."""
+    a plain byte count; ``UsageError`` (naming ``option``) for anything else or outside
+    1 MiB to 1 EiB."""
     m = _SIZE.fullmatch(text.strip().lower())
     if m is None or m.group(2) not in _UNITS:
-        raise UsageError(f"--memory-budget must be a size like 8GiB, 512MiB or 2GB, got {text!r}")
+        raise UsageError(f"{option} must be a size like 8GiB, 512MiB or 2GB, got {text!r}")
     value = int(float(m.group(1)) * _UNITS[m.group(2)])
     if not MIN_MEMORY_BUDGET <= value <= MAX_MEMORY_BUDGET:
-        raise UsageError(f"--memory-budget must be between 1 MiB and 1 EiB, got {text!r}")
+        raise UsageError(f"{option} must be between 1 MiB and 1 EiB, got {text!r}")
     return value
 
 

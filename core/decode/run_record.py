@@ -36,7 +36,7 @@ from onnx_prep.core.errors import UsageError, Where
 from onnx_prep.core.option_ranges import (MAX_BATCH, MAX_MEMORY_BUDGET, MAX_THREADS, MAX_TOKEN_ID, MAX_TOKENS,
                                           MIN_MEMORY_BUDGET, check_range)
 
-SCHEMA = "onnx-prep.run/6"
+SCHEMA = "onnx-prep.run/7"
 RUNTIMES = ("prepared", "ort")
 COMPARE_WITH = ("ort",)
 DEFAULT_PROMPT = (1, 2, 3, 4)
@@ -76,7 +76,8 @@ class RunOptions:
     decode_flags: tuple[str, ...] = ()
     fuse: bool = True  # the prepared runtime fuses standard-op patterns at resolve (core/model/fusion.py)
     per_node: bool = False  # with compare: the first step compared value by value (node_comparison.py)
-    device: str = "cpu"  # --device: cuda is refused, saying why (core/cuda/device_selection.py)
+    device: str = "cpu"  # --device: cpu, or cuda (the prepared runtime on a CUDA device: docs/cuda.md)
+    device_budget: int | None = None  # --device-budget: device bytes the packed weights may commit (None: all)
 
     @property
     def one_forward(self) -> bool:
@@ -120,6 +121,17 @@ class RunOptions:
             from onnx_prep.core.cuda.device_selection import require_device
 
             require_device(self.device)
+            if self.runtime != "prepared":
+                raise UsageError(f"--device {self.device} runs the prepared runtime; --runtime {self.runtime} runs "
+                                 "on the CPU", hint="drop --device, or --runtime")
+            if self.one_forward:
+                raise UsageError(f"--device {self.device} decodes; one forward (--inputs / --shape) runs on the CPU")
+            if self.cache_policy not in ("read-only", "disabled") or self.prepared is not None:
+                raise UsageError(f"--device {self.device} packs the weights from their sources: the prepared "
+                                 "cache is not read or written on a device yet",
+                                 hint="drop --prepared / --cache-policy")
+        elif self.device_budget is not None:
+            raise UsageError("--device-budget limits device memory: it needs --device cuda")
         # Last: the policy names live beside the reader, which imports numpy and onnx.
         from onnx_prep.core.runtime.source_pages import SOURCE_PAGES
 
@@ -201,6 +213,8 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
         # open_ms of the prepared runtime counts its parse too, as ONNX Runtime's does
         def open_prepared():
             nonlocal cache
+            if options.device == "cuda":
+                return resolve_ms, _open_device(resolved, options)
             cache = _open_cache(resolved, options, warn)
             return resolve_ms, open_prepared_runner(
                 resolved, threads=options.threads, source_pages=options.source_pages,
@@ -249,10 +263,14 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
                                           else nullcontext())
             result = greedy_decode(runner, io, prompt, tokens, on_step=on_step, keep_logits=keep_logits,
                                    model=str(path))
+            if hasattr(runner, "device_record"):
+                device_runs.append(runner.device_record())
         return open_ms, result, getattr(runner, "source_pages", None)
 
+    device_runs: list[dict] = []
     try:
         open_ms, result, pages = decode(options.runtime, keep_logits=options.logits_out is not None)
+        device_counters = device_runs[0] if device_runs else None
         # build-if-missing: what the run built was written meanwhile, at idle priority;
         # published now, once the output is in hand
         committed = cache.commit() if cache is not None and cache.policy.value == "build-if-missing" else None
@@ -263,7 +281,7 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
            "prompt_ids": prompt.tolist(), "batch": int(prompt.shape[0]), "tokens_requested": options.tokens,
            "io": io.to_json(), "tokens": result.tokens.tolist(),
            "timings": {"open_ms": open_ms, **result.timings_json()},
-           "counters": result.counters_json(), "source_pages": pages,
+           "counters": result.counters_json(), "source_pages": pages, "device": device_counters,
            "cache": None if cache is None else {**cache.summary(), "committed": committed},
            "compare": None}
     if options.logits_out is not None:
@@ -352,6 +370,15 @@ def _compare_per_node(resolved, io, prompt, options: RunOptions, ort_config) -> 
                                                       verify_digests=options.verify_digests, keep_values=True,
                                                       trust_symlinks=options.trust_symlinks),
         threads=options.threads, session_config=ort_config).to_json()
+
+
+def _open_device(resolved, options: RunOptions):
+    """The prepared runtime on the CUDA device (core/cuda/device_decoder.py)."""
+    from onnx_prep.core.cuda.device_decoder import open_device_decoder
+    from onnx_prep.core.cuda.device_selection import open_driver
+
+    return open_device_decoder(resolved, open_driver(), budget=options.device_budget,
+                               verify_digests=options.verify_digests, trust_symlinks=options.trust_symlinks)
 
 
 def _open_cache(resolved, options: RunOptions, warn):

@@ -1,6 +1,6 @@
 """The batch sweep: decode throughput and weight streaming across batch sizes under a
 budget for prepared weights (``onnx-prep profile --batch-sweep``; docs/profile.md,
-"Batch sweep"). One record, schema ``onnx-prep.batch-sweep/1``.
+"Batch sweep"). One record, schema ``onnx-prep.batch-sweep/2``.
 
 For each batch size N, in a fresh :class:`Session` each repeat (nothing resident at the
 start): greedy decoding of ``tokens`` steps over N rows, one fused forward per step (the
@@ -21,6 +21,15 @@ When the budget forces streaming, each row also carries the ample-budget step ti
 same N with no limit) and the time to read that step's paged bytes alone, at a read
 rate measured in the same run; ``pipelining`` is step time / max(the two): 1.0 means
 page reads fully overlapped with compute.
+
+With ``--device cuda`` each row also carries ``device``: the same decode on the CUDA
+device (core/cuda/device_decoder.py), a fresh decoder each repeat, its packed weights
+committed under the budget as the device counts it (a percentage of the device's
+committed size, each object in whole granules; a size as given), streamed between the
+step's segments past it. Its counters over the decode steps: bytes copied host to
+device and page-ins per token, evictions, byte hit rate, the graphs' captures,
+replays, fallbacks and invalidations; tokens/s; and whether its tokens are the CPU's
+(row identity against the CPU run of the same N).
 """
 from __future__ import annotations
 
@@ -36,7 +45,7 @@ from onnx_prep.core.errors import UsageError, Where
 
 __all__ = ["SCHEMA", "SweepOptions", "parse_budget", "record_batch_sweep"]
 
-SCHEMA = "onnx-prep.batch-sweep/1"
+SCHEMA = "onnx-prep.batch-sweep/2"
 MAX_BATCH_SIZES = 16
 
 # progress(phase label, done, total)
@@ -56,7 +65,7 @@ class SweepOptions:
     threads: int | None = None
     trust_symlinks: bool = False
     fuse: bool = True  # fuse standard-op patterns at resolve (core/model/fusion.py)
-    device: str = "cpu"  # --device: cuda is refused, saying why (core/cuda/device_selection.py)
+    device: str = "cpu"  # --device cuda: each row also runs on the device (docs/profile.md, "On a device")
 
     def __post_init__(self) -> None:
         from onnx_prep.core.option_ranges import MAX_BATCH, MAX_TOKENS, check_range
@@ -76,6 +85,9 @@ class SweepOptions:
             from onnx_prep.core.cuda.device_selection import require_device
 
             require_device(self.device)
+            if self.cache_policy == "require-complete":
+                raise UsageError("--device cuda packs the weights from their sources: it reads no prepared cache "
+                                 "(--cache-policy require-complete)")
 
 
 _PERCENT = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*%\s*$")
@@ -150,6 +162,7 @@ def record_batch_sweep(model: Path, options: SweepOptions, *, progress: SweepPro
     batches = tuple(sorted(options.batches))
     ref_batches = batches if 1 in batches else (1, *batches)
     total = len(ref_batches) * options.repeat * (2 if streaming else 1) + (len(ref_batches) if options.compare_ort else 0)
+    total += len(ref_batches) * options.repeat if options.device == "cuda" else 0
     done = 0
 
     def tick(label: str) -> None:
@@ -175,6 +188,9 @@ def record_batch_sweep(model: Path, options: SweepOptions, *, progress: SweepPro
             ort[n] = _ort_run(resolved.model_path, io, np.array(_prompts(options.prompt, n, io.vocab_size)),
                               options)
             tick(f"ort batch {n}")
+    device = None
+    if options.device == "cuda":
+        device = _device_runs(resolved, io, ref_batches, options, tick)
     base_tokens = runs[(1, budget is not None)][0]["tokens"][0]
     rows = []
     for n in batches:
@@ -203,6 +219,7 @@ def record_batch_sweep(model: Path, options: SweepOptions, *, progress: SweepPro
             "row_identity": _identity(first["tokens"][0], base_tokens),
             "ample_step_ms": None, "read_ms": None, "pipelining": None,
             "ort_tokens_per_s": ort.get(n),
+            "device": None if device is None else _device_row(device["runs"][n], first["tokens"], n, options),
         }
         if streaming:
             ample = statistics.median(statistics.median(r["step_ms"][1:]) for r in runs[(n, False)])
@@ -227,6 +244,7 @@ def record_batch_sweep(model: Path, options: SweepOptions, *, progress: SweepPro
         "fuse": options.fuse,
         "read_rate_bytes_per_s": read_rate,
         "ort": "no budget: ONNX Runtime holds every weight" if options.compare_ort else None,
+        "device": None if device is None else device["summary"],
         "rows": rows,
     }
 
@@ -318,3 +336,66 @@ def _ort_run(path: Path, io, prompts, options: SweepOptions) -> dict | None:
         r = greedy_decode(runner, io, prompts, options.tokens)
         rates.append(prompts.shape[0] * (options.tokens - 1) / (sum(r.step_ms[1:]) / 1e3))
     return _spread(rates)
+
+
+def _device_runs(resolved, io, batches, options: SweepOptions, tick) -> dict:
+    """Per batch size, ``options.repeat`` decodes on the CUDA device (a fresh decoder
+    each): tokens, step times and the decoder's counters over the decode steps."""
+    import numpy as np
+
+    from onnx_prep.core.cuda.device_decoder import open_device_decoder
+    from onnx_prep.core.cuda.device_selection import open_driver
+    from onnx_prep.core.decode.generation import greedy_decode
+
+    driver = open_driver()
+    g = driver.allocation_granularity(0)
+    committed = sum(-(-r.packed_bytes // g) * g for r in _requests(resolved))  # each object in whole granules
+    budget = parse_budget(options.budget, committed)  # sized against what the device commits
+    runs: dict[int, list[dict]] = {}
+    summary = None
+    for n in batches:
+        prompts = np.array(_prompts(options.prompt, n, io.vocab_size), dtype=np.int64)
+        for _ in range(options.repeat):
+            marks: list[dict] = []
+            with open_device_decoder(resolved, driver, budget=budget, trust_symlinks=options.trust_symlinks) as dec:
+                result = greedy_decode(dec, io, prompts, options.tokens,
+                                       on_step=lambda ev, dec=dec: marks.append(dec.counters()))
+                if summary is None:
+                    summary = {"name": driver.device_name(0), "granularity": g, "committed_bytes": committed,
+                               "budget_bytes": budget,
+                               "segments_per_step": marks[-1]["segments_per_step"],
+                               "capture_reason": marks[-1]["capture_reason"]}
+            first, last = marks[0], marks[-1]
+            runs.setdefault(n, []).append({
+                "tokens": result.tokens.tolist(), "step_ms": list(result.step_ms),
+                "counters": {k: last[k] - first[k] for k in ("page_ins", "page_in_bytes", "evictions", "captures",
+                                                            "replays", "fallbacks", "invalidations", "uses",
+                                                            "hits", "hit_bytes")},
+                "peak_committed_bytes": last["peak_committed_bytes"]})
+            tick(f"device batch {n}")
+    return {"runs": runs, "summary": summary}
+
+
+def _requests(resolved):
+    from onnx_prep.core.plan.execution_plan import build_prepared_execution_plan
+
+    return build_prepared_execution_plan(resolved).requirements
+
+
+def _device_row(rs: list[dict], cpu_tokens, n: int, options: SweepOptions) -> dict:
+    first = rs[0]
+    c = first["counters"]
+    emitted = n * (options.tokens - 1)
+    total = c["hit_bytes"] + c["page_in_bytes"]
+    return {
+        "bytes_to_device_per_token": c["page_in_bytes"] / emitted,
+        "page_ins_per_token": c["page_ins"] / emitted,
+        "evictions": c["evictions"],
+        "byte_hit_rate": c["hit_bytes"] / total if total else 1.0,
+        "captures": c["captures"], "replays": c["replays"], "fallbacks": c["fallbacks"],
+        "invalidations": c["invalidations"],
+        "counters_identical": all(r["counters"] == c for r in rs),
+        "tokens_per_s": _spread([emitted / (sum(r["step_ms"][1:]) / 1e3) for r in rs]),
+        "peak_committed_bytes": max(r["peak_committed_bytes"] for r in rs),
+        "tokens_identical_to_cpu": all(r["tokens"] == cpu_tokens for r in rs),
+    }

@@ -116,9 +116,9 @@ class LoadProfileOptions:
             if Path(self.trace).is_dir():
                 raise UsageError("--trace names a folder, not a file", Where(file=str(self.trace)))
         if self.device != "cpu":  # the CPU path imports nothing of CUDA
-            from onnx_prep.core.cuda.device_selection import require_device
+            from onnx_prep.core.cuda.device_selection import refuse_on_device, require_device
 
-            require_device(self.device)
+            refuse_on_device("the load profile (profile without --batch-sweep)", require_device(self.device))
         # Last: the policy names live beside the cache reader, which imports numpy and onnx.
         object.__setattr__(self, "cache_policies", parse_policies(",".join(self.cache_policies)))
 

@@ -29,6 +29,14 @@ COLUMNS = (
     ("read_ms", "ms to read one step's paged bytes alone (streaming only)"),
     ("pipelining", "step ms / max(ample step ms, read ms): 1.0 = reads fully hidden"),
     ("ort_tokens_per_s_median", "ONNX Runtime's tokens/s, no budget (with --compare ort)"),
+    ("device_bytes_to_device_per_token", "--device cuda: bytes copied host to device per emitted token"),
+    ("device_page_ins_per_token", "--device cuda: objects paged into device slots per emitted token"),
+    ("device_byte_hit_rate", "--device cuda: of the bytes the decode steps read, the fraction resident"),
+    ("device_captures", "--device cuda: segment graphs captured over the decode steps"),
+    ("device_replays", "--device cuda: segment graphs replayed"),
+    ("device_fallbacks", "--device cuda: segments run eagerly"),
+    ("device_tokens_identical_to_cpu", "--device cuda: the device decoded the CPU's tokens"),
+    ("device_tokens_per_s_median", "--device cuda: emitted tokens per second on the device"),
 )
 
 
@@ -47,7 +55,16 @@ def flat_rows(record: dict) -> list[dict]:
             "peak_prepared_bytes": r["peak_prepared_bytes"], "ample_step_ms": r["ample_step_ms"],
             "read_ms": r["read_ms"], "pipelining": r["pipelining"],
             "ort_tokens_per_s_median": ort.get("median"),
+            **_device_columns(r.get("device")),
         })
+    return out
+
+
+def _device_columns(d: dict | None) -> dict:
+    keys = ("bytes_to_device_per_token", "page_ins_per_token", "byte_hit_rate", "captures", "replays", "fallbacks",
+            "tokens_identical_to_cpu")
+    out = {f"device_{k}": None if d is None else d[k] for k in keys}
+    out["device_tokens_per_s_median"] = None if d is None else d["tokens_per_s"]["median"]
     return out
 
 
