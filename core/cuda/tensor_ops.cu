@@ -31,7 +31,10 @@
 // fp32 follows IEEE-754 as numpy does for +, -, *, / (NVRTC's defaults: -prec-div=true,
 // no fast math); sigmoid is the CPU's 0.5 * (tanh(x / 2) + 1), and tanhf / cosf / sinf
 // are within 2 ulp of the correctly rounded result (CUDA's documented bounds), as
-// numpy's are: these three may differ from the CPU by a few ulp.
+// numpy's are: cos and sin may differ from the CPU by a few ulp. Sigmoid by a few ulp
+// of tanh's result, not of its own: near tanh = -1 (x below about -2) the + 1 cancels,
+// so a 1-ulp difference in tanh (2^-24 there) is 2^-25 absolute, many ulps of a small
+// sigmoid (below x ~ -17 one side may give 0, the other 2^-25); within 2^-22 absolute.
 
 #define THREADS 256
 
