@@ -15,8 +15,11 @@ undefined is refused, loudly, as a :class:`HostKernelFault` naming the block and
 a barrier some threads of the block (or lanes of the warp) reach after others returned
 or never reach (a watchdog ends the wait), a shuffle with a partial mask or in a warp of
 fewer than 32 threads, a misaligned or null ``__ldg``, an argument whose size is not the
-parameter's. ``fmaf`` is C's fused one and ``-ffp-contract=off`` keeps ``a * b + c``
-two roundings, as written.
+parameter's. ``fmaf`` is C's fused one, ``-ffp-contract=off`` keeps ``a * b + c``
+two roundings, as written, and the ``__f*_rn`` intrinsics are the IEEE operations;
+``tanhf``, ``cosf``, ``sinf`` and the like are the host's libm, not CUDA's (both
+within a few ulp of the correctly rounded result: a test holds them to what the
+launcher claims, never to bits).
 
 What this cannot show: the device's memory model (here every access is seen in program
 order after a barrier), alignment faults of plain loads and stores, out-of-bounds
@@ -266,6 +269,15 @@ template <class T> static inline T __ldg(const T *p) {
     }
     return *p;
 }
+// The IEEE round-to-nearest operations (never contracted here either) and conversions.
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fdiv_rn(float a, float b) { return a / b; }
+static inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
+static inline float __fsqrt_rn(float a) { return sqrtf(a); }
+static inline float __ll2float_rn(long long v) { return (float)v; }
+static inline float __int2float_rn(int v) { return (float)v; }
 static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
