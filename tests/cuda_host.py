@@ -4,7 +4,8 @@ launch its entries with the grid, block and arguments the Python launcher decide
 compare what they write with the CPU kernels.
 
 The stand-ins (``PRELUDE``): a block's threads are host threads (one per CUDA thread,
-all of them alive at once, so a barrier among them means what it means on a device);
+all of them alive at once, so a barrier among them means what it means on a device;
+kept between launches, as creating 256 costs more than most launches here);
 the blocks run one after another by the same threads, so a ``__shared__`` array is a
 ``static`` one (one block at a time uses it) and dynamic shared memory one buffer,
 refilled with 0xFF bytes before every block (NaN floats, so a read before a write
@@ -24,8 +25,9 @@ launcher claims, never to bits).
 What this cannot show: the device's memory model (here every access is seen in program
 order after a barrier), alignment faults of plain loads and stores, out-of-bounds
 accesses (they read or corrupt host memory, or crash the process), real warp scheduling
-(lanes here run independently between barriers), the poisoning of static ``__shared__``
-arrays (they hold the previous block's values, zeros for the first), and NVRTC's code:
+(lanes here run independently between barriers, so a race between threads that a
+barrier should order shows only by chance), uninitialised static ``__shared__`` arrays
+(they hold the previous block's values, zeros for the first), and NVRTC's code:
 its contraction of ``a * b + c`` into FMAs (``--fmad=true``), its approximate
 intrinsics, register spills. That is test_cuda_nvrtc.py's and the GPU tests'.
 
@@ -83,28 +85,37 @@ struct Fault { std::string message; };
 
 // A barrier among `expected` threads that knows which of them returned from the kernel:
 // one reaching it after another returned, or returning while others wait, is a fault (a
-// barrier in divergent code: undefined on a device); a wait past the watchdog is one too.
+// barrier in divergent code: undefined on a device); so is a wait the launch's watchdog
+// finds stuck. Atomics and futex waits (C++20's atomic wait): one wake-up for all waiters.
 class Barrier {
   public:
-    void reset(unsigned expected, const char *name) {
-        std::lock_guard<std::mutex> lock(mu_);
-        expected_ = expected, arrived_ = exited_ = 0, broken_ = false, name_ = name;
+    void reset(unsigned expected, const char *name) {  // while no thread is inside
+        expected_ = expected, name_ = name;
+        arrived_ = 0, exited_ = 0, broken_ = false;
     }
-    void wait(const char *what, std::chrono::milliseconds watchdog);
+    void wait(const char *what);
     void exit();
     void brake() {
-        std::lock_guard<std::mutex> lock(mu_);
         broken_ = true;
-        cv_.notify_all();
+        phase_.fetch_add(1);
+        phase_.notify_all();
+    }
+    // what the watchdog reads
+    unsigned arrived() const { return arrived_.load(); }
+    unsigned long phase() const { return phase_.load(); }
+    std::string stuck(long long ms) const {
+        return std::string(what_.load()) + ": " + std::to_string(arrived()) + " of the " + name_ + "'s " +
+               std::to_string(expected_) + " threads waited " + std::to_string(ms) +
+               " ms, the others never came: a barrier in divergent code";
     }
 
   private:
-    std::mutex mu_;
-    std::condition_variable cv_;
-    unsigned expected_ = 0, arrived_ = 0, exited_ = 0;
-    unsigned long phase_ = 0;
-    bool broken_ = false;
+    unsigned expected_ = 0;
     const char *name_ = "";
+    std::atomic<const char *> what_{""};
+    std::atomic<unsigned> arrived_{0}, exited_{0};
+    std::atomic<unsigned long> phase_{0};
+    std::atomic<bool> broken_{false};
 };
 
 struct Launch {
@@ -150,39 +161,29 @@ inline std::string where() {
     throw Fault{};
 }
 
-inline void Barrier::wait(const char *what, std::chrono::milliseconds watchdog) {
-    std::unique_lock<std::mutex> lock(mu_);
+inline void Barrier::wait(const char *what) {
     if (broken_) throw Fault{};
-    if (exited_) {
-        lock.unlock();
-        fault(std::string(what) + " reached after " + std::to_string(exited_) + " thread(s) of the " + name_ +
+    what_ = what;
+    const unsigned long phase = phase_.load();
+    const unsigned arrived = arrived_.fetch_add(1) + 1;
+    if (const unsigned exited = exited_.load())  // after the increment: exit() sees one or the other
+        fault(std::string(what) + " reached after " + std::to_string(exited) + " thread(s) of the " + name_ +
               " returned: a barrier in divergent code");
-    }
-    if (++arrived_ == expected_) {
-        arrived_ = 0, phase_++;
-        cv_.notify_all();
+    if (arrived == expected_) {
+        arrived_ = 0;
+        phase_.fetch_add(1);
+        phase_.notify_all();
         return;
     }
-    const unsigned long phase = phase_;
-    if (!cv_.wait_for(lock, watchdog, [&] { return phase_ != phase || broken_; })) {
-        const unsigned arrived = arrived_;
-        lock.unlock();
-        fault(std::string(what) + ": " + std::to_string(arrived) + " of the " + name_ + "'s " +
-              std::to_string(expected_) + " threads waited " + std::to_string(watchdog.count()) +
-              " ms, the others never came: a barrier in divergent code");
-    }
-    if (phase_ == phase) throw Fault{};  // broken by a fault elsewhere
+    while (phase_.load() == phase) phase_.wait(phase);
+    if (broken_) throw Fault{};  // broken by a fault elsewhere (or the watchdog)
 }
 
 inline void Barrier::exit() {
-    std::unique_lock<std::mutex> lock(mu_);
-    exited_++;
-    if (arrived_ && !broken_) {
-        const unsigned arrived = arrived_;
-        lock.unlock();
+    exited_.fetch_add(1);
+    if (const unsigned arrived = arrived_.load(); arrived && !broken_)
         launch->fail("a thread returned while " + std::to_string(arrived) + " other(s) of the " + name_ +
                      " wait at its barrier: a barrier in divergent code [" + where() + "]");
-    }
 }
 
 inline void check_full_mask(unsigned mask, const char *what) {
@@ -208,9 +209,9 @@ template <class T> T exchange(T v, int src, const char *what) {
     std::memcpy(&bits, &v, sizeof v);
     std::uint64_t *slots = launch->exchange.data() + 32 * warp;
     slots[lane] = bits;
-    launch->warp_sync[warp].wait(what, launch->watchdog);
+    launch->warp_sync[warp].wait(what);
     bits = slots[src < 0 ? lane : src];
-    launch->warp_sync[warp].wait(what, launch->watchdog);
+    launch->warp_sync[warp].wait(what);
     std::memcpy(&v, &bits, sizeof v);
     return v;
 }
@@ -229,10 +230,10 @@ inline void *dynamic_shared() { return launch->dynamic_shared.data(); }
 #define __align__(n) alignas(n)
 #define __shared__ static
 
-static inline void __syncthreads() { cuda_host::launch->block_sync.wait("__syncthreads", cuda_host::launch->watchdog); }
+static inline void __syncthreads() { cuda_host::launch->block_sync.wait("__syncthreads"); }
 static inline void __syncwarp(unsigned mask = 0xffffffffu) {
     cuda_host::check_full_mask(mask, "__syncwarp");
-    cuda_host::launch->warp_sync[cuda_host::warp].wait("__syncwarp", cuda_host::launch->watchdog);
+    cuda_host::launch->warp_sync[cuda_host::warp].wait("__syncwarp");
 }
 template <class T> static inline T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
     cuda_host::check_full_mask(mask, "__shfl_sync");
@@ -306,22 +307,56 @@ class BlockEnd {
   public:
     explicit BlockEnd(unsigned n) : n_(n) {}
     template <class F> void wait(F &&next) {
-        std::unique_lock<std::mutex> lock(mu_);
-        if (++arrived_ == n_) {
+        const unsigned long phase = phase_.load();
+        if (arrived_.fetch_add(1) + 1 == n_) {
             next();
-            arrived_ = 0, phase_++;
-            cv_.notify_all();
+            arrived_ = 0;
+            phase_.fetch_add(1);
+            phase_.notify_all();
             return;
         }
-        const unsigned long phase = phase_;
-        cv_.wait(lock, [&] { return phase_ != phase; });
+        while (phase_.load() == phase) phase_.wait(phase);
     }
 
   private:
-    std::mutex mu_;
-    std::condition_variable cv_;
-    unsigned n_, arrived_ = 0;
-    unsigned long phase_ = 0;
+    unsigned n_;
+    std::atomic<unsigned> arrived_{0};
+    std::atomic<unsigned long> phase_{0};
+};
+
+// Host threads kept for the next launch (creating a block's 256 threads costs more than
+// most launches here): thread i < n runs job(i), then the launch returns. Each thread
+// waits on its own ticket, bumped once per launch it serves (so none can run a launch
+// twice or one it is not in). Never destroyed: its threads wait until the process ends.
+class Pool {
+  public:
+    void run(unsigned n, const std::function<void(unsigned)> &job) {
+        while (workers_.size() < n) {
+            workers_.push_back(new std::atomic<unsigned long>(0));
+            std::thread([this, id = (unsigned)workers_.size() - 1, ticket = workers_.back()] { serve(id, *ticket); })
+                .detach();
+        }
+        job_ = &job;
+        running_ = n;
+        for (unsigned i = 0; i < n; i++) {
+            workers_[i]->fetch_add(1);
+            workers_[i]->notify_one();
+        }
+        for (unsigned left = running_.load(); left; left = running_.load()) running_.wait(left);
+    }
+
+  private:
+    void serve(unsigned id, std::atomic<unsigned long> &ticket) {
+        for (unsigned long seen = 0;; seen++) {
+            ticket.wait(seen);
+            (*job_)(id);
+            if (running_.fetch_sub(1) == 1) running_.notify_all();
+        }
+    }
+
+    std::vector<std::atomic<unsigned long> *> workers_;
+    const std::function<void(unsigned)> *job_ = nullptr;
+    std::atomic<unsigned> running_{0};
 };
 
 void ready_block(Launch &L) {
@@ -374,34 +409,60 @@ extern "C" int cuda_host_launch(const char *name, unsigned gx, unsigned gy, unsi
     blockDim = L.block, gridDim = L.grid;
     cuda_host::ready_block(L);
     cuda_host::BlockEnd block_end(L.threads);
-    bool stop = false;  // read and written under block_end's lock only
-    std::vector<std::thread> pool;
-    pool.reserve(threads);
-    for (unsigned t = 0; t < L.threads; t++)
-        pool.emplace_back([&, t] {
-            threadIdx = {t % bx, (t / bx) % by, t / (bx * by)};
-            cuda_host::lane = t % 32, cuda_host::warp = t / 32;
-            bool stopped = false;
-            for (unsigned z = 0; z < gz && !stopped; z++)
-                for (unsigned y = 0; y < gy && !stopped; y++)
-                    for (unsigned x = 0; x < gx && !stopped; x++) {
-                        blockIdx = {x, y, z};
-                        try {
-                            e->call(params);
-                        } catch (const cuda_host::Fault &) {
-                        } catch (const std::exception &ex) {
-                            L.fail(std::string("a C++ exception: ") + ex.what() + " [" + cuda_host::where() + "]");
-                        }
-                        L.block_sync.exit();
-                        L.warp_sync[cuda_host::warp].exit();
-                        block_end.wait([&] {
-                            stop = L.failed.load();
-                            cuda_host::ready_block(L);
-                        });
-                        stopped = stop;
+    bool stop = false;  // written by the last thread at a block's end, read after it
+    const std::function<void(unsigned)> job = [&](unsigned t) {
+        threadIdx = {t % bx, (t / bx) % by, t / (bx * by)};
+        cuda_host::lane = t % 32, cuda_host::warp = t / 32;
+        bool stopped = false;
+        for (unsigned z = 0; z < gz && !stopped; z++)
+            for (unsigned y = 0; y < gy && !stopped; y++)
+                for (unsigned x = 0; x < gx && !stopped; x++) {
+                    blockIdx = {x, y, z};
+                    try {
+                        e->call(params);
+                    } catch (const cuda_host::Fault &) {
+                    } catch (const std::exception &ex) {
+                        L.fail(std::string("a C++ exception: ") + ex.what() + " [" + cuda_host::where() + "]");
                     }
-        });
-    for (auto &thread : pool) thread.join();
+                    L.block_sync.exit();
+                    L.warp_sync[cuda_host::warp].exit();
+                    block_end.wait([&] {
+                        stop = L.failed.load();
+                        cuda_host::ready_block(L);
+                    });
+                    stopped = stop;
+                }
+    };
+    // The watchdog: a barrier some threads wait at, not completed for watchdog_ms, is a fault.
+    std::mutex watch_mu;
+    std::condition_variable watch_cv;
+    bool done = false;
+    std::thread watchdog([&] {
+        std::vector<cuda_host::Barrier *> barriers{&L.block_sync};
+        for (auto &w : L.warp_sync) barriers.push_back(&w);
+        std::vector<std::pair<unsigned long, std::chrono::steady_clock::time_point>> seen;
+        for (auto *b : barriers) seen.emplace_back(b->phase(), std::chrono::steady_clock::now());
+        std::unique_lock<std::mutex> lock(watch_mu);
+        while (!watch_cv.wait_for(lock, std::chrono::milliseconds(20), [&] { return done; })) {
+            const auto now = std::chrono::steady_clock::now();
+            for (std::size_t i = 0; i < barriers.size(); i++) {
+                const unsigned long phase = barriers[i]->phase();
+                if (!barriers[i]->arrived() || phase != seen[i].first) {
+                    seen[i] = {phase, now};
+                } else if (now - seen[i].second > L.watchdog && !L.failed) {
+                    L.fail(barriers[i]->stuck(L.watchdog.count()));
+                }
+            }
+        }
+    });
+    static cuda_host::Pool *pool = new cuda_host::Pool;
+    pool->run(L.threads, job);
+    {
+        std::lock_guard<std::mutex> lock(watch_mu);
+        done = true;
+    }
+    watch_cv.notify_all();
+    watchdog.join();
     cuda_host::launch = nullptr;
     if (L.failed) return refuse(name + std::string(": ") + L.error);
     return 0;
