@@ -470,8 +470,8 @@ extern "C" int cuda_host_launch(const char *name, unsigned gx, unsigned gy, unsi
 """
 
 SHARED_DECLARATION = re.compile(
-    r"extern\s+__shared__\s+(?:__align__\s*\(\s*\d+\s*\)\s+)?(?P<type>[A-Za-z_][\w\s]*?)\s*(?:__align__\s*\(\s*\d+\s*\)\s*)?"
-    r"(?P<name>[A-Za-z_]\w*)\s*\[\s*\]\s*;")
+    r"extern\s+__shared__\s+(?:__align__\s*\(\s*\d+\s*\)\s+)?(?P<type>[A-Za-z_][\w\s]*?)\s*"
+    r"(?:__align__\s*\(\s*\d+\s*\)\s*)?(?P<name>[A-Za-z_]\w*)\s*\[\s*\]\s*;")
 
 
 class HostKernelFault(AssertionError):
@@ -524,7 +524,8 @@ def compile_host(source: str, entries: Sequence[str], folder: Path) -> HostKerne
     """``source``'s ``entries`` built for the host under ``folder`` (once per digest of
     what is compiled). Raises RuntimeError with the compiler's messages if it fails."""
     table = ",\n    ".join(f'cuda_host::entry("{name}", {name})' for name in entries)
-    unit = PRELUDE + "\n#line 1 \"kernel.cu\"\n" + host_source(source) + "\n#line 1 \"launcher.cpp\"\n" + LAUNCHER.replace("ENTRY_TABLE", table)
+    unit = (PRELUDE + '\n#line 1 "kernel.cu"\n' + host_source(source) + '\n#line 1 "launcher.cpp"\n'
+            + LAUNCHER.replace("ENTRY_TABLE", table))
     digest = hashlib.sha256("\0".join((CXX or "", *FLAGS, unit)).encode()).hexdigest()[:20]
     if digest in _built:
         return _built[digest]

@@ -10,9 +10,9 @@ signed zeros, subnormals), the casts, Transpose, Split, Concat and Gather bit fo
 (a NaN for a NaN: its payload is the hardware's); Cos, Sin within 4 ulp, the GPU test's
 bound, and Sigmoid within 2^-22 absolute (4 ulp of its values in [0.5, 1)), not in
 ulps: its 1 + tanh cancels below x ~ -2, so a few ulps of tanh are many of a small
-sigmoid (tensor_ops.cu's "a few ulp" did not hold for it: this test found it); here the host's tanhf / cosf / sinf stand in for CUDA's,
-so this checks the kernels' formulas and indexing, not CUDA's libm. A Gather index out
-of range gives a row of zeros.
+sigmoid (tensor_ops.cu's "a few ulp" did not hold for it: this test found it). The
+host's tanhf / cosf / sinf stand in for CUDA's, so this checks the kernels' formulas
+and indexing, not CUDA's libm. A Gather index out of range gives a row of zeros.
 
 The fake driver's twins of these entries are numpy itself (fake_cuda_tensor_ops.py):
 this is where the kernels' own offset arithmetic is checked without a GPU. Skipped,
