@@ -270,6 +270,42 @@ template <class T> static inline T __ldg(const T *p) {
     }
     return *p;
 }
+// Atomics on device memory: std::atomic_ref over the same bytes, returning the old value.
+template <class T> static inline T atomicAdd(T *p, T v) { return std::atomic_ref<T>(*p).fetch_add(v); }
+template <class T> static inline T atomicSub(T *p, T v) { return std::atomic_ref<T>(*p).fetch_sub(v); }
+template <class T> static inline T atomicOr(T *p, T v) { return std::atomic_ref<T>(*p).fetch_or(v); }
+template <class T> static inline T atomicAnd(T *p, T v) { return std::atomic_ref<T>(*p).fetch_and(v); }
+template <class T> static inline T atomicXor(T *p, T v) { return std::atomic_ref<T>(*p).fetch_xor(v); }
+template <class T> static inline T atomicExch(T *p, T v) { return std::atomic_ref<T>(*p).exchange(v); }
+template <class T> static inline T atomicCAS(T *p, T expected, T v) {
+    std::atomic_ref<T>(*p).compare_exchange_strong(expected, v);
+    return expected;
+}
+template <class T> static inline T atomicMax(T *p, T v) {
+    std::atomic_ref<T> a(*p);
+    T old = a.load();
+    while (old < v && !a.compare_exchange_weak(old, v)) {}
+    return old;
+}
+template <class T> static inline T atomicMin(T *p, T v) {
+    std::atomic_ref<T> a(*p);
+    T old = a.load();
+    while (v < old && !a.compare_exchange_weak(old, v)) {}
+    return old;
+}
+// CUDA's min / max: fminf / fmaxf for floating point (a NaN loses), else the usual
+// arithmetic conversions' common type (int with unsigned compares as unsigned, as there).
+template <class A, class B> static inline auto min(A a, B b) {
+    using T = std::common_type_t<A, B>;
+    if constexpr (std::is_floating_point_v<T>) return std::fmin((T)a, (T)b);
+    else return (T)a < (T)b ? (T)a : (T)b;
+}
+template <class A, class B> static inline auto max(A a, B b) {
+    using T = std::common_type_t<A, B>;
+    if constexpr (std::is_floating_point_v<T>) return std::fmax((T)a, (T)b);
+    else return (T)a < (T)b ? (T)b : (T)a;
+}
+
 // The IEEE round-to-nearest operations (never contracted here either) and conversions.
 static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }

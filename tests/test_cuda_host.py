@@ -1,7 +1,8 @@
 """The host emulation of CUDA kernels (tests/cuda_host.py) on small kernels written for
 it: each stand-in does what CUDA documents (thread and block indices in three
 dimensions, ``__syncthreads`` ordering shared memory, the four shuffles at every width,
-dynamic shared memory poisoned before each block, ``fmaf`` fused and ``a * b + c`` not),
+dynamic shared memory poisoned before each block, ``fmaf`` fused and ``a * b + c`` not,
+atomics from every thread, CUDA's ``min`` / ``max``),
 and what CUDA leaves undefined is refused, naming the block and thread: a barrier in
 divergent code (returned early, or never reached: the watchdog), partial masks and
 warps, a misaligned ``__ldg``, an argument of the wrong size, an unknown entry.
@@ -68,6 +69,24 @@ extern "C" __global__ void fused(const float *abc, float *out) {
     out[1] = abc[0] * abc[1] + abc[2];
 }
 
+// every thread of 4 blocks: its bit, its count and its index into one word each
+extern "C" __global__ void atomics(unsigned *word, int *count, int *hi, int *lo, float *sum) {
+    const int t = threadIdx.x + blockIdx.x * blockDim.x;
+    atomicOr(word + t / 32, 1u << (t % 32));
+    atomicAdd(count, 1);
+    atomicMax(hi, t);
+    atomicMin(lo, -t);
+    atomicAdd(sum, 0.5f);
+}
+
+extern "C" __global__ void minmax(float *out) {
+    const unsigned u = 3u;
+    out[0] = min(-1, u) == 3u ? 1.0f : 0.0f;  // int with unsigned: compared as unsigned, as in CUDA
+    out[1] = min(2.0f, __int_as_float(0x7fc00000));  // fminf: the NaN loses
+    out[2] = max(-2, 5);
+    out[3] = max(1.5f, -2.0f);
+}
+
 extern "C" __global__ void partial_mask(float *out) { out[threadIdx.x] = __shfl_sync(0xffffu, 1.0f, 0); }
 extern "C" __global__ void warp_op(float *out) { out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1.0f, 1); }
 extern "C" __global__ void returns_before_barrier(float *out) {
@@ -87,8 +106,8 @@ extern "C" __global__ void never_met(float *out) {  // 64 threads: a barrier eac
 }
 extern "C" __global__ void misaligned(const float *in, float *out) { out[0] = __ldg((const float4 *)(in + 1)).x; }
 """
-ENTRIES = ("indices", "rounds", "shuffles", "dynamic", "fused", "partial_mask", "warp_op", "returns_before_barrier",
-           "half_warp_shuffle", "never_met", "misaligned")
+ENTRIES = ("indices", "rounds", "shuffles", "dynamic", "fused", "atomics", "minmax", "partial_mask", "warp_op",
+           "returns_before_barrier", "half_warp_shuffle", "never_met", "misaligned")
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +177,17 @@ def test_fmaf_is_fused_and_a_multiply_add_is_not_contracted(kernels):
     abc, out = np.array([a, a, -(1 + 2**-11)], np.float32), np.zeros(2, np.float32)
     kernels.launch("fused", (1, 1, 1), (1, 1, 1), 0, [(P, addr(abc)), (P, addr(out))])
     assert out.tolist() == [2**-24, 0.0]  # one rounding; two (a * a rounds to 1 + 2^-11)
+
+
+def test_atomics_from_every_thread_and_cudas_min_max(kernels):
+    word, count, lo = np.zeros(32, np.uint32), np.zeros(1, np.int32), np.zeros(1, np.int32)
+    hi, total = np.full(1, -1, np.int32), np.zeros(1, np.float32)
+    kernels.launch("atomics", (4, 1, 1), (256, 1, 1), 0,
+                   [(P, addr(word)), (P, addr(count)), (P, addr(hi)), (P, addr(lo)), (P, addr(total))])
+    assert (word == 0xFFFFFFFF).all() and count[0] == 1024 and hi[0] == 1023 and lo[0] == -1023 and total[0] == 512
+    out = np.zeros(4, np.float32)
+    kernels.launch("minmax", (1, 1, 1), (1, 1, 1), 0, [(P, addr(out))])
+    assert out.tolist() == [1.0, 2.0, 5.0, 1.5]
 
 
 @pytest.mark.parametrize("entry,block,message", [
