@@ -45,6 +45,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 CXX = shutil.which("g++") or shutil.which("c++")
@@ -556,9 +557,14 @@ class HostKernels:
 _built: dict[str, HostKernels] = {}
 
 
-def compile_host(source: str, entries: Sequence[str], folder: Path) -> HostKernels:
-    """``source``'s ``entries`` built for the host under ``folder`` (once per digest of
-    what is compiled). Raises RuntimeError with the compiler's messages if it fails."""
+ENTRY = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(')
+
+
+def compile_host(source: str, entries: Sequence[str] | None, folder: Path) -> HostKernels:
+    """``source``'s ``entries`` (None: every ``extern "C" __global__`` function in it)
+    built for the host under ``folder`` (once per digest of what is compiled). Raises
+    RuntimeError with the compiler's messages if it fails."""
+    entries = tuple(sorted(set(ENTRY.findall(source) if entries is None else entries)))  # one build per set
     table = ",\n    ".join(f'cuda_host::entry("{name}", {name})' for name in entries)
     unit = (PRELUDE + '\n#line 1 "kernel.cu"\n' + host_source(source) + '\n#line 1 "launcher.cpp"\n'
             + LAUNCHER.replace("ENTRY_TABLE", table))
@@ -601,3 +607,85 @@ def host_kernels(tmp_path_factory, source: str, entries: Sequence[str]) -> HostK
         return compile_host(source, entries, tmp_path_factory.getbasetemp() / "cuda_host")
     except RuntimeError as exc:
         pytest.fail(f"the kernels did not build for the host:\n{exc}")
+
+
+class HostDriver:
+    """The driver calls a launcher class (DeviceTensorOps, DeviceDecoderOps, ...) and
+    the tests' buffers make, on the host: "device" memory is host memory (numpy
+    buffers, 256-byte aligned as cuMemAlloc's), a module is the source built by
+    :func:`compile_host`, a launch runs to completion at once (a valid order of one
+    stream's work), a synchronisation has nothing left to wait for. Only what those
+    need; the slot pool's virtual memory calls and graphs are not here."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._memory: dict[int, np.ndarray] = {}
+        self.launched: list[str] = []
+
+    def init(self) -> None:
+        pass
+
+    def use_device(self, ordinal: int) -> None:
+        pass
+
+    def mem_alloc(self, nbytes: int) -> int:
+        buf = np.zeros(nbytes + 256, np.uint8)
+        address = buf.ctypes.data + (-buf.ctypes.data % 256)
+        self._memory[address] = buf
+        return address
+
+    def mem_free(self, address: int) -> None:
+        del self._memory[address]
+
+    def host_alloc(self, nbytes: int) -> np.ndarray:
+        return np.zeros(nbytes, np.uint8)
+
+    def host_free(self, host) -> None:
+        pass
+
+    def copy_to_device(self, address: int, data) -> None:
+        data = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        ctypes.memmove(address, data.ctypes.data, data.nbytes)
+
+    def copy_to_host(self, address: int, nbytes: int) -> bytes:
+        return ctypes.string_at(address, nbytes)
+
+    def copy_to_device_async(self, address: int, host, stream) -> None:
+        self.copy_to_device(address, host)
+
+    def copy_to_host_async(self, host, address: int, stream) -> None:
+        host = np.asarray(host).view(np.uint8).reshape(-1)
+        ctypes.memmove(host.ctypes.data, address, host.nbytes)
+
+    def stream_create(self):
+        return object()
+
+    def stream_synchronize(self, stream) -> None:
+        pass
+
+    def stream_destroy(self, stream) -> None:
+        pass
+
+    def module_from_source(self, source: str, name: str, ordinal: int) -> HostKernels:
+        return compile_host(source, None, self.folder)
+
+    def module_function(self, module: HostKernels, name: str):
+        if name not in module.entries:
+            raise HostKernelFault(f"no entry named {name} in the module (it has {', '.join(module.entries)})")
+        return module, name
+
+    def module_unload(self, module) -> None:
+        pass
+
+    def launch(self, function, grid, block, shared_bytes: int, stream, args) -> None:
+        module, name = function
+        self.launched.append(name)
+        module.launch(name, grid, block, shared_bytes, args)
+
+
+def host_driver(tmp_path_factory) -> HostDriver:
+    """For a fixture: a :class:`HostDriver`, or the test skipped where no C++20 compiler is."""
+    missing = cxx20_missing()
+    if missing:
+        pytest.skip(missing)
+    return HostDriver(tmp_path_factory.getbasetemp() / "cuda_host")

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cuda_host import host_kernels
+from cuda_host import host_driver, host_kernels
 
-from onnx_prep.core.cuda.device_tensor_ops import (ENTRIES, PARAMS, THREADS, kernel_source, plan_binary, plan_cast,
-                                                   plan_concat, plan_gather, plan_split, plan_transpose, plan_unary)
+from onnx_prep.core.cuda.device_tensor_ops import (ENTRIES, PARAMS, THREADS, DeviceTensorOps, kernel_source,
+                                                   plan_binary, plan_cast, plan_concat, plan_gather, plan_split,
+                                                   plan_transpose, plan_unary)
 from onnx_prep.core.ops import elementwise
 
 GARBAGE = 0x7FBADBAD  # a NaN: an element the kernel should have written and did not shows
@@ -192,3 +193,25 @@ def test_a_misdescribed_launch_is_caught(kernels):
     kernels.launch(plan.name, plan.grid, plan.block, 0, args)
     with pytest.raises(AssertionError, match="elements differ"):
         assert_same(y.get(), np.ascontiguousarray(x.T), "misdescribed")
+
+
+def test_device_tensor_ops_run_through_the_host_driver(tmp_path_factory):
+    """DeviceTensorOps itself (its module compiled through the driver protocol, its
+    launches queued on a stream) on cuda_host.HostDriver: what a launcher class's
+    emulated test stands on."""
+    d = host_driver(tmp_path_factory)
+    ops, stream = DeviceTensorOps(d), d.stream_create()
+    rng = np.random.default_rng(4)
+    a, b = specials(rng, (3, 1, 70)), specials(rng, (5, 1))
+    ya, yt = d.mem_alloc(3 * 5 * 70 * 4), d.mem_alloc(4 * 3 * 70)
+    xa, xb = d.mem_alloc(a.nbytes), d.mem_alloc(b.nbytes)
+    d.copy_to_device(xa, a)
+    d.copy_to_device(xb, b)
+    ops.binary(stream, "Mul", ya, xa, a.shape, xb, b.shape)
+    ops.transpose(stream, yt, xa, a.shape, (2, 1, 0))
+    d.stream_synchronize(stream)
+    with np.errstate(all="ignore"):
+        assert_same(np.frombuffer(d.copy_to_host(ya, 3 * 5 * 70 * 4), np.float32).reshape(3, 5, 70), a * b, "Mul")
+    assert_same(np.frombuffer(d.copy_to_host(yt, 4 * 3 * 70), np.float32).reshape(70, 1, 3), a.transpose(2, 1, 0),
+                "transpose")
+    assert d.launched == ["mul_f32", "copy_strided_b32"]
