@@ -3,44 +3,51 @@ unchanged, built as C++ with a few definitions standing in for CUDA's, so a test
 launch its entries with the grid, block and arguments the Python launcher decides and
 compare what they write with the CPU kernels.
 
-The stand-ins (``PRELUDE``): a block's threads are host threads (one per CUDA thread,
-all of them alive at once, so a barrier among them means what it means on a device;
-kept between launches, as creating 256 costs more than most launches here);
-the blocks run one after another by the same threads, so a ``__shared__`` array is a
-``static`` one (one block at a time uses it) and dynamic shared memory one buffer,
-refilled with 0xFF bytes before every block (NaN floats, so a read before a write
-shows). ``__syncthreads`` is a barrier among the block's threads and ``__syncwarp`` and
-the ``__shfl_*_sync`` shuffles one among a warp's 32 lanes (the consecutive linear
-thread ids, as CUDA numbers them) over a per-warp exchange array. What CUDA leaves
-undefined is refused, loudly, as a :class:`HostKernelFault` naming the block and thread:
-a barrier some threads of the block (or lanes of the warp) reach after others returned
-or never reach (a watchdog ends the wait), a shuffle with a partial mask or in a warp of
-fewer than 32 threads, a misaligned or null ``__ldg``, an argument whose size is not the
-parameter's. ``fmaf`` is C's fused one, ``-ffp-contract=off`` keeps ``a * b + c``
+The stand-ins (``PRELUDE``): each CUDA thread of a block is a fiber (its own stack,
+switched by ``cuda_host_switch``, a few instructions) on the launching host thread;
+the blocks run one after another, so a ``__shared__`` array is a ``static`` one (one
+block at a time uses it) and dynamic shared memory one buffer, refilled with 0xFF
+bytes before every block (NaN floats, so a read before a write shows).
+``__syncthreads`` is a barrier among the block's fibers and ``__syncwarp`` and the
+``__shfl_*_sync`` shuffles one among a warp's 32 lanes (the consecutive linear thread
+ids, as CUDA numbers them) over a per-warp exchange array. The scheduler runs every
+ready fiber until it waits at a barrier or returns, in ascending then descending order
+by turns: a missing barrier shows deterministically (a thread reads what its
+neighbour on either side did or did not write yet), not by chance as with OS threads,
+and the shuffles cost nothing like a thread switch each. What CUDA leaves undefined is
+refused, loudly, as a :class:`HostKernelFault` naming the block and thread: a barrier
+some threads of the block (or lanes of the warp) reach after others returned, or that
+none can complete (every fiber left waits), a shuffle with a partial mask or in a warp
+of fewer than 32 threads, a misaligned or null ``__ldg``, an argument whose size is not
+the parameter's. ``fmaf`` is C's fused one, ``-ffp-contract=off`` keeps ``a * b + c``
 two roundings, as written, and the ``__f*_rn`` intrinsics are the IEEE operations;
-``tanhf``, ``cosf``, ``sinf`` and the like are the host's libm, not CUDA's (both
-within a few ulp of the correctly rounded result: a test holds them to what the
+``tanhf``, ``cosf``, ``sinf``, ``expf`` and the like are the host's libm, not CUDA's
+(both within a few ulp of the correctly rounded result: a test holds them to what the
 launcher claims, never to bits).
 
-What this cannot show: the device's memory model (here every access is seen in program
-order after a barrier), alignment faults of plain loads and stores, out-of-bounds
-accesses (they read or corrupt host memory, or crash the process), real warp scheduling
-(lanes here run independently between barriers, so a race between threads that a
-barrier should order shows only by chance), uninitialised static ``__shared__`` arrays
-(they hold the previous block's values, zeros for the first), and NVRTC's code:
-its contraction of ``a * b + c`` into FMAs (``--fmad=true``), its approximate
-intrinsics, register spills. That is test_cuda_nvrtc.py's and the GPU tests'.
+What this cannot show: the device's memory model (here every write is seen by the next
+fiber to run), alignment faults of plain loads and stores, out-of-bounds accesses
+(they read or corrupt host memory, or crash the process), real warp scheduling (lanes
+run one after another between barriers: a race between threads that no barrier
+orders shows only in the two orders tried), uninitialised static ``__shared__`` arrays
+(they hold the previous block's values, zeros for the first), and NVRTC's code: its
+contraction of ``a * b + c`` into FMAs (``--fmad=true``), its approximate intrinsics,
+register spills. That is test_cuda_nvrtc*.py's and the GPU tests'.
 
 A source is compiled once per process (cached by the digest of what is compiled, in the
 pytest session's temp folder) with ``g++ -std=c++20 -O1``; a test module asks for it
-through :func:`host_kernels`, which skips, saying so, where no C++20 compiler is."""
+through :func:`host_kernels` (or :func:`host_driver`, for a launcher class), which
+skip, saying so, where no C++20 compiler is or the host is not x86-64 Linux (the
+fiber switch is written for it)."""
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import platform
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -51,21 +58,20 @@ import pytest
 CXX = shutil.which("g++") or shutil.which("c++")
 FLAGS = ("-std=c++20", "-O1", "-fno-strict-aliasing", "-ffp-contract=off", "-Wno-unknown-pragmas", "-shared",
          "-fPIC", "-pthread")
-WATCHDOG_MS = 30_000  # a barrier waited on this long is one some threads never reach
 
 PRELUDE = r"""
+#include <sys/mman.h>
+
 #include <atomic>
-#include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <functional>
 #include <mutex>
+#include <new>
 #include <string>
-#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -81,72 +87,61 @@ static inline float4 make_float4(float x, float y, float z, float w) { return {x
 constexpr int warpSize = 32;
 
 namespace cuda_host {
-// Thrown through the kernel's code: the launch ends, its message (empty: already recorded) reported.
-struct Fault { std::string message; };
+// Thrown through the kernel's code: the fiber's launch failed (its message already recorded).
+struct Fault {};
+struct Barrier;
 
-// A barrier among `expected` threads that knows which of them returned from the kernel:
+// One CUDA thread: a fiber with its own stack on the launching host thread. The
+// scheduler runs each ready fiber until it waits at a barrier or returns.
+struct Fiber {
+    void *sp = nullptr;
+    char *stack = nullptr;
+    unsigned id = 0;
+    enum { Ready, Waiting, Done } state = Done;
+};
+
+struct Launch;
+inline Launch *launch = nullptr;
+inline Fiber *current = nullptr;
+inline void *scheduler_sp = nullptr;
+inline unsigned lane = 0, warp = 0;
+extern "C" void cuda_host_switch(void **save, void *to);
+inline void yield() { cuda_host_switch(&current->sp, scheduler_sp); }
+
+std::string where();
+void fail(const std::string &message);
+bool failed();
+
+// A barrier among `expected` fibers that knows which of them returned from the kernel:
 // one reaching it after another returned, or returning while others wait, is a fault (a
-// barrier in divergent code: undefined on a device); so is a wait the launch's watchdog
-// finds stuck. Atomics and futex waits (C++20's atomic wait): one wake-up for all waiters.
-class Barrier {
-  public:
-    void reset(unsigned expected, const char *name) {  // while no thread is inside
-        expected_ = expected, name_ = name;
-        arrived_ = 0, exited_ = 0, broken_ = false;
-    }
-    void wait(const char *what);
-    void exit();
-    void brake() {
-        broken_ = true;
-        phase_.fetch_add(1);
-        phase_.notify_all();
-    }
-    // what the watchdog reads
-    unsigned arrived() const { return arrived_.load(); }
-    unsigned long phase() const { return phase_.load(); }
-    std::string stuck(long long ms) const {
-        return std::string(what_.load()) + ": " + std::to_string(arrived()) + " of the " + name_ + "'s " +
-               std::to_string(expected_) + " threads waited " + std::to_string(ms) +
-               " ms, the others never came: a barrier in divergent code";
-    }
+// barrier in divergent code: undefined on a device); so is one no ready fiber can
+// complete (the scheduler finds it: every fiber left waits).
+struct Barrier {
+    unsigned expected = 0, arrived = 0, exited = 0;
+    const char *name = "", *what = "";
+    std::vector<Fiber *> waiters;
 
-  private:
-    unsigned expected_ = 0;
-    const char *name_ = "";
-    std::atomic<const char *> what_{""};
-    std::atomic<unsigned> arrived_{0}, exited_{0};
-    std::atomic<unsigned long> phase_{0};
-    std::atomic<bool> broken_{false};
+    void reset(unsigned n, const char *kind) {
+        expected = n, name = kind, arrived = exited = 0, what = "";
+        waiters.clear();
+    }
+    void wait(const char *at);
+    void exit();
 };
 
 struct Launch {
     dim3 grid, block;
     unsigned threads = 0, warps = 0;
-    std::chrono::milliseconds watchdog{0};
     Barrier block_sync;
     std::vector<Barrier> warp_sync;
     std::vector<std::uint64_t> exchange;  // [warp][lane]
     std::vector<std::max_align_t> dynamic_shared;
-    std::size_t dynamic_bytes = 0;
-    std::mutex error_mu;
     std::string error;
-    std::atomic<bool> failed{false};
-
-    void fail(const std::string &message) {
-        {
-            std::lock_guard<std::mutex> lock(error_mu);
-            if (error.empty()) error = message;
-        }
-        failed = true;
-        block_sync.brake();
-        for (auto &w : warp_sync) w.brake();
-    }
+    bool failed = false;
 };
-inline Launch *launch = nullptr;
-inline thread_local unsigned lane = 0, warp = 0;
 }  // namespace cuda_host
 
-inline thread_local uint3 threadIdx, blockIdx;
+inline uint3 threadIdx, blockIdx;
 inline dim3 blockDim, gridDim;
 
 namespace cuda_host {
@@ -157,34 +152,40 @@ inline std::string where() {
     return text;
 }
 
+inline void fail(const std::string &message) {
+    if (!launch->failed) launch->error = message;
+    launch->failed = true;
+}
+inline bool failed() { return launch->failed; }
+
 [[noreturn]] inline void fault(const std::string &message) {
-    launch->fail(message + " [" + where() + "]");
+    fail(message + " [" + where() + "]");
     throw Fault{};
 }
 
-inline void Barrier::wait(const char *what) {
-    if (broken_) throw Fault{};
-    what_ = what;
-    const unsigned long phase = phase_.load();
-    const unsigned arrived = arrived_.fetch_add(1) + 1;
-    if (const unsigned exited = exited_.load())  // after the increment: exit() sees one or the other
-        fault(std::string(what) + " reached after " + std::to_string(exited) + " thread(s) of the " + name_ +
+inline void Barrier::wait(const char *at) {
+    if (launch->failed) throw Fault{};
+    if (exited)
+        fault(std::string(at) + " reached after " + std::to_string(exited) + " thread(s) of the " + name +
               " returned: a barrier in divergent code");
-    if (arrived == expected_) {
-        arrived_ = 0;
-        phase_.fetch_add(1);
-        phase_.notify_all();
+    what = at;
+    if (++arrived == expected) {  // the last: every waiter is ready again, this one goes on
+        arrived = 0;
+        for (Fiber *f : waiters) f->state = Fiber::Ready;
+        waiters.clear();
         return;
     }
-    while (phase_.load() == phase) phase_.wait(phase);
-    if (broken_) throw Fault{};  // broken by a fault elsewhere (or the watchdog)
+    current->state = Fiber::Waiting;
+    waiters.push_back(current);
+    yield();
+    if (launch->failed) throw Fault{};
 }
 
 inline void Barrier::exit() {
-    exited_.fetch_add(1);
-    if (const unsigned arrived = arrived_.load(); arrived && !broken_)
-        launch->fail("a thread returned while " + std::to_string(arrived) + " other(s) of the " + name_ +
-                     " wait at its barrier: a barrier in divergent code [" + where() + "]");
+    exited++;
+    if (arrived && !launch->failed)
+        fail("a thread returned while " + std::to_string(arrived) + " other(s) of the " + name +
+             " wait at its barrier: a barrier in divergent code [" + where() + "]");
 }
 
 inline void check_full_mask(unsigned mask, const char *what) {
@@ -325,6 +326,40 @@ static inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); retur
 # After the kernel's source: each entry's parameters unpacked from kernelParams (as
 # cuLaunchKernel takes them), their sizes checked, and the launch.
 LAUNCHER = r"""
+// x86-64 System V: save the callee-saved registers, MXCSR and the x87 control word on
+// this stack, store its pointer in *save, continue on `to`'s (cuda_host_switch's own
+// frame there, or a new fiber's first frame).
+__asm__(R"(
+    .text
+    .globl cuda_host_switch
+    .type cuda_host_switch, @function
+cuda_host_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size cuda_host_switch, .-cuda_host_switch
+    .section .note.GNU-stack,"",@progbits
+    .text
+)");
+
 namespace cuda_host {
 struct Entry {
     const char *name;
@@ -339,68 +374,95 @@ template <class... Args> Entry entry(const char *name, void (*f)(Args...)) {
     return {name, {sizeof(Args)...}, [f](void **params) { call_with(f, params, std::index_sequence_for<Args...>{}); }};
 }
 
-// All the threads meet here after each block; the last to come readies the next block.
-class BlockEnd {
-  public:
-    explicit BlockEnd(unsigned n) : n_(n) {}
-    template <class F> void wait(F &&next) {
-        const unsigned long phase = phase_.load();
-        if (arrived_.fetch_add(1) + 1 == n_) {
-            next();
-            arrived_ = 0;
-            phase_.fetch_add(1);
-            phase_.notify_all();
-            return;
-        }
-        while (phase_.load() == phase) phase_.wait(phase);
+constexpr std::size_t STACK = 256 << 10;  // per fiber, a guard page below it
+inline const Entry *running_entry = nullptr;
+inline void **running_params = nullptr;
+
+// A fiber's first frame (entered by cuda_host_switch's ret): the kernel, then its end.
+void fiber_main() {
+    Fiber *f = current;
+    try {
+        running_entry->call(running_params);
+    } catch (const Fault &) {
+    } catch (const std::exception &ex) {
+        fail(std::string("a C++ exception: ") + ex.what() + " [" + where() + "]");
     }
+    launch->block_sync.exit();
+    launch->warp_sync[warp].exit();
+    f->state = Fiber::Done;
+    yield();
+    std::abort();  // a finished fiber is never resumed
+}
 
-  private:
-    unsigned n_;
-    std::atomic<unsigned> arrived_{0};
-    std::atomic<unsigned long> phase_{0};
-};
+void start(Fiber &f) {
+    char *top = f.stack + STACK;  // 16-byte aligned: the mapping is page-aligned
+    void **frame = reinterpret_cast<void **>(top - 72);
+    const std::uint32_t control[2] = {0x1F80u, 0x037Fu};  // MXCSR and x87 control word at power-on
+    std::memcpy(frame, control, 8);
+    for (int r = 1; r <= 6; r++) frame[r] = nullptr;  // r15 .. rbp
+    frame[7] = reinterpret_cast<void *>(&fiber_main);  // at top - 16: entered with rsp = 8 (mod 16)
+    f.sp = frame;
+    f.state = Fiber::Ready;
+}
 
-// Host threads kept for the next launch (creating a block's 256 threads costs more than
-// most launches here): thread i < n runs job(i), then the launch returns. Each thread
-// waits on its own ticket, bumped once per launch it serves (so none can run a launch
-// twice or one it is not in). Never destroyed: its threads wait until the process ends.
-class Pool {
-  public:
-    void run(unsigned n, const std::function<void(unsigned)> &job) {
-        while (workers_.size() < n) {
-            workers_.push_back(new std::atomic<unsigned long>(0));
-            std::thread([this, id = (unsigned)workers_.size() - 1, ticket = workers_.back()] { serve(id, *ticket); })
-                .detach();
-        }
-        job_ = &job;
-        running_ = n;
-        for (unsigned i = 0; i < n; i++) {
-            workers_[i]->fetch_add(1);
-            workers_[i]->notify_one();
-        }
-        for (unsigned left = running_.load(); left; left = running_.load()) running_.wait(left);
+// The fibers, kept for the next launch (their stacks mapped once).
+std::vector<Fiber> &fibers(unsigned n) {
+    static std::vector<Fiber> *all = new std::vector<Fiber>;
+    while (all->size() < n) {
+        char *map = static_cast<char *>(mmap(nullptr, STACK + 4096, PROT_READ | PROT_WRITE,
+                                             MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0));
+        if (map == MAP_FAILED) throw std::bad_alloc();
+        mprotect(map, 4096, PROT_NONE);
+        all->push_back(Fiber{});
+        all->back().stack = map + 4096;
+        all->back().id = (unsigned)all->size() - 1;
     }
+    return *all;
+}
 
-  private:
-    void serve(unsigned id, std::atomic<unsigned long> &ticket) {
-        for (unsigned long seen = 0;; seen++) {
-            ticket.wait(seen);
-            (*job_)(id);
-            if (running_.fetch_sub(1) == 1) running_.notify_all();
-        }
-    }
+void enter(Fiber &f) {
+    const dim3 b = launch->block;
+    threadIdx = {f.id % b.x, (f.id / b.x) % b.y, f.id / (b.x * b.y)};
+    lane = f.id % 32, warp = f.id / 32;
+    current = &f;
+    cuda_host_switch(&scheduler_sp, f.sp);
+}
 
-    std::vector<std::atomic<unsigned long> *> workers_;
-    const std::function<void(unsigned)> *job_ = nullptr;
-    std::atomic<unsigned> running_{0};
-};
-
-void ready_block(Launch &L) {
+// One block: every fiber started, then sweeps (ascending, then descending, ...: an order
+// a missing barrier cannot hide behind) running each ready one until it waits or
+// returns; a sweep with none ready while some wait is a barrier they cannot complete.
+void run_block(Launch &L, std::vector<Fiber> &fs) {
     L.block_sync.reset(L.threads, "block");
     for (unsigned w = 0; w < L.warps; w++)
         L.warp_sync[w].reset(w + 1 < L.warps || L.threads % 32 == 0 ? 32 : L.threads % 32, "warp");
     std::memset(L.dynamic_shared.data(), 0xFF, L.dynamic_shared.size() * sizeof(std::max_align_t));
+    for (unsigned t = 0; t < L.threads; t++) start(fs[t]);
+    for (bool up = true;; up = !up) {
+        for (unsigned i = 0; i < L.threads; i++) {
+            Fiber &f = fs[up ? i : L.threads - 1 - i];
+            if (f.state == Fiber::Ready) enter(f);
+        }
+        bool ready = false, waiting = false;
+        for (unsigned t = 0; t < L.threads; t++)
+            ready |= fs[t].state == Fiber::Ready, waiting |= fs[t].state == Fiber::Waiting;
+        if (!ready && !waiting) return;
+        if (ready) continue;
+        if (!L.failed) {  // every fiber left waits: a barrier none can complete
+            const Barrier *stuck = L.block_sync.waiters.empty() ? nullptr : &L.block_sync;
+            for (auto &w : L.warp_sync)
+                if (!stuck && !w.waiters.empty()) stuck = &w;
+            const Fiber *first = stuck->waiters.front();
+            const dim3 b = L.block;
+            char at[80];
+            std::snprintf(at, sizeof at, " [block (%u,%u,%u) thread (%u,%u,%u)]", blockIdx.x, blockIdx.y, blockIdx.z,
+                          first->id % b.x, (first->id / b.x) % b.y, first->id / (b.x * b.y));
+            fail(std::string(stuck->what) + ": " + std::to_string(stuck->waiters.size()) + " of the " + stuck->name +
+                 "'s " + std::to_string(stuck->expected) +
+                 " threads wait, the others never come: a barrier in divergent code" + at);
+        }
+        for (unsigned t = 0; t < L.threads; t++)  // the launch failed: the waiters throw Fault
+            if (fs[t].state == Fiber::Waiting) fs[t].state = Fiber::Ready;
+    }
 }
 }  // namespace cuda_host
 
@@ -408,10 +470,10 @@ static const cuda_host::Entry cuda_host_entries[] = {
     ENTRY_TABLE
 };
 
-// 0 when the kernel ran; else 1 and `error` says why (nothing of the launch is left running).
+// 0 when the kernel ran; else 1 and `error` says why.
 extern "C" int cuda_host_launch(const char *name, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                                 unsigned bz, std::size_t shared_bytes, void **params, const std::size_t *sizes,
-                                int n_params, unsigned watchdog_ms, char *error, std::size_t error_size) {
+                                int n_params, char *error, std::size_t error_size) {
     static std::mutex one_at_a_time;
     std::lock_guard<std::mutex> guard(one_at_a_time);
     auto refuse = [&](const std::string &message) {
@@ -437,69 +499,19 @@ extern "C" int cuda_host_launch(const char *name, unsigned gx, unsigned gy, unsi
     cuda_host::Launch L;
     L.grid = {gx, gy, gz}, L.block = {bx, by, bz};
     L.threads = (unsigned)threads, L.warps = (unsigned)((threads + 31) / 32);
-    L.watchdog = std::chrono::milliseconds(watchdog_ms);
     L.warp_sync = std::vector<cuda_host::Barrier>(L.warps);
     L.exchange.assign(32 * L.warps, 0);
     L.dynamic_shared.resize((shared_bytes + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t) + 1);
-    L.dynamic_bytes = shared_bytes;
+    std::vector<cuda_host::Fiber> &fs = cuda_host::fibers(L.threads);
     cuda_host::launch = &L;
+    cuda_host::running_entry = e, cuda_host::running_params = params;
     blockDim = L.block, gridDim = L.grid;
-    cuda_host::ready_block(L);
-    cuda_host::BlockEnd block_end(L.threads);
-    bool stop = false;  // written by the last thread at a block's end, read after it
-    const std::function<void(unsigned)> job = [&](unsigned t) {
-        threadIdx = {t % bx, (t / bx) % by, t / (bx * by)};
-        cuda_host::lane = t % 32, cuda_host::warp = t / 32;
-        bool stopped = false;
-        for (unsigned z = 0; z < gz && !stopped; z++)
-            for (unsigned y = 0; y < gy && !stopped; y++)
-                for (unsigned x = 0; x < gx && !stopped; x++) {
-                    blockIdx = {x, y, z};
-                    try {
-                        e->call(params);
-                    } catch (const cuda_host::Fault &) {
-                    } catch (const std::exception &ex) {
-                        L.fail(std::string("a C++ exception: ") + ex.what() + " [" + cuda_host::where() + "]");
-                    }
-                    L.block_sync.exit();
-                    L.warp_sync[cuda_host::warp].exit();
-                    block_end.wait([&] {
-                        stop = L.failed.load();
-                        cuda_host::ready_block(L);
-                    });
-                    stopped = stop;
-                }
-    };
-    // The watchdog: a barrier some threads wait at, not completed for watchdog_ms, is a fault.
-    std::mutex watch_mu;
-    std::condition_variable watch_cv;
-    bool done = false;
-    std::thread watchdog([&] {
-        std::vector<cuda_host::Barrier *> barriers{&L.block_sync};
-        for (auto &w : L.warp_sync) barriers.push_back(&w);
-        std::vector<std::pair<unsigned long, std::chrono::steady_clock::time_point>> seen;
-        for (auto *b : barriers) seen.emplace_back(b->phase(), std::chrono::steady_clock::now());
-        std::unique_lock<std::mutex> lock(watch_mu);
-        while (!watch_cv.wait_for(lock, std::chrono::milliseconds(20), [&] { return done; })) {
-            const auto now = std::chrono::steady_clock::now();
-            for (std::size_t i = 0; i < barriers.size(); i++) {
-                const unsigned long phase = barriers[i]->phase();
-                if (!barriers[i]->arrived() || phase != seen[i].first) {
-                    seen[i] = {phase, now};
-                } else if (now - seen[i].second > L.watchdog && !L.failed) {
-                    L.fail(barriers[i]->stuck(L.watchdog.count()));
-                }
+    for (unsigned z = 0; z < gz && !L.failed; z++)
+        for (unsigned y = 0; y < gy && !L.failed; y++)
+            for (unsigned x = 0; x < gx && !L.failed; x++) {
+                blockIdx = {x, y, z};
+                cuda_host::run_block(L, fs);
             }
-        }
-    });
-    static cuda_host::Pool *pool = new cuda_host::Pool;
-    pool->run(L.threads, job);
-    {
-        std::lock_guard<std::mutex> lock(watch_mu);
-        done = true;
-    }
-    watch_cv.notify_all();
-    watchdog.join();
     cuda_host::launch = nullptr;
     if (L.failed) return refuse(name + std::string(": ") + L.error);
     return 0;
@@ -533,12 +545,12 @@ class HostKernels:
         f = self._lib.cuda_host_launch
         f.argtypes = [ctypes.c_char_p] + [ctypes.c_uint] * 6 + [ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p),
                                                                  ctypes.POINTER(ctypes.c_size_t), ctypes.c_int,
-                                                                 ctypes.c_uint, ctypes.c_char_p, ctypes.c_size_t]
+                                                                 ctypes.c_char_p, ctypes.c_size_t]
         f.restype = ctypes.c_int
         self.launches: list[str] = []
 
     def launch(self, name: str, grid: Sequence[int], block: Sequence[int], shared_bytes: int,
-               args: Iterable[tuple[Any, Any]], *, watchdog_ms: int = WATCHDOG_MS) -> None:
+               args: Iterable[tuple[Any, Any]]) -> None:
         """Run entry ``name`` over ``grid`` blocks of ``block`` threads with
         ``shared_bytes`` of dynamic shared memory; ``args`` the launcher's
         ``(ctypes type, value)`` pairs (a driver's KernelArg), passed as cuLaunchKernel
@@ -548,7 +560,7 @@ class HostKernels:
         sizes = (ctypes.c_size_t * max(1, len(values)))(*[ctypes.sizeof(v) for v in values])
         error = ctypes.create_string_buffer(2048)
         rc = self._lib.cuda_host_launch(name.encode(), *grid, *block, shared_bytes, params, sizes, len(values),
-                                        watchdog_ms, error, len(error))
+                                        error, len(error))
         self.launches.append(name)
         if rc:
             raise HostKernelFault(error.value.decode(errors="replace"))
@@ -587,6 +599,9 @@ def compile_host(source: str, entries: Sequence[str] | None, folder: Path) -> Ho
 
 def cxx20_missing() -> str | None:
     """Why kernels cannot be built for the host here, or None."""
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return (f"the CUDA kernels' host emulation switches fibers on x86-64 Linux, not {sys.platform} "
+                f"{platform.machine()}")
     if CXX is None:
         return "needs a C++ compiler (g++) to build the CUDA kernels for the host"
     probe = subprocess.run([CXX, "-std=c++20", "-x", "c++", "-fsyntax-only", "-"], input="#include <version>\n",

@@ -1,6 +1,6 @@
 """The device INT4 prepack's CUDA code run on the host, where no GPU is: the source the
 device compiles (``device_int4_prepack.kernel_source()``, unchanged) built for the host
-by tests/cuda_host.py (each block's 256 threads are host threads, ``__syncthreads`` a
+by tests/cuda_host.py (each block's 256 threads are fibers, ``__syncthreads`` a
 barrier among them, the blocks one after another), launched with the very entry, grid,
 block and arguments ``plan_prepack`` decides, into an output prefilled with other
 bytes. Its bytes equal the CPU prepack's: every zero-point form, both scale types (fp16
