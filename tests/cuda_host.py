@@ -56,8 +56,8 @@ import numpy as np
 import pytest
 
 CXX = shutil.which("g++") or shutil.which("c++")
-FLAGS = ("-std=c++20", "-O1", "-fno-strict-aliasing", "-ffp-contract=off", "-Wno-unknown-pragmas", "-shared",
-         "-fPIC", "-pthread")
+FLAGS = ("-std=c++20", "-O1", "-fno-strict-aliasing", "-ffp-contract=off", "-Wno-unknown-pragmas",
+         "-fvisibility=hidden", "-shared", "-fPIC", "-pthread")
 
 PRELUDE = r"""
 #include <sys/mman.h>
@@ -89,7 +89,6 @@ constexpr int warpSize = 32;
 namespace cuda_host {
 // Thrown through the kernel's code: the fiber's launch failed (its message already recorded).
 struct Fault {};
-struct Barrier;
 
 // One CUDA thread: a fiber with its own stack on the launching host thread. The
 // scheduler runs each ready fiber until it waits at a barrier or returns.
@@ -107,10 +106,6 @@ inline void *scheduler_sp = nullptr;
 inline unsigned lane = 0, warp = 0;
 extern "C" void cuda_host_switch(void **save, void *to);
 inline void yield() { cuda_host_switch(&current->sp, scheduler_sp); }
-
-std::string where();
-void fail(const std::string &message);
-bool failed();
 
 // A barrier among `expected` fibers that knows which of them returned from the kernel:
 // one reaching it after another returned, or returning while others wait, is a fault (a
@@ -156,7 +151,6 @@ inline void fail(const std::string &message) {
     if (!launch->failed) launch->error = message;
     launch->failed = true;
 }
-inline bool failed() { return launch->failed; }
 
 [[noreturn]] inline void fault(const std::string &message) {
     fail(message + " [" + where() + "]");
@@ -332,6 +326,7 @@ LAUNCHER = r"""
 __asm__(R"(
     .text
     .globl cuda_host_switch
+    .hidden cuda_host_switch
     .type cuda_host_switch, @function
 cuda_host_switch:
     pushq %rbp
@@ -471,9 +466,10 @@ static const cuda_host::Entry cuda_host_entries[] = {
 };
 
 // 0 when the kernel ran; else 1 and `error` says why.
-extern "C" int cuda_host_launch(const char *name, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
-                                unsigned bz, std::size_t shared_bytes, void **params, const std::size_t *sizes,
-                                int n_params, char *error, std::size_t error_size) {
+#define EXPORTED extern "C" __attribute__((visibility("default")))
+EXPORTED int cuda_host_launch(const char *name, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                              unsigned bz, std::size_t shared_bytes, void **params, const std::size_t *sizes,
+                              int n_params, char *error, std::size_t error_size) {
     static std::mutex one_at_a_time;
     std::lock_guard<std::mutex> guard(one_at_a_time);
     auto refuse = [&](const std::string &message) {
