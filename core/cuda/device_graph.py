@@ -41,6 +41,14 @@ a StepGraph replays; other shapes change the key and the graph is captured again
 outputs are copied to the host at the end of the step and read once the stream is
 synchronised.
 
+**What only the device sees** (the fused decoder ops: decoder_launchers.py): a launcher
+with ``uses_status`` reports a bad position id, index or seqlens_k in the runner's status
+word, an int32 in device memory that the step zeroes first (a copy from a page-locked
+zero, so a replay zeroes it too) and copies back last; ``DeviceStep.outputs`` reads it
+after the synchronisation and raises one DeviceError line naming what was flagged. A
+launcher's ``staged`` host arrays (position ids, seqlens_k it derives from shapes) are
+copied into the arena within the step before its node, like a host feed.
+
 Not thread-safe: one thread issues a runner's steps (as StepGraph requires).
 """
 from __future__ import annotations
@@ -50,6 +58,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from onnx_prep.core.cuda import decoder_launchers  # noqa: F401 - registers the fused decoder ops' launchers
 from onnx_prep.core.cuda.arena_layout import ARENA_ALIGN, ArenaLayout, Region
 from onnx_prep.core.cuda.device_launchers import (DEVICE_LAUNCHERS, Alias, DeviceLauncher, DeviceTensor, LaunchCall,
                                                   phantom)
@@ -125,18 +134,36 @@ class DeviceGraphRunner:
         driver.use_device(ordinal)
         self.tensor_ops = DeviceTensorOps(driver, ordinal)
         self.int4 = DeviceInt4Matmul(driver, ordinal)
+        self._decoder_ops = None
         self._own_stream = stream is None
         self.stream = driver.stream_create() if stream is None else stream
         self._constants: dict[int, DeviceTensor] = {}
         self._arena, self._arena_size = 0, 0
         self._pinned: dict[str, Any] = {"in": None, "out": None}
+        self.status = 0  # the status word's device address (0: no launcher reports one)
+        self._status_pinned = None  # [0:4] a zero the step copies in, [32:36] the word copied back
         self._closed = False
         self.last_mode: str | None = None  # how the last run's step ran: eager, captured, replayed
         try:
+            if any(getattr(self._launchers[(n.op_type, n.kernel)], "uses_status", False)
+                   for n, h in zip(self.nodes, self._host) if not h):
+                self.status = driver.mem_alloc(ARENA_ALIGN)
+                self._status_pinned = driver.host_alloc(64)
+                self._status_pinned[:] = 0
             self._upload_constants()
         except BaseException:
             self.close()
             raise
+
+    @property
+    def decoder_ops(self) -> Any:
+        """DeviceDecoderOps, its module compiled on first use (a model without the fused
+        decoder ops never compiles it)."""
+        if self._decoder_ops is None:
+            from onnx_prep.core.cuda.device_decoder_ops import DeviceDecoderOps
+
+            self._decoder_ops = DeviceDecoderOps(self.driver, self.ordinal)
+        return self._decoder_ops
 
     # ------------------------------------------------------------------ built once
     def _static_dtypes(self) -> dict[int, np.dtype | None]:
@@ -191,6 +218,7 @@ class DeviceGraphRunner:
     def _check(self) -> None:
         p = self.program
         weight_slots = {p.slot_of[n]: n for n in p.weight_names}
+        read = {name for n in self.nodes for name in n.inputs if name} | set(p.output_names)
         problems: list[tuple[str, str]] = []
         for a, node, on_host in zip(p.actions, self.nodes, self._host):
             if on_host:
@@ -204,6 +232,10 @@ class DeviceGraphRunner:
             why = launcher.check(node, [self._dtypes.get(s) if s > _DISCARD_SLOT else None for s in a.inputs])
             if why:
                 problems.append((node.name, f"{what}: {why}"))
+            for pos in sorted(getattr(launcher, "unwritten", ())):
+                if pos < len(node.outputs) and node.outputs[pos] in read:
+                    problems.append((node.name, f"{what}: its device kernel does not write output {pos} "
+                                                f"({node.outputs[pos]}), which the graph reads"))
             for _, key in a.prepared:
                 if key not in self.prepared:
                     problems.append((node.name, f"{what}: its prepared object {key} is not on the device "
@@ -283,7 +315,8 @@ class DeviceGraphRunner:
                     for s, v in zip(a.outputs, a.fn(ins, a.attrs, {})):
                         values[s] = v
                 else:
-                    staged_bytes += self._plan_device(i, a, node, values, shapes, regions, consts, place, pending)
+                    staged_bytes += self._plan_device(i, a, node, values, shapes, regions, consts, place, pending,
+                                                       layout)
             except OnnxPrepError as e:
                 if e.where.node is None:
                     e.where = replace(e.where, node=node.name)
@@ -301,7 +334,7 @@ class DeviceGraphRunner:
         fetched_bytes = sum(-(-regions[s].nbytes // 64) * 64 for _, s in outputs if s in regions)
         return self._issue(layout, pending, values, regions, shapes, outputs, staged_bytes, fetched_bytes)
 
-    def _plan_device(self, i, a, node, values, shapes, regions, consts, place, pending) -> int:
+    def _plan_device(self, i, a, node, values, shapes, regions, consts, place, pending, layout) -> int:
         """Lay out one device node: its host data inputs staged, its outputs placed."""
         launcher = self._launchers[(node.op_type, node.kernel)]
         staged = 0
@@ -327,6 +360,13 @@ class DeviceGraphRunner:
         probe = [DeviceTensor(0, *shapes[r[1]]) if isinstance(r, tuple) else r for r in refs]
         call = LaunchCall(node, a, probe, self)
         specs = launcher.outputs(call)
+        extra = []  # the launcher's own host data: copied in within the step, placed until the node ran
+        for array in (launcher.staged(call) if hasattr(launcher, "staged") else ()):
+            array = np.ascontiguousarray(array)
+            region = Region(layout.alloc(array.nbytes), array.nbytes)
+            pending.append(("htod", region, None, array))
+            staged += -(-array.nbytes // 64) * 64
+            extra.append((region, array.shape, array.dtype))
         if len(specs) != len(a.outputs):
             raise DeviceError(f"the {node.op_type} launcher gave {len(specs)} outputs for {len(a.outputs)}")
         outs = []
@@ -348,7 +388,9 @@ class DeviceGraphRunner:
             outs.append(("slot", s))
         pending.append(("call", i, refs, outs, {s: (regions[s], shapes[s]) for s in
                                                  {r[1] for r in refs + outs if isinstance(r, tuple)
-                                                  and r[0] == "slot"}}))
+                                                  and r[0] == "slot"}}, extra))
+        for region, _, _ in extra:  # after the outputs were placed: never one of their places
+            layout.release(region.offset, region.nbytes)
         return staged
 
     def _issue(self, layout, pending, values, regions, shapes, outputs, staged_bytes, fetched_bytes) -> DeviceStep:
@@ -359,6 +401,9 @@ class DeviceGraphRunner:
         key: list[tuple] = []
         staged: list[tuple[np.ndarray, Any]] = []
         at = 0
+        if self.status:  # zeroed first, from the page-locked zero (a replay zeroes it too)
+            ops.append(("htod", self.status, self._status_pinned[0:4]))
+            key.append(("htod", self.status, self._status_pinned.ctypes.data, 4))
         for item in pending:
             if item[0] == "htod":
                 _, region, _, array = item
@@ -369,7 +414,7 @@ class DeviceGraphRunner:
                     ops.append(("htod", base + region.offset, view))
                     key.append(("htod", base + region.offset, view.ctypes.data, array.nbytes))
                 continue
-            _, i, refs, outs, placed = item
+            _, i, refs, outs, placed, extra = item
             a, node = self.program.actions[i], self.nodes[i]
 
             def tensor(ref):
@@ -380,7 +425,8 @@ class DeviceGraphRunner:
                     return DeviceTensor(base + region.offset, shape, dtype)
                 return ref
 
-            call = LaunchCall(node, a, [tensor(r) for r in refs], self, [tensor(r) for r in outs])
+            call = LaunchCall(node, a, [tensor(r) for r in refs], self, [tensor(r) for r in outs],
+                              [DeviceTensor(base + r.offset, tuple(shape), dtype) for r, shape, dtype in extra])
             try:
                 launches = self._launchers[(node.op_type, node.kernel)].launches(call)
             except OnnxPrepError as e:
@@ -403,7 +449,13 @@ class DeviceGraphRunner:
                 fetched.append((name, view, shape, dtype))
             else:
                 host_outputs[name] = np.array(values[s], copy=True)
-        return DeviceStep(self.driver, ops, tuple(key), staged, fetched, host_outputs, self.program.output_names)
+        status = None
+        if self.status:  # copied back last: read after the synchronisation
+            status = self._status_pinned[32:36]
+            ops.append(("dtoh", status, self.status))
+            key.append(("dtoh", status.ctypes.data, self.status, 4))
+        return DeviceStep(self.driver, ops, tuple(key), staged, fetched, host_outputs, self.program.output_names,
+                          status=status)
 
     def _ensure_arena(self, nbytes: int) -> int:
         """The arena's address, at least ``nbytes``: kept while it is large enough, so a
@@ -462,6 +514,12 @@ class DeviceGraphRunner:
         for t in self._constants.values():
             d.mem_free(t.address)
         self._constants.clear()
+        if self.status:
+            d.mem_free(self.status)
+            self.status = 0
+        if self._status_pinned is not None:
+            d.host_free(self._status_pinned)
+            self._status_pinned = None
 
     def __enter__(self) -> DeviceGraphRunner:
         return self

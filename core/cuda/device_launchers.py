@@ -21,8 +21,9 @@ Reshape's shape) and, for ``launches``, the outputs' device tensors; and the run
 kernels (``call.kernels``: DeviceTensorOps, DeviceInt4Matmul, the prepared objects).
 
 ``DEVICE_LAUNCHERS`` holds this package's: the standard ops of device_tensor_ops.py, the
-views, and the INT4 matmul. ``register_launcher`` adds more (the fused decoder ops
-register theirs there).
+views, and the INT4 matmul. ``register_launcher`` adds more: the fused decoder ops
+register theirs there (decoder_launchers.py, which also says the optional ``staged``,
+``uses_status`` and ``unwritten`` a launcher may have).
 """
 from __future__ import annotations
 
@@ -78,6 +79,7 @@ class LaunchCall:
     inputs: list  # DeviceTensor | np.ndarray (host_inputs) | None (absent or replaced by a prepared object)
     kernels: Any  # the runner: .tensor_ops, .int4, .prepared
     outputs: list = field(default_factory=list)  # DeviceTensor, for launches()
+    staged: list = field(default_factory=list)  # DeviceTensor: the launcher's ``staged`` arrays, for launches()
 
 
 class DeviceLauncher(Protocol):

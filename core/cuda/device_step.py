@@ -29,10 +29,11 @@ class DeviceStep:
 
     def __init__(self, driver: DeviceDriver, ops: list[tuple], key: tuple, staged: list[tuple[np.ndarray, Any]],
                  fetched: list[tuple[str, Any, tuple, np.dtype]], host_outputs: dict[str, np.ndarray],
-                 output_names: tuple[str, ...]) -> None:
+                 output_names: tuple[str, ...], status: Any = None) -> None:
         self.driver, self.ops, self.key = driver, ops, key
         self._staged, self._fetched, self._host_outputs = staged, fetched, host_outputs
         self._names = output_names
+        self._status = status  # page-locked int32: the status word, copied back at the step's end
         self.launches = sum(op[0] == "launch" for op in ops)
 
     def stage(self) -> None:
@@ -51,6 +52,12 @@ class DeviceStep:
                 d.copy_to_host_async(op[1], op[2], stream)
 
     def outputs(self) -> dict[str, np.ndarray]:
+        """The outputs; first, a DeviceError (one line) if the step's status word says a
+        kernel met a value only the device saw (device_decoder_ops.check_status)."""
+        if self._status is not None:
+            from onnx_prep.core.cuda.device_decoder_ops import check_status
+
+            check_status(int(self._status.view(np.int32)[0]))
         out = dict(self._host_outputs)
         for name, pinned, shape, dtype in self._fetched:
             out[name] = pinned.view(dtype).reshape(shape).copy() if pinned is not None else np.zeros(shape, dtype)
