@@ -64,10 +64,10 @@ def cpu_tokens(tiny):
         return {b: greedy_decode(cpu, io, np.array(p), TOKENS) for b, p in PROMPTS.items()}
 
 
-def _decode(resolved, io, batch, **kwargs):
-    """The device decode of PROMPTS[batch]: the result, the decoder's counters, and its
-    cumulative page-ins after each step."""
-    d = ready(memory=256 << 20)
+def _decode(resolved, io, batch, driver=None, **kwargs):
+    """The device decode of PROMPTS[batch] (on the fake unless ``driver``): the result,
+    the decoder's counters, and its cumulative page-ins after each step."""
+    d = ready(memory=256 << 20) if driver is None else driver
     after = []
     with open_device_decoder(resolved, d, **kwargs) as dec:
         ops = {n.name: n.op_type for n in resolved.nodes}
@@ -76,8 +76,9 @@ def _decode(resolved, io, batch, **kwargs):
         result = greedy_decode(dec, io, np.array(PROMPTS[batch]), TOKENS, keep_logits=True,
                                on_step=lambda e: after.append(dec.counters()["page_ins"]))
         counters = dec.counters()
-    live = d.live()  # everything given back but the compiled modules (cached per process)
-    assert all(n == 0 for k, n in live.items() if k != "modules"), live
+    if driver is None:
+        live = d.live()  # everything given back but the compiled modules (cached per process)
+        assert all(n == 0 for k, n in live.items() if k != "modules"), live
     return result, counters, after
 
 
@@ -102,6 +103,23 @@ def test_streamed_under_a_budget_the_same_tokens_and_the_resident_logits_bit_for
     per_step = np.diff([0] + after).tolist()
     assert per_step[0] > 0 and len(set(per_step[1:])) == 1 and per_step[1] > 0, per_step  # the same every step
     assert c["peak_committed_bytes"] <= budget
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 2])
+def test_on_a_device_the_tiny_fixture_decodes_with_the_cpu_sessions_tokens(tiny, cpu_tokens, batch):
+    """On a real device (skipped here, with discovery's reason): the same tokens, all
+    resident and streamed under four of the device's granules."""
+    from test_cuda_weight_residency import _real_driver
+
+    drv = _real_driver()
+    _, resolved, io = tiny
+    want = cpu_tokens[batch]
+    got, _, _ = _decode(resolved, io, batch, drv)
+    assert got.tokens.tolist() == want.tokens.tolist()
+    np.testing.assert_allclose(got.first_logits, want.first_logits, rtol=0, atol=LOGITS_ATOL)
+    streamed, c, _ = _decode(resolved, io, batch, drv, budget=4 * drv.allocation_granularity(0))
+    assert streamed.tokens.tolist() == want.tokens.tolist() and c["segments_per_step"] >= 2
 
 
 def test_a_builder_export_decodes_on_the_device_with_the_cpu_sessions_tokens():
