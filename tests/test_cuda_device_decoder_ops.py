@@ -307,7 +307,7 @@ def test_a_captured_step_of_every_op_replays_with_new_device_inputs(dev):
 
 
 def test_the_kernels_are_compiled_once_per_process_and_device(monkeypatch):
-    monkeypatch.setattr(device_decoder_ops, "_loaded", {})
+    monkeypatch.setattr(device_decoder_ops._KERNELS, "loaded", {})
     d = ready(devices=2)
     DeviceDecoderOps(d, 0)
     DeviceDecoderOps(d, 0)

@@ -116,7 +116,7 @@ def test_level_4_and_other_kinds_are_declined_by_name(device):
 
 
 def test_the_kernels_are_compiled_once_per_process_and_device(monkeypatch):
-    monkeypatch.setattr(device_int4_matmul, "_loaded", {})
+    monkeypatch.setattr(device_int4_matmul._KERNELS, "loaded", {})
     d = ready(devices=2)
     DeviceInt4Matmul(d, 0)
     DeviceInt4Matmul(d, 0)

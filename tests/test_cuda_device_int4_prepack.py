@@ -247,7 +247,7 @@ def test_the_fake_refuses_header_arguments_that_are_not_the_sources():
 
 
 def test_the_kernels_are_compiled_once_per_process_and_device(monkeypatch):
-    monkeypatch.setattr(device_int4_prepack, "_loaded", {})
+    monkeypatch.setattr(device_int4_prepack._KERNELS, "loaded", {})
     d = ready(devices=2)
     DeviceInt4Prepack(d, 0)
     DeviceInt4Prepack(d, 0)

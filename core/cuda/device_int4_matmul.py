@@ -27,13 +27,12 @@ stream: it returns at once, the result is there after the stream is synchronised
 from __future__ import annotations
 
 import ctypes
-import threading
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from onnx_prep.core.cuda.device_slot_pool import DeviceView
+from onnx_prep.core.cuda.compiled_kernels import CompiledKernels
 from onnx_prep.core.cuda.driver import DeviceDriver, KernelArg
 from onnx_prep.core.errors import DeviceError
 
@@ -105,23 +104,10 @@ def plan_launch(header: Any, m: int, a_addr: int, packed: DeviceView, y_addr: in
     return KernelLaunch("int4_matmul_tiled", (-(-N // PANEL_N), -(-m // TILE_M), 1), (TILE_THREADS, 1, 1), args)
 
 
-# (id(driver), ordinal) -> (the driver, weakly: a dropped one's id may come again; its module;
-# {entry: function}): compiled once per process and device
-_loaded: dict[tuple[int, int], tuple[weakref.ref, Any, dict[str, Any]]] = {}
-_lock = threading.Lock()
 ENTRIES = tuple(f"int4_matmul_gemv_m{r}" for r in GEMV_ROWS) + ("int4_matmul_tiled",)
-
-
-def _functions(driver: DeviceDriver, ordinal: int) -> dict[str, Any]:
-    with _lock:
-        hit = _loaded.get((id(driver), ordinal))
-        if hit is not None and hit[0]() is driver:
-            return hit[2]
-        driver.use_device(ordinal)
-        module = driver.module_from_source(kernel_source(), SOURCE.name, ordinal)
-        functions = {name: driver.module_function(module, name) for name in ENTRIES}
-        _loaded[(id(driver), ordinal)] = (weakref.ref(driver), module, functions)
-        return functions
+# compiled once per process and device (compiled_kernels.py)
+_KERNELS = CompiledKernels(lambda: kernel_source(), SOURCE.name, ENTRIES)
+_functions = _KERNELS.functions
 
 
 class DeviceInt4Matmul:

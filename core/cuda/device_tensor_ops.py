@@ -25,12 +25,11 @@ graphs cast on tensors), a rank over 4, a dtype other than float32 for the arith
 from __future__ import annotations
 
 import ctypes
-import threading
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from onnx_prep.core.cuda.compiled_kernels import CompiledKernels
 from onnx_prep.core.cuda.driver import DeviceDriver, KernelArg
 from onnx_prep.core.errors import DeviceError
 
@@ -287,22 +286,9 @@ def plan_gather(y: int, x: int, x_shape: Sequence[int], indices: int, indices_sh
     return (_launch(GATHER, n, {"y": y, "x": x, "idx": indices, "n": n, "row": row, "rows": x_shape[0]}),)
 
 
-# (id(driver), ordinal) -> (the driver, weakly; its module; {entry: function}): compiled
-# once per process and device, as device_int4_matmul.py does
-_loaded: dict[tuple[int, int], tuple[weakref.ref, Any, dict[str, Any]]] = {}
-_lock = threading.Lock()
-
-
-def _functions(driver: DeviceDriver, ordinal: int) -> dict[str, Any]:
-    with _lock:
-        hit = _loaded.get((id(driver), ordinal))
-        if hit is not None and hit[0]() is driver:
-            return hit[2]
-        driver.use_device(ordinal)
-        module = driver.module_from_source(kernel_source(), SOURCE.name, ordinal)
-        functions = {name: driver.module_function(module, name) for name in ENTRIES}
-        _loaded[(id(driver), ordinal)] = (weakref.ref(driver), module, functions)
-        return functions
+# compiled once per process and device (compiled_kernels.py)
+_KERNELS = CompiledKernels(lambda: kernel_source(), SOURCE.name, ENTRIES)
+_functions = _KERNELS.functions
 
 
 class DeviceTensorOps:
