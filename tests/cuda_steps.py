@@ -13,7 +13,14 @@ from test_native_reference import random_matmul_nbits
 
 from onnx_prep import native
 from onnx_prep.core.cuda.device_int4_matmul import DeviceInt4Matmul
+from onnx_prep.core.cuda.device_probe import probe_devices
 from onnx_prep.core.cuda.device_slot_pool import DeviceSlotPool
+
+# For the GPU test files: the probe, once per process, and their module marks (marker
+# gpu; skipped, with discovery's one-line reason, where CUDA is not usable)
+GPU_PROBE = probe_devices()
+GPU_MARKS = [pytest.mark.gpu,
+             pytest.mark.skipif(not GPU_PROBE.usable, reason=f"needs a CUDA device: {GPU_PROBE.one_line()}")]
 
 
 @pytest.fixture
@@ -23,6 +30,23 @@ def fake_device():
     pool = DeviceSlotPool(d)
     stream = d.stream_create()
     yield d, pool, stream
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def gpu_device():
+    """(cuda-python's driver, a DeviceSlotPool on device 0, a stream): import it into a
+    GPU test module (whose marks are GPU_MARKS)."""
+    from onnx_prep.core.cuda.cuda_python_driver import load_driver
+
+    d = load_driver()
+    d.init()
+    if not d.vmm_supported(0):
+        pytest.skip(f"device 0 ({d.device_name(0)}) has no virtual memory management")
+    pool = DeviceSlotPool(d)
+    stream = d.stream_create()
+    yield d, pool, stream
+    d.stream_destroy(stream)
     pool.close()
 
 

@@ -8,33 +8,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from cuda_steps import GPU_MARKS
+from cuda_steps import gpu_device as device  # noqa: F401 (a fixture)
 from test_cuda_device_graph import EXACT, _on_device, build_model, feeds
 from test_cuda_device_tensor_ops import Buffers
 
-from onnx_prep.core.cuda.device_probe import probe_devices
 from onnx_prep.core.cuda.graph_capture import capture_decision
 from onnx_prep.core.kernels.prepack import prepack_all
 from onnx_prep.core.runtime.action_program import ActionProgram
 
-PROBE = probe_devices()
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not PROBE.usable, reason=f"needs a CUDA device: {PROBE.one_line()}")]
-
-
-@pytest.fixture(scope="module")
-def device():
-    from onnx_prep.core.cuda.cuda_python_driver import load_driver
-    from onnx_prep.core.cuda.device_slot_pool import DeviceSlotPool
-
-    d = load_driver()
-    d.init()
-    if not d.vmm_supported(0):
-        pytest.skip(f"device 0 ({d.device_name(0)}) has no virtual memory management")
-    pool = DeviceSlotPool(d)
-    stream = d.stream_create()
-    yield d, pool, stream
-    d.stream_destroy(stream)
-    pool.close()
+pytestmark = GPU_MARKS
 
 
 @pytest.fixture

@@ -14,34 +14,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cuda_steps import MatmulStep, matmul_case
+from cuda_steps import GPU_MARKS, MatmulStep, matmul_case
+from cuda_steps import gpu_device as device  # noqa: F401 (a fixture)
 from test_native_reference import FP32_UNIT_ROUNDOFF, assert_close_rel, dequantize_matmul_nbits, fold_weights, \
     level_bounds, matmul_reference
 
 from onnx_prep import native
 from onnx_prep.core.cuda.device_int4_matmul import GEMV_WARPS
-from onnx_prep.core.cuda.device_probe import probe_devices
 from onnx_prep.core.cuda.graph_capture import capture_decision
 
-PROBE = probe_devices()
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not PROBE.usable, reason=f"needs a CUDA device: {PROBE.one_line()}")]
-
-
-@pytest.fixture(scope="module")
-def device():
-    from onnx_prep.core.cuda.cuda_python_driver import load_driver
-    from onnx_prep.core.cuda.device_slot_pool import DeviceSlotPool
-
-    d = load_driver()
-    d.init()
-    if not d.vmm_supported(0):
-        pytest.skip(f"device 0 ({d.device_name(0)}) has no virtual memory management")
-    pool = DeviceSlotPool(d)
-    stream = d.stream_create()
-    yield d, pool, stream
-    d.stream_destroy(stream)
-    pool.close()
+pytestmark = GPU_MARKS
 
 
 def assert_matches(got: np.ndarray, case, what: str) -> None:

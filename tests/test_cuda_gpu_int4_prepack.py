@@ -11,34 +11,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cuda_steps import MatmulCase
+from cuda_steps import GPU_MARKS, MatmulCase
+from cuda_steps import gpu_device as device  # noqa: F401 (a fixture)
 from test_cuda_device_int4_prepack import GATHER_ZP, MATMUL_ZP, gather_sources, matmul_sources, pinned
 from test_cuda_gpu_int4_matmul import assert_matches
 
 from onnx_prep import native
 from onnx_prep.core.cuda.device_int4_matmul import DeviceInt4Matmul
 from onnx_prep.core.cuda.device_int4_prepack import Int4Source, PrepackStaging
-from onnx_prep.core.cuda.device_probe import probe_devices
 
-PROBE = probe_devices()
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not PROBE.usable, reason=f"needs a CUDA device: {PROBE.one_line()}")]
-
-
-@pytest.fixture(scope="module")
-def device():
-    from onnx_prep.core.cuda.cuda_python_driver import load_driver
-    from onnx_prep.core.cuda.device_slot_pool import DeviceSlotPool
-
-    d = load_driver()
-    d.init()
-    if not d.vmm_supported(0):
-        pytest.skip(f"device 0 ({d.device_name(0)}) has no virtual memory management")
-    pool = DeviceSlotPool(d)
-    stream = d.stream_create()
-    yield d, pool, stream
-    d.stream_destroy(stream)
-    pool.close()
+pytestmark = GPU_MARKS
 
 
 def device_bytes(device, key: str, source: Int4Source, arrays) -> bytes:
