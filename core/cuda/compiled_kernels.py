@@ -1,4 +1,5 @@
-"""CompiledKernels: one CUDA source's entries, compiled once per process and device.
+"""CompiledKernels: one CUDA source's entries, compiled once per process and device;
+KernelLaunch: one launch of an entry, decided and checked on the host.
 
 Each device kernel family (the INT4 matmul, the INT4 prepack, the tensor ops, the
 decoder ops) compiles its source with NVRTC through the driver protocol
@@ -13,11 +14,29 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
-from onnx_prep.core.cuda.driver import DeviceDriver
+from onnx_prep.core.cuda.driver import DeviceDriver, KernelArg
 
-__all__ = ["CompiledKernels"]
+__all__ = ["CompiledKernels", "KernelLaunch"]
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One launch, decided: the entry's name, its grid and block, its arguments
+    (``(ctype, value)`` in the entry's parameter order), those parameters' names, and
+    the dynamic shared memory (0: the kernels' shared memory is static)."""
+
+    name: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    args: tuple[KernelArg, ...]
+    params: tuple[str, ...] = ()
+    shared_bytes: int = 0
+
+    def arg(self, name: str) -> Any:
+        return self.args[self.params.index(name)][1]
 
 
 class CompiledKernels:

@@ -46,7 +46,7 @@ _MS, _FUSED = "com.microsoft", "onnx_prep.fused"
 _F32 = np.dtype(np.float32)
 
 
-def _queue(call: LaunchCall, *plans: dops.DecoderLaunch) -> list[tuple[Any, Any]]:
+def _queue(call: LaunchCall, *plans: dops.KernelLaunch) -> list[tuple[Any, Any]]:
     functions = call.kernels.decoder_ops._functions
     return [(functions[p.name], p) for p in plans]
 

@@ -34,16 +34,15 @@ from __future__ import annotations
 
 import ctypes
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 from onnx_prep.core.cuda.device_slot_pool import DeviceView
-from onnx_prep.core.cuda.compiled_kernels import CompiledKernels
-from onnx_prep.core.cuda.driver import DeviceDriver, KernelArg
+from onnx_prep.core.cuda.compiled_kernels import CompiledKernels, KernelLaunch
+from onnx_prep.core.cuda.driver import DeviceDriver
 from onnx_prep.core.errors import DeviceError
 
-__all__ = ["DecoderLaunch", "DeviceDecoderOps", "ENTRIES", "PARAMS", "STATUS_BITS", "check_gqa_attributes",
+__all__ = ["KernelLaunch", "DeviceDecoderOps", "ENTRIES", "PARAMS", "STATUS_BITS", "check_gqa_attributes",
            "check_status", "kernel_source", "plan_gqa", "plan_int4_gather", "plan_row_norm", "plan_rotary",
            "status_problems"]
 
@@ -85,26 +84,13 @@ INT32_MAX = 2**31 - 1
 GRID_YZ_MAX = 65535  # a launch's grid.y and grid.z (grid.x: 2^31 - 1)
 
 
-@dataclass(frozen=True)
-class DecoderLaunch:
-    """One launch, decided: the entry's name, its grid and block, and its arguments."""
-
-    name: str
-    grid: tuple[int, int, int]
-    block: tuple[int, int, int]
-    args: tuple[KernelArg, ...]
-    shared_bytes: int = 0  # the kernels' shared memory is static
-
-    def arg(self, name: str) -> Any:
-        return self.args[[n for n, _ in PARAMS[self.name]].index(name)][1]
-
-
 def kernel_source() -> str:
     return SOURCE.read_text()
 
 
-def _launch(name: str, grid: tuple, block: tuple, values: Mapping[str, Any]) -> DecoderLaunch:
-    return DecoderLaunch(name, tuple(grid), tuple(block), tuple((ctype, values[n]) for n, ctype in PARAMS[name]))
+def _launch(name: str, grid: tuple, block: tuple, values: Mapping[str, Any]) -> KernelLaunch:
+    return KernelLaunch(name, tuple(grid), tuple(block), tuple((ctype, values[n]) for n, ctype in PARAMS[name]),
+                        tuple(n for n, _ in PARAMS[name]))
 
 
 def _aligned(op: str, alignment: int = 4, **addresses: int | None) -> None:
@@ -132,7 +118,7 @@ def _counts(op: str, *, grid_yz: tuple[str, ...] = (), **values: int) -> None:
 
 def plan_row_norm(x: int, gamma: int, y: int, rows: int, n: int, *, epsilon: float, simplified: bool,
                   skip: int = 0, skip_rows: int = 0, bias: int = 0, beta: int = 0, sum_out: int = 0
-                  ) -> DecoderLaunch:
+                  ) -> KernelLaunch:
     """The launch of ``y = norm(x (+ skip) (+ bias)) * gamma (+ beta)`` over ``rows``
     contiguous fp32 rows of ``n`` (RMSNorm when ``simplified``, else LayerNorm); skip
     ``[skip_rows, n]`` repeats over the rows; ``sum_out`` (rows of n) receives the
@@ -161,7 +147,7 @@ def plan_row_norm(x: int, gamma: int, y: int, rows: int, n: int, *, epsilon: flo
 
 def plan_rotary(x: int, y: int, pos: int, cos_cache: int, sin_cache: int, *, batch: int, seq: int, heads: int,
                 head_size: int, rotary_dim: int, max_pos: int, transposed: bool, interleaved: bool,
-                pos_per_token: bool, cache_stride: int | None = None, status: int = 0) -> DecoderLaunch:
+                pos_per_token: bool, cache_stride: int | None = None, status: int = 0) -> KernelLaunch:
     """The launch of RotaryEmbedding over fp32 ``x`` (``[B, S, heads * head_size]``, or
     ``[B, heads, S, head_size]`` when ``transposed``) into ``y`` (may be ``x``); int64
     position ids ``[B, S]`` (``pos_per_token``) or one start id; caches ``[max_pos,
@@ -210,7 +196,7 @@ def plan_gqa(q: int, k: int, v: int, past_key: int, past_value: int, present_key
              present_stride: int | None = None, q_strides: tuple[int, int, int] | None = None,
              kv_strides: tuple[int, int, int] | None = None, ld_out: int | None = None, seqlens_dtype: str = "int64", cos_cache: int = 0, sin_cache: int = 0,
              cache_rows: int = 0, cache_width: int = 0, interleaved: bool = False, scale: float = 0.0,
-             same_past: bool = False, status: int = 0) -> tuple[DecoderLaunch, DecoderLaunch]:
+             same_past: bool = False, status: int = 0) -> tuple[KernelLaunch, KernelLaunch]:
     """The two launches (append, then attend) of GroupQueryAttention over fp32 rows:
     query head h of row s of batch row b at ``q + 4 (b, s, h) . q_strides`` (element
     strides, default BSNH ``[B, S, N * H]``: ``(S N H, N H, H)``), kv head j at ``k`` /
@@ -298,7 +284,7 @@ def plan_gqa(q: int, k: int, v: int, past_key: int, past_value: int, present_key
 
 
 def plan_int4_gather(header: Any, indices: int, n: int, packed: DeviceView, out: int, *, ld_out: int | None = None,
-                     status: int = 0) -> DecoderLaunch:
+                     status: int = 0) -> KernelLaunch:
     """The launch of ``out[i] = dequant(row indices[i])`` for ``n`` int64 indices over
     ``packed`` (``header``: its PackedHeader): an int4_gather buffer (V = its rows), or
     an int4_matmul buffer (a tied embedding: row v is output column v). Output rows of
@@ -353,28 +339,28 @@ class DeviceDecoderOps:
         self.ordinal = ordinal
         self._functions = _functions(driver, ordinal)
 
-    def _queue(self, stream: Any, *launches: DecoderLaunch) -> None:
+    def _queue(self, stream: Any, *launches: KernelLaunch) -> None:
         for plan in launches:
             self.driver.launch(self._functions[plan.name], plan.grid, plan.block, plan.shared_bytes, stream,
                                plan.args)
 
-    def row_norm(self, stream: Any, *args: Any, **kwargs: Any) -> DecoderLaunch:
+    def row_norm(self, stream: Any, *args: Any, **kwargs: Any) -> KernelLaunch:
         plan = plan_row_norm(*args, **kwargs)
         self._queue(stream, plan)
         return plan
 
-    def rotary(self, stream: Any, *args: Any, **kwargs: Any) -> DecoderLaunch:
+    def rotary(self, stream: Any, *args: Any, **kwargs: Any) -> KernelLaunch:
         plan = plan_rotary(*args, **kwargs)
         self._queue(stream, plan)
         return plan
 
-    def gqa(self, stream: Any, *args: Any, **kwargs: Any) -> tuple[DecoderLaunch, DecoderLaunch]:
+    def gqa(self, stream: Any, *args: Any, **kwargs: Any) -> tuple[KernelLaunch, KernelLaunch]:
         plans = plan_gqa(*args, **kwargs)
         self._queue(stream, *plans)
         return plans
 
     def int4_gather(self, stream: Any, indices: int, n: int, packed: DeviceView, out: int, *, header: Any = None,
-                    host_packed: Any = None, **kwargs: Any) -> DecoderLaunch:
+                    host_packed: Any = None, **kwargs: Any) -> KernelLaunch:
         """``header`` (a PackedHeader) or ``host_packed`` (the host copy of the packed
         bytes, whose header is read and validated) says the table's shape."""
         if header is None:

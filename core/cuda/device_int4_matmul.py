@@ -27,13 +27,12 @@ stream: it returns at once, the result is there after the stream is synchronised
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from onnx_prep.core.cuda.device_slot_pool import DeviceView
-from onnx_prep.core.cuda.compiled_kernels import CompiledKernels
-from onnx_prep.core.cuda.driver import DeviceDriver, KernelArg
+from onnx_prep.core.cuda.compiled_kernels import CompiledKernels, KernelLaunch
+from onnx_prep.core.cuda.driver import DeviceDriver
 from onnx_prep.core.errors import DeviceError
 
 __all__ = ["DeviceInt4Matmul", "KERNEL_PARAMS", "KernelLaunch", "kernel_source", "plan_launch"]
@@ -52,20 +51,7 @@ GEMV_COLUMNS, GEMV_WARPS = 32, 8
 TILE_M, TILE_THREADS = 32, 256
 ZP_KINDS = {"none": 0, "u4": 1, "float": 2}
 INT32_MAX = 2**31 - 1
-
-
-@dataclass(frozen=True)
-class KernelLaunch:
-    """One launch, decided: the entry's name, its grid and block, and its arguments."""
-
-    name: str
-    grid: tuple[int, int, int]
-    block: tuple[int, int, int]
-    args: tuple[KernelArg, ...]
-    shared_bytes: int = 0  # the kernels' shared memory is static
-
-    def arg(self, name: str) -> Any:
-        return self.args[[n for n, _ in KERNEL_PARAMS].index(name)][1]
+PARAM_NAMES = tuple(n for n, _ in KERNEL_PARAMS)
 
 
 def kernel_source() -> str:
@@ -100,8 +86,9 @@ def plan_launch(header: Any, m: int, a_addr: int, packed: DeviceView, y_addr: in
     if m <= GEMV_ROWS[-1]:
         rows = next(r for r in GEMV_ROWS if r >= m)
         return KernelLaunch(f"int4_matmul_gemv_m{rows}", (-(-N // GEMV_COLUMNS), 1, 1), (GEMV_COLUMNS, GEMV_WARPS, 1),
-                            args)
-    return KernelLaunch("int4_matmul_tiled", (-(-N // PANEL_N), -(-m // TILE_M), 1), (TILE_THREADS, 1, 1), args)
+                            args, PARAM_NAMES)
+    return KernelLaunch("int4_matmul_tiled", (-(-N // PANEL_N), -(-m // TILE_M), 1), (TILE_THREADS, 1, 1), args,
+                        PARAM_NAMES)
 
 
 ENTRIES = tuple(f"int4_matmul_gemv_m{r}" for r in GEMV_ROWS) + ("int4_matmul_tiled",)

@@ -45,11 +45,11 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from onnx_prep.core.cuda.device_slot_pool import DeviceView
-from onnx_prep.core.cuda.compiled_kernels import CompiledKernels
+from onnx_prep.core.cuda.compiled_kernels import CompiledKernels, KernelLaunch
 from onnx_prep.core.cuda.driver import DeviceDriver, KernelArg
 from onnx_prep.core.errors import DeviceError
 
-__all__ = ["DeviceInt4Prepack", "Int4Source", "KERNEL_PARAMS", "PrepackLaunch", "PrepackStaging", "kernel_source",
+__all__ = ["DeviceInt4Prepack", "Int4Source", "KERNEL_PARAMS", "KernelLaunch", "PrepackStaging", "kernel_source",
            "plan_prepack"]
 
 SOURCE = Path(__file__).with_name("int4_prepack.cu")
@@ -70,6 +70,7 @@ SOURCE_ALIGNMENT = 4  # bytes: every source and the destination (word loads and 
 STAGING_ALIGNMENT = 256  # where each source starts in the staging buffer
 MAX_GRID_X = 2**31 - 1
 HEADER_BYTES = 64
+_PARAM_NAMES = tuple(n for n, _ in KERNEL_PARAMS)
 
 
 @dataclass(frozen=True)
@@ -214,20 +215,6 @@ class Int4Source:
                 f"zero_points={self.zero_points}")
 
 
-@dataclass(frozen=True)
-class PrepackLaunch:
-    """One prepack launch, decided: the entry, its grid and block, its arguments."""
-
-    name: str
-    grid: tuple[int, int, int]
-    block: tuple[int, int, int]
-    args: tuple[KernelArg, ...]
-    shared_bytes: int = 0  # the kernels' shared memory is static
-
-    def arg(self, name: str) -> Any:
-        return self.args[[n for n, _ in KERNEL_PARAMS].index(name)][1]
-
-
 def kernel_source() -> str:
     """The CUDA source as compiled: the packed format's constants from the native module
     (``#define``\\ s), then ``int4_prepack.cu``."""
@@ -249,7 +236,7 @@ def _address(what: str, given: int | DeviceView, need: int) -> int:
     return address
 
 
-def plan_prepack(source: Int4Source, addresses: Sequence[int | DeviceView], dest: DeviceView) -> PrepackLaunch:
+def plan_prepack(source: Int4Source, addresses: Sequence[int | DeviceView], dest: DeviceView) -> KernelLaunch:
     """The launch packing ``source`` (its tensors at ``addresses``, lineage order: ints,
     or DeviceViews whose sizes are checked too) into ``dest``, or DeviceError naming what
     does not fit."""
@@ -273,7 +260,7 @@ def plan_prepack(source: Int4Source, addresses: Sequence[int | DeviceView], dest
               "scales_f16": int(source.scales == "float16"), "zp_source": ZP_SOURCES[source.zero_points],
               "flags": source.flags(), "stride": source.stride(), "total_size": packed}
     args = tuple((ctype, values[name]) for name, ctype in KERNEL_PARAMS)
-    return PrepackLaunch(ENTRIES[source.kind], grid, (PREPACK_THREADS, 1, 1), args)
+    return KernelLaunch(ENTRIES[source.kind], grid, (PREPACK_THREADS, 1, 1), args, _PARAM_NAMES)
 
 
 # compiled once per process and device (compiled_kernels.py)
@@ -290,7 +277,7 @@ class DeviceInt4Prepack:
         self._functions = _functions(driver, ordinal)
 
     def launch(self, stream: Any, addresses: Sequence[int | DeviceView], dest: DeviceView,
-               source: Int4Source) -> PrepackLaunch:
+               source: Int4Source) -> KernelLaunch:
         """Queue the prepack of ``source`` (its tensors already on the device at
         ``addresses``: B or data, scales[, zero points]) into ``dest`` (the weight's
         slot view, exactly the packed size) on ``stream``. Nothing is read back: the

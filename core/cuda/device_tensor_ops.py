@@ -25,15 +25,14 @@ graphs cast on tensors), a rank over 4, a dtype other than float32 for the arith
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from onnx_prep.core.cuda.compiled_kernels import CompiledKernels
-from onnx_prep.core.cuda.driver import DeviceDriver, KernelArg
+from onnx_prep.core.cuda.compiled_kernels import CompiledKernels, KernelLaunch
+from onnx_prep.core.cuda.driver import DeviceDriver
 from onnx_prep.core.errors import DeviceError
 
-__all__ = ["BINARY", "CASTS", "DeviceTensorOps", "ENTRIES", "PARAMS", "TensorLaunch", "UNARY", "broadcast_shape",
+__all__ = ["BINARY", "CASTS", "DeviceTensorOps", "ENTRIES", "PARAMS", "KernelLaunch", "UNARY", "broadcast_shape",
            "contiguous_strides", "kernel_source", "plan_binary", "plan_cast", "plan_concat", "plan_copy",
            "plan_gather", "plan_split", "plan_transpose", "plan_unary"]
 
@@ -63,20 +62,6 @@ PARAMS: dict[str, tuple[tuple[str, type], ...]] = {
     **{e: _BINARY_PARAMS for e in BINARY.values()}, **{e: _UNARY_PARAMS for e in UNARY.values()},
     **{e: _UNARY_PARAMS for e in CASTS.values()}, COPY: _COPY_PARAMS, GATHER: _GATHER_PARAMS}
 Shape = tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class TensorLaunch:
-    """One launch, decided: the entry, its grid and block, its arguments."""
-
-    name: str
-    grid: tuple[int, int, int]
-    block: tuple[int, int, int]
-    args: tuple[KernelArg, ...]
-    shared_bytes: int = 0
-
-    def arg(self, name: str) -> Any:
-        return self.args[[n for n, _ in PARAMS[self.name]].index(name)][1]
 
 
 def kernel_source() -> str:
@@ -115,12 +100,12 @@ def _address(what: str, address: int, align: int = 4) -> None:
         raise DeviceError(f"device address of {what} {shown} is not {align}-byte aligned device memory")
 
 
-def _launch(name: str, n: int, values: dict) -> TensorLaunch:
+def _launch(name: str, n: int, values: dict) -> KernelLaunch:
     blocks = -(-n // THREADS)
     if blocks > MAX_BLOCKS:
         raise DeviceError(f"{name} over {n:,} elements needs {blocks:,} blocks, more than a grid holds")
-    return TensorLaunch(name, (blocks, 1, 1), (THREADS, 1, 1),
-                        tuple((ctype, values[p]) for p, ctype in PARAMS[name]))
+    return KernelLaunch(name, (blocks, 1, 1), (THREADS, 1, 1),
+                        tuple((ctype, values[p]) for p, ctype in PARAMS[name]), tuple(p for p, _ in PARAMS[name]))
 
 
 def _pad4(shape: Shape, strides: Shape) -> tuple[Shape, Shape]:
@@ -149,7 +134,7 @@ def _broadcast_strides(shape: Shape, out: Shape) -> Shape:
 
 
 def plan_binary(op: str, y: int, a: int, a_shape: Sequence[int], b: int, b_shape: Sequence[int]
-                ) -> tuple[TensorLaunch, ...]:
+                ) -> tuple[KernelLaunch, ...]:
     """``Y = A op B`` (fp32, contiguous, numpy broadcasting): one launch, none when Y is
     empty. ``op``: Add, Sub, Mul, Div."""
     if op not in BINARY:
@@ -168,7 +153,7 @@ def plan_binary(op: str, y: int, a: int, a_shape: Sequence[int], b: int, b_shape
     return (_launch(BINARY[op], n, values),)
 
 
-def plan_unary(op: str, y: int, x: int, n: int) -> tuple[TensorLaunch, ...]:
+def plan_unary(op: str, y: int, x: int, n: int) -> tuple[KernelLaunch, ...]:
     """``Y = op(X)`` over ``n`` contiguous fp32 elements. ``op``: Sigmoid, Cos, Sin."""
     if op not in UNARY:
         raise DeviceError(f"no device kernel for the unary op {op} (built: {', '.join(UNARY)})")
@@ -179,7 +164,7 @@ def plan_unary(op: str, y: int, x: int, n: int) -> tuple[TensorLaunch, ...]:
     return (_launch(UNARY[op], n, {"y": y, "x": x, "n": n}),) if n else ()
 
 
-def plan_cast(y: int, x: int, n: int, source: str, target: str) -> tuple[TensorLaunch, ...]:
+def plan_cast(y: int, x: int, n: int, source: str, target: str) -> tuple[KernelLaunch, ...]:
     """``Y = X.astype(target)`` over ``n`` contiguous elements; the dtypes by numpy name."""
     entry = CASTS.get((source, target))
     if entry is None:
@@ -191,7 +176,7 @@ def plan_cast(y: int, x: int, n: int, source: str, target: str) -> tuple[TensorL
 
 
 def plan_copy(y: int, y_strides: Sequence[int], x: int, x_strides: Sequence[int], shape: Sequence[int]
-              ) -> tuple[TensorLaunch, ...]:
+              ) -> tuple[KernelLaunch, ...]:
     """Copy the ``shape`` block of 32-bit words read at ``x`` under ``x_strides`` to ``y``
     under ``y_strides`` (element strides)."""
     shape = _rank("copy", shape)
@@ -216,7 +201,7 @@ def _axis(what: str, axis: int, rank: int) -> int:
 
 
 def plan_transpose(y: int, x: int, shape: Sequence[int], perm: Sequence[int] | None = None
-                   ) -> tuple[TensorLaunch, ...]:
+                   ) -> tuple[KernelLaunch, ...]:
     """``Y = X.transpose(perm)`` (contiguous X of ``shape`` and Y); ``perm`` None
     reverses the axes, as ONNX's default."""
     shape = _rank("Transpose", shape)
@@ -229,7 +214,7 @@ def plan_transpose(y: int, x: int, shape: Sequence[int], perm: Sequence[int] | N
 
 
 def plan_split(ys: Sequence[int], x: int, shape: Sequence[int], axis: int, sizes: Sequence[int]
-               ) -> tuple[TensorLaunch, ...]:
+               ) -> tuple[KernelLaunch, ...]:
     """Split contiguous X of ``shape`` along ``axis`` into ``sizes`` (summing to that
     dimension), output k contiguous at ``ys[k]``: a copy each."""
     shape = _rank("Split", shape)
@@ -248,7 +233,7 @@ def plan_split(ys: Sequence[int], x: int, shape: Sequence[int], axis: int, sizes
 
 
 def plan_concat(y: int, xs: Sequence[int], shapes: Sequence[Sequence[int]], axis: int
-                ) -> tuple[TensorLaunch, ...]:
+                ) -> tuple[KernelLaunch, ...]:
     """Concatenate contiguous inputs at ``xs`` (of ``shapes``) along ``axis`` into
     contiguous Y: a copy each into its slice of Y."""
     if not xs or len(xs) != len(shapes):
@@ -270,7 +255,7 @@ def plan_concat(y: int, xs: Sequence[int], shapes: Sequence[Sequence[int]], axis
 
 
 def plan_gather(y: int, x: int, x_shape: Sequence[int], indices: int, indices_shape: Sequence[int]
-                ) -> tuple[TensorLaunch, ...]:
+                ) -> tuple[KernelLaunch, ...]:
     """``Y = X[indices]`` along axis 0 (contiguous X of ``x_shape`` with 32-bit elements,
     int64 ``indices`` of ``indices_shape``; Y is ``indices_shape + x_shape[1:]``)."""
     x_shape = tuple(int(d) for d in x_shape)
@@ -301,34 +286,34 @@ class DeviceTensorOps:
         self.ordinal = ordinal
         self._functions = _functions(driver, ordinal)
 
-    def launch(self, stream: Any, launches: Sequence[TensorLaunch]) -> tuple[TensorLaunch, ...]:
+    def launch(self, stream: Any, launches: Sequence[KernelLaunch]) -> tuple[KernelLaunch, ...]:
         for plan in launches:
             self.driver.launch(self._functions[plan.name], plan.grid, plan.block, plan.shared_bytes, stream,
                                plan.args)
         return tuple(launches)
 
     def binary(self, stream: Any, op: str, y: int, a: int, a_shape: Sequence[int], b: int,
-               b_shape: Sequence[int]) -> tuple[TensorLaunch, ...]:
+               b_shape: Sequence[int]) -> tuple[KernelLaunch, ...]:
         return self.launch(stream, plan_binary(op, y, a, a_shape, b, b_shape))
 
-    def unary(self, stream: Any, op: str, y: int, x: int, n: int) -> tuple[TensorLaunch, ...]:
+    def unary(self, stream: Any, op: str, y: int, x: int, n: int) -> tuple[KernelLaunch, ...]:
         return self.launch(stream, plan_unary(op, y, x, n))
 
-    def cast(self, stream: Any, y: int, x: int, n: int, source: str, target: str) -> tuple[TensorLaunch, ...]:
+    def cast(self, stream: Any, y: int, x: int, n: int, source: str, target: str) -> tuple[KernelLaunch, ...]:
         return self.launch(stream, plan_cast(y, x, n, source, target))
 
     def transpose(self, stream: Any, y: int, x: int, shape: Sequence[int], perm: Sequence[int] | None = None
-                  ) -> tuple[TensorLaunch, ...]:
+                  ) -> tuple[KernelLaunch, ...]:
         return self.launch(stream, plan_transpose(y, x, shape, perm))
 
     def split(self, stream: Any, ys: Sequence[int], x: int, shape: Sequence[int], axis: int,
-              sizes: Sequence[int]) -> tuple[TensorLaunch, ...]:
+              sizes: Sequence[int]) -> tuple[KernelLaunch, ...]:
         return self.launch(stream, plan_split(ys, x, shape, axis, sizes))
 
     def gather(self, stream: Any, y: int, x: int, x_shape: Sequence[int], indices: int,
-               indices_shape: Sequence[int]) -> tuple[TensorLaunch, ...]:
+               indices_shape: Sequence[int]) -> tuple[KernelLaunch, ...]:
         return self.launch(stream, plan_gather(y, x, x_shape, indices, indices_shape))
 
     def concat(self, stream: Any, y: int, xs: Sequence[int], shapes: Sequence[Sequence[int]], axis: int
-               ) -> tuple[TensorLaunch, ...]:
+               ) -> tuple[KernelLaunch, ...]:
         return self.launch(stream, plan_concat(y, xs, shapes, axis))
