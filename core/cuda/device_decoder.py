@@ -53,15 +53,7 @@ class _Segment:
         self.step, self.start, self.end = step, start, end
 
     def __call__(self, stream: Any) -> None:
-        d = self.step.driver
-        for op in self.step.ops[self.start:self.end]:
-            if op[0] == "launch":
-                _, function, plan = op
-                d.launch(function, plan.grid, plan.block, plan.shared_bytes, stream, plan.args)
-            elif op[0] == "htod":
-                d.copy_to_device_async(op[1], op[2], stream)
-            else:
-                d.copy_to_host_async(op[1], op[2], stream)
+        self.step.issue(stream, self.start, self.end)
 
 
 class DeviceDecoder:

@@ -41,8 +41,13 @@ class DeviceStep:
             pinned[:] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
 
     def __call__(self, stream: Any) -> None:
+        self.issue(stream)
+
+    def issue(self, stream: Any, start: int = 0, end: int | None = None) -> None:
+        """Queue ops ``[start, end)`` on ``stream`` (all of them by default; a part is
+        what a segment of a streamed step issues: device_decoder.py)."""
         d = self.driver
-        for op in self.ops:
+        for op in self.ops[start:end]:
             if op[0] == "launch":
                 _, function, plan = op
                 d.launch(function, plan.grid, plan.block, plan.shared_bytes, stream, plan.args)
