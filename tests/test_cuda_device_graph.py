@@ -228,6 +228,20 @@ def test_a_node_without_a_device_launcher_is_refused_before_anything_runs(tmp_pa
     assert d.calls[calls:] == []  # nothing was compiled, allocated or launched
 
 
+def test_a_refusal_of_many_nodes_names_the_first_three_and_counts_the_rest_by_op(tmp_path, device):
+    d, pool = device
+    relus = [helper.make_node("Relu", ["out" if i == 0 else f"r{i - 1}"], [f"r{i}"], f"relu_{i}") for i in range(5)]
+    resolved = build_model(tmp_path / "m.onnx", extra=relus,
+                           extra_outputs=[helper.make_tensor_value_info("r4", TensorProto.FLOAT, None)])
+    packed = prepack_all(resolved, lambda name: resolved.inline_values[name])
+    with pytest.raises(DeviceError) as info:
+        DeviceGraphRunner(resolved, d, prepared=_on_device(pool, packed))
+    message = info.value.one_line()
+    assert "5 node(s) cannot run on the device: Relu node relu_0: no device launcher for Relu (kernel numpy); " \
+        "Relu node relu_1: " in message and "; and 2 more (2 Relu)" in message and "relu_3" not in message
+    assert [name for name, _ in info.value.refused] == [f"relu_{i}" for i in range(5)]  # all of them, for callers
+
+
 def test_a_builder_exports_ops_all_have_a_place_on_the_host_or_the_device(device):
     """onnxruntime-genai's builder graph (fp32 embedding Gather, SiLU, the sequence lengths
     from the attention mask, the fused decoder ops): every op runs on the host or has a

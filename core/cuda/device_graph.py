@@ -53,6 +53,7 @@ Not thread-safe: one thread issues a runner's steps (as StepGraph requires).
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
@@ -76,6 +77,7 @@ _ALWAYS_HOST = frozenset({"Shape", "Size", "Constant"})
 _SAME_TYPE = frozenset({"Concat", "Unsqueeze", "Squeeze", "Gather", "Reshape", "Slice", "ReduceSum", "Add", "Sub",
                         "Mul", "Div", "Identity", "Transpose", "Split", "Flatten", "Sigmoid", "Cos", "Sin"})
 _NONE_SLOT, _DISCARD_SLOT = 0, 1  # action_program.py's
+_SHOWN = 3  # problems a refusal names in full (every one is in DeviceError.refused)
 
 
 @dataclass(frozen=True)
@@ -245,7 +247,13 @@ class DeviceGraphRunner:
                     problems.append((node.name, f"{what}: its raw weight {weight_slots[s]} was not given "
                                                 "(weights=)"))
         if problems:
-            listed = "; ".join(text for _, text in problems)
+            # NOTE: one line: the first few in full, the rest counted by op (a model with no
+            # launcher for one op would otherwise list every layer's node)
+            shown = problems[:_SHOWN]
+            listed = "; ".join(text for _, text in shown)
+            if len(problems) > _SHOWN:
+                ops = Counter(text.split(" node ", 1)[0] for _, text in problems[_SHOWN:])
+                listed += f"; and {len(problems) - _SHOWN} more ({', '.join(f'{n} {op}' for op, n in ops.items())})"
             error = DeviceError(f"{len(problems)} node(s) cannot run on the device: {listed}",
                                 Where(model=str(self.resolved.model_path), node=problems[0][0]),
                                 hint="run it on the CPU, or register a device launcher for the op "
