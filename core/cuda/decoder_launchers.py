@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from onnx_prep.core.cuda import device_decoder_ops as dops
-from onnx_prep.core.cuda.device_launchers import (DeviceTensor, LaunchCall, TensorSpec, _float32,
+from onnx_prep.core.cuda.device_launchers import (Alias, DeviceTensor, LaunchCall, TensorSpec, _float32,
                                                   register_launcher)
 from onnx_prep.core.errors import DeviceError
 
@@ -242,9 +242,12 @@ class GroupQueryAttention:
 
     def outputs(self, call):
         B, S, N, KN, H, _ = _gqa_head(call)
-        _, _, L = self._lengths(call)
-        return [TensorSpec((B, S, N * H), _F32), TensorSpec((B, KN, L, H), _F32),
-                TensorSpec((B, KN, L, H), _F32)][:len(call.action.outputs)]
+        P, _, L = self._lengths(call)
+        if P and L == P:  # the past holds the total: the present is its buffer (a KV cache at a fixed capacity)
+            kv = [Alias(3, (B, KN, L, H)), Alias(4, (B, KN, L, H))]
+        else:
+            kv = [TensorSpec((B, KN, L, H), _F32), TensorSpec((B, KN, L, H), _F32)]
+        return [TensorSpec((B, S, N * H), _F32), *kv][:len(call.action.outputs)]
 
     def launches(self, call):
         a = call.action.attrs

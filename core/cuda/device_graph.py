@@ -285,9 +285,16 @@ class DeviceGraphRunner:
                     self.driver.copy_to_device(address, array.reshape(-1).view(np.uint8))
 
     # ------------------------------------------------------------------ one run
-    def prepare(self, feeds: Mapping[str, np.ndarray]) -> DeviceStep:
+    def prepare(self, feeds: Mapping[str, np.ndarray], *, resident: Mapping[str, DeviceTensor] | None = None,
+                keep: frozenset[str] | set[str] = frozenset()) -> DeviceStep:
         """The step for ``feeds`` (see the module docstring): host values computed, the
-        arena laid out and held, every launch made and checked; nothing issued."""
+        arena laid out and held, every launch made and checked; nothing issued.
+
+        ``resident``: inputs already in device memory the caller owns (a KV cache kept
+        on the device: device_kv_cache.py), read where they are instead of copied in
+        (their entries in ``feeds`` are ignored); ``keep``: outputs left on the device
+        (not copied back, absent from the step's outputs): a present that is its past's
+        buffer."""
         if self._closed:
             raise DeviceError("the device graph runner is closed")
         p = self.program
@@ -297,6 +304,9 @@ class DeviceGraphRunner:
         shapes: dict[int, tuple[tuple, np.dtype]] = {}  # device slot -> (shape, dtype)
         pending: list[tuple] = []  # ("htod", region, slot, array) | ("call", index, in refs, out refs, placed)
         consts = dict(self._constants)  # uploaded once, and views of them
+        for name, tensor in (resident or {}).items():
+            consts[p.slot_of[name]] = tensor
+            values[p.slot_of[name]] = None  # the host never sees it (Shape reads the tensor's shape)
         staged_bytes = 0
 
         def place(slot: int, shape: tuple, dtype: np.dtype, region: Region | None = None) -> None:
@@ -338,7 +348,7 @@ class DeviceGraphRunner:
             for s in a.frees:
                 drop(s)
                 values[s] = None
-        outputs = [(n, s) for n, s in zip(p.output_names, (p.slot_of[n] for n in p.output_names))]
+        outputs = [(n, p.slot_of[n]) for n in p.output_names if n not in keep]
         fetched_bytes = sum(-(-regions[s].nbytes // 64) * 64 for _, s in outputs if s in regions)
         return self._issue(layout, pending, values, regions, shapes, outputs, staged_bytes, fetched_bytes)
 
@@ -462,7 +472,7 @@ class DeviceGraphRunner:
             status = self._status_pinned[32:36]
             ops.append(("dtoh", status, self.status))
             key.append(("dtoh", status.ctypes.data, self.status, 4))
-        return DeviceStep(self.driver, ops, tuple(key), staged, fetched, host_outputs, self.program.output_names,
+        return DeviceStep(self.driver, ops, tuple(key), staged, fetched, host_outputs, tuple(n for n, _ in outputs),
                           status=status)
 
     def _ensure_arena(self, nbytes: int) -> int:
