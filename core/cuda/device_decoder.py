@@ -19,14 +19,25 @@ What it puts together:
 - a :class:`StepGraph` per segment when ``capture_decision`` allows it (its key: the
   step's key and the segment), else the segments issued eagerly, the reason kept.
 
-Capture: a step whose shapes change (a KV cache that grows by one row a step, fed as
-this runner feeds it: copied in, not kept on the device) changes the launches' arguments
-each step, so its graphs would be captured again every step; ``kv_capacity_fixed``
-says whether the caller keeps the shapes, and capture is declined, with the predicate's
-reason, when it does not. Counters (``counters()``): the residency's (page-ins,
-evictions, host-to-device bytes, byte hit rate, committed and peak), the graphs'
-(captures, replays, fallbacks, invalidations) summed over segments, steps, and the
-capture reason.
+- :class:`DeviceKVCache` (device_kv_cache.py), for the models whose KV it covers
+  (GroupQueryAttention's past, the builder's exports): the past and present in device
+  buffers of the run's capacity, read and appended where they are, the loop given
+  placeholders of the presents' shapes, so a decode step's launches and copies are the
+  same every step.
+
+Capture: a StepGraph per phase (the prefill, the decode step) and segment. With the KV
+on the device each is captured once and replayed on every later step (captures = 2 x
+segments, replays = segments x (steps - 2) over one decode). A model whose KV is fed
+from the host (the fused Attention, which concatenates its past: one row more a step,
+copied in) changes the launches' arguments each step, so capture is declined with the
+predicate's reason and why the KV is not kept, unless ``kv_capacity_fixed`` says the
+caller keeps the shapes; a step of a kept model whose KV comes through the host after
+all (no capacity known, a past this decoder did not return) runs eagerly, a fallback.
+Counters (``counters()``): the residency's (page-ins, evictions, host-to-device bytes,
+byte hit rate, committed and peak), the graphs' (captures, replays, fallbacks,
+invalidations) summed over segments, steps, and the capture reason (``run --json``'s
+record: its schema fixes these keys); ``kv_reason``: whether the KV is kept on the
+device, or why not.
 """
 from __future__ import annotations
 
@@ -36,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from onnx_prep.core.cuda.device_graph import DeviceGraphRunner, DeviceObject
+from onnx_prep.core.cuda.device_kv_cache import DeviceKVCache, kv_pairs
 from onnx_prep.core.cuda.device_slot_pool import DeviceSlotPool, DeviceView
 from onnx_prep.core.cuda.driver import DeviceDriver
 from onnx_prep.core.cuda.graph_capture import capture_decision
@@ -61,11 +73,16 @@ class DeviceDecoder:
     the device nodes read (host arrays of packed bytes, by key), ``weights``: the raw
     weights they read as data; ``budget``: device bytes the packed objects may commit
     (None: all resident); ``capture``: use CUDA graphs where the predicate allows;
-    ``kv_capacity_fixed``: the caller feeds the same shapes every step."""
+    ``kv_capacity_fixed``: the caller feeds the same shapes every step;
+    ``kv_on_device``: keep the KV on the device where the model allows it, in buffers
+    of ``kv_capacity`` rows (None: the decode loop's ``append_buffer.room_for``). The
+    presents it returns for a KV kept on the device are placeholders (read-only NaN of
+    the presents' shapes) to be fed back as the next past."""
 
     def __init__(self, resolved: Any, driver: DeviceDriver, packed: Mapping[Any, np.ndarray], *,
                  weights: Mapping[str, np.ndarray] | None = None, budget: int | None = None, capture: bool = True,
-                 kv_capacity_fixed: bool = False, ordinal: int = 0) -> None:
+                 kv_capacity_fixed: bool = False, kv_on_device: bool = True, kv_capacity: int | None = None,
+                 ordinal: int = 0) -> None:
         from onnx_prep import native
 
         self.driver = driver
@@ -74,9 +91,11 @@ class DeviceDecoder:
         self.host: dict[Any, Any] = {}
         self.runner: DeviceGraphRunner | None = None
         self.residency: WeightResidency | None = None
-        self._graphs: list[StepGraph] = []
+        self._graphs: dict[tuple[str, int], StepGraph] = {}  # (phase, segment) -> its graph
         self._cuts: tuple[int, ...] = ()
+        self._host_fed = 0  # segments run eagerly because their step's KV came through the host
         self.steps = 0
+        self.kv: DeviceKVCache | None = None
         try:
             prepared = {}
             for key, array in packed.items():
@@ -91,25 +110,34 @@ class DeviceDecoder:
                                   for k, h in self.host.items())
             self.runner = DeviceGraphRunner(resolved, driver, prepared=prepared, weights=weights,
                                             stream=self.stream, ordinal=ordinal)
+            pairs, ids, why = kv_pairs(resolved) if kv_on_device else ((), "", "kv_on_device=False")
+            if pairs:
+                self.kv = DeviceKVCache(driver, pairs, ids, kv_capacity)
         except BaseException:
             self.close()
             raise
+        self.kv_reason = "kept on the device at a fixed capacity" if self.kv is not None else \
+            f"fed from the host: {why}"
         self.decision = capture_decision(offload_enabled=budget is not None, stable_va=True,
-                                         kv_capacity_fixed=kv_capacity_fixed, host_ops=0)
+                                         kv_capacity_fixed=kv_capacity_fixed or self.kv is not None, host_ops=0)
         self.capture = capture
         self.reason = self.decision.reason if capture else "capture off (capture=False)"
+        if capture and not self.decision.ok and self.kv is None:
+            self.reason += f" (the KV cache is {self.kv_reason})"
 
     # -- the Runner protocol
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        step = self.runner.prepare(feeds)
+        resident, phase = None, "step"
+        if self.kv is not None:
+            resident, phase = self.kv.take(feeds)
+        host_fed = self.kv is not None and resident is None  # phase says why
+        step = self.runner.prepare(feeds, resident=resident, keep=self.kv.presents if resident else frozenset())
         step.stage()
         uses, at = self._uses(step)
         if self.residency is None:
             self.residency = WeightResidency(self.pool, uses, self.host, self.stream)
             starts = [at[a] for a, _ in self.residency.segments[1:]]
             self._cuts = (0, *starts, len(step.ops))
-            if self.capture:
-                self._graphs = [StepGraph(self.driver, self.stream, self.decision) for _ in self.residency.segments]
         elif uses != self.residency.uses:
             raise DeviceError("the step reads its weights in another order than the first step did "
                               f"({len(uses)} uses against {len(self.residency.uses)})",
@@ -121,15 +149,24 @@ class DeviceDecoder:
 
         def run_segment(i: int) -> None:
             segment = _Segment(step, cuts[i], cuts[i + 1])
-            if self._graphs:
-                self._graphs[i].run(segment, (step.key, i))
+            if self.capture and not host_fed:
+                graph = self._graphs.get((phase, i))
+                if graph is None:
+                    graph = self._graphs[(phase, i)] = StepGraph(self.driver, self.stream, self.decision)
+                graph.run(segment, (step.key, i))
             else:
                 segment(self.stream)
+                if self.capture:
+                    self._host_fed += 1
+                    self.reason = f"eager: the step's KV came through the host ({phase})"
 
         self.residency.step(run_segment)
         self.driver.stream_synchronize(self.stream)
         self.steps += 1
-        return step.outputs()
+        out = step.outputs()
+        if resident is not None:
+            out.update(self.kv.advance())
+        return out
 
     def _uses(self, step: Any) -> tuple[tuple[Any, ...], list[int]]:
         """The packed objects the step's launches read, in launch order, and the op
@@ -155,8 +192,8 @@ class DeviceDecoder:
     # -- accounting
     def counters(self) -> dict:
         r = self.residency.counters().to_json() if self.residency is not None else {}
-        graphs = {"captures": 0, "replays": 0, "fallbacks": 0, "invalidations": 0}
-        for g in self._graphs:
+        graphs = {"captures": 0, "replays": 0, "fallbacks": self._host_fed, "invalidations": 0}
+        for g in self._graphs.values():
             for name, n in g.counters().to_json().items():
                 graphs[name] += n
         return {"steps": self.steps, **r, **graphs, "capture": self.capture and self.decision.ok,
@@ -172,9 +209,13 @@ class DeviceDecoder:
         """Release everything: graphs, the residency, the runner, the pool, the stream,
         the page-locked copies (idempotent)."""
         d = self.driver
-        for g in self._graphs:
+        for g in self._graphs.values():
             g.close()
-        self._graphs = []
+        self._graphs = {}
+        if self.kv is not None:
+            if self.stream is not None:
+                d.stream_synchronize(self.stream)
+            self.kv.close()
         if self.residency is not None:
             self.residency.close()
             self.residency = None
@@ -199,8 +240,8 @@ class DeviceDecoder:
 
 
 def open_device_decoder(resolved: Any, driver: DeviceDriver, *, budget: int | None = None, capture: bool = True,
-                        kv_capacity_fixed: bool = False, verify_digests: bool = True, trust_symlinks: bool = False,
-                        ordinal: int = 0) -> DeviceDecoder:
+                        kv_capacity_fixed: bool = False, kv_on_device: bool = True, verify_digests: bool = True,
+                        trust_symlinks: bool = False, ordinal: int = 0) -> DeviceDecoder:
     """``resolved`` on the device: its packed objects made by the CPU prepack from sources
     read (and their digests checked) through the model's one reader, its raw weights
     read likewise, then a :class:`DeviceDecoder` over them."""
@@ -217,4 +258,4 @@ def open_device_decoder(resolved: Any, driver: DeviceDriver, *, budget: int | No
     finally:
         reader.close_shared()
     return DeviceDecoder(resolved, driver, packed, weights=weights, budget=budget, capture=capture,
-                         kv_capacity_fixed=kv_capacity_fixed, ordinal=ordinal)
+                         kv_capacity_fixed=kv_capacity_fixed, kv_on_device=kv_on_device, ordinal=ordinal)
