@@ -138,6 +138,17 @@ def test_a_builder_export_decodes_on_the_device_with_the_cpu_sessions_tokens():
         got = greedy_decode(dec, io, prompt, TOKENS)
     assert got.tokens.tolist() == want.tokens.tolist()
     np.testing.assert_allclose(got.first_logits, want.first_logits, rtol=0, atol=LOGITS_ATOL)
+    # the GPU tests (3) and (4) on the fake: its KV kept on the device, its weights streamed under two
+    # granules, every segment captured once for the prefill and once for the decode step, then replayed
+    with open_device_decoder(resolved, d, budget=2 * d.allocation_granularity(0)) as dec:
+        streamed = greedy_decode(dec, io, prompt, TOKENS)
+        c = dec.counters()
+        assert dec.kv_reason == "kept on the device at a fixed capacity"
+    segments = c["segments_per_step"]
+    assert streamed.tokens.tolist() == want.tokens.tolist() and segments >= 2
+    assert (c["captures"], c["replays"], c["fallbacks"], c["invalidations"]) == \
+        (2 * segments, segments * (TOKENS - 2), 0, 0)
+    assert c["evictions"] > 0 and c["peak_committed_bytes"] <= 2 * d.allocation_granularity(0)
 
 
 def test_an_input_id_outside_the_vocabulary_raises_the_status_line_then_the_next_step_runs(tiny):
