@@ -183,6 +183,17 @@ class Materializer:
         reservation = tctx.detach(Arena.PREPARATION) if tctx.reservation is not None else None
         return Source(as_array(wd, buf), reservation, on_release, pinned=pinned)
 
+    def _prepack_sources(self, desc: TaskDescriptor, tctx: TaskContext, req) -> dict[str, np.ndarray]:
+        """A prepack's sources by name: what its read tasks returned, then the inline
+        values of its lineage (no read task: held in the model itself)."""
+        sources: dict[str, np.ndarray] = {}
+        for dep_id, src in zip(desc.dependencies, tctx.inputs):
+            sources[dep_id.split(":", 1)[1]] = src.array
+        for n in req.request.source_lineage:
+            if n not in sources and n in self.resolved.inline_values:
+                sources[n] = self.resolved.inline_values[n]
+        return sources
+
     def _prepack(self, desc: TaskDescriptor, tctx: TaskContext) -> None:
         """READ_SOURCE_AND_PREPACK: prepack straight into the key's stable slot: the
         packed bytes are written once, in place (no temporary packed buffer, no copy)."""
@@ -191,12 +202,7 @@ class Materializer:
         key = desc.publishes
         req = self.plan.by_key[key]
         node = self._nodes_by_name[req.node]
-        sources: dict[str, np.ndarray] = {}
-        for dep_id, src in zip(desc.dependencies, tctx.inputs):
-            sources[dep_id.split(":", 1)[1]] = src.array
-        for n in req.request.source_lineage:
-            if n not in sources and n in self.resolved.inline_values:
-                sources[n] = self.resolved.inline_values[n]
+        sources = self._prepack_sources(desc, tctx, req)
         try:
             tctx.raise_if_cancelled()
             size = packed_size(node.kernel, req.request, self.resolved, node=node)
@@ -283,12 +289,7 @@ class Materializer:
 
         req = self._staged_for[desc.id]
         node = self._nodes_by_name[req.node]
-        sources: dict[str, np.ndarray] = {}
-        for dep_id, src in zip(desc.dependencies, tctx.inputs):
-            sources[dep_id.split(":", 1)[1]] = src.array
-        for n in req.request.source_lineage:
-            if n not in sources and n in self.resolved.inline_values:
-                sources[n] = self.resolved.inline_values[n]
+        sources = self._prepack_sources(desc, tctx, req)
         tctx.raise_if_cancelled()
         size = packed_size(node.kernel, req.request, self.resolved, node=node)
         packed = None
