@@ -117,6 +117,24 @@ __device__ __forceinline__ void rotate_pair(float xa, float xb, float c, float s
     *yb = __fadd_rn(__fmul_rn(xb, c), __fmul_rn(xa, s));
 }
 
+// dst[i] for i = threadIdx.x, + blockDim.x, ...: x rotated by the cache rows c and s
+// (rotary_dim / 2 values each; values past rotary_dim copied). dst may be x.
+__device__ __forceinline__ void rotate_head(const float *x, float *dst, int head_size, int rotary_dim,
+                                            int interleaved, const float *c, const float *sn) {
+    const int half = rotary_dim / 2;
+    for (int i = threadIdx.x; i < head_size; i += blockDim.x) {
+        if (i < half) {
+            const int ia = interleaved ? 2 * i : i, ib = interleaved ? 2 * i + 1 : i + half;
+            float ya, yb;
+            rotate_pair(x[ia], x[ib], c[i], sn[i], &ya, &yb);
+            dst[ia] = ya;
+            dst[ib] = yb;
+        } else if (i >= rotary_dim) {
+            dst[i] = x[i];
+        }
+    }
+}
+
 // com.microsoft RotaryEmbedding (rotary.c): x [B][S][heads * head_size] or, transposed,
 // [B][heads][S][head_size]; position ids [B][S] (pos_per_token) or one start id (token
 // s at id + s); caches [max_pos][rot_dim / 2], rows cache_stride floats apart (a
@@ -139,19 +157,8 @@ extern "C" __global__ void __launch_bounds__(ROTARY_THREADS) decoder_rotary(
         if (t == 0 && h == 0) flag(status, STATUS_ROTARY_POSITION);
         return;
     }
-    const int half = rot_dim / 2;
-    const float *c = cos_cache + (u64)p * cache_stride, *sn = sin_cache + (u64)p * cache_stride;
-    for (int i = t; i < head_size; i += ROTARY_THREADS) {
-        if (i < half) {
-            const int ia = interleaved ? 2 * i : i, ib = interleaved ? 2 * i + 1 : i + half;
-            float ya, yb;
-            rotate_pair(xi[ia], xi[ib], c[i], sn[i], &ya, &yb);
-            yo[ia] = ya;
-            yo[ib] = yb;
-        } else if (i >= rot_dim) {
-            yo[i] = xi[i];
-        }
-    }
+    rotate_head(xi, yo, head_size, rot_dim, interleaved, cos_cache + (u64)p * cache_stride,
+                sin_cache + (u64)p * cache_stride);
 }
 
 // GroupQueryAttention for decode (attention.c), as two launches on one stream:
@@ -189,25 +196,6 @@ __device__ __forceinline__ i64 gqa_row(const void *seqlens, int seqlens_i32, int
     return past;
 }
 
-// dst[i] for i = threadIdx.x, + blockDim.x, ...: x rotated at cache row pos (values
-// past rotary_dim copied).
-__device__ __forceinline__ void rotate_head(const float *x, float *dst, int head_size, int rotary_dim,
-                                            int interleaved, const float *cos_cache, const float *sin_cache,
-                                            i64 pos) {
-    const int half = rotary_dim / 2;
-    const float *c = cos_cache + pos * half, *sn = sin_cache + pos * half;
-    for (int i = threadIdx.x; i < head_size; i += blockDim.x) {
-        if (i < half) {
-            const int ia = interleaved ? 2 * i : i, ib = interleaved ? 2 * i + 1 : i + half;
-            float ya, yb;
-            rotate_pair(x[ia], x[ib], c[i], sn[i], &ya, &yb);
-            dst[ia] = ya;
-            dst[ib] = yb;
-        } else if (i >= rotary_dim) {
-            dst[i] = x[i];
-        }
-    }
-}
 
 // One block per (kv head j, batch row b): the past's rows copied and the rows after the
 // new ones zeroed (unless present is the past's buffer), then the new rows (keys
@@ -236,7 +224,8 @@ extern "C" __global__ void __launch_bounds__(GQA_THREADS) decoder_gqa_append(GQA
         const float *kr = k + at, *vr = v + at;
         float *dk = pk + (u64)(past + s) * H, *dv = pv + (u64)(past + s) * H;
         if (rotary_dim > 0)
-            rotate_head(kr, dk, H, rotary_dim, interleaved, cos_cache, sin_cache, past + s);
+            rotate_head(kr, dk, H, rotary_dim, interleaved, cos_cache + (past + s) * (rotary_dim / 2),
+                        sin_cache + (past + s) * (rotary_dim / 2));
         else
             for (int i = threadIdx.x; i < H; i += GQA_THREADS) dk[i] = kr[i];
         for (int i = threadIdx.x; i < H; i += GQA_THREADS) dv[i] = vr[i];
@@ -277,7 +266,8 @@ extern "C" __global__ void __launch_bounds__(GQA_THREADS) decoder_gqa_attend(GQA
     }
     const float *qr = q + (u64)b * q_b + (u64)s * q_s + (u64)h * q_h;
     if (rotary_dim > 0)
-        rotate_head(qr, qs, H, rotary_dim, interleaved, cos_cache, sin_cache, past + s);
+        rotate_head(qr, qs, H, rotary_dim, interleaved, cos_cache + (past + s) * (rotary_dim / 2),
+                        sin_cache + (past + s) * (rotary_dim / 2));
     else
         for (int i = t; i < H; i += GQA_THREADS) qs[i] = qr[i];
     __syncthreads();
