@@ -204,6 +204,22 @@ int64_t op_resident_bytes(const void *p, size_t n);
  * ioctl of /proc/self/pagemap, Linux 6.7+), or -errno (-ENOTTY: the kernel has no such
  * ioctl; -ENOSYS: not Linux). p page-aligned. */
 int64_t op_pmd_mapped_bytes(const void *p, size_t n);
+/* A prepared-cache payload mapped and checked in ONE call (mapped_payload.c), so a
+ * Python caller gives the GIL up once a payload instead of at each of the steps:
+ * op_slot_map_file(p, n, fd, offset), a source guard over [p, p+n), op_populate_read,
+ * with hash_len > 0 the XXH3-64 of [p, p+hash_len), then whether the guard saw the file
+ * shrink (read last: the checksum read every byte) and op_pmd_mapped_bytes(p, capacity).
+ * A range past the file's end (populate's -EFAULT) is said (shrunk = 1, no checksum),
+ * not failed: the guard turns reads there into zeros. 0, or -errno with nothing left
+ * mapped or guarded (as op_slot_map_file's errors). */
+typedef struct {
+    int guard;          /* the source-guard slot (>= 0), or -errno where none was added */
+    int shrunk;         /* 1: the file was shorter than the mapping while it was read */
+    int64_t pmd_bytes;  /* op_pmd_mapped_bytes over the capacity (-errno: cannot tell) */
+    uint64_t xxh3;      /* XXH3-64 of the first hash_len bytes; 0 when hash_len is 0 */
+} op_mapped_payload;
+int op_slot_map_payload(void *p, size_t n, size_t capacity, int fd, int64_t offset, size_t hash_len,
+                        op_mapped_payload *out);
 size_t op_page_size(void);
 
 /* ---- GIL-free hand-off of matmul chunks (handoff.c) ------------------------------ */

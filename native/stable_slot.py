@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import errno
 import os
+from typing import NamedTuple
 
 import numpy as np
 
@@ -46,6 +47,27 @@ def huge_pages_default() -> bool:
 
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
+
+
+_PAGE = int(lib.op_page_size())
+
+
+class MappedFile(NamedTuple):
+    """What :meth:`StableSlot.map_file` saw as it mapped: the checksum it read (None
+    when none was asked), whether the file shrank under it, its 2 MiB entries."""
+
+    xxh3: int | None
+    shrunk: bool
+    pmd_bytes: int | None
+
+
+def _pmd_or_none(rc: int) -> int | None:
+    """op_pmd_mapped_bytes's answer: bytes, or None where the kernel cannot tell."""
+    if rc in (-errno.ENOTTY, -errno.ENOSYS, -errno.ENOENT, -errno.EACCES, -errno.EPERM):
+        return None
+    if rc < 0:
+        raise _os_error(rc, "reading the page tables (PAGEMAP_SCAN)")
+    return rc
 
 
 def _os_error(rc: int, what: str) -> OSError:
@@ -130,7 +152,7 @@ class StableSlot:
             self.open_bytes = want
         self.committed_bytes = want
 
-    def map_file(self, fd: int, offset: int, nbytes: int) -> None:
+    def map_file(self, fd: int, offset: int, nbytes: int, *, checksum_bytes: int = 0) -> MappedFile:
         """Make the first ``nbytes`` the bytes of file ``fd`` from ``offset`` (a multiple
         of the page size): a read-only private mapping at the slot's address, its pages
         faulted in now (2 MiB at a time, the GIL released). No page is allocated or
@@ -138,24 +160,30 @@ class StableSlot:
         The slot must hold nothing (a fresh or decommitted slot). Writing to the view
         faults; :meth:`commit` or :meth:`decommit` replace the mapping by anonymous
         memory again. A file shorter than the range faults (SIGBUS) when touched: the
-        caller checks the length first."""
-        page = int(lib.op_page_size())
-        n = _round_up(int(nbytes), page)
+        caller checks the length first.
+
+        Returns what the one native call (``op_slot_map_payload``) saw: with
+        ``checksum_bytes`` > 0 the XXH3-64 of the first that many bytes, read from the
+        page cache as the mapping is made; whether the file shrank while it was read;
+        the bytes mapped by 2 MiB page-table entries (:meth:`pmd_mapped_bytes`)."""
+        n = _round_up(int(nbytes), _PAGE)
         if self.committed_bytes or self.mapped_bytes:
             raise ValueError("map_file needs a slot that holds nothing (decommit it first)")
         if n <= 0 or n > self.capacity:
             raise ValueError(f"mapping {nbytes} bytes into a slot of {self.capacity}")
-        rc = lib.op_slot_map_file(self._base, n, int(fd), int(offset))
+        if not 0 <= checksum_bytes <= nbytes:
+            raise ValueError(f"a checksum over {checksum_bytes} of {nbytes} mapped bytes")
+        out = ffi.new("op_mapped_payload *")
+        # A file that shrinks under the mapping reads zeros past its new end instead of
+        # killing the process (SIGBUS): the call guards it; mapping_intact() says
+        # whether that happened.
+        rc = lib.op_slot_map_payload(self._base, n, self.capacity, int(fd), int(offset), int(checksum_bytes), out)
         if rc:
             raise _os_error(rc, f"mapping {n} bytes of fd {fd} at offset {offset} to {self.address:#x}")
         self.mapped_bytes = self.committed_bytes = n
-        # A file that shrinks under the mapping reads zeros past its new end instead of
-        # killing the process (SIGBUS); mapping_intact() says whether that happened.
-        self._guard = int(lib.op_guard_add(self._base, n))
-        rc = lib.op_populate_read(self._base, n)
-        if rc and rc != -errno.EINVAL:  # EINVAL: kernel < 5.14, pages fault on first touch
-            self._unmap()
-            raise _os_error(rc, f"reading {n} mapped bytes at {self.address:#x}")
+        self._guard = int(out.guard)
+        return MappedFile(xxh3=int(out.xxh3) if checksum_bytes and not out.shrunk else None, shrunk=bool(out.shrunk),
+                          pmd_bytes=_pmd_or_none(int(out.pmd_bytes)))
 
     def _unmap(self) -> None:
         """Replace the file mapping (and any open tail) by an inaccessible reservation."""
@@ -224,12 +252,7 @@ class StableSlot:
         """Bytes of the slot mapped by 2 MiB page-table entries (a file mapping's 2 MiB
         page-cache folios, or anonymous huge pages), read from the page tables; None where
         the kernel cannot tell (no PAGEMAP_SCAN before Linux 6.7, not Linux)."""
-        rc = lib.op_pmd_mapped_bytes(self._base, self.capacity)
-        if rc in (-errno.ENOTTY, -errno.ENOSYS, -errno.ENOENT, -errno.EACCES, -errno.EPERM):
-            return None
-        if rc < 0:
-            raise _os_error(rc, "reading the page tables (PAGEMAP_SCAN)")
-        return int(rc)
+        return _pmd_or_none(int(lib.op_pmd_mapped_bytes(self._base, self.capacity)))
 
     def __repr__(self) -> str:
         return (f"StableSlot(address={self.address:#x}, capacity={self.capacity}, "

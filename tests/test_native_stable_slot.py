@@ -256,3 +256,48 @@ def test_a_mapped_file_that_shrinks_reads_zeros_and_says_so(tmp_path):
         assert slot.mapping_intact()  # anonymous memory again
     finally:
         os.close(fd)
+
+
+def test_a_mapping_reads_the_checksum_it_is_asked_for_in_the_same_call(tmp_path):
+    """map_file(checksum_bytes=n): the XXH3-64 of the first n bytes, read as the mapping
+    is made (one native call: the prepared cache's mapped payloads), equal to the
+    content hasher's; none asked, none given; more than is mapped is refused."""
+    import os
+
+    from onnx_prep.core.io.content_digest import digest_of
+
+    path, data = _data_file(tmp_path, 3 * MIB + 5000)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for n in (3 * MIB + 5000, 4096, 1):
+            slot = native.StableSlot(4 * MIB)
+            seen = slot.map_file(fd, 0, 3 * MIB + 5000, checksum_bytes=n)
+            assert f"xxh3:{seen.xxh3:016x}" == digest_of(data[:n].tobytes(), "xxh3")
+            assert not seen.shrunk and slot.mapping_intact()
+            assert seen.pmd_bytes is None or 0 <= seen.pmd_bytes <= slot.capacity
+        seen = native.StableSlot(MIB).map_file(fd, 0, MIB)
+        assert seen.xxh3 is None
+        with pytest.raises(ValueError, match="checksum over"):
+            native.StableSlot(MIB).map_file(fd, 0, 4096, checksum_bytes=4097)
+    finally:
+        os.close(fd)
+
+
+def test_a_mapping_over_a_file_already_shorter_says_it_shrank(tmp_path):
+    """The range mapped runs past the file's end (it was cut after its size was taken):
+    the call says the file shrank and gives no checksum, instead of failing, so the
+    prepared cache rebuilds the object; reads past the end give zeros, not SIGBUS."""
+    import os
+
+    page = os.sysconf("SC_PAGESIZE")
+    path, data = _data_file(tmp_path, 2 * page)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        slot = native.StableSlot(8 * page)
+        seen = slot.map_file(fd, 0, 8 * page, checksum_bytes=8 * page)
+        assert seen.shrunk and seen.xxh3 is None  # no checksum of bytes the file lacks
+        v = slot.view(8 * page)
+        assert np.array_equal(v[:2 * page], data) and not v[2 * page:].any()
+        assert not slot.mapping_intact()
+    finally:
+        os.close(fd)

@@ -322,6 +322,27 @@ def test_each_way_an_entry_stops_matching_gives_the_policys_outcome(model, case,
         assert same(out2, want) and stats2.prepacks == 0
 
 
+def test_a_payload_file_cut_after_the_cache_opened_is_rebuilt_not_a_crash(model):
+    """The payload file shrinks between the cache's open (which took its size) and the
+    load's mapping of its last entry: the mapping says so, the entry is recorded
+    unusable and rebuilt from its sources, and the outputs are the reference's."""
+    manifest = build(model)
+    want = reference(model)
+    resolved = resolve_model(model)
+    cache = PreparedCache(resolved, policy="read-only")
+    try:
+        f, e = _payload(model, manifest, -1)
+        with open(f, "r+b") as fh:
+            fh.truncate(e.offset + e.length // 2)
+        with Session(resolved, cache=cache) as s:
+            out = s.run(_feeds(model))
+        assert same(out, want)
+        assert cache.counters["fallbacks"] == 1 and len(cache.warnings) == 1
+        assert "shrank" in cache.warnings[0]
+    finally:
+        cache.close()
+
+
 def test_a_malformed_manifest_is_an_error_under_every_policy_but_disabled(model):
     from onnx_prep.core.cache.manifest import CacheFormatError
 
@@ -500,10 +521,11 @@ def _first_run_timeline(path: Path, cache_policy: str | None, **session_kw):
         with Session(resolved, cache=cache, **session_kw) as s:
             ctx = RuntimeContext(_feeds(path))
             s.run_async(ctx).wait()
-            reads = [e.end_ns for e in s.timeline()
-                     if e.kind in (TaskKind.READ_PACKED, TaskKind.READ_SOURCE) and e.end_ns is not None]
+            events = [e for e in s.timeline()
+                      if e.kind in (TaskKind.READ_PACKED, TaskKind.READ_SOURCE) and e.end_ns is not None]
+            _first_run_timeline.raw_resources = {e.resource.value for e in events if e.kind is TaskKind.READ_SOURCE}
             out = dict(ctx.outputs)
-            return out, ctx.counters.snapshot(), ctx.first_step_ns, max(reads), s.plan, s.budget
+            return out, ctx.counters.snapshot(), ctx.first_step_ns, max(e.end_ns for e in events), s.plan, s.budget
     finally:
         if cache is not None:
             cache.close()
@@ -523,6 +545,9 @@ def test_a_load_from_a_complete_mapped_cache_reads_every_object_before_its_first
     assert counters.get("reads_first") == 1
     assert first_step >= last_read
     assert same(out, want)
+    # its raw weights (norm weights) were read by the run's own thread, not the I/O
+    # workers: the cores are the mapped workers' checksums'
+    assert _first_run_timeline.raw_resources == {"inline"}
 
 
 def test_a_load_that_prepacks_or_streams_does_not_read_first(model):
@@ -535,6 +560,7 @@ def test_a_load_that_prepacks_or_streams_does_not_read_first(model):
     want = reference(model)
     out, counters, *_, plan, budget = _first_run_timeline(model, None)
     assert not reads_first(plan, budget) and "reads_first" not in counters and same(out, want)
+    assert _first_run_timeline.raw_resources == {"io"}  # read on the I/O workers, overlapping
     manifest = build(model)
     limit = MemoryBudget(limits={Arena.PREPARED: 1 << 40})
     out, counters, *_, plan, budget = _first_run_timeline(model, "read-only", budget=limit)

@@ -144,6 +144,7 @@ class PreparedCache:
         self._writes_open.set()
         self._holds = 0
         self._fds: dict[str, int] = {}
+        self._sizes: dict[str, int] = {}  # each payload file's size when it was opened (_fd)
         self._writer: CacheWriter | None = None
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
@@ -285,22 +286,36 @@ class PreparedCache:
             return None
         try:
             fd = self._fd(e.file)
-            if os.fstat(fd).st_size < e.offset + e.length:
+            if self._sizes[e.file] < e.offset + e.length:
                 return None
         except (OSError, _Unusable):
             return None
         return fd, e.offset
 
-    def accept_mapped(self, payload: PackedPayloadEntry, view: np.ndarray) -> bool:
+    def mapped_checksum_bytes(self, payload: PackedPayloadEntry) -> int:
+        """How many bytes of the entry the mapping should checksum as it maps them (its
+        length when its ``xxh3`` digest is to be checked now, else 0): what
+        :meth:`accept_mapped` then takes as ``xxh3``."""
+        e = self.manifest.by_key[payload.key]
+        verify = self.verify_payloads and e.key not in self._verified
+        return e.length if verify and e.payload_digest.startswith("xxh3:") else 0
+
+    def accept_mapped(self, payload: PackedPayloadEntry, view: np.ndarray, *, xxh3: int | None = None) -> bool:
         """An entry mapped into its slot (``mapping``): check its digest on its first
-        use in this process. False when it does not match (recorded as for
-        ``read_into``; the caller rebuilds from sources); raises under ``require-complete``."""
+        use in this process (``xxh3``: the checksum the mapping read over
+        :meth:`mapped_checksum_bytes`, else it is computed here). False when it does not
+        match (recorded as for ``read_into``; the caller rebuilds from sources); raises
+        under ``require-complete``."""
         e = self.manifest.by_key[payload.key]
         verify = self.verify_payloads and e.key not in self._verified
         if verify:
-            h = PayloadHasher.matching(e.payload_digest)
-            h.update(view.reshape(-1).view(np.uint8)[:e.length])
-            if h.digest() != e.payload_digest:
+            if xxh3 is not None and e.payload_digest.startswith("xxh3:"):
+                digest = f"xxh3:{xxh3:016x}"
+            else:
+                h = PayloadHasher.matching(e.payload_digest)
+                h.update(view.reshape(-1).view(np.uint8)[:e.length])
+                digest = h.digest()
+            if digest != e.payload_digest:
                 return self._unusable(e, f"payload does not match its digest {e.payload_digest}")
         return self._accepted(e, verified=verify, mapped=True)
 
@@ -308,7 +323,7 @@ class PreparedCache:
         """A mapped entry whose file shrank while it was read: recorded as unusable
         (the caller rebuilds it from sources); raises under ``require-complete``."""
         e = self.manifest.by_key[payload.key]
-        return not self._unusable(e, "payload file shrank while mapped")
+        return self._unusable(e, "payload file shrank while mapped")  # False, as the readers return
 
     def read_into(self, payload: PackedPayloadEntry, out: np.ndarray) -> bool:
         """Fill ``out`` (the packed object's slot view) with the entry's bytes, decoded,
@@ -386,9 +401,15 @@ class PreparedCache:
             if fd is None:
                 fd = os.open(self.folder / name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
                              | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
                     os.close(fd)
                     raise _Unusable(f"{name} is not a regular file")
+                # NOTE: its size as opened is what ``mapping`` checks an entry against
+                # (one fstat a file, not one a payload: each released the GIL to a
+                # waiting worker). A file that shrinks later is the guard's to catch
+                # (``StableSlot.mapping_intact``; ``read_into`` reads short).
+                self._sizes[name] = st.st_size
                 self._fds[name] = fd
             return fd
 

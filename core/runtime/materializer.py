@@ -242,24 +242,31 @@ class Materializer:
         payload = req.selected.payload
         mapping = self.cache.mapping(payload) if hasattr(self.slots, "map_file") else None
         commit = None
+        seen = []
         if mapping is not None:
             # NOTE: the payload is mapped, not read: its slot IS the page cache (no fresh
             # page, no copy). Reading it into committed pages cost as much as building
-            # it from its sources (page population runs at ~1 GB/s here).
+            # it from its sources (page population runs at ~1 GB/s here). Its checksum
+            # is read in the same native call (StableSlot.map_file says why).
             def commit(nbytes: int) -> np.ndarray:
-                return self.slots.map_file(key, nbytes, *mapping)
+                view, mapped = self.slots.map_file(key, nbytes, *mapping,
+                                                   checksum_bytes=self.cache.mapped_checksum_bytes(payload))
+                seen.append(mapped)
+                return view
 
         def fill(nbytes: int, view: np.ndarray) -> None:
             if mapping is not None:
-                ok = self.cache.accept_mapped(payload, view)
-                if ok and not self.slots.intact(key):
+                mapped = seen[-1]
+                # a file cut under the mapping first: its checksum then fails too, for that reason
+                ok = not mapped.shrunk and self.cache.accept_mapped(payload, view, xxh3=mapped.xxh3)
+                if mapped.shrunk:
                     ok = self.cache.mapped_damaged(payload)
                 if ok:
                     self._count("packed_bytes_read", payload.length)
                     self._count("packed_bytes_mapped", payload.length)
                     # exact, from the page tables: 2 MiB-aligned payloads in 2 MiB folios
                     # are mapped by PMD entries (docs/runtime.md, "Page-ins")
-                    pmd = self.slots.pmd_mapped_bytes(key)
+                    pmd = mapped.pmd_bytes
                     self._count("packed_pmd_unknown" if pmd is None else "packed_bytes_pmd_mapped",
                                 1 if pmd is None else pmd)
                     self.cache.count_pmd_mapped(pmd)

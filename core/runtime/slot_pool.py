@@ -148,17 +148,23 @@ class HostSlotPool:
     def commit(self, key: PreparedKey, nbytes: int, typed_as: Any = None) -> np.ndarray:
         return self._take(key, nbytes, typed_as, lambda slot: slot.commit(nbytes))
 
-    def map_file(self, key: PreparedKey, nbytes: int, fd: int, offset: int) -> np.ndarray:
+    def map_file(self, key: PreparedKey, nbytes: int, fd: int, offset: int, *,
+                 checksum_bytes: int = 0) -> tuple[np.ndarray, Any]:
         """Like :meth:`commit`, but the key's bytes are ``nbytes`` of file ``fd`` from
         ``offset`` (page-aligned), mapped read-only at the key's stable address: no
-        fresh page, no copy (``StableSlot.map_file``). The next :meth:`commit` or
-        :meth:`decommit` of the key replaces the mapping by anonymous memory."""
+        fresh page, no copy. The next :meth:`commit` or :meth:`decommit` of the key
+        replaces the mapping by anonymous memory. Returns the view and what the mapping
+        saw (``StableSlot.map_file``'s ``MappedFile``: the XXH3-64 of the first
+        ``checksum_bytes``, whether the file shrank, its 2 MiB entries)."""
+        seen = []
+
         def fill(slot) -> None:
             if slot.committed_bytes:  # pages warmed ahead of the load: not wanted here
                 slot.decommit()
-            slot.map_file(fd, offset, nbytes)
+            seen.append(slot.map_file(fd, offset, nbytes, checksum_bytes=checksum_bytes))
 
-        return self._take(key, nbytes, None, fill)
+        view = self._take(key, nbytes, None, fill)
+        return view, seen[0]
 
     def _take(self, key: PreparedKey, nbytes: int, typed_as: Any, fill_slot) -> np.ndarray:
         from onnx_prep.native import StableSlot
