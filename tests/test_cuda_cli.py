@@ -146,6 +146,28 @@ def test_run_on_a_fake_device_decodes_the_cpus_tokens_streamed_under_a_device_bu
         jsonschema.validate(doc, _schema("run"))
 
 
+def test_run_on_a_fake_device_loads_from_the_prepared_cache_as_the_cpu_does(tmp_path):
+    """``run --device cuda`` loads its objects as the CPU does (a CPU session): from a
+    complete prepared cache every packed object is a payload read (none packed), under
+    require-complete, and the tokens are the CPU run's; build-if-missing on a device run
+    writes the cache the next run reads."""
+    env = {"ONNX_PREP_CACHE": str(tmp_path / "cache")}
+    cpu = onnx_prep("run", "--tokens", "4", "--json", env=env)
+    assert cpu.returncode == EXIT_OK, cpu.stderr
+    want = json.loads(cpu.stdout)["tokens"]
+    p = with_fake_device("run", "--device", "cuda", "--tokens", "4", "--json", "--cache-policy", "build-if-missing",
+                         env=env)
+    assert p.returncode == EXIT_OK, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["tokens"] == want and doc["cache"]["committed"]["written"] == 17
+    p = with_fake_device("run", "--device", "cuda", "--tokens", "4", "--json", "--cache-policy", "require-complete",
+                         env=env)
+    assert p.returncode == EXIT_OK, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["tokens"] == want and doc["device"]["steps"] == 4
+    assert doc["cache"]["entries"]["hit"] == 17 and doc["cache"]["packed_reads"] == 17
+
+
 def test_the_batch_sweep_on_a_fake_device_reports_device_columns_beside_the_cpus(tmp_path):
     env = {"ONNX_PREP_CACHE": str(tmp_path / "cache")}
     p = with_fake_device("profile", "--batch-sweep", "1,2", "--budget", "50%", "--tokens", "4", "--repeat", "1",
@@ -158,6 +180,15 @@ def test_the_batch_sweep_on_a_fake_device_reports_device_columns_beside_the_cpus
     assert one["tokens_identical_to_cpu"] and two["tokens_identical_to_cpu"]
     # the same weights stream every step whatever N: bytes per emitted token halve
     assert two["bytes_to_device_per_token"] == pytest.approx(one["bytes_to_device_per_token"] / 2)
+    # loaded from a complete prepared cache (require-complete: the sweep fails if it is not), the same rows
+    assert onnx_prep("build-cache", env=env).returncode == EXIT_OK
+    p = with_fake_device("profile", "--batch-sweep", "1,2", "--budget", "50%", "--tokens", "4", "--repeat", "1",
+                         "--device", "cuda", "--cache-policy", "require-complete", "--format", "json", env=env)
+    assert p.returncode == EXIT_OK, p.stderr
+    again = json.loads(p.stdout)
+    assert [r["device"]["tokens_identical_to_cpu"] for r in again["rows"]] == [True, True]
+    assert [r["device"]["bytes_to_device_per_token"] for r in again["rows"]] == \
+        [one["bytes_to_device_per_token"], two["bytes_to_device_per_token"]]
     assert one["evictions"] > 0 and one["peak_committed_bytes"] <= doc["device"]["budget_bytes"]
     jsonschema = pytest.importorskip("jsonschema", reason="jsonschema not installed: schema check skipped")
     jsonschema.validate(doc, _schema("batch-sweep"))

@@ -4,9 +4,10 @@ as the CPU session and ONNX Runtime are.
 
 What it puts together:
 
-- the packed objects, made on the host (the CPU prepack, or a prepared cache's payloads:
-  the same bytes on every device), copied once into page-locked host memory, where
-  they stay for the decoder's life: they are what a page-in copies from;
+- the packed objects, made on the host by the CPU's load (``open_device_decoder``: a CPU
+  session, so a prepared cache's payloads where it has them, else the CPU prepack: the
+  same bytes on every device), copied once into page-locked host memory, where they
+  stay for the decoder's life: they are what a page-in copies from;
 - every object's device address range, reserved once (``DeviceSlotPool.reserve``)
   before the node list is built, so the launches carry addresses that hold whatever is
   paged in or out later;
@@ -95,6 +96,7 @@ class DeviceDecoder:
         self._cuts: tuple[int, ...] = ()
         self._host_fed = 0  # segments run eagerly because their step's KV came through the host
         self.steps = 0
+        self.load: Any = None  # open_device_decoder: the CPU session's load stats (RuntimeStats)
         self.kv: DeviceKVCache | None = None
         try:
             prepared = {}
@@ -241,21 +243,29 @@ class DeviceDecoder:
 
 def open_device_decoder(resolved: Any, driver: DeviceDriver, *, budget: int | None = None, capture: bool = True,
                         kv_capacity_fixed: bool = False, kv_on_device: bool = True, verify_digests: bool = True,
-                        trust_symlinks: bool = False, ordinal: int = 0) -> DeviceDecoder:
-    """``resolved`` on the device: its packed objects made by the CPU prepack from sources
-    read (and their digests checked) through the model's one reader, its raw weights
-    read likewise, then a :class:`DeviceDecoder` over them."""
-    from onnx_prep.core.io.external_data import ExternalDataReader
-    from onnx_prep.core.kernels.prepack import prepack_all, source_loader
-    from onnx_prep.core.runtime.action_program import ActionProgram
+                        trust_symlinks: bool = False, cache: Any = None, ordinal: int = 0) -> DeviceDecoder:
+    """``resolved`` on the device, loaded as the CPU loads it: a CPU session
+    (core/runtime/session.py) prepares every object, from ``cache`` (a prepared cache,
+    core/cache/prepared_cache.py: its payloads mapped, nothing packed) where it has them,
+    else read through the model's one reader (digests checked) and packed by the CPU
+    prepack; then a :class:`DeviceDecoder` over them, which copies the packed objects
+    into page-locked memory (what its page-ins copy from) and the raw weights it reads
+    as data. The session is closed before this returns; a ``build-if-missing`` cache has
+    been handed what it packed (the caller commits it)."""
+    from onnx_prep.core.plan.execution_plan import RAW_LAYOUT
+    from onnx_prep.core.runtime.session import Session
 
-    reader = ExternalDataReader.for_model(resolved, trust_symlinks=trust_symlinks, verify_digests=verify_digests)
-    try:
-        load = source_loader(resolved, reader)
-        packed = prepack_all(resolved, load)
-        raw = ActionProgram.compile(resolved, append_in_place=False).weight_names
-        weights = {name: load(name) for name in raw}
-    finally:
-        reader.close_shared()
-    return DeviceDecoder(resolved, driver, packed, weights=weights, budget=budget, capture=capture,
-                         kv_capacity_fixed=kv_capacity_fixed, kv_on_device=kv_on_device, ordinal=ordinal)
+    with Session(resolved, cache=cache, verify_digests=verify_digests, trust_symlinks=trust_symlinks) as session:
+        session.prepare()
+        packed: dict[Any, np.ndarray] = {}
+        weights: dict[str, np.ndarray] = {}
+        for r in session.plan.requirements:
+            view = session.prepared_view(r.key)
+            if r.request.layout == RAW_LAYOUT:
+                weights[r.request.logical_value] = np.array(view)  # a copy: the slot goes with the session
+            else:
+                packed[r.key] = view  # copied into page-locked memory by the decoder, before the session closes
+        decoder = DeviceDecoder(resolved, driver, packed, weights=weights, budget=budget, capture=capture,
+                                kv_capacity_fixed=kv_capacity_fixed, kv_on_device=kv_on_device, ordinal=ordinal)
+        decoder.load = session.stats()
+    return decoder

@@ -126,10 +126,6 @@ class RunOptions:
                                  "on the CPU", hint="drop --device, or --runtime")
             if self.one_forward:
                 raise UsageError(f"--device {self.device} decodes; one forward (--inputs / --shape) runs on the CPU")
-            if self.cache_policy not in ("read-only", "disabled") or self.prepared is not None:
-                raise UsageError(f"--device {self.device} packs the weights from their sources: the prepared "
-                                 "cache is not read or written on a device yet",
-                                 hint="drop --prepared / --cache-policy")
         elif self.device_budget is not None:
             raise UsageError("--device-budget limits device memory: it needs --device cuda")
         # Last: the policy names live beside the reader, which imports numpy and onnx.
@@ -213,9 +209,9 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
         # open_ms of the prepared runtime counts its parse too, as ONNX Runtime's does
         def open_prepared():
             nonlocal cache
-            if options.device == "cuda":
-                return resolve_ms, _open_device(resolved, options)
             cache = _open_cache(resolved, options, warn)
+            if options.device == "cuda":
+                return resolve_ms, _open_device(resolved, options, cache)
             return resolve_ms, open_prepared_runner(
                 resolved, threads=options.threads, source_pages=options.source_pages,
                 verify_digests=options.verify_digests, cache=cache, trust_symlinks=options.trust_symlinks)
@@ -372,13 +368,15 @@ def _compare_per_node(resolved, io, prompt, options: RunOptions, ort_config) -> 
         threads=options.threads, session_config=ort_config).to_json()
 
 
-def _open_device(resolved, options: RunOptions):
-    """The prepared runtime on the CUDA device (core/cuda/device_decoder.py)."""
+def _open_device(resolved, options: RunOptions, cache):
+    """The prepared runtime on the CUDA device (core/cuda/device_decoder.py), its
+    objects loaded as on the CPU: from ``cache`` where it has them."""
     from onnx_prep.core.cuda.device_decoder import open_device_decoder
     from onnx_prep.core.cuda.device_selection import open_driver
 
     return open_device_decoder(resolved, open_driver(), budget=options.device_budget,
-                               verify_digests=options.verify_digests, trust_symlinks=options.trust_symlinks)
+                               verify_digests=options.verify_digests, trust_symlinks=options.trust_symlinks,
+                               cache=cache)
 
 
 def _open_cache(resolved, options: RunOptions, warn):

@@ -85,9 +85,6 @@ class SweepOptions:
             from onnx_prep.core.cuda.device_selection import require_device
 
             require_device(self.device)
-            if self.cache_policy == "require-complete":
-                raise UsageError("--device cuda packs the weights from their sources: it reads no prepared cache "
-                                 "(--cache-policy require-complete)")
 
 
 _PERCENT = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*%\s*$")
@@ -357,7 +354,19 @@ def _device_runs(resolved, io, batches, options: SweepOptions, tick) -> dict:
         prompts = np.array(_prompts(options.prompt, n, io.vocab_size), dtype=np.int64)
         for _ in range(options.repeat):
             marks: list[dict] = []
-            with open_device_decoder(resolved, driver, budget=budget, trust_symlinks=options.trust_symlinks) as dec:
+            # loaded as the CPU's columns are: from the prepared cache where it has the objects
+            cache = None
+            if options.cache_policy != "disabled":
+                from onnx_prep.core.cache.prepared_cache import PreparedCache
+
+                cache = PreparedCache(resolved, options.prepared, policy=options.cache_policy)
+            try:
+                dec = open_device_decoder(resolved, driver, budget=budget, trust_symlinks=options.trust_symlinks,
+                                          cache=cache)
+            finally:
+                if cache is not None:
+                    cache.close()
+            with dec:
                 result = greedy_decode(dec, io, prompts, options.tokens,
                                        on_step=lambda ev, dec=dec: marks.append(dec.counters()))
                 if summary is None:
