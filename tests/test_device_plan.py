@@ -188,6 +188,18 @@ def test_int4_matmul_packs_on_the_device_unless_the_source_is_larger(source, pac
     assert offered[0] == first and set(offered) == {DEVICE_PREPACK, HOST_PREPACK}
 
 
+def test_a_fused_dq_weight_is_not_offered_the_device_prepack():
+    """The device prepack reads MatMulNBits' B; a fused DequantizeLinear + MatMul weight
+    (int4 [K, N], converted by the CPU prepack) is packed on a CPU worker whatever the sizes
+    (a session on a device with the prepack kernel plans it so:
+    test_cuda_device_prepack_session.py)."""
+    kn = {"K": 64, "N": 64, "block_size": 32, "weight_layout": "KN"}
+    assert device_recipes("int4_matmul", "cuda", 100, 164, kn) == (HOST_PREPACK,)
+    assert device_recipes("int4_matmul", "cuda", 100, 164, {**kn, "weight_layout": "NKb"}) == (DEVICE_PREPACK,
+                                                                                                 HOST_PREPACK)
+    assert device_recipes("int4_matmul", "cuda", 100, 164, {"K": 64, "N": 64})[0] == DEVICE_PREPACK
+
+
 def test_a_device_a_kernel_declares_nothing_for_gets_host_packing_only():
     assert device_recipes("int4_matmul", "rocm", 1, 2) == (HOST_PREPACK,)
     assert device_recipes("gemm_packed", "cuda", 1, 2) == (HOST_PREPACK,)

@@ -19,7 +19,7 @@ from onnx_prep.core.kernels.spec import (DEVICE_PREPACK, HOST_PREPACK, REFERENCE
                                          KernelSpec, MatchContext, PreparedForm, node_input, power_of_two_block,
                                          prepared_choice, refuse)
 from onnx_prep.core.model.prepared_key import PrepackRequest
-from onnx_prep.core.model.transforms import GraphNode
+from onnx_prep.core.model.transforms import MATMUL_NBITS_WEIGHT_LAYOUT, QDQ_WEIGHT_LAYOUT, GraphNode
 from onnx_prep.core.model.weights import WeightDescriptor
 from onnx_prep.core.ops import int4
 from onnx_prep.core.ops.registry import MS_DOMAIN, OpImpl
@@ -177,6 +177,13 @@ def device_recipe(source: int, packed: int) -> str:
     return DEVICE_PREPACK if source <= packed else HOST_PREPACK
 
 
+def packs_on_device(attrs: Mapping[str, Any]) -> bool:
+    """Whether the device-side prepack packs this node's weight: MatMulNBits' B, not a
+    fused DequantizeLinear + MatMul weight (int4 ``[K, N]``, which the CPU prepack
+    converts first; core/cuda/device_int4_prepack.py has no such kernel)."""
+    return attrs.get("weight_layout", MATMUL_NBITS_WEIGHT_LAYOUT) != QDQ_WEIGHT_LAYOUT
+
+
 def implementation(op_type: str, domain: str, opset: int | None) -> OpImpl | None:
     if (domain, op_type) in SPEC.op_types:
         return int4.matmul_nbits  # a fused node (MatMul) reads its weight_layout attribute
@@ -191,5 +198,5 @@ SPEC = KernelSpec(
     prepared=PreparedForm(position=1, layout_name=LAYOUT_NAME, layout=matmul_nbits_layout,
                           prepack=prepack, packed_size=packed_size,
                           devices={"cuda": DevicePacking(offers=(HOST_PREPACK, DEVICE_PREPACK),
-                                                         prefers=device_recipe)}),
+                                                         prefers=device_recipe, on_device=packs_on_device)}),
 )

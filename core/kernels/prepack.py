@@ -80,12 +80,15 @@ def packed_size(kernel_id: str | None, request: PrepackRequest, resolved: Any,
     return form.packed_size(request, normalize_attributes(node.attributes), resolved.weights, backend)
 
 
-def device_recipes(kernel_id: str | None, device: str, source_bytes: int, packed_bytes: int) -> tuple[str, ...]:
+def device_recipes(kernel_id: str | None, device: str, source_bytes: int, packed_bytes: int,
+                   node_attrs: Mapping[str, Any] | None = None) -> tuple[str, ...]:
     """The recipes that put ``kernel_id``'s prepared object on ``device``, the one the
-    kernel prefers for these sizes first (``spec.HOST_PREPACK`` / ``spec.DEVICE_PREPACK``)."""
+    kernel prefers for these sizes first (``spec.HOST_PREPACK`` / ``spec.DEVICE_PREPACK``);
+    with the packing node's ``node_attrs``, only those that pack that node's object."""
     form = _prepared_form(kernel_id)
     packing = form.device_packing(device) if form is not None else HOST_PREPACK_ONLY
-    return packing.recipes(source_bytes, packed_bytes)
+    attrs = None if node_attrs is None else normalize_attributes(node_attrs)
+    return packing.recipes(source_bytes, packed_bytes, attrs)
 
 
 def packing_nodes(nodes: Iterable[Any]) -> dict[str, Any]:

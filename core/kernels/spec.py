@@ -88,21 +88,29 @@ class DevicePacking:
     it prefers for an object of ``source`` bytes packing to ``packed`` bytes
     (``prefers(source, packed)``, one of ``offers``). A kernel that declares nothing
     for a device offers ``HOST_PREPACK`` only: any packed bytes can be uploaded as they
-    are, but only the kernel knows how to pack on the device."""
+    are, but only the kernel knows how to pack on the device. ``on_device(attributes)``:
+    whether the device-side prepack packs a node of these (normalized) attributes; where
+    it does not, ``DEVICE_PREPACK`` is not offered for that node's object."""
 
     offers: tuple[str, ...] = (HOST_PREPACK,)
     prefers: Callable[[int, int], str] = lambda source, packed: HOST_PREPACK
+    on_device: Callable[[Mapping[str, Any]], bool] = lambda attributes: True
 
     def __post_init__(self) -> None:
         if not self.offers or any(r not in (HOST_PREPACK, DEVICE_PREPACK) for r in self.offers):
             raise ValueError(f"device recipes must be among {HOST_PREPACK}, {DEVICE_PREPACK}: {self.offers}")
 
-    def recipes(self, source: int, packed: int) -> tuple[str, ...]:
-        """The offered recipes, the preferred one first."""
+    def recipes(self, source: int, packed: int, attributes: Mapping[str, Any] | None = None) -> tuple[str, ...]:
+        """The offered recipes, the preferred one first; with the packing node's
+        ``attributes``, only those that pack it (``on_device``)."""
         first = self.prefers(source, packed)
         if first not in self.offers:
             raise ValueError(f"preferred device recipe {first!r} is not offered: {self.offers}")
-        return (first,) + tuple(r for r in self.offers if r != first)
+        kinds = (first,) + tuple(r for r in self.offers if r != first)
+        if attributes is not None and DEVICE_PREPACK in kinds and HOST_PREPACK in kinds \
+                and not self.on_device(attributes):
+            kinds = tuple(r for r in kinds if r != DEVICE_PREPACK)
+        return kinds
 
 
 HOST_PREPACK_ONLY = DevicePacking()

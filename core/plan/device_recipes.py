@@ -94,7 +94,7 @@ class DeviceTasks:
 
         external = tuple(n for n in req.source_lineage if n in weights and weights[n].external)
         source = sum(weights[n].length for n in req.source_lineage if n in weights)
-        kinds = list(device_recipes(node.kernel, self.target.name, source, packed))
+        kinds = list(device_recipes(node.kernel, self.target.name, source, packed, node.attributes))
         if self.target.prepack == "host" and READ_SOURCE_PREPACK_UPLOAD in kinds:
             kinds.remove(READ_SOURCE_PREPACK_UPLOAD)
             kinds.insert(0, READ_SOURCE_PREPACK_UPLOAD)
