@@ -1,13 +1,15 @@
 """A session that loads the device plan (``SessionOptions(device=CudaSessionDevice(...))``)
 on the fake driver (tests/fake_cuda_driver.py), which queues stream work until a
-synchronisation and refuses what the real driver refuses: the tiny fixture's every
-prepared object in its device slot, its bytes read back equal to the CPU prepack of the
-same key (raw weights to their source bytes); the counters (uploads, host-to-device
-bytes, device time, committed and peak bytes); a load from a prepared cache uploading
-its payloads and reading no packed object's sources; the refusals (a budget below every
-slot, the device-side prepack without its kernel, a run, a cache that persists); the
-page-locked staging all given back, and everything released by close. The same load on
-a real device: the ``gpu`` test at the end."""
+synchronisation and refuses what the real driver refuses, packing on a CPU worker
+(``device_prepack=False``: the host recipes; the device-side prepack in a session is
+test_cuda_device_prepack_session.py's): the tiny fixture's every prepared object in its
+device slot, its bytes read back equal to the CPU prepack of the same key (raw weights to
+their source bytes); the counters (uploads, host-to-device bytes, device time, committed
+and peak bytes); a load from a prepared cache uploading its payloads and reading no
+packed object's sources; the refusals (a budget below every slot, the device-side
+prepack on a device without its kernel, a run, a cache that persists); the page-locked
+staging all given back, and everything released by close. The same load on a real
+device, packing there: the ``gpu`` test at the end."""
 from __future__ import annotations
 
 import dataclasses
@@ -62,9 +64,10 @@ def expected(tiny):
     return out
 
 
-def device_session(resolved, *, budget=None, memory=256 * MiB, **kw):
+def device_session(resolved, *, budget=None, memory=256 * MiB, device_prepack=False, **kw):
     driver = ready(memory=memory)
-    return driver, Session(resolved, SessionOptions(device=CudaSessionDevice(driver, budget=budget), **kw))
+    device = CudaSessionDevice(driver, budget=budget, device_prepack=device_prepack)
+    return driver, Session(resolved, SessionOptions(device=device, **kw))
 
 
 def committed(plan) -> int:
@@ -99,7 +102,8 @@ def test_the_tiny_fixture_loads_into_device_slots_as_the_cpu_packs_it(tiny, expe
         c = s.slots.counters()
         assert (c.page_ins, c.host_to_device_bytes) == (n, packed)
         doc = st.to_json()["device"]
-        assert doc == {"uploads": n, "host_to_device_bytes": packed, "upload_ns": n * 2_000,
+        assert doc == {"uploads": n, "source_uploads": 0, "host_to_device_bytes": packed, "upload_ns": n * 2_000,
+                       "device_prepacks": 0, "device_prepack_ns": 0,
                        "committed_bytes": committed(plan), "peak_committed_bytes": committed(plan)}
         # every upload a task on the device queue, copied from pinned memory on one stream
         assert st.tasks["upload"].ran == n and st.queues["device"].ran == n
@@ -176,7 +180,7 @@ def test_a_budget_below_every_slot_is_refused_before_any_work(tiny):
     driver = ready(memory=256 * MiB)
     with pytest.raises(DeviceBudgetError, match=rf"below the {need:,} B that all {len(plan.requirements)} "
                                                 r"device slots commit .*nothing pages a device load yet"):
-        Session(tiny, SessionOptions(device=CudaSessionDevice(driver, budget=need - G)))
+        Session(tiny, SessionOptions(device=CudaSessionDevice(driver, budget=need - G, device_prepack=False)))
     assert driver.live() == NOTHING_LIVE and driver.reservations == {}  # the session closed its device
     _, s = device_session(tiny, budget=need)  # exactly every slot: loads
     with s:
@@ -185,8 +189,9 @@ def test_a_budget_below_every_slot_is_refused_before_any_work(tiny):
 
 
 class KernelChoiceDevice(CudaSessionDevice):
-    """A device that plans with the kernel's choice (device-side prepack for the tiny
-    fixture's INT4 weights), which no session runs yet: what the session must refuse."""
+    """A device without the device prepack kernel that plans with the kernel's choice
+    anyway (device-side prepack for the tiny fixture's INT4 weights): what the session
+    must refuse."""
 
     def target(self) -> DeviceTarget:
         return dataclasses.replace(super().target(), prepack="kernel")
@@ -205,11 +210,13 @@ def test_the_device_prepack_recipe_is_refused_by_name(tiny):
     with pytest.raises(ValueError, match="prepack must be one of"):
         DeviceTarget("cuda", prepack="gpu")
     driver = ready(memory=256 * MiB)
+    device = KernelChoiceDevice(driver, device_prepack=False)
+    assert not device.packs_on_device and CudaSessionDevice(ready(), device_prepack=False).target().prepack == "host"
     with pytest.raises(DeviceError) as e:
-        Session(tiny, SessionOptions(device=KernelChoiceDevice(driver)))
+        Session(tiny, SessionOptions(device=device))
     line = str(e.value)
     assert "\n" not in line and READ_SOURCE_UPLOAD_PREPACK in line
-    assert "a session does not run the device-side prepack yet" in line
+    assert "this cuda device has no device-side prepack kernel: not asked for (device_prepack=False)" in line
     assert f"{len(on_device)} object(s)" in line and 'prepack="host"' in e.value.hint
     assert driver.live() == NOTHING_LIVE
 
@@ -266,5 +273,7 @@ def test_the_tiny_load_on_a_device(tiny, expected):
         s.prepare()
         check_slots(s, expected)
         st = s.stats()
-        assert st.uploads == len(s.plan.requirements) and st.upload_ns > 0
-        assert device.live_staging() == 0
+        assert device.packs_on_device, device.device_prepack_reason
+        assert st.uploads + st.device_prepacks == len(s.plan.requirements) and st.upload_ns > 0
+        assert st.device_prepacks > 0 and st.device_prepack_ns > 0 and st.prepacks == 0
+        assert device.live_staging() == 0 and device.live_sources() == 0

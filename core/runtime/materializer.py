@@ -21,8 +21,17 @@ with ``pinned`` set, holding the task's Preparation reservation): a CPU prepack 
 straight into it, a packed read reads the cache payload into it, a source read that
 feeds an upload reads into it. The upload commits the key's device slot, copies the
 staging on the device queue's stream between two events, and the staging goes back
-once the copy is done (``sources_used``, as a source after its prepacks). The
-device-side prepack (``read_source_upload_prepack``) has no body here: refused by name.
+once the copy is done (``sources_used``, as a source after its prepacks).
+
+The device-side prepack (``read_source_upload_prepack``, on a device that
+``packs_on_device``): each source is read into page-locked staging (io), copied into
+device memory of its own by its ``S.upload_source`` task (device queue; one per source,
+shared by every prepack reading it; an inline source is copied into staging first), and
+the host staging goes back once that copy is done; ``S.prepack:<device key>`` (device
+queue) commits the key's slot, packs into it on the device, and publishes it. A source's
+device memory goes back once every prepack reading it has published (``sources_used``),
+so an evicted object packed again reads and uploads its sources again. On a device
+without the kernel the recipe has no body here: refused by name.
 """
 from __future__ import annotations
 
@@ -52,7 +61,7 @@ from onnx_prep.core.runtime.scheduler import TaskContext, TaskHandle, TaskState
 from onnx_prep.core.runtime.slot_pool import SlotPool
 
 if TYPE_CHECKING:
-    from onnx_prep.core.runtime.session_device import SessionDevice
+    from onnx_prep.core.runtime.session_device import DeviceSource, SessionDevice
 
 __all__ = ["Materializer", "Source", "release_source", "SOURCE_IO"]
 
@@ -87,6 +96,7 @@ class Materializer:
         # reads an upload copies (read into staging, not mapped)
         self._staged_for: dict[TaskId, PreparedRequirement] = {}
         self._staged_reads: set[TaskId] = set()
+        self._source_uploads: set[TaskId] = set()  # a device prepack's S.upload_source tasks
         if device is not None:
             self._device_recipes()
 
@@ -99,8 +109,16 @@ class Materializer:
 
         for kind in (READ_PACKED_PAYLOAD_UPLOAD, READ_SOURCE_PREPACK_UPLOAD, READ_SOURCE_UPLOAD):
             self.recipes[kind] = self._upload
+        if self.device.packs_on_device:
+            self.recipes[DEVICE_PREPACK] = self._device_prepack
         for r in self.plan.requirements:
             desc = self.plan.by_id[r.publisher]
+            if r.selected.kind == DEVICE_PREPACK:
+                # its sources' uploads copy them from staging: read into it, not mapped
+                for up in desc.dependencies:
+                    self._source_uploads.add(up)
+                    self._staged_reads.update(self.plan.by_id[up].dependencies)
+                continue
             if desc.kind is not TaskKind.UPLOAD:
                 continue
             for dep in desc.dependencies:
@@ -117,6 +135,8 @@ class Materializer:
                 return lambda tctx: self._stage_prepack(desc, tctx)
             if desc.id in self._staged_for and desc.kind is TaskKind.READ_PACKED:
                 return lambda tctx: self._stage_packed(desc, tctx)
+            if desc.id in self._source_uploads and self.device.packs_on_device:
+                return lambda tctx: self._upload_source(desc, tctx)
             self._unsupported(desc.kind.value)
         kind = self.plan.by_key[desc.publishes].selected.kind
         body = self.recipes.get(kind)
@@ -129,7 +149,8 @@ class Materializer:
             from onnx_prep.core.runtime.session_device import device_prepack_refused
 
             raise device_prepack_refused(self.device.name, [r.request.logical_value for r in self.plan.requirements
-                                                            if r.selected.kind == DEVICE_PREPACK])
+                                                            if r.selected.kind == DEVICE_PREPACK],
+                                         getattr(self.device, "device_prepack_reason", None))
         raise OnnxPrepError(f"task kind {what} is not supported by this runtime yet",
                             Where(model=str(self.resolved.model_path)),
                             hint="this is a bug in onnx-prep; please report it")
@@ -365,6 +386,64 @@ class Materializer:
         finally:
             self._sources_used(desc.dependencies)  # the copy is done (or failed): staging back
 
+    # ------------------------------------------- device recipe (the device-side prepack)
+    def _upload_source(self, desc: TaskDescriptor, tctx: TaskContext) -> Source:
+        """``S.upload_source:<source>``: the source's bytes, read into staging by its read
+        task (or an inline value copied into staging here), copied into device memory of
+        its own; the result holds it until every prepack reading it has published. The
+        read's staging goes back when this task ends (SessionTasks)."""
+        name = desc.id.split(":", 1)[1]
+        tctx.raise_if_cancelled()
+        wd = self.resolved.weights.get(name)
+        if desc.dependencies:  # read into page-locked staging by S.read_source
+            src: Source = tctx.inputs[0]
+            data, staging = src.array.reshape(-1).view(np.uint8), None
+            dtype, dims = wd.dtype, tuple(wd.dims)
+        else:  # held in the model itself
+            value = np.ascontiguousarray(self.resolved.inline_values[name])
+            staging = self.device.staging(value.nbytes)
+            staging[:] = value.reshape(-1).view(np.uint8)
+            data, dtype, dims = staging, str(value.dtype), tuple(value.shape)
+        try:
+            staged = self.device.upload_source(name, data, dtype=dtype, dims=dims)
+        finally:
+            if staging is not None:
+                self.device.free_staging(staging)
+        self._count("source_uploads")
+        self._count("host_to_device_bytes", staged.length)
+        self._count("upload_ns", round(staged.upload_ms * 1e6))
+        return Source(None, None, lambda: self.device.free_source(staged), on_device=staged)
+
+    def _device_prepack(self, desc: TaskDescriptor, tctx: TaskContext) -> None:
+        """``read_source_upload_prepack``'s publisher: commit the key's device slot and pack
+        into it on the device from the sources its source uploads staged there."""
+        from onnx_prep.core.kernels.prepack import packed_size
+        from onnx_prep.core.ops.attributes import normalize_attributes
+
+        key = desc.publishes
+        req = self.plan.by_key[key]
+        node = self._nodes_by_name[req.node]
+        try:
+            staged: dict[str, DeviceSource] = {
+                dep.split(":", 1)[1]: src.on_device for dep, src in zip(desc.dependencies, tctx.inputs)}
+            sources = [staged[n] for n in req.request.source_lineage]
+            tctx.raise_if_cancelled()
+            size = packed_size(node.kernel, req.request, self.resolved, node=node)
+            if size is None:  # never for a kernel that offers the recipe: its size is exact
+                raise OnnxPrepError(f"device prepack of {req.request.logical_value}: kernel {node.kernel} has no "
+                                    "exact packed size", Where(tensor=key),
+                                    hint="this is a bug in onnx-prep; please report it")
+            attributes = normalize_attributes(node.attributes)
+
+            def fill(nbytes: int, view) -> None:
+                ms = self.device.prepack(key, node.kernel, attributes, sources)
+                self._count("device_prepacks")
+                self._count("device_prepack_ns", round(ms * 1e6))
+
+            self._materialize(key, tctx, size, fill)
+        finally:
+            self._sources_used(desc.dependencies)  # its sources' device memory, once every reader published
+
     def _prepack_from_source(self, req, view: np.ndarray) -> None:
         """Build ``req``'s packed object into ``view`` reading its sources here, through
         the one reader (the repair path of an unusable cache entry)."""
@@ -445,18 +524,21 @@ class Materializer:
 
 class Source:
     """A source buffer read for prepacking (or staged bytes for an upload), with its
-    PREPARATION reservation."""
+    PREPARATION reservation; or a source copied into device memory for the device-side
+    prepack (``on_device``, no host array)."""
 
-    __slots__ = ("array", "reservation", "on_release", "pinned")
+    __slots__ = ("array", "reservation", "on_release", "pinned", "on_device")
 
-    def __init__(self, array: np.ndarray, reservation, on_release=None, *, pinned: bool = False) -> None:
+    def __init__(self, array: np.ndarray | None, reservation, on_release=None, *, pinned: bool = False,
+                 on_device: DeviceSource | None = None) -> None:
         self.array = array
         self.reservation = reservation
         self.on_release = on_release
         self.pinned = pinned  # page-locked staging an upload copies from (a device plan)
+        self.on_device = on_device  # in device memory, for the device-side prepack
 
     def release(self) -> None:
-        self.array = None
+        self.array = self.on_device = None
         if self.on_release is not None:
             self.on_release()
             self.on_release = None

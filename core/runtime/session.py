@@ -37,8 +37,11 @@ the device's ``target()``, every prepared object lives in the device's slot pool
 (device stable-VA slots), the plan's uploads run on one device queue (the session's own
 workspace gets it), and ``prepare()`` loads every object into its device slot. The
 session owns the device from then on: ``close()`` closes it (slots, stream, staging),
-as does a construction that fails. What is refused, each in one line: a plan that
-packs on the device (``packs_on_device`` False: no session runs that yet); a budget
+as does a construction that fails. Where the device packs (``packs_on_device``), the
+plan takes the kernel's choice of where to pack (``target()``'s ``prepack="kernel"``)
+and the device-side prepack runs on the device queue (materializer.py). What is
+refused, each in one line: a plan that packs on a device without the kernel
+(``packs_on_device`` False); a budget
 below every slot at once (nothing pages a device load yet); a prepared cache that
 persists (a device session does not write one: build it first). ``run`` is refused:
 the device step is not built.
@@ -260,7 +263,7 @@ class Session:
         plan = self.plan
         packs = [r.request.logical_value for r in plan.requirements if r.selected.kind == DEVICE_PREPACK]
         if packs and not device.packs_on_device:
-            raise device_prepack_refused(device.name, packs)
+            raise device_prepack_refused(device.name, packs, getattr(device, "device_prepack_reason", None))
         memory = device_memory(plan)
         if memory["fits"] is False:
             raise DeviceBudgetError(

@@ -7,7 +7,8 @@ one live scheduler task (a *generation*) at a time. This module submits them on 
 DEMANDED, a prepare at PREFETCH/BACKGROUND), resubmits one whose object was evicted or
 whose last generation failed or was cancelled, follows a tied source's consumers
 together, frees each source buffer once every prepack of it has published (a device
-plan's staged bytes once their upload has), sheds
+plan's staged bytes once their upload has; a source uploaded for the device-side
+prepack once every device prepack of it has published), sheds
 speculative work that holds memory a run needs, and asks the eviction policy for room
 while runs wait (:meth:`SessionTasks.wait_for`).
 
@@ -157,8 +158,10 @@ class SessionTasks:
                 dh.add_done_callback(lambda _h, t=d: self._on_read_done(t))
             if desc.kind is TaskKind.PREPACK:
                 self._ensure_tied(tid, desc, priority)
-                if desc.publishes is None:  # a device plan's CPU prepack into staging: its reads go when it ends
-                    h.add_done_callback(lambda _h, d=desc.dependencies: self.sources_used(d))
+            if desc.publishes is None and desc.kind in (TaskKind.PREPACK, TaskKind.UPLOAD):
+                # a device plan's CPU prepack into staging, or a source's upload to the
+                # device (for the device-side prepack): the reads it copied go when it ends
+                h.add_done_callback(lambda _h, d=desc.dependencies: self.sources_used(d))
             return h
 
     def _ensure_tied(self, tid: TaskId, desc: TaskDescriptor, priority: Priority) -> None:
@@ -367,7 +370,7 @@ class SessionTasks:
             return
         for c in self._read_consumers.get(read_tid, ()):
             key = self.plan.by_id[c].publishes
-            if key is None:  # a device plan's CPU prepack into staging: done with it once it ended
+            if key is None:  # a device plan's CPU prepack into staging or source upload: done once it ended
                 ch = self.handles.get(c)
                 if ch is not None and ch.state not in (*_DEAD, TaskState.DONE):
                     return

@@ -40,13 +40,17 @@ it), and its arena peaks (what the budget held at most while it was in flight).
      "kv": {"appended_in_place", "copied"},
      "intra_op": {"matmul_splits", "split_parts", "runs_lending", "chunks_by_helpers",
                   "helper_sleeps", "helper_wakes"},
-     "device": {"uploads", "host_to_device_bytes", "upload_ns", "committed_bytes",
-                "peak_committed_bytes"}}   # a session on a device only
+     "device": {"uploads", "source_uploads", "host_to_device_bytes", "upload_ns", "device_prepacks",
+                "device_prepack_ns", "committed_bytes", "peak_committed_bytes"}}   # a session on a device only
 
 ``device`` is there for a session that loads onto a device (``SessionOptions(device=...)``;
-a CPU session's record is as it was): its uploads, the bytes they copied host to device
-and their device time (``upload_ns``: the elapsed time of the events recorded around
-each copy on the device's stream, summed), then the device slot pool's committed bytes
+a CPU session's record is as it was): its uploads of prepared objects (``uploads``: packed
+on a CPU worker, read from a prepared cache, or raw weights) and of sources for the
+device-side prepack (``source_uploads``), the bytes they copied host to device and their
+device time (``upload_ns``: the elapsed time of the events recorded around each copy on
+the device's stream, summed), the objects packed on the device (``device_prepacks``; a
+CPU prepack counts in ``prepacks``) and their device time (``device_prepack_ns``, events
+likewise), then the device slot pool's committed bytes
 (granule-rounded) when the record was made and their peak since the session opened;
 those two are the pool's, not differences, in a submission's record too.
 
@@ -113,8 +117,9 @@ _SECTIONS: dict[str, tuple[tuple[str, str], ...]] = {
     "intra_op": (("matmul_splits", "matmul_splits"), ("split_parts", "split_parts"),
                  ("runs_lending", "runs_lending"), ("chunks_by_helpers", "chunks_by_helpers"),
                  ("helper_sleeps", "helper_sleeps"), ("helper_wakes", "helper_wakes")),
-    "device": (("uploads", "uploads"), ("host_to_device_bytes", "host_to_device_bytes"),
-               ("upload_ns", "upload_ns")),
+    "device": (("uploads", "uploads"), ("source_uploads", "source_uploads"),
+               ("host_to_device_bytes", "host_to_device_bytes"), ("upload_ns", "upload_ns"),
+               ("device_prepacks", "device_prepacks"), ("device_prepack_ns", "device_prepack_ns")),
 }
 # JSON keys that differ from the field name (a section's prefix dropped)
 _JSON_KEY = {"hot_runs": "hot", "cold_runs": "cold", "kv_appended_in_place": "appended_in_place",
@@ -166,9 +171,12 @@ class RuntimeStats:
     helper_sleeps: int = 0
     helper_wakes: int = 0
     # a device load (uploads of the device plan)
-    uploads: int = 0
-    host_to_device_bytes: int = 0
-    upload_ns: int = 0  # device time of the uploads (events around each copy)
+    uploads: int = 0  # prepared objects copied to their device slots
+    source_uploads: int = 0  # sources copied to device memory for the device-side prepack
+    host_to_device_bytes: int = 0  # both
+    upload_ns: int = 0  # device time of the uploads, both (events around each copy)
+    device_prepacks: int = 0  # objects packed on the device (CPU prepacks: ``prepacks``)
+    device_prepack_ns: int = 0  # their device time (events around each kernel)
     # memory and tasks
     arena_peaks: Mapping[str, int] = field(default_factory=dict)  # arena name -> bytes
     global_peak: int = 0
