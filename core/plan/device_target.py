@@ -18,8 +18,8 @@ a budget, whether every slot fits at once or how much a pass must page in at lea
 (``core/kernels/spec.py``, ``DevicePacking``): ``"kernel"`` takes the kernel's
 preference (``plan-dump``'s default: what a device build would do), ``"host"`` packs on
 a CPU worker and uploads the packed bytes wherever the kernel offers that. A session
-plans with ``"host"`` while it cannot run the device-side prepack
-(core/cuda/session_device.py).
+on a device plans with ``"kernel"`` where the device has the device-side prepack's
+kernels, else with ``"host"`` (core/cuda/session_device.py, ``packs_on_device``).
 """
 from __future__ import annotations
 
