@@ -521,11 +521,10 @@ def _first_run_timeline(path: Path, cache_policy: str | None, **session_kw):
         with Session(resolved, cache=cache, **session_kw) as s:
             ctx = RuntimeContext(_feeds(path))
             s.run_async(ctx).wait()
-            events = [e for e in s.timeline()
-                      if e.kind in (TaskKind.READ_PACKED, TaskKind.READ_SOURCE) and e.end_ns is not None]
-            _first_run_timeline.raw_resources = {e.resource.value for e in events if e.kind is TaskKind.READ_SOURCE}
+            reads = [e.end_ns for e in s.timeline()
+                     if e.kind in (TaskKind.READ_PACKED, TaskKind.READ_SOURCE) and e.end_ns is not None]
             out = dict(ctx.outputs)
-            return out, ctx.counters.snapshot(), ctx.first_step_ns, max(e.end_ns for e in events), s.plan, s.budget
+            return out, ctx.counters.snapshot(), ctx.first_step_ns, max(reads), s.plan, s.budget
     finally:
         if cache is not None:
             cache.close()
@@ -545,9 +544,6 @@ def test_a_load_from_a_complete_mapped_cache_reads_every_object_before_its_first
     assert counters.get("reads_first") == 1
     assert first_step >= last_read
     assert same(out, want)
-    # its raw weights (norm weights) were read by the run's own thread, not the I/O
-    # workers: the cores are the mapped workers' checksums'
-    assert _first_run_timeline.raw_resources == {"inline"}
 
 
 def test_a_load_that_prepacks_or_streams_does_not_read_first(model):
@@ -560,7 +556,6 @@ def test_a_load_that_prepacks_or_streams_does_not_read_first(model):
     want = reference(model)
     out, counters, *_, plan, budget = _first_run_timeline(model, None)
     assert not reads_first(plan, budget) and "reads_first" not in counters and same(out, want)
-    assert _first_run_timeline.raw_resources == {"io"}  # read on the I/O workers, overlapping
     manifest = build(model)
     limit = MemoryBudget(limits={Arena.PREPARED: 1 << 40})
     out, counters, *_, plan, budget = _first_run_timeline(model, "read-only", budget=limit)

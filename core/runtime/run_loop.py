@@ -36,7 +36,7 @@ from onnx_prep.core.model.prepared_key import PreparedKey
 from onnx_prep.core.model.resolved_model import ResolvedModel
 from onnx_prep.core.ops import append_buffer, cancellation, intra_op, run_counters
 from onnx_prep.core.plan.execution_plan import RAW_LAYOUT, PreparedExecutionPlan
-from onnx_prep.core.plan.task import Priority, ResourceClass, TaskKind
+from onnx_prep.core.plan.task import Priority, TaskKind
 from onnx_prep.core.runtime.action_program import ActionProgram
 from onnx_prep.core.runtime.arenas import Arena, MemoryBudget
 from onnx_prep.core.runtime.execution_handle import ExecutionHandle
@@ -175,25 +175,10 @@ class RunLoop:
 
     def _all_reads(self) -> tuple[TaskHandle, ...]:
         """The producers of every object not yet resident, asked for at DEMANDED (every
-        worker of their queue may run them): what a run that reads first waits for.
-
-        NOTE: the mapped payloads are submitted first; the raw weights (a load that reads
-        first has at most READS_FIRST_MAX_SOURCE_BYTES of them: norm weights, tables of
-        a few KiB) are then read INLINE, here, by this thread, which would otherwise only
-        wait. On the I/O workers the medium fixture's 34 raw reads took ~14 ms of CPU,
-        from the two cores the mapped workers' checksums need (~0.4 ms each against
-        ~0.1 ms alone): four busy threads on two cores instead of three (docs/runtime.md,
-        "Reading first")."""
-        handles, raw = [], []
+        worker of their queue may run them): what a run that reads first waits for."""
+        handles = []
         for r in self.plan.requirements:
-            if r.request.layout == RAW_LAYOUT:
-                raw.append(r)
-                continue
             h = self.tasks.ensure(r.publisher, Priority.DEMANDED)
-            if h is not None:
-                handles.append(h)
-        for r in raw:
-            h = self.tasks.ensure(r.publisher, Priority.DEMANDED, resource=ResourceClass.INLINE)
             if h is not None:
                 handles.append(h)
         return tuple(handles)

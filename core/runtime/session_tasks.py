@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 
 from onnx_prep.core.model.prepared_key import PreparedKey
 from onnx_prep.core.plan.execution_plan import PreparedExecutionPlan
-from onnx_prep.core.plan.task import Priority, ResourceClass, TaskDescriptor, TaskId, TaskKind
+from onnx_prep.core.plan.task import Priority, TaskDescriptor, TaskId, TaskKind
 from onnx_prep.core.runtime.arenas import Arena, MemoryBudget
 from onnx_prep.core.runtime.eviction_policy import EvictionPolicy
 from onnx_prep.core.runtime.materializer import release_source
@@ -117,12 +117,10 @@ class SessionTasks:
         for h in handles:
             release_source(h)
 
-    def ensure(self, tid: TaskId, priority: Priority, *, resource: ResourceClass | None = None
-               ) -> TaskHandle | None:
+    def ensure(self, tid: TaskId, priority: Priority) -> TaskHandle | None:
         """The live handle of session task ``tid`` (submitting a new generation if it
         has none, or if its last one failed or its object was evicted); None when its
-        object is already resident. ``resource``: the queue a new generation of ``tid``
-        itself runs on, instead of the plan's (its dependencies keep theirs)."""
+        object is already resident."""
         with self._lock:
             desc = self.plan.by_id[tid]
             if desc.publishes is not None and self.store.is_resident(desc.publishes):
@@ -143,7 +141,7 @@ class SessionTasks:
                     deps.append(dh)
                     if self.plan.by_id[d].publishes is None:  # a read (or a device plan's staging)
                         reads.append((d, dh))
-            h = self.scheduler.submit(self._task_fn(desc), resource=resource or desc.resource, priority=priority,
+            h = self.scheduler.submit(self._task_fn(desc), resource=desc.resource, priority=priority,
                                       deps=tuple(deps), mem=desc.memory_request(), name=desc.id,
                                       meta=desc, kind=desc.kind, log=self._timeline)
             self.handles[tid] = h
