@@ -11,8 +11,9 @@ from onnx_prep.cli.errors import run_guarded
 
 
 def fixture(
-    name: str = typer.Argument(..., help="Preset: tiny-llm or medium; or a real export (builder-llama-acc4-b32, "
-                                         "...: docs/fixture.md, needs the 'exports' extra)."),
+    name: str = typer.Argument(..., help="Preset: tiny-llm, medium, large, tiny-gqa or medium-gqa; or a real "
+                                         "export (builder-llama-acc4-b32, ...: docs/fixture.md, needs the "
+                                         "'exports' extra)."),
     out_dir: Path = typer.Argument(..., help="Folder to write <name>.onnx and <name>.onnx.data into."),
     layers: Optional[int] = typer.Option(None, "--layers", help="Decoder blocks (1 to 1,024)."),
     hidden: Optional[int] = typer.Option(
@@ -26,6 +27,10 @@ def fixture(
     fp16_scales: bool = typer.Option(False, "--fp16-scales", help="Store fp16 scales (default fp32)."),
     zero_points: bool = typer.Option(False, "--zero-points", help="Store explicit uint4 zero points."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Weight seed (0 to 2^63-1; default 0)."),
+    attention: Optional[str] = typer.Option(
+        None, "--attention", help="standard (standard ops) or gqa (com.microsoft GroupQueryAttention)."),
+    kv_heads: Optional[int] = typer.Option(
+        None, "--kv-heads", help="KV heads of the gqa attention (0 to 1,024, dividing heads; 0: heads)."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Generate a deterministic synthetic INT4 decoder LLM (same parameters, same bytes)."""
@@ -35,12 +40,15 @@ def fixture(
         from onnx_prep.fixtures import FixtureConfig, generate_fixture
 
         overrides = {k: v for k, v in dict(layers=layers, hidden=hidden, intermediate=intermediate, heads=heads,
-                                           vocab=vocab, block_size=block_size, seed=seed).items() if v is not None}
+                                           vocab=vocab, block_size=block_size, seed=seed, kv_heads=kv_heads).items()
+                     if v is not None}
         if name.startswith(REAL_EXPORT_PREFIXES):
-            return _real_export(name, out_dir, bool(overrides or fp16_scales or zero_points), json_out)
+            return _real_export(name, out_dir, bool(overrides or attention or fp16_scales or zero_points), json_out)
         for key, value in overrides.items():
             option = "--" + key.replace("_", "-")
             check_range(option, value, *FIXTURE_RANGES[option])
+        if attention is not None:
+            overrides["attention"] = attention  # FixtureConfig.validate names the choices
         if fp16_scales:
             overrides["fp16_scales"] = True
         if zero_points:
@@ -87,6 +95,8 @@ def _render(doc: dict) -> None:
     table.add_row("data", doc["data"])
     table.add_row("shape", f"{cfg['layers']} blocks, hidden {cfg['hidden']}, intermediate {cfg['intermediate']}, "
                            f"{cfg['heads']} heads, vocab {cfg['vocab']}")
+    if cfg.get("attention", "standard") != "standard":  # absent: the standard attention (FixtureConfig.to_json)
+        table.add_row("attention", f"{cfg['attention']}, {cfg.get('kv_heads') or cfg['heads']} kv heads")
     table.add_row("int4", f"block {cfg['block_size']}, {'fp16' if cfg['fp16_scales'] else 'fp32'} scales, "
                           f"{'explicit' if cfg['zero_points'] else 'implicit (8)'} zero points, seed {cfg['seed']}")
     table.add_row("tensors", str(doc["tensors"]))

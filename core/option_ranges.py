@@ -29,6 +29,7 @@ FIXTURE_RANGES = {
     "--vocab": (1, 1 << 20),
     "--block-size": (16, 4096),
     "--seed": (0, INT64_MAX),
+    "--kv-heads": (0, 1024),
 }
 
 
