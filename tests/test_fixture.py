@@ -31,11 +31,29 @@ def _files(model: Path) -> tuple[Path, Path]:
 
 
 # ----------------------------------------------------------------- determinism
-def test_same_parameters_give_byte_identical_files(tmp_path):
-    a = generate("tiny-llm", tmp_path / "a")
-    b = generate(FixtureConfig.preset("tiny-llm"), tmp_path / "b")
+@pytest.mark.parametrize("preset", ["tiny-llm", "tiny-gqa"])
+def test_same_parameters_give_byte_identical_files(tmp_path, preset):
+    a = generate(preset, tmp_path / "a")
+    b = generate(FixtureConfig.preset(preset), tmp_path / "b")
     for fa, fb in zip(_files(a), _files(b)):
         assert _digest(fa) == _digest(fb), fa.name
+
+
+# The presets' config hashes before the attention / kv_heads fields were added: the cache
+# folders of every session are named by them (fixtures/cache.py), so a field added with
+# its default must leave them as they were (FixtureConfig.to_json omits it).
+EARLIER_PRESET_HASHES = {"tiny-llm": "eac8fc849202f273", "medium": "412a05e58e9e9b5e", "large": "9123658144cc9bd8"}
+
+
+def test_fields_added_later_leave_the_earlier_presets_hashes_unchanged():
+    assert {name: PRESETS[name].config_hash for name in EARLIER_PRESET_HASHES} == EARLIER_PRESET_HASHES
+    # an explicit default is the same config; a value other than the default is another
+    tiny = PRESETS["tiny-llm"]
+    assert tiny.replace(attention="standard", kv_heads=0).config_hash == tiny.config_hash
+    assert tiny.replace(kv_heads=8).config_hash != tiny.config_hash  # 8 = heads: the same graph, named apart
+    gqa = tiny.replace(attention="gqa")
+    assert gqa.config_hash != tiny.config_hash and gqa.to_json()["attention"] == "gqa"
+    assert "attention" not in tiny.to_json() and "kv_heads" not in tiny.to_json()
 
 
 # Golden digests of the tiny-llm files. They pin the generator across refactors: a change
@@ -133,6 +151,10 @@ def test_sizes_reported_match_the_files(tmp_path):
     (dict(heads=3), "multiple of heads"),
     (dict(layers=0), "layers must be"),
     (dict(name="../x"), "plain file stem"),
+    (dict(attention="mha"), "attention must be one of standard, gqa"),
+    (dict(attention="gqa", kv_heads=3), "kv_heads=3 does not divide heads=8"),
+    (dict(attention="gqa", kv_heads=-2), "kv_heads=-2 does not divide"),
+    (dict(kv_heads=2), "kv_heads=2 needs attention 'gqa'"),
 ])
 def test_bad_config_raises_usage_error(changes, needle):
     with pytest.raises(UsageError, match=needle):
@@ -154,6 +176,13 @@ def test_presets():
     large = PRESETS["large"]  # 7B-shaped
     assert (large.layers, large.hidden, large.intermediate, large.vocab) == (32, 4096, 11008, 32000)
     assert not tiny.fp16_scales and not tiny.zero_points
+    assert tiny.attention == medium.attention == "standard" and tiny.kv_head_count == tiny.heads
+    # the GroupQueryAttention presets: the same shapes, fewer KV heads
+    for name, base, kv_heads, zero_points in (("tiny-gqa", tiny, 2, True), ("medium-gqa", medium, 8, False)):
+        gqa = PRESETS[name]
+        assert (gqa.attention, gqa.kv_heads) == ("gqa", kv_heads)
+        assert gqa.replace(name=base.name, attention="standard", kv_heads=0, zero_points=False) == base
+        assert gqa.zero_points == zero_points  # tiny-gqa's: its greedy output does not collapse
 
 
 # ------------------------------------------------------------- default model
@@ -215,14 +244,19 @@ class _Decoder:
         self.layers = len(kv) // 2
         self.heads, self.head_dim = kv[0].shape[1], kv[0].shape[3]
         self.output_names = [o.name for o in self.session.get_outputs()]
+        # the standard attention takes position ids; GroupQueryAttention the attention mask
+        self.masked = "attention_mask" in {i.name for i in self.session.get_inputs()}
 
     def empty_cache(self, batch: int) -> dict[str, np.ndarray]:
         z = np.zeros((batch, self.heads, 0, self.head_dim), np.float32)
         return {f"past_key_values.{i}.{kind}": z for i in range(self.layers) for kind in ("key", "value")}
 
     def __call__(self, ids: np.ndarray, past: dict[str, np.ndarray], start: int):
-        pos = np.broadcast_to(np.arange(start, start + ids.shape[1], dtype=np.int64), ids.shape)
-        outs = dict(zip(self.output_names, self.session.run(None, {"input_ids": ids, "position_ids": pos, **past})))
+        if self.masked:
+            step = {"attention_mask": np.ones((ids.shape[0], start + ids.shape[1]), np.int64)}
+        else:
+            step = {"position_ids": np.broadcast_to(np.arange(start, start + ids.shape[1], dtype=np.int64), ids.shape)}
+        outs = dict(zip(self.output_names, self.session.run(None, {"input_ids": ids, **step, **past})))
         present = {k.replace("present.", "past_key_values.", 1): v for k, v in outs.items() if k != "logits"}
         return outs["logits"], present
 
@@ -256,9 +290,11 @@ def _assert_kv_cache_matches_prefill(model_path: Path, rel_tol: float) -> None:
         err = np.abs(logits[:, -1] - full[:, t]).max() / np.abs(full[:, t]).max()
         assert err < rel_tol, (t, err)
     # prefill with past (seq > 1, past > 0): 8 tokens, then the last 4 in one call
-    _, past = dec(ids[:, :8], dec.empty_cache(2), 0)
-    logits, past = dec(ids[:, 8:], past, 8)
-    err = np.abs(logits - full[:, 8:]).max() / np.abs(full[:, 8:]).max()
+    # (GroupQueryAttention takes a continued prompt at batch 1 only, as ONNX Runtime does)
+    rows = 1 if dec.masked else 2
+    _, past = dec(ids[:rows, :8], dec.empty_cache(rows), 0)
+    logits, past = dec(ids[:rows, 8:], past, 8)
+    err = np.abs(logits - full[:rows, 8:]).max() / np.abs(full[:rows, 8:]).max()
     assert err < rel_tol, err
     assert past["past_key_values.0.key"].shape[2] == 12
 
@@ -268,7 +304,8 @@ def test_kv_cache_decode_equals_one_prefill_tiny(tiny_llm_path):
 
 
 @pytest.mark.parametrize("encoding", [dict(zero_points=True), dict(fp16_scales=True),
-                                      dict(block_size=16, zero_points=True, fp16_scales=True)])
+                                      dict(block_size=16, zero_points=True, fp16_scales=True),
+                                      dict(attention="gqa", kv_heads=2), dict(attention="gqa", kv_heads=1)])
 def test_kv_cache_decode_equals_one_prefill_encodings(tmp_path, encoding):
     path = generate(FixtureConfig.preset("tiny-llm").replace(**SMALL, **encoding), tmp_path)
     # fp16 scales mean fp16 activations into every MatMulNBits: a looser bound.
@@ -302,13 +339,16 @@ def _reference_logits(cfg: FixtureConfig, w: dict[str, np.ndarray], ids: np.ndar
     def rms(x, weight):
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.rms_eps) * weight
 
-    h, nh, d = cfg.hidden, cfg.heads, cfg.head_dim
+    h, nh, d, kv = cfg.hidden, cfg.heads, cfg.head_dim, cfg.kv_head_count
     zp_emb = w["embed_tokens.zero_points"][:, :, 0] if cfg.zero_points else None
     table = dequantize(w["embed_tokens.weight_q4"], w["embed_tokens.scales"][:, :, 0], zp_emb)
     x = table[ids]  # [B, S, H]
     s = ids.shape[1]
-    freqs = np.arange(s)[:, None] * w["rotary.inv_freq"][None, :]
-    cos, sin = np.cos(np.concatenate([freqs, freqs], -1)), np.sin(np.concatenate([freqs, freqs], -1))
+    if cfg.attention == "gqa":  # GroupQueryAttention's tables: [positions, D/2] for positions 0..
+        cos, sin = (np.concatenate([w[name][:s], w[name][:s]], -1) for name in ("cos_cache", "sin_cache"))
+    else:
+        freqs = np.arange(s)[:, None] * w["rotary.inv_freq"][None, :]
+        cos, sin = np.cos(np.concatenate([freqs, freqs], -1)), np.sin(np.concatenate([freqs, freqs], -1))
 
     def rope(t):
         t1, t2 = t[..., : d // 2], t[..., d // 2:]
@@ -318,7 +358,10 @@ def _reference_logits(cfg: FixtureConfig, w: dict[str, np.ndarray], ids: np.ndar
     for i in range(cfg.layers):
         p = f"layers.{i}"
         qkv = proj(rms(x, w[f"{p}.input_norm.weight"]), f"{p}.attn.qkv")
-        q, k, v = (qkv[..., j * h:(j + 1) * h].reshape(*ids.shape, nh, d).transpose(0, 2, 1, 3) for j in range(3))
+        # Q over nh heads, then K and V over kv heads; query head j reads KV head j // (nh / kv)
+        q = qkv[..., :h].reshape(*ids.shape, nh, d).transpose(0, 2, 1, 3)
+        k, v = (qkv[..., h + j * kv * d:h + (j + 1) * kv * d].reshape(*ids.shape, kv, d).transpose(0, 2, 1, 3)
+                .repeat(nh // kv, axis=1) for j in range(2))
         scores = rope(q) @ rope(k).transpose(0, 1, 3, 2) / np.sqrt(d)
         scores = np.where(causal, scores, -np.inf)
         probs = np.exp(scores - scores.max(-1, keepdims=True))
@@ -331,7 +374,7 @@ def _reference_logits(cfg: FixtureConfig, w: dict[str, np.ndarray], ids: np.ndar
     return proj(rms(x, w["final_norm.weight"]), "lm_head", weight="embed_tokens.weight_q4")
 
 
-@pytest.mark.parametrize("encoding", [{}, dict(zero_points=True, block_size=16)])
+@pytest.mark.parametrize("encoding", [{}, dict(zero_points=True, block_size=16), dict(attention="gqa", kv_heads=2)])
 def test_ort_matches_an_independent_numpy_forward(tmp_path, encoding):
     # Proves the documented encoding (nibble order, zero points in both ops' shapes, the
     # tie, rotary, causal mask) is what ONNX Runtime computes from these files.

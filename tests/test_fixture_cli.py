@@ -61,3 +61,24 @@ def test_fixture_out_dir_that_is_a_file_is_exit_2(tmp_path):
     result = runner.invoke(app, ["fixture", "tiny-llm", str(target)])
     assert result.exit_code == EXIT_UNUSABLE
     assert "Traceback" not in result.output
+
+
+def test_fixture_attention_and_kv_heads_options(tmp_path):
+    result = runner.invoke(app, ["fixture", "tiny-llm", str(tmp_path / "out"), *SMALL_ARGS, "--attention", "gqa",
+                                 "--kv-heads", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert (doc["config"]["attention"], doc["config"]["kv_heads"]) == ("gqa", 2)
+    expected = FixtureConfig.preset("tiny-llm").replace(layers=1, hidden=128, intermediate=256, heads=4, vocab=512,
+                                                        attention="gqa", kv_heads=2)
+    assert doc["config_hash"] == expected.config_hash
+    text = runner.invoke(app, ["fixture", "tiny-gqa", str(tmp_path / "preset"), *SMALL_ARGS])
+    assert text.exit_code == 0 and "gqa, 2 kv heads" in text.output, text.output
+
+
+def test_fixture_kv_heads_not_dividing_heads_is_one_line_exit_2(tmp_path):
+    result = runner.invoke(app, ["fixture", "tiny-gqa", str(tmp_path), "--kv-heads", "3"])
+    assert result.exit_code == EXIT_UNUSABLE
+    assert result.output.strip().splitlines() == [
+        "error: invalid fixture config 'tiny-gqa': kv_heads=3 does not divide heads=8"]
+    assert not list(tmp_path.iterdir()), "wrote files for a bad config"
