@@ -290,3 +290,41 @@ def test_masked_attention_has_no_device_launcher():
 
     kernels = {op for op, kernel in DEVICE_LAUNCHERS if kernel == "gqa"}
     assert kernels == {"GroupQueryAttention", "Attention"}  # MaskedAttention: refused as "no device launcher"
+
+
+@pytest.fixture(scope="module")
+def tiny_gqa(tmp_path_factory):
+    """The tiny-gqa fixture (GroupQueryAttention in the builder's form, generated here:
+    no exporter needed) and its CPU session's greedy decode of each batch's prompt."""
+    from onnx_prep.fixtures import generate
+
+    path = generate("tiny-gqa", tmp_path_factory.mktemp("tiny-gqa"))
+    resolved = resolve_model(path)
+    io = DecoderIO.from_model(path)
+    with open_prepared_runner(resolved, threads=1, source_pages="auto") as cpu:
+        want = {b: greedy_decode(cpu, io, np.array(p), TOKENS) for b, p in PROMPTS.items()}
+    return resolved, io, want
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_the_tiny_gqa_fixture_keeps_its_kv_on_the_device_and_replays_its_decode_step(tiny_gqa, batch):
+    # the issue's GPU test (4) on the fake, on a generated fixture: its KV kept on the device, its
+    # weights streamed under four granules, every segment captured once for the prefill and once for
+    # the decode step, then replayed on every later step, with the CPU session's tokens
+    resolved, io, want = tiny_gqa
+    d = ready(memory=256 << 20)
+    budget = 4 * d.allocation_granularity(0)  # its packed objects commit more than that all resident
+    with open_device_decoder(resolved, d, budget=budget) as dec:
+        ops = {n.name: n.op_type for n in resolved.nodes}
+        assert not {ops[n] for n in dec.runner.host_nodes} & DECODER_OPS
+        assert dec.kv_reason == "kept on the device at a fixed capacity"
+        got = greedy_decode(dec, io, np.array(PROMPTS[batch]), TOKENS, keep_logits=True)
+        c = dec.counters()
+    segments = c["segments_per_step"]
+    assert got.tokens.tolist() == want[batch].tokens.tolist()
+    np.testing.assert_allclose(got.first_logits, want[batch].first_logits, rtol=0, atol=LOGITS_ATOL)
+    assert segments >= 2 and c["evictions"] > 0 and c["peak_committed_bytes"] <= budget
+    assert (c["captures"], c["replays"], c["fallbacks"], c["invalidations"]) == \
+        (2 * segments, segments * (TOKENS - 2), 0, 0)
+    live = d.live()  # the KV buffers and every segment given back
+    assert all(n == 0 for k, n in live.items() if k != "modules"), live
