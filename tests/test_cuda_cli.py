@@ -194,6 +194,25 @@ def test_the_batch_sweep_on_a_fake_device_reports_device_columns_beside_the_cpus
     jsonschema.validate(doc, _schema("batch-sweep"))
 
 
+def test_the_batch_sweep_of_a_gqa_fixture_on_a_fake_device_captures_and_replays_its_steps(tmp_path):
+    """What scripts/gpu_check.sh's sweep shows on the GPU with medium-gqa: a GroupQueryAttention
+    fixture's KV kept on the device, so its steps are captured and replayed (the standard-op
+    fixtures' fused attention keeps its KV on the host: captures 0)."""
+    from onnx_prep.fixtures import generate
+
+    model = generate("tiny-gqa", tmp_path / "model")
+    p = with_fake_device("profile", str(model), "--batch-sweep", "1,2", "--budget", "50%", "--tokens", "4",
+                         "--repeat", "1", "--device", "cuda", "--format", "json",
+                         env={"ONNX_PREP_CACHE": str(tmp_path / "cache")})
+    assert p.returncode == EXIT_OK, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["device"]["segments_per_step"] > 1 and "kv_capacity_fixed=True" in doc["device"]["capture_reason"]
+    for row in doc["rows"]:
+        dv = row["device"]
+        assert dv["tokens_identical_to_cpu"] and dv["captures"] > 0 and dv["replays"] > 0, dv
+        assert (dv["fallbacks"], dv["invalidations"]) == (0, 0), dv
+
+
 def test_device_budget_without_a_device_is_a_usage_error():
     p = onnx_prep("run", "--device-budget", "64MiB", "--tokens", "1")
     assert p.returncode == EXIT_UNUSABLE
