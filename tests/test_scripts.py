@@ -301,6 +301,14 @@ def test_gpu_check_script_parses():
     python = text.split("<<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0]
     compile(python, "gpu_check.sh (python)", "exec")
     assert "tests/test_cuda_" in text and "results.json" in python
+    # the device sweep runs a GroupQueryAttention preset (the device keeps its KV and captures
+    # its decode steps; a standard-op fixture's sweep shows captures 0), and the preset exists
+    import re
+
+    from onnx_prep.fixtures import PRESETS
+
+    swept = re.findall(r'FixtureConfig\.preset\("([^"]+)"\)', text)
+    assert swept == ["medium-gqa"] and PRESETS[swept[0]].attention == "gqa", swept
 
 
 def test_gemv_step_profile_smoke(tmp_path):
