@@ -11,6 +11,10 @@ driver, whose twins run each kernel's CPU op on the device bytes.
   LayerNormalization, RotaryEmbedding with position ids, GroupQueryAttention with
   rotary inside) in a graph built here, against the CPU runtime; and a builder export
   decoded (with the ``exports`` extra);
+- the tiny-gqa fixture (GroupQueryAttention in the builder's form, generated: no
+  ``exports`` extra) streamed under four granules with its KV on the device: the CPU
+  session's tokens, each segment captured for the prefill and the decode step, then
+  replayed (the issue's GPU test (4); on a real device too, marker ``gpu``);
 - what only the device sees (an input id outside the vocabulary, a position outside
   the caches, a seqlens_k past the buffers) raises the status word's one line, and the
   next step runs clean;
@@ -306,13 +310,11 @@ def tiny_gqa(tmp_path_factory):
     return resolved, io, want
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-def test_the_tiny_gqa_fixture_keeps_its_kv_on_the_device_and_replays_its_decode_step(tiny_gqa, batch):
-    # the issue's GPU test (4) on the fake, on a generated fixture: its KV kept on the device, its
-    # weights streamed under four granules, every segment captured once for the prefill and once for
-    # the decode step, then replayed on every later step, with the CPU session's tokens
+def _check_gqa_decode(tiny_gqa, batch, d):
+    """The tiny-gqa decode of PROMPTS[batch] on ``d`` under four of its granules: the CPU
+    session's tokens and first logits, its KV on the device, every segment captured once
+    for the prefill and once for the decode step, then replayed, no fallback."""
     resolved, io, want = tiny_gqa
-    d = ready(memory=256 << 20)
     budget = 4 * d.allocation_granularity(0)  # its packed objects commit more than that all resident
     with open_device_decoder(resolved, d, budget=budget) as dec:
         ops = {n.name: n.op_type for n in resolved.nodes}
@@ -326,5 +328,21 @@ def test_the_tiny_gqa_fixture_keeps_its_kv_on_the_device_and_replays_its_decode_
     assert segments >= 2 and c["evictions"] > 0 and c["peak_committed_bytes"] <= budget
     assert (c["captures"], c["replays"], c["fallbacks"], c["invalidations"]) == \
         (2 * segments, segments * (TOKENS - 2), 0, 0)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_the_tiny_gqa_fixture_keeps_its_kv_on_the_device_and_replays_its_decode_step(tiny_gqa, batch):
+    # the issue's GPU test (4) on the fake, on a generated fixture (no exporter needed)
+    d = ready(memory=256 << 20)
+    _check_gqa_decode(tiny_gqa, batch, d)
     live = d.live()  # the KV buffers and every segment given back
     assert all(n == 0 for k, n in live.items() if k != "modules"), live
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 2])
+def test_on_a_device_the_tiny_gqa_fixture_captures_and_replays_its_decode_step(tiny_gqa, batch):
+    """The issue's GPU test (4) on a real device (skipped here, with discovery's reason)."""
+    from test_cuda_weight_residency import _real_driver
+
+    _check_gqa_decode(tiny_gqa, batch, _real_driver())
