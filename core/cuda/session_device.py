@@ -131,6 +131,14 @@ class CudaSessionDevice:
         start, n = data.ctypes.data, data.nbytes
         return any(a <= start and start + n <= a + b.nbytes for a, b in self._staging.items())
 
+    def _check_copy(self, what: str, tensor: str, data: np.ndarray) -> None:
+        """A copy to the device may start: the device open, ``data`` page-locked staging."""
+        if self._closed:
+            raise DeviceError(f"{what} on a closed device", Where(tensor=tensor))
+        if not self._is_staging(data):
+            raise DeviceError(f"{what} of {data.nbytes:,} bytes that are not page-locked staging",
+                              Where(tensor=tensor), hint="this is a bug in onnx-prep; please report it")
+
     # -- uploads
     def upload(self, key: PreparedKey, data: np.ndarray) -> float:
         """Copy ``data`` (staging bytes) into ``key``'s resident slot on the stream, timed by
@@ -139,11 +147,7 @@ class CudaSessionDevice:
         # NOTE: one stream and one pair of events: the uploads are copied one at a time,
         # in the order the device queue runs them (a single worker: Session).
         with self._lock:
-            if self._closed:
-                raise DeviceError("upload on a closed device", Where(tensor=key))
-            if not self._is_staging(data):
-                raise DeviceError(f"upload of {data.nbytes:,} bytes that are not page-locked staging",
-                                  Where(tensor=key), hint="this is a bug in onnx-prep; please report it")
+            self._check_copy("upload", key, data)
             start, end = self._events
             self.slots.make_current()
             d.event_record(start, self._stream)
@@ -159,11 +163,7 @@ class CudaSessionDevice:
         d = self.driver
         n = int(data.nbytes)
         with self._lock:
-            if self._closed:
-                raise DeviceError("source upload on a closed device", Where(tensor=name))
-            if not self._is_staging(data):
-                raise DeviceError(f"source upload of {n:,} bytes that are not page-locked staging",
-                                  Where(tensor=name), hint="this is a bug in onnx-prep; please report it")
+            self._check_copy("source upload", name, data)
             self.slots.make_current()
             address = None
             try:
