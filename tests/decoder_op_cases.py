@@ -295,6 +295,10 @@ GQA_CASES = [  # B, S, N, KN, H, P, gqa_case's options: what the fake and the GP
     (2, 5, 2, 1, 8, 0, dict(shared=True, first_prompt=True)),
     (1, 1, 2, 2, 256, 0, dict(shared=True)),  # no past at all
     (1, 1, 8, 4, 24, 2000, dict(shared=True, rotary=True)),  # past over one chunk of staged keys
+    # prompts of more rows than a decode step's 8 (two append tiles and more; each row causal)
+    (1, 9, 4, 2, 32, 0, dict(shared=True, first_prompt=True)),
+    (1, 33, 4, 2, 64, 12, dict(shared=True, rotary=True)),  # a continued prompt over a past
+    (2, 300, 1, 1, 16, 0, dict(shared=True, packed=True, first_prompt=True)),  # rows of different lengths
 ]
 
 
@@ -330,6 +334,11 @@ class FusedAttentionCase:
         return {"out": bufs.get(out, (B, S, N, H)),
                 **{name: bufs.get(p, (B, KN, P + S + 2, H))[:, :, :P + S]
                    for name, p in zip(("present_key", "present_value"), present)}}
+
+
+# B, N, KN, S, H, P of the fused Attention over prompts longer than a decode step: what
+# the fake, emulated and GPU tests add to their own decode cases.
+FUSED_PROMPT_CASES = [(1, 4, 4, 9, 32, 0), (1, 4, 1, 33, 32, 7), (1, 2, 1, 300, 16, 0)]
 
 
 def fused_attention_case(seed: int, B: int, N: int, KN: int, S: int, H: int, P: int) -> FusedAttentionCase:

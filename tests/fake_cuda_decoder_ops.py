@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 
 from onnx_prep import native
-from onnx_prep.core.cuda.device_decoder_ops import (GATHER_THREADS, GQA_THREADS, KINDS, NORM_THREADS, PARAMS,
-                                                     ROTARY_THREADS, ZP_KINDS)
+from onnx_prep.core.cuda.device_decoder_ops import (GATHER_THREADS, GQA_APPEND_ROWS, GQA_THREADS, GRID_YZ_MAX,
+                                                     KINDS, NORM_THREADS, PARAMS, ROTARY_THREADS, ZP_KINDS)
 from onnx_prep.core.cuda.driver import DriverCallError
 from onnx_prep.native import attention
 
@@ -38,9 +38,10 @@ def _geometry(name: str, grid: tuple, v: dict) -> tuple[tuple, tuple]:
     if name == "decoder_rotary":
         return (v["heads"], v["seq"], v["batch"]), (ROTARY_THREADS, 1, 1)
     if name == "decoder_gqa_append":
-        return (v["kv_num_heads"], v["batch"], 1), (GQA_THREADS, 1, 1)
+        tiles = (v["seq"] + GQA_APPEND_ROWS - 1) // GQA_APPEND_ROWS  # the kernel loops over tiles past grid.z
+        return (v["kv_num_heads"], v["batch"], min(tiles, GRID_YZ_MAX)), (GQA_THREADS, 1, 1)
     if name == "decoder_gqa_attend":
-        return (v["num_heads"], v["seq"], v["batch"]), (GQA_THREADS, 1, 1)
+        return (v["num_heads"], min(v["seq"], GRID_YZ_MAX), v["batch"]), (GQA_THREADS, 1, 1)
     return (max(grid[0], 1), 1, 1), (GATHER_THREADS, 1, 1)  # a block per index: n is the grid's
 
 

@@ -23,10 +23,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from cuda_host import host_driver
-from decoder_op_cases import (GQA_CASES, Buffers, fused_attention_case, gather_case, gqa_case, norm_case,
-                              rotary_case, tables_rotary_case)
+from decoder_op_cases import (FUSED_PROMPT_CASES, GQA_CASES, Buffers, fused_attention_case, gather_case, gqa_case,
+                              norm_case, rotary_case, tables_rotary_case)
 from test_cuda_gpu_decoder_ops import assert_exact, assert_within, attention_bound, gqa_bound, norm_bound
 
+from onnx_prep.core.cuda import device_decoder_ops
 from onnx_prep.core.cuda.device_decoder_ops import DeviceDecoderOps, check_status
 
 
@@ -78,7 +79,33 @@ def test_gqa_matches_the_cpu_kernel(device, B, S, N, KN, H, P, options):
     assert_within(got["out"], want["out"], gqa_bound(case, want["out"]), "output")
 
 
-@pytest.mark.parametrize("B,N,KN,S,H,P", [(1, 32, 32, 1, 128, 500), (2, 8, 1, 4, 64, 37), (1, 4, 4, 8, 32, 0)])
+def test_a_prompt_over_the_grids_rows_loops_in_the_blocks(device, monkeypatch):
+    """Rows past a grid's y (attend) and tiles past its z (append) are looped over by the
+    blocks there are: with the grid capped at 3 blocks (65535 on a device), a 33-row
+    prompt over a past gives the uncapped launch's bits, and the CPU kernel's within the
+    bound."""
+    case = gqa_case(7, 1, 33, 4, 2, 32, 5, shared=True, rotary=True)
+    want, whole = case.cpu(), _run(device, case)
+    monkeypatch.setattr(device_decoder_ops, "GRID_YZ_MAX", 3)
+    append, attend = _gqa_plans(case)
+    assert (append.grid, attend.grid) == ((2, 1, 3), (4, 3, 1))
+    looped = _run(device, case)
+    for name in ("out", "present_key", "present_value"):
+        assert_exact(looped[name], whole[name], f"{name}, looped over the rows")
+    assert_exact(looped["present_key"], want["present_key"], "present key")
+    assert_within(looped["out"], want["out"], gqa_bound(case, want["out"]), "output")
+
+
+def _gqa_plans(case):
+    B, S, H = case.shape
+    return device_decoder_ops.plan_gqa(0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x4000, 0x5000, 0x6000, 0x7000,
+                                       batch=B, seq=S, num_heads=case.num_heads, kv_num_heads=case.kv_num_heads,
+                                       head_size=H, past_len=case.past_len, total_sequence_length=case.total,
+                                       past_stride=case.present[0].shape[2], present_stride=case.present[0].shape[2])
+
+
+@pytest.mark.parametrize("B,N,KN,S,H,P", [(1, 32, 32, 1, 128, 500), (2, 8, 1, 4, 64, 37), (1, 4, 4, 8, 32, 0)]
+                         + FUSED_PROMPT_CASES)
 def test_the_fused_attention_matches_the_cpu_op(device, B, N, KN, S, H, P):
     case = fused_attention_case(B * 100 + S + P, B, N, KN, S, H, P)
     want, got = case.cpu(), _run(device, case)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from decoder_op_cases import (GQA_CASES, Buffers, fused_attention_case, gather_case, gqa_case, norm_case,
-                              rotary_case, tables_rotary_case)
+from decoder_op_cases import (FUSED_PROMPT_CASES, GQA_CASES, Buffers, fused_attention_case, gather_case, gqa_case,
+                              norm_case, rotary_case, tables_rotary_case)
 from fake_cuda_driver import ready
 from hypothesis import given
 from hypothesis import strategies as st
@@ -96,7 +96,8 @@ def test_the_fused_rotary_reads_its_tables_in_place_and_equals_the_cpu_op(dev, B
     assert_same(dev.run(case), case.cpu())
 
 
-@pytest.mark.parametrize("B,N,KN,S,H,P", [(1, 4, 4, 1, 32, 7), (2, 4, 1, 3, 16, 5), (1, 2, 2, 8, 64, 0)])
+@pytest.mark.parametrize("B,N,KN,S,H,P", [(1, 4, 4, 1, 32, 7), (2, 4, 1, 3, 16, 5), (1, 2, 2, 8, 64, 0)]
+                         + FUSED_PROMPT_CASES)
 def test_the_fused_attention_is_the_gqa_launches_over_bnsh_strides(dev, B, N, KN, S, H, P):
     case = fused_attention_case(B * 100 + S + P, B, N, KN, S, H, P)
     assert_same(dev.run(case), case.cpu())
@@ -206,7 +207,6 @@ def _gqa(**change):
     (dict(head_size=60), "head size 60 is not a multiple of 8"),
     (dict(head_size=264), "head size 264 is over 256"),
     (dict(batch=2, seq=2, total_sequence_length=12), r"a continued prompt \(sequence 2, total 12\) needs batch 1"),
-    (dict(seq=9, total_sequence_length=19), "9 query rows per sequence"),
     (dict(past_value=0), "past_key and past_value must be both present or both absent"),
     (dict(present_stride=10), "row strides past 16 / present 10 are below"),
     (dict(past_stride=12), "past_key is present_key's buffer: one row stride, got 12 and 16"),
@@ -266,6 +266,16 @@ def test_each_launch_has_its_geometry_and_the_fake_checks_it(dev):
     assert [(p.name, p.grid, p.block) for p in plans] == [
         ("decoder_gqa_append", (2, 1, 1), (128, 1, 1)), ("decoder_gqa_attend", (4, 3, 1), (128, 1, 1))]
     assert plans[0].arg("present_len") == 13 and plans[0].arg("first_prompt") == 0
+    # a prompt: an append block per 8 new rows, an attend block per row (a decode step's shape up to 8 rows)
+    assert [p.grid for p in _gqa(seq=8, total_sequence_length=18, past_stride=18, present_stride=18)] == [
+        (2, 1, 1), (4, 8, 1)]
+    prompt = dict(past_len=0, past_key=0, past_value=0, past_stride=0)
+    assert [p.grid for p in _gqa(seq=9, total_sequence_length=9, **prompt)] == [(2, 1, 2), (4, 9, 1)]
+    assert [p.grid for p in _gqa(seq=2048, total_sequence_length=2048, present_stride=2048, **prompt)] == [
+        (2, 1, 256), (4, 2048, 1)]
+    # past a grid's y and z (65535 blocks) the kernels loop: the grid stops there
+    assert [p.grid for p in _gqa(seq=600000, total_sequence_length=600000, present_stride=600000, **prompt)] == [
+        (2, 1, 65535), (4, 65535, 1)]
     assert plans[0].arg("scale") == pytest.approx(1 / 8)
     norm = plan_row_norm(0x100, 0x200, 0x300, 5, 8, epsilon=1e-5, simplified=True)
     assert (norm.grid, norm.block) == ((5, 1, 1), (256, 1, 1))

@@ -24,8 +24,8 @@ import math
 
 import numpy as np
 import pytest
-from decoder_op_cases import (GQA_CASES, Buffers, fused_attention_case, gather_case, gqa_case, norm_case,
-                              rotary_case, tables_rotary_case)
+from decoder_op_cases import (FUSED_PROMPT_CASES, GQA_CASES, Buffers, fused_attention_case, gather_case, gqa_case,
+                              norm_case, rotary_case, tables_rotary_case)
 
 from onnx_prep.core.cuda.device_decoder_ops import NORM_THREADS, DeviceDecoderOps, check_status
 from onnx_prep.core.cuda.device_probe import probe_devices
@@ -137,7 +137,8 @@ def test_gqa_matches_the_cpu_kernel(device, B, S, N, KN, H, P, options):
     assert_within(got["out"], want["out"], gqa_bound(case, want["out"]), "output")
 
 
-@pytest.mark.parametrize("B,N,KN,S,H,P", [(1, 32, 32, 1, 128, 500), (2, 8, 1, 4, 64, 37), (1, 4, 4, 8, 32, 0)])
+@pytest.mark.parametrize("B,N,KN,S,H,P", [(1, 32, 32, 1, 128, 500), (2, 8, 1, 4, 64, 37), (1, 4, 4, 8, 32, 0)]
+                         + FUSED_PROMPT_CASES)
 def test_the_fused_attention_matches_the_cpu_op(device, B, N, KN, S, H, P):
     case = fused_attention_case(B * 100 + S + P, B, N, KN, S, H, P)
     want, got = case.cpu(), _run(device, case)

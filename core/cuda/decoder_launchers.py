@@ -25,8 +25,8 @@ end. Everything else a plan takes as an address is a device input (a host feed s
 ``seqlens_k`` or ``position_ids`` is copied in by the runner).
 
 Not covered, refused by name: ``onnx_prep.fused::MaskedAttention`` (any additive mask;
-no device kernel: it has no launcher), prompts of more than GQA_MAX_ROWS rows (the
-attention plan refuses them when the step is made), other dtypes than float32.
+no device kernel: it has no launcher), other dtypes than float32. A prompt of any
+length runs on the device (the attention's launches tile its rows).
 """
 from __future__ import annotations
 

@@ -33,6 +33,7 @@ typedef long long i64;
 #define GQA_WARPS (GQA_THREADS / 32)
 #define GQA_MAX_HEAD 256
 #define GQA_CHUNK 1024   // keys whose probabilities are staged at once
+#define GQA_APPEND_ROWS 8  // new rows a decoder_gqa_append block writes (a tile; a decode step is one)
 
 #define HEADER_BYTES 64
 #define PANEL_N 64
@@ -161,10 +162,10 @@ extern "C" __global__ void __launch_bounds__(ROTARY_THREADS) decoder_rotary(
                 sin_cache + (u64)p * cache_stride);
 }
 
-// GroupQueryAttention for decode (attention.c), as two launches on one stream:
-// decoder_gqa_append writes each (batch row, kv head)'s present rows, then
-// decoder_gqa_attend computes each (query head, query row, batch row)'s output from
-// them. Layouts: query head h of row s of batch row b at q + b q_b + s q_s + h q_h (its
+// GroupQueryAttention (attention.c) for a decode step or a prompt of any length, as two
+// launches on one stream: decoder_gqa_append writes each (batch row, kv head)'s present
+// rows, then decoder_gqa_attend computes each (query head, query row, batch row)'s
+// output from them. Layouts: query head h of row s of batch row b at q + b q_b + s q_s + h q_h (its
 // head_size values contiguous), kv head j at k (v) + b kv_b + s kv_s + j kv_h: BSNH
 // tensors, the parts of a packed QKV row, or BNSH ones (onnx_prep.fused::Attention);
 // past and present [B][KN][stride rows][head_size] (BNSH with room after the rows); a
@@ -197,21 +198,23 @@ __device__ __forceinline__ i64 gqa_row(const void *seqlens, int seqlens_i32, int
 }
 
 
-// One block per (kv head j, batch row b): the past's rows copied and the rows after the
-// new ones zeroed (unless present is the past's buffer), then the new rows (keys
-// rotated). A row whose seqlens_k does not fit leaves its present rows untouched.
+// One block per (kv head j, batch row b, tile of GQA_APPEND_ROWS new rows; tile z, then
+// z + gridDim.z, ...: a decode step is one tile): tile 0's block copies the past's rows
+// and zeroes the rows after the new ones (unless present is the past's buffer), each
+// block writes its tiles' new rows (keys rotated). The blocks' rows are disjoint. A row
+// whose seqlens_k does not fit leaves its present rows untouched.
 extern "C" __global__ void __launch_bounds__(GQA_THREADS) decoder_gqa_append(GQA_PARAMS) {
     const int j = blockIdx.x, b = blockIdx.y, H = head_size, KN = kv_num_heads;
     i64 total;
     const i64 past = gqa_row(seqlens, seqlens_i32, b, seq, past_len, present_len, first_prompt, rotary_dim,
                              cache_rows, &total);
     if (past < 0) {
-        if (threadIdx.x == 0 && j == 0) flag(status, STATUS_GQA_SEQLENS);
+        if (threadIdx.x == 0 && j == 0 && blockIdx.z == 0) flag(status, STATUS_GQA_SEQLENS);
         return;
     }
     const u64 unit = (u64)b * KN + j;
     float *pk = present_key + unit * present_stride * H, *pv = present_value + unit * present_stride * H;
-    for (int which = 0; which < 2; which++) {
+    for (int which = 0; which < 2 && blockIdx.z == 0; which++) {
         const float *src = which ? past_value : past_key;
         float *dst = which ? pv : pk;
         if (src == (which ? present_value : present_key)) continue;
@@ -219,16 +222,19 @@ extern "C" __global__ void __launch_bounds__(GQA_THREADS) decoder_gqa_append(GQA
         for (u64 i = threadIdx.x; i < rows_before; i += GQA_THREADS) dst[i] = src[head + i];
         for (u64 i = (u64)(past + seq) * H + threadIdx.x; i < (u64)present_len * H; i += GQA_THREADS) dst[i] = 0.0f;
     }
-    for (int s = 0; s < seq; s++) {
-        const u64 at = (u64)b * kv_b + (u64)s * kv_s + (u64)j * kv_h;
-        const float *kr = k + at, *vr = v + at;
-        float *dk = pk + (u64)(past + s) * H, *dv = pv + (u64)(past + s) * H;
-        if (rotary_dim > 0)
-            rotate_head(kr, dk, H, rotary_dim, interleaved, cos_cache + (past + s) * (rotary_dim / 2),
-                        sin_cache + (past + s) * (rotary_dim / 2));
-        else
-            for (int i = threadIdx.x; i < H; i += GQA_THREADS) dk[i] = kr[i];
-        for (int i = threadIdx.x; i < H; i += GQA_THREADS) dv[i] = vr[i];
+    for (i64 s0 = (i64)blockIdx.z * GQA_APPEND_ROWS; s0 < seq; s0 += (i64)gridDim.z * GQA_APPEND_ROWS) {
+        const i64 s1 = s0 + GQA_APPEND_ROWS < seq ? s0 + GQA_APPEND_ROWS : seq;
+        for (i64 s = s0; s < s1; s++) {
+            const u64 at = (u64)b * kv_b + (u64)s * kv_s + (u64)j * kv_h;
+            const float *kr = k + at, *vr = v + at;
+            float *dk = pk + (u64)(past + s) * H, *dv = pv + (u64)(past + s) * H;
+            if (rotary_dim > 0)
+                rotate_head(kr, dk, H, rotary_dim, interleaved, cos_cache + (past + s) * (rotary_dim / 2),
+                            sin_cache + (past + s) * (rotary_dim / 2));
+            else
+                for (int i = threadIdx.x; i < H; i += GQA_THREADS) dk[i] = kr[i];
+            for (int i = threadIdx.x; i < H; i += GQA_THREADS) dv[i] = vr[i];
+        }
     }
 }
 
@@ -242,78 +248,87 @@ __device__ __forceinline__ float warp_dot(const float *qs, const float *key, int
     return __shfl_sync(0xffffffffu, d, 0);
 }
 
-// One block per (query head h, query row s, batch row b): q (rotated) staged in shared
-// memory; pass 1: the scores' max (warp w takes keys w, w + GQA_WARPS, ...); pass 2, per
-// chunk of GQA_CHUNK keys: the probabilities exp(score - max) staged, each warp adding
-// its own in key order, then thread t accumulates output dims t, t + GQA_THREADS over
-// the chunk's keys in order; out = acc / (the warps' sums in warp order). A row whose
-// seqlens_k does not fit writes NaN and flags STATUS_GQA_SEQLENS.
+// One block per (query head h, query row, batch row b): rows s = blockIdx.y, + gridDim.y,
+// ... (a prompt of more rows than a grid's y holds loops; a decode step, and any prompt
+// of up to 65535 rows, is one row a block). Per row: q (rotated) staged in shared
+// memory; pass 1: the scores' max (warp w takes keys w, w + GQA_WARPS, ...) over the
+// row's causal span, keys [0, past + s]; pass 2, per chunk of GQA_CHUNK keys: the
+// probabilities exp(score - max) staged, each warp adding its own in key order, then
+// thread t accumulates output dims t, t + GQA_THREADS over the chunk's keys in order;
+// out = acc / (the warps' sums in warp order). A batch row whose seqlens_k does not fit
+// writes NaN and flags STATUS_GQA_SEQLENS.
 extern "C" __global__ void __launch_bounds__(GQA_THREADS) decoder_gqa_attend(GQA_PARAMS) {
     __shared__ float qs[GQA_MAX_HEAD];
     __shared__ float probs[GQA_CHUNK];
     __shared__ float warp_max[GQA_WARPS], warp_sum[GQA_WARPS];
-    const int h = blockIdx.x, s = blockIdx.y, b = blockIdx.z, H = head_size;
+    const int h = blockIdx.x, b = blockIdx.z, H = head_size;
     const int t = threadIdx.x, warp = t / 32, lane = t % 32;
     const int G = num_heads / kv_num_heads, j = h / G;
-    float *o = out + ((u64)b * seq + s) * ld_out + (u64)h * H;
     i64 total;
     const i64 past = gqa_row(seqlens, seqlens_i32, b, seq, past_len, present_len, first_prompt, rotary_dim,
                              cache_rows, &total);
     if (past < 0) {
-        for (int i = t; i < H; i += GQA_THREADS) o[i] = __int_as_float(0x7fc00000);
-        if (t == 0 && h == 0 && s == 0) flag(status, STATUS_GQA_SEQLENS);
+        for (i64 s = blockIdx.y; s < seq; s += gridDim.y) {
+            float *o = out + ((u64)b * seq + s) * ld_out + (u64)h * H;
+            for (int i = t; i < H; i += GQA_THREADS) o[i] = __int_as_float(0x7fc00000);
+        }
+        if (t == 0 && h == 0 && blockIdx.y == 0) flag(status, STATUS_GQA_SEQLENS);
         return;
     }
-    const float *qr = q + (u64)b * q_b + (u64)s * q_s + (u64)h * q_h;
-    if (rotary_dim > 0)
-        rotate_head(qr, qs, H, rotary_dim, interleaved, cos_cache + (past + s) * (rotary_dim / 2),
-                        sin_cache + (past + s) * (rotary_dim / 2));
-    else
-        for (int i = t; i < H; i += GQA_THREADS) qs[i] = qr[i];
-    __syncthreads();
     const u64 unit = (u64)b * kv_num_heads + j;
     const float *pk = present_key + unit * present_stride * H, *pv = present_value + unit * present_stride * H;
-    const i64 span = past + s + 1 < total ? past + s + 1 : total;
-    float mx = -__int_as_float(0x7f800000);
-    for (i64 i = warp; i < span; i += GQA_WARPS) mx = fmaxf(mx, scale * warp_dot(qs, pk + (u64)i * H, H));
-    if (lane == 0) warp_max[warp] = mx;
-    __syncthreads();
-    mx = warp_max[0];
-    for (int w = 1; w < GQA_WARPS; w++) mx = fmaxf(mx, warp_max[w]);
-    float acc[GQA_MAX_HEAD / GQA_THREADS];
-#pragma unroll
-    for (int r = 0; r < GQA_MAX_HEAD / GQA_THREADS; r++) acc[r] = 0.0f;
-    float my_sum = 0.0f;  // lane 0's: its warp's probabilities in key order
-    for (i64 c0 = 0; c0 < span; c0 += GQA_CHUNK) {
-        const i64 c1 = c0 + GQA_CHUNK < span ? c0 + GQA_CHUNK : span;
-        for (i64 i = c0 + warp; i < c1; i += GQA_WARPS) {
-            const float p = expf(scale * warp_dot(qs, pk + (u64)i * H, H) - mx);
-            if (lane == 0) {
-                probs[i - c0] = p;
-                my_sum += p;
-            }
-        }
+    for (i64 s = blockIdx.y; s < seq; s += gridDim.y) {
+        if (s != blockIdx.y) __syncthreads();  // the previous row's reads of qs, warp_max and warp_sum are done
+        float *o = out + ((u64)b * seq + s) * ld_out + (u64)h * H;
+        const float *qr = q + (u64)b * q_b + (u64)s * q_s + (u64)h * q_h;
+        if (rotary_dim > 0)
+            rotate_head(qr, qs, H, rotary_dim, interleaved, cos_cache + (past + s) * (rotary_dim / 2),
+                        sin_cache + (past + s) * (rotary_dim / 2));
+        else
+            for (int i = t; i < H; i += GQA_THREADS) qs[i] = qr[i];
         __syncthreads();
+        const i64 span = past + s + 1 < total ? past + s + 1 : total;
+        float mx = -__int_as_float(0x7f800000);
+        for (i64 i = warp; i < span; i += GQA_WARPS) mx = fmaxf(mx, scale * warp_dot(qs, pk + (u64)i * H, H));
+        if (lane == 0) warp_max[warp] = mx;
+        __syncthreads();
+        mx = warp_max[0];
+        for (int w = 1; w < GQA_WARPS; w++) mx = fmaxf(mx, warp_max[w]);
+        float acc[GQA_MAX_HEAD / GQA_THREADS];
+#pragma unroll
+        for (int r = 0; r < GQA_MAX_HEAD / GQA_THREADS; r++) acc[r] = 0.0f;
+        float my_sum = 0.0f;  // lane 0's: its warp's probabilities in key order
+        for (i64 c0 = 0; c0 < span; c0 += GQA_CHUNK) {
+            const i64 c1 = c0 + GQA_CHUNK < span ? c0 + GQA_CHUNK : span;
+            for (i64 i = c0 + warp; i < c1; i += GQA_WARPS) {
+                const float p = expf(scale * warp_dot(qs, pk + (u64)i * H, H) - mx);
+                if (lane == 0) {
+                    probs[i - c0] = p;
+                    my_sum += p;
+                }
+            }
+            __syncthreads();
+#pragma unroll
+            for (int r = 0; r < GQA_MAX_HEAD / GQA_THREADS; r++) {
+                const int d = t + r * GQA_THREADS;
+                if (d >= H) break;
+                float a = acc[r];
+                for (i64 i = c0; i < c1; i++) a = fmaf(probs[i - c0], pv[(u64)i * H + d], a);
+                acc[r] = a;
+            }
+            __syncthreads();  // probs is free for the next chunk
+        }
+        if (lane == 0) warp_sum[warp] = my_sum;
+        __syncthreads();
+        float sum = warp_sum[0];
+        for (int w = 1; w < GQA_WARPS; w++) sum = sum + warp_sum[w];
+        const float inv = 1.0f / sum;
 #pragma unroll
         for (int r = 0; r < GQA_MAX_HEAD / GQA_THREADS; r++) {
             const int d = t + r * GQA_THREADS;
             if (d >= H) break;
-            float a = acc[r];
-            for (i64 i = c0; i < c1; i++) a = fmaf(probs[i - c0], pv[(u64)i * H + d], a);
-            acc[r] = a;
+            o[d] = acc[r] * inv;
         }
-        __syncthreads();  // probs is free for the next chunk
-    }
-    if (lane == 0) warp_sum[warp] = my_sum;
-    __syncthreads();
-    float sum = warp_sum[0];
-    for (int w = 1; w < GQA_WARPS; w++) sum = sum + warp_sum[w];
-    const float inv = 1.0f / sum;
-#pragma unroll
-    for (int r = 0; r < GQA_MAX_HEAD / GQA_THREADS; r++) {
-        const int d = t + r * GQA_THREADS;
-        if (d >= H) break;
-        o[d] = acc[r] * inv;
     }
 }
 

@@ -12,11 +12,13 @@ per process and device, on first use:
   block per row, the sums as a fixed tree;
 - ``decoder_rotary``: RotaryEmbedding (both layouts, interleaved or not, position ids
   per token or one start id); a block per (head, token, batch row); the CPU's bits;
-- ``decoder_gqa_append`` then ``decoder_gqa_attend``: GroupQueryAttention for decode
-  (1..8 query rows per sequence) over past / present KV in the CPU kernel's BNSH
-  layout (a present that is the past's own buffer gets only the new rows), rotary
-  inside or not; a block per (kv head, batch row), then per (query head, row, batch
-  row);
+- ``decoder_gqa_append`` then ``decoder_gqa_attend``: GroupQueryAttention for a
+  decode step or a prompt of any length over past / present KV in the CPU kernel's
+  BNSH layout (a present that is the past's own buffer gets only the new rows), rotary
+  inside or not; a block per (kv head, batch row, tile of GQA_APPEND_ROWS new rows),
+  then per (query head, row, batch row), each row causal over keys [0, past + row]
+  (rows beyond a grid's y, 65535, loop in the blocks); a decode step of 1..8 rows is
+  one append block per (kv head, batch row), as before prompts ran here;
 - ``decoder_int4_gather``: GatherBlockQuantized rows from either INT4 packed kind (the
   gather's records, or the LM head's matmul object for a tied embedding); the CPU's
   bits.
@@ -73,7 +75,7 @@ ENTRIES = tuple(PARAMS)
 # The geometry decoder_ops.cu is written for (its #defines).
 NORM_THREADS, ROTARY_THREADS, GATHER_THREADS, GQA_THREADS = 256, 64, 256, 128
 GQA_MAX_HEAD = 256
-GQA_MAX_ROWS = 8  # query rows per sequence: a decode step (the prefill stays on the CPU kernel)
+GQA_APPEND_ROWS = 8  # new rows a decoder_gqa_append block writes: a decode step (1..8 rows) is one block
 KINDS = {"int4_matmul": 1, "int4_gather": 2}
 ZP_KINDS = {"none": 0, "u4": 1, "float": 2}
 STATUS_BITS = {1: "int4_gather: an index is outside [-V, V) (its row is NaN)",
@@ -209,8 +211,9 @@ def plan_gqa(q: int, k: int, v: int, past_key: int, past_value: int, present_key
     cache_width]`` for rotary inside, output rows of ``ld_out`` (default ``num_heads *
     head_size``). ``scale`` 0: ``1 / sqrt(head_size)``. Refused, as the CPU kernel
     refuses them: the shape rules of native/attention.py; and what the device kernels
-    do not build: more than GQA_MAX_ROWS query rows of a sequence, a head over
-    GQA_MAX_HEAD.
+    do not build: a head over GQA_MAX_HEAD. Any number of query rows: the append's grid
+    has a z block per GQA_APPEND_ROWS rows, the attend's a y block per row (both at most
+    GRID_YZ_MAX, the kernels looping over the rest).
 
     ``onnx_prep.fused::Attention`` (``attention_with_past``'s native path: no mask
     beyond the causal one) is the same launches: BNSH strides for q, k and v, its
@@ -232,9 +235,6 @@ def plan_gqa(q: int, k: int, v: int, past_key: int, past_value: int, present_key
     first_prompt = S == total
     if not first_prompt and S != 1 and B != 1 and not same_past:
         raise DeviceError(f"device gqa: a continued prompt (sequence {S}, total {total}) needs batch 1")
-    if S > GQA_MAX_ROWS:
-        raise DeviceError(f"device gqa: {S} query rows per sequence; the device kernels are built for decode "
-                          f"(1 .. {GQA_MAX_ROWS})")
     if bool(past_key) != bool(past_value):
         raise DeviceError("device gqa: past_key and past_value must be both present or both absent")
     if past_len < 0 or (past_len and not past_key):
@@ -279,8 +279,9 @@ def plan_gqa(q: int, k: int, v: int, past_key: int, past_value: int, present_key
                   present_len=present_len, rotary_dim=rotary_dim, interleaved=int(bool(interleaved)),
                   first_prompt=int(first_prompt), scale=float(scale) if scale else 1.0 / math.sqrt(H),
                   status=status)
-    return (_launch("decoder_gqa_append", (KN, B, 1), (GQA_THREADS, 1, 1), values),
-            _launch("decoder_gqa_attend", (N, S, B), (GQA_THREADS, 1, 1), values))
+    tiles = min(-(-S // GQA_APPEND_ROWS), GRID_YZ_MAX)
+    return (_launch("decoder_gqa_append", (KN, B, tiles), (GQA_THREADS, 1, 1), values),
+            _launch("decoder_gqa_attend", (N, min(S, GRID_YZ_MAX), B), (GQA_THREADS, 1, 1), values))
 
 
 def plan_int4_gather(header: Any, indices: int, n: int, packed: DeviceView, out: int, *, ld_out: int | None = None,
