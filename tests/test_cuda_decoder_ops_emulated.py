@@ -10,9 +10,12 @@ file's bounds by name: rotary (the fused one too), the gather, the present KV ro
 the Skip norms' sum bit for bit; the row norm within ``norm_bound``; the attention
 output within ``gqa_bound`` / ``attention_bound`` (here the host's expf stands in for
 libdevice's); what only the device sees (a bad position, index or seqlens_k) as NaN and
-a status bit. The GPU test's shapes, but for its past of 4000 keys (5 s here; the
-2000-key case of GQA_CASES already stages two chunks), and a misdescribed launch
-caught.
+a status bit. The GPU test's shapes (decode steps, and prompts of 9, 33 and 300 rows:
+GQA_CASES, FUSED_PROMPT_CASES), but for its past of 4000 keys (5 s here; the 2000-key
+case of GQA_CASES already stages two chunks) and its 2048-row prompt (the blocks run
+one after another here: ~1 minute; the 300-row ones take ~4 s); a prompt of more rows
+than the grid holds (capped at 3 blocks) looped over in the blocks, the uncapped
+launch's bits; and a misdescribed launch caught.
 
 The fake driver's twins of these entries are the CPU kernels themselves
 (fake_cuda_decoder_ops.py): this is where the kernels' own reductions, shuffles,

@@ -68,16 +68,18 @@ def cpu_tokens(tiny):
         return {b: greedy_decode(cpu, io, np.array(p), TOKENS) for b, p in PROMPTS.items()}
 
 
-def _decode(resolved, io, batch, driver=None, **kwargs):
-    """The device decode of PROMPTS[batch] (on the fake unless ``driver``): the result,
-    the decoder's counters, and its cumulative page-ins after each step."""
+def _decode(resolved, io, batch, driver=None, *, prompt=None, tokens=TOKENS, **kwargs):
+    """The device decode of PROMPTS[batch] (or ``prompt``; on the fake unless
+    ``driver``): the result, the decoder's counters, and its cumulative page-ins after
+    each step."""
     d = ready(memory=256 << 20) if driver is None else driver
     after = []
     with open_device_decoder(resolved, d, **kwargs) as dec:
         ops = {n.name: n.op_type for n in resolved.nodes}
         on_host = {ops[n] for n in dec.runner.host_nodes}
         assert not on_host & DECODER_OPS, on_host  # every op with a kernel ran on the device
-        result = greedy_decode(dec, io, np.array(PROMPTS[batch]), TOKENS, keep_logits=True,
+        prompt = np.array(PROMPTS[batch] if prompt is None else prompt)
+        result = greedy_decode(dec, io, prompt, tokens, keep_logits=True,
                                on_step=lambda e: after.append(dec.counters()["page_ins"]))
         counters = dec.counters()
     if driver is None:
@@ -109,6 +111,37 @@ def test_streamed_under_a_budget_the_same_tokens_and_the_resident_logits_bit_for
     assert c["peak_committed_bytes"] <= budget
 
 
+def _long_prompt(length: int, batch: int, seed: int = 40) -> list[list[int]]:
+    return np.random.default_rng(seed).integers(0, 512, (batch, length)).tolist()  # ids the tiny's vocab holds
+
+
+def _long_prompt_decodes(tiny, length, batch, tokens, driver):
+    _, resolved, io = tiny
+    prompt = _long_prompt(length, batch)
+    with open_prepared_runner(resolved, threads=1, source_pages="auto") as cpu:
+        want = greedy_decode(cpu, io, np.array(prompt), tokens)
+    got, c, _ = _decode(resolved, io, batch, driver, prompt=prompt, tokens=tokens)
+    assert got.tokens.tolist() == want.tokens.tolist()
+    np.testing.assert_allclose(got.first_logits, want.first_logits, rtol=0, atol=LOGITS_ATOL)
+    assert c["steps"] == tokens
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_prompt_longer_than_a_decode_step_decodes_on_the_device_with_the_cpu_sessions_tokens(tiny, batch):
+    """The prefill of a prompt of more than 8 tokens (40) runs on the device too (the
+    attention an attend block per query row, an append block per 8 new rows), with the
+    CPU session's tokens and first logits within LOGITS_ATOL. (2048 tokens take ~2
+    minutes on the fake, whose twins are the CPU kernels: the GPU test below runs them.)"""
+    length = 40
+    d = ready(memory=256 << 20)
+    _long_prompt_decodes(tiny, length, batch, TOKENS, d)
+    attends = [c[2] for c in d.calls if c[:2] == ("cuLaunchKernel", "decoder_gqa_attend")]
+    appends = [c[2] for c in d.calls if c[:2] == ("cuLaunchKernel", "decoder_gqa_append")]
+    heads = attends[0][0]
+    assert attends[0] == (heads, length, batch) and appends[0][2] == -(-length // 8)  # the prefill's
+    assert attends[-1] == (heads, 1, batch) and appends[-1][2] == 1  # a decode step's, as before
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 2])
 def test_on_a_device_the_tiny_fixture_decodes_with_the_cpu_sessions_tokens(tiny, cpu_tokens, batch):
@@ -124,6 +157,15 @@ def test_on_a_device_the_tiny_fixture_decodes_with_the_cpu_sessions_tokens(tiny,
     np.testing.assert_allclose(got.first_logits, want.first_logits, rtol=0, atol=LOGITS_ATOL)
     streamed, c, _ = _decode(resolved, io, batch, drv, budget=4 * drv.allocation_granularity(0))
     assert streamed.tokens.tolist() == want.tokens.tolist() and c["segments_per_step"] >= 2
+
+
+@pytest.mark.gpu
+def test_on_a_device_a_2048_token_prompt_decodes_with_the_cpu_sessions_tokens(tiny):
+    """On a real device (skipped here): the prefill of 2048 tokens (2048 attend blocks a
+    head, 256 append blocks a kv head) and two tokens after it, the CPU session's."""
+    from test_cuda_weight_residency import _real_driver
+
+    _long_prompt_decodes(tiny, 2048, 1, 2, _real_driver())
 
 
 def test_a_builder_export_decodes_on_the_device_with_the_cpu_sessions_tokens():

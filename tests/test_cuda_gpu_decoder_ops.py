@@ -1,7 +1,8 @@
 """The device decoder ops (decoder_ops.cu) on a real CUDA device, through cuda-python
 (core/cuda/cuda_python_driver.py): the kernels compiled by NVRTC for the device, each
 op's outputs against the CPU op's on the cases the fake-driver tests run
-(decoder_op_cases.py), plus a long past and a wide norm, and the fused forms the
+(decoder_op_cases.py: decode steps and prompts of 9, 33 and 300 rows), plus a long
+past, a 2048-row prompt at the tiny fixture's shape and a wide norm, and the fused forms the
 resolver makes of standard ops (onnx_prep.fused::RotaryEmbedding, ::Attention). Each test skips, with
 discovery's one-line reason, where CUDA is not usable (this CI).
 
@@ -128,6 +129,7 @@ def gqa_bound(case, want_out) -> np.ndarray:
 @pytest.mark.parametrize("B,S,N,KN,H,P,options", GQA_CASES + [
     (1, 1, 32, 8, 128, 4000, dict(shared=True, rotary=True)),  # a long past: four chunks of staged keys
     (4, 1, 16, 4, 64, 700, dict(shared=True, seqlens_i32=True)),
+    (1, 2048, 8, 8, 64, 0, dict(shared=True, first_prompt=True)),  # a 2048-token prompt at the tiny fixture's shape
 ])
 def test_gqa_matches_the_cpu_kernel(device, B, S, N, KN, H, P, options):
     case = gqa_case(B * 1000 + S * 100 + P, B, S, N, KN, H, P, **options)
@@ -138,7 +140,7 @@ def test_gqa_matches_the_cpu_kernel(device, B, S, N, KN, H, P, options):
 
 
 @pytest.mark.parametrize("B,N,KN,S,H,P", [(1, 32, 32, 1, 128, 500), (2, 8, 1, 4, 64, 37), (1, 4, 4, 8, 32, 0)]
-                         + FUSED_PROMPT_CASES)
+                         + FUSED_PROMPT_CASES + [(1, 8, 8, 2048, 64, 0)])  # the tiny fixture's 2048-token prefill
 def test_the_fused_attention_matches_the_cpu_op(device, B, N, KN, S, H, P):
     case = fused_attention_case(B * 100 + S + P, B, N, KN, S, H, P)
     want, got = case.cpu(), _run(device, case)
