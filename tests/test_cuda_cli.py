@@ -146,6 +146,20 @@ def test_run_on_a_fake_device_decodes_the_cpus_tokens_streamed_under_a_device_bu
         jsonschema.validate(doc, _schema("run"))
 
 
+def test_run_on_a_fake_device_takes_a_prompt_longer_than_a_decode_step(tmp_path):
+    """``run --device cuda --prompt-ids`` with 40 ids (more than the 8 rows of a decode
+    step: the prefill's attention on the device too) gives the CPU run's tokens."""
+    env = {"ONNX_PREP_CACHE": str(tmp_path / "cache")}
+    ids = ",".join(str((7 * i + 3) % 500) for i in range(40))
+    cpu = onnx_prep("run", "--tokens", "4", "--json", "--prompt-ids", ids, env=env)
+    assert cpu.returncode == EXIT_OK, cpu.stderr
+    want = json.loads(cpu.stdout)["tokens"]
+    p = with_fake_device("run", "--device", "cuda", "--tokens", "4", "--json", "--prompt-ids", ids, env=env)
+    assert p.returncode == EXIT_OK, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["tokens"] == want and len(want[0]) == 4 and doc["device"]["steps"] == 4
+
+
 def test_run_on_a_fake_device_loads_from_the_prepared_cache_as_the_cpu_does(tmp_path):
     """``run --device cuda`` loads its objects as the CPU does (a CPU session): from a
     complete prepared cache every packed object is a payload read (none packed), under
