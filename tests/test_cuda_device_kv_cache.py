@@ -198,6 +198,30 @@ def test_a_second_generation_at_the_same_batch_replays_the_decode_graphs(model, 
         2 * segments, segments * (2 * TOKENS - 2), 0, 0), c
 
 
+def test_prompts_longer_than_a_decode_step_prefill_on_the_device_with_the_cpu_runtimes_tokens(model):
+    """Prompts of 40 then 12 tokens (GroupQueryAttention's prefill on the device, its KV
+    in the device buffers, captured) by one DeviceDecoder, then the 40 again: each the
+    CPU runtime's tokens; a prompt of another length is captured again, not replayed
+    (a captured prefill holds its row count in its launches' grids)."""
+    resolved, packed, io = model
+    rng = np.random.default_rng(40)
+    prompts = [rng.integers(0, V, (1, n)) for n in (40, 12)]
+    prompts.append(prompts[0])
+    d = ready(memory=256 << 20)
+    with DeviceDecoder(resolved, d, packed) as dec:
+        for prompt in prompts:
+            want = greedy_decode(CpuRunner(resolved, packed), io, prompt, TOKENS)
+            got = greedy_decode(dec, io, prompt, TOKENS)
+            assert got.tokens.tolist() == want.tokens.tolist(), prompt.shape
+            np.testing.assert_allclose(got.first_logits, want.first_logits, rtol=0, atol=2e-4)
+        c = dec.counters()
+        assert dec.kv_reason == "kept on the device at a fixed capacity" and c["fallbacks"] == 0, c
+        # each generation's prefill and decode step captured (the capacity, prompt + tokens, changes), replayed after
+        assert (c["captures"], c["replays"]) == (2 * 3, 3 * (TOKENS - 2)), c
+    attends = [call[2] for call in d.calls if call[:2] == ("cuLaunchKernel", "decoder_gqa_attend")]
+    assert (N, 40, 1) in attends and (N, 12, 1) in attends
+
+
 def test_a_past_the_decoder_did_not_return_runs_through_the_host(model):
     resolved, packed, io = model
     prompt = np.array(PROMPTS[1])
