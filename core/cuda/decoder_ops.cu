@@ -165,8 +165,8 @@ extern "C" __global__ void __launch_bounds__(ROTARY_THREADS) decoder_rotary(
 // GroupQueryAttention (attention.c) for a decode step or a prompt of any length, as two
 // launches on one stream: decoder_gqa_append writes each (batch row, kv head)'s present
 // rows, then decoder_gqa_attend computes each (query head, query row, batch row)'s
-// output from them. Layouts: query head h of row s of batch row b at q + b q_b + s q_s + h q_h (its
-// head_size values contiguous), kv head j at k (v) + b kv_b + s kv_s + j kv_h: BSNH
+// output from them. Layouts: query head h of row s of batch row b at q + b q_b + s q_s +
+// h q_h (its head_size values contiguous), kv head j at k (v) + b kv_b + s kv_s + j kv_h: BSNH
 // tensors, the parts of a packed QKV row, or BNSH ones (onnx_prep.fused::Attention);
 // past and present [B][KN][stride rows][head_size] (BNSH with room after the rows); a
 // present that is the past's own buffer (same address) gets only the new rows; output
