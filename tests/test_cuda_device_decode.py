@@ -381,6 +381,26 @@ def test_the_tiny_gqa_fixture_keeps_its_kv_on_the_device_and_replays_its_decode_
     assert all(n == 0 for k, n in live.items() if k != "modules"), live
 
 
+def test_the_tiny_gqa_fixture_prefills_a_40_token_prompt_on_the_device_its_kv_kept_there(tiny_gqa):
+    """GroupQueryAttention's prefill of 40 rows on the device, into the KV buffers kept
+    there (capacity: prompt + tokens), captured and the decode step replayed: the CPU
+    session's tokens."""
+    resolved, io, _ = tiny_gqa
+    prompt = np.array(_long_prompt(40, 2))
+    with open_prepared_runner(resolved, threads=1, source_pages="auto") as cpu:
+        want = greedy_decode(cpu, io, prompt, TOKENS)
+    d = ready(memory=256 << 20)
+    with open_device_decoder(resolved, d) as dec:
+        assert dec.kv_reason == "kept on the device at a fixed capacity"
+        got = greedy_decode(dec, io, prompt, TOKENS)
+        c = dec.counters()
+    assert got.tokens.tolist() == want.tokens.tolist()
+    np.testing.assert_allclose(got.first_logits, want.first_logits, rtol=0, atol=LOGITS_ATOL)
+    assert (c["captures"], c["replays"], c["fallbacks"]) == (2, TOKENS - 2, 0), c
+    attends = {call[2] for call in d.calls if call[:2] == ("cuLaunchKernel", "decoder_gqa_attend")}
+    assert {grid[1:] for grid in attends} == {(40, 2), (1, 2)}  # the prefill's rows, then a decode step's
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 2])
 def test_on_a_device_the_tiny_gqa_fixture_captures_and_replays_its_decode_step(tiny_gqa, batch):
