@@ -7,6 +7,8 @@ driver, whose twins run each kernel's CPU op on the device bytes.
   decode loop (greedy_decode) at batch 1 and 2: the CPU session's tokens, the first
   step's logits within LOGITS_ATOL; again with a device budget that streams its weights
   through several segments a step (the same logits as all resident, bit for bit);
+- prompts longer than a decode step's 8 rows (40 tokens; 2048 on a real device): the
+  prefill on the device too, the CPU session's tokens, on the tiny and tiny-gqa fixtures;
 - the com.microsoft forms the builder emits (SkipSimplifiedLayerNormalization,
   LayerNormalization, RotaryEmbedding with position ids, GroupQueryAttention with
   rotary inside) in a graph built here, against the CPU runtime; and a builder export
