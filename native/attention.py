@@ -33,6 +33,12 @@ def _kv_buffer(x: np.ndarray | None, shape: tuple, *, writable: bool = True) -> 
         return None
     B, KN, L, H = x.shape
     st = x.strides
+    if B * KN == 1 and (L == 1 or st[2] == 4 * H) and (H == 1 or st[3] == 4) and st[1] % (4 * H) == 0 \
+            and st[1] // (4 * H) >= L:
+        # NOTE: one head: numpy calls the rows of a larger buffer C-contiguous (a size-1
+        # axis's stride does not count), but their head stride is the buffer's; a past and
+        # a present sharing the buffer (a KV cache appended in place) must say the same one
+        return x, st[1] // (4 * H)
     if x.flags.c_contiguous:
         return x, L
     if st[3] != 4 or st[2] != 4 * H or st[1] % (4 * H) or st[1] // (4 * H) < L or (B > 1 and st[0] != KN * st[1]):

@@ -190,6 +190,27 @@ def test_shared_buffer_is_updated_in_place_and_gives_the_same_output():
         np.testing.assert_array_equal(pv[b, :, n:], inputs[4][b, :, n:])
 
 
+@pytest.mark.parametrize("B,KN", [(1, 1), (2, 1), (1, 2)])
+def test_a_kv_cache_appended_in_place_in_a_larger_buffer_gives_the_copys_output(B, KN):
+    """The fused attention's past as rows of a buffer with room after them and its
+    present the same buffer one row longer (a decode's KV cache appended in place):
+    the output and the new rows equal those of a call on copies. With one kv head at
+    batch 1 numpy calls the past's rows C-contiguous; their head stride is still the
+    buffer's (it was refused as a bad argument)."""
+    rng = np.random.default_rng(5)
+    N, S, H, P, room = 4, 1, 16, 5, 12
+    q = rng.standard_normal((B, N, S, H), dtype=np.float32)
+    k, v = (rng.standard_normal((B, KN, S, H), dtype=np.float32) for _ in range(2))
+    bk, bv = (np.zeros((B, KN, room, H), np.float32) for _ in range(2))
+    bk[:, :, :P], bv[:, :, :P] = (rng.standard_normal((B, KN, P, H), dtype=np.float32) for _ in range(2))
+    want = native.attention_with_past(q, k, v, bk[:, :, :P].copy(), bv[:, :, :P].copy(), scale=0.25)
+    got = native.attention_with_past(q, k, v, bk[:, :, :P], bv[:, :, :P], scale=0.25,
+                                     present=(bk[:, :, :P + 1], bv[:, :, :P + 1]))
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(bk[:, :, :P + 1], want[1])
+    np.testing.assert_array_equal(bv[:, :, :P + 1], want[2])
+
+
 def test_a_seqlens_value_outside_the_buffers_is_one_line_naming_the_row():
     inputs = gqa_inputs(np.random.default_rng(5), B=2, S=1, N=2, KN=2, H=16, lens=[3, 4], total=4, past_len=4,
                         rotary=False)
