@@ -221,7 +221,7 @@ def test_the_device_prepack_recipe_is_refused_by_name(tiny):
     assert driver.live() == NOTHING_LIVE
 
 
-def test_a_device_session_refuses_to_run_and_a_cache_that_persists(tiny, tiny_llm_path, tmp_path):
+def test_a_device_session_refuses_to_run_a_cache_that_persists_and_a_host_prepared_limit(tiny, tiny_llm_path, tmp_path):
     _, s = device_session(tiny)
     with s:
         with pytest.raises(DeviceError, match="the device step is not built"):
@@ -234,6 +234,14 @@ def test_a_device_session_refuses_to_run_and_a_cache_that_persists(tiny, tiny_ll
         Session(tiny, SessionOptions(device=CudaSessionDevice(driver), cache=cache))
     with Workspace() as ws, pytest.raises(UsageError, match="no device queue"):
         Session(tiny, SessionOptions(device=CudaSessionDevice(ready(memory=256 * MiB)), workspace=ws))
+    # a host PREPARED limit would bound nothing of a device's objects: refused, and the device closed
+    from onnx_prep.core.runtime.arenas import Arena, MemoryBudget
+
+    driver = ready(memory=256 * MiB)
+    with pytest.raises(UsageError, match=r"a PREPARED limit \(1,048,576 B\) means nothing to a session on cuda"):
+        Session(tiny, SessionOptions(device=CudaSessionDevice(driver, device_prepack=False),
+                                     budget=MemoryBudget(limits={Arena.PREPARED: MiB})))
+    assert driver.live() == NOTHING_LIVE
 
 
 def test_a_sequential_device_session_loads_the_same_bytes(tiny, expected):

@@ -43,7 +43,8 @@ and the device-side prepack runs on the device queue (materializer.py). What is
 refused, each in one line: a plan that packs on a device without the kernel
 (``packs_on_device`` False); a budget
 below every slot at once (nothing pages a device load yet); a prepared cache that
-persists (a device session does not write one: build it first). ``run`` is refused:
+persists (a device session does not write one: build it first); a host PREPARED limit
+(the objects live in device memory, under the device's budget). ``run`` is refused:
 the device step is not built.
 """
 from __future__ import annotations
@@ -274,6 +275,13 @@ class Session:
         if getattr(opts.cache, "persisting", False):
             raise UsageError("a session on a device does not write the prepared cache",
                              hint="build it first (onnx-prep build-cache), then open it read-only")
+        budget = opts.workspace.budget if opts.workspace is not None else opts.budget
+        if budget is not None and budget.limit(Arena.PREPARED) is not None:
+            # the device's objects live in its slot pool, under the device budget: a host
+            # PREPARED limit would bound nothing there
+            raise UsageError(f"a PREPARED limit ({budget.limit(Arena.PREPARED):,} B) means nothing to a session "
+                             f"on {device.name}: its prepared objects live in device memory",
+                             hint="limit device memory with the device's budget (CudaSessionDevice(budget=...))")
         ws = opts.workspace
         if ws is not None and not ws.scheduler.sequential and ws.scheduler.workers(ResourceClass.DEVICE) == 0:
             raise UsageError("the shared workspace has no device queue for this session's uploads",
