@@ -410,3 +410,23 @@ def test_on_a_device_the_tiny_gqa_fixture_captures_and_replays_its_decode_step(t
     from test_cuda_weight_residency import _real_driver
 
     _check_gqa_decode(tiny_gqa, batch, _real_driver())
+
+
+def test_the_fused_attention_launcher_refuses_key_heads_the_op_does_not_broadcast():
+    """The fused Attention means the MatMuls it replaced: one key head broadcast, or one
+    per query head (the CPU op computes nothing else). Its device launcher takes those
+    geometries and refuses 2 key heads for 4 query heads by name, rather than computing
+    a grouping the CPU would not."""
+    from types import SimpleNamespace
+
+    from onnx_prep.core.cuda.decoder_launchers import Attention
+
+    def call(kn):
+        return SimpleNamespace(inputs=[np.zeros((1, 4, 1, 8), np.float32)]
+                               + [np.zeros((1, kn, n, 8), np.float32) for n in (1, 1, 3, 3)]
+                               + [np.array([3]), np.array([4])])
+
+    assert Attention()._geometry(call(4)) == (1, 4, 1, 8, 4, 3)
+    assert Attention()._geometry(call(1)) == (1, 4, 1, 8, 1, 3)
+    with pytest.raises(DeviceError, match="the fused Attention's keys have 2 heads for 4 query heads"):
+        Attention()._geometry(call(2))

@@ -309,6 +309,9 @@ class Attention:
             raise DeviceError(f"the fused Attention on the device: q {list(q.shape)}, k {list(k.shape)}, "
                               f"v {list(v.shape)}, past {list(pk.shape)} / {list(pv.shape)} are not one BNSH "
                               "geometry")
+        if KN not in (N, 1):  # what the op means (core/ops/attention.py): the heads broadcast, or one
+            raise DeviceError(f"the fused Attention's keys have {KN} heads for {N} query heads: the op "
+                              "broadcasts one key head or matches each query head, as the MatMuls it replaced")
         start = _scalar(call.inputs[5], "the fused Attention's mask start")
         end = _scalar(call.inputs[6], "the fused Attention's mask end")
         if (start, end) != (P, P + S):
