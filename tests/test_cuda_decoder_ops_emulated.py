@@ -23,15 +23,15 @@ shared-memory staging and index arithmetic are checked without a GPU. Skipped, s
 so, without a C++20 compiler."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from cuda_host import host_driver
-from decoder_op_cases import (FUSED_PROMPT_CASES, GQA_CASES, Buffers, fused_attention_case, gather_case, gqa_case,
-                              norm_case, rotary_case, tables_rotary_case)
-from test_cuda_gpu_decoder_ops import assert_exact, assert_within, attention_bound, gqa_bound, norm_bound
+from decoder_op_cases import FUSED_PROMPT_CASES, GQA_CASES, Buffers, gqa_case, rotary_case
+from test_cuda_gpu_decoder_ops import (assert_exact, assert_within, check_fused_attention, check_fused_rotary,
+                                      check_gqa, check_int4_gather, check_row_norm, check_rotary, check_status_bits,
+                                      gqa_bound)
 
 from onnx_prep.core.cuda import device_decoder_ops
-from onnx_prep.core.cuda.device_decoder_ops import DeviceDecoderOps, check_status
+from onnx_prep.core.cuda.device_decoder_ops import DeviceDecoderOps
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +52,7 @@ def _run(device, case, **kwargs):
 @pytest.mark.parametrize("rows,n", [(1, 512), (4, 4096), (8, 3000), (2, 17)])
 @pytest.mark.parametrize("form", ["rms", "layer", "skip_rms", "skip_layer_bias"])
 def test_row_norm_matches_the_cpu_op(device, rows, n, form):
-    case = norm_case(rows * n, rows, n, simplified="rms" in form, skip=form.startswith("skip"), beta="layer" in form,
-                     bias="bias" in form)
-    want, got = case.cpu(), _run(device, case)
-    assert_within(got["y"], want["y"], norm_bound(case), f"{form} y")
-    if "sum" in want:
-        assert_exact(got["sum"], want["sum"], f"{form} input_skip_bias_sum")
+    check_row_norm(device, rows, n, form)
 
 
 @pytest.mark.parametrize("B,S,heads,H,rot,transposed,interleaved,per_token", [
@@ -65,21 +60,13 @@ def test_row_norm_matches_the_cpu_op(device, rows, n, form):
     (1, 5, 8, 64, 64, True, False, False), (4, 1, 8, 128, 64, True, True, True),
 ])
 def test_rotary_is_the_cpu_ops_bits(device, B, S, heads, H, rot, transposed, interleaved, per_token):
-    case = rotary_case(B + S + H, B, S, heads, H, rot, transposed=transposed, interleaved=interleaved,
-                       per_token=per_token, max_pos=4096)
-    want = case.cpu()["y"]
-    assert_exact(_run(device, case)["y"], want, "rotary")
-    assert_exact(_run(device, case, in_place=True)["y"], want, "rotary in place")
+    check_rotary(device, B, S, heads, H, rot, transposed, interleaved, per_token)
 
 
 @pytest.mark.parametrize("B,S,N,KN,H,P,options", GQA_CASES + [(4, 1, 16, 4, 64, 700, dict(shared=True,
                                                                                          seqlens_i32=True))])
 def test_gqa_matches_the_cpu_kernel(device, B, S, N, KN, H, P, options):
-    case = gqa_case(B * 1000 + S * 100 + P, B, S, N, KN, H, P, **options)
-    want, got = case.cpu(), _run(device, case)
-    assert_exact(got["present_key"], want["present_key"], "present key")
-    assert_exact(got["present_value"], want["present_value"], "present value")
-    assert_within(got["out"], want["out"], gqa_bound(case, want["out"]), "output")
+    check_gqa(device, B, S, N, KN, H, P, options)
 
 
 def test_a_prompt_over_the_grids_rows_loops_in_the_blocks(device, monkeypatch):
@@ -110,18 +97,12 @@ def _gqa_plans(case):
 @pytest.mark.parametrize("B,N,KN,S,H,P", [(1, 32, 32, 1, 128, 500), (2, 8, 1, 4, 64, 37), (1, 4, 4, 8, 32, 0)]
                          + FUSED_PROMPT_CASES)
 def test_the_fused_attention_matches_the_cpu_op(device, B, N, KN, S, H, P):
-    case = fused_attention_case(B * 100 + S + P, B, N, KN, S, H, P)
-    want, got = case.cpu(), _run(device, case)
-    assert_exact(got["present_key"], want["present_key"], "present key")
-    assert_exact(got["present_value"], want["present_value"], "present value")
-    bound = attention_bound(case.q, want["present_key"], want["present_value"], P + S, H, case.scale)
-    assert_within(got["out"], want["out"], np.full(want["out"].shape, bound), "output")
+    check_fused_attention(device, B, N, KN, S, H, P)
 
 
 @pytest.mark.parametrize("B,heads,S,D,per_row", [(1, 32, 1, 128, False), (2, 8, 6, 64, True)])
 def test_the_fused_rotary_is_the_cpu_ops_bits(device, B, heads, S, D, per_row):
-    case = tables_rotary_case(B + S + D, B, heads, S, D, per_row=per_row)
-    assert_exact(_run(device, case)["y"], case.cpu()["y"], "fused rotary")
+    check_fused_rotary(device, B, heads, S, D, per_row)
 
 
 @pytest.mark.parametrize("V,K,bs,zp,tied", [
@@ -129,29 +110,11 @@ def test_the_fused_rotary_is_the_cpu_ops_bits(device, B, heads, S, D, per_row):
     (8192, 512, 32, "u4", True), (65, 200, 64, "float", True),
 ])
 def test_int4_gather_is_the_cpu_kernels_bits(device, V, K, bs, zp, tied):
-    case = gather_case(V + K, V, K, bs, zp, 8, tied=tied)
-    assert_exact(_run(device, case)["rows"], case.cpu()["rows"], "gathered rows")
+    check_int4_gather(device, V, K, bs, zp, tied)
 
 
 def test_a_bad_position_index_and_seqlens_come_back_as_status_bits(device):
-    ops, bufs, stream = device
-    status = bufs.put(np.zeros(1, np.uint32))
-    rot = rotary_case(1, 1, 2, 2, 16, 16, transposed=False, interleaved=False, per_token=True, max_pos=10)
-    rot.pos[0, 1] = -1
-    y = _run(device, rot, status=status)["y"].reshape(2, 32)
-    assert np.isnan(y[1]).all() and not np.isnan(y[0]).any()
-    gather = gather_case(2, 20, 64, 32, "u4", 2, tied=False)
-    gather.indices[:] = [1, 99]
-    rows = _run(device, gather, status=status)["rows"]
-    assert np.isnan(rows[1]).all() and not np.isnan(rows[0]).any()
-    gqa = gqa_case(3, 2, 1, 4, 2, 16, 6, shared=True)
-    gqa.seqlens[0] = -5
-    out = _run(device, gqa, status=status)["out"]
-    assert np.isnan(out[0]).all() and not np.isnan(out[1]).any()
-    word = int(bufs.get(status, (1,), np.uint32)[0])
-    assert word == 7
-    with pytest.raises(Exception, match="device decoder ops flagged"):
-        check_status(word)
+    check_status_bits(device)
 
 
 

@@ -57,6 +57,75 @@ def _run(device, case, **kwargs):
     return case.device(ops, bufs, stream, **kwargs)
 
 
+# The checks this file and the host emulation (test_cuda_decoder_ops_emulated.py) both
+# run, each on its own ``device`` fixture: (ops, buffers, stream).
+def check_row_norm(device, rows, n, form):
+    case = norm_case(rows * n, rows, n, simplified="rms" in form, skip=form.startswith("skip"), beta="layer" in form,
+                     bias="bias" in form)
+    want, got = case.cpu(), _run(device, case)
+    assert_within(got["y"], want["y"], norm_bound(case), f"{form} y")
+    if "sum" in want:
+        assert_exact(got["sum"], want["sum"], f"{form} input_skip_bias_sum")
+
+
+def check_rotary(device, B, S, heads, H, rot, transposed, interleaved, per_token):
+    case = rotary_case(B + S + H, B, S, heads, H, rot, transposed=transposed, interleaved=interleaved,
+                       per_token=per_token, max_pos=4096)
+    want = case.cpu()["y"]
+    assert_exact(_run(device, case)["y"], want, "rotary")
+    assert_exact(_run(device, case, in_place=True)["y"], want, "rotary in place")
+
+
+def check_gqa(device, B, S, N, KN, H, P, options):
+    case = gqa_case(B * 1000 + S * 100 + P, B, S, N, KN, H, P, **options)
+    want, got = case.cpu(), _run(device, case)
+    assert_exact(got["present_key"], want["present_key"], "present key")
+    assert_exact(got["present_value"], want["present_value"], "present value")
+    assert_within(got["out"], want["out"], gqa_bound(case, want["out"]), "output")
+
+
+def check_fused_attention(device, B, N, KN, S, H, P):
+    case = fused_attention_case(B * 100 + S + P, B, N, KN, S, H, P)
+    want, got = case.cpu(), _run(device, case)
+    assert_exact(got["present_key"], want["present_key"], "present key")
+    assert_exact(got["present_value"], want["present_value"], "present value")
+    bound = attention_bound(case.q, want["present_key"], want["present_value"], P + S, H, case.scale)
+    assert_within(got["out"], want["out"], np.full(want["out"].shape, bound), "output")
+
+
+def check_fused_rotary(device, B, heads, S, D, per_row):
+    case = tables_rotary_case(B + S + D, B, heads, S, D, per_row=per_row)
+    assert_exact(_run(device, case)["y"], case.cpu()["y"], "fused rotary")
+
+
+def check_int4_gather(device, V, K, bs, zp, tied):
+    case = gather_case(V + K, V, K, bs, zp, 8, tied=tied)
+    assert_exact(_run(device, case)["rows"], case.cpu()["rows"], "gathered rows")
+
+
+def check_status_bits(device):
+    """A bad position id, gather index and seqlens_k come back as NaN rows and the
+    status word's bits (7), which check_status turns into one error."""
+    ops, bufs, stream = device
+    status = bufs.put(np.zeros(1, np.uint32))
+    rot = rotary_case(1, 1, 2, 2, 16, 16, transposed=False, interleaved=False, per_token=True, max_pos=10)
+    rot.pos[0, 1] = -1
+    y = _run(device, rot, status=status)["y"].reshape(2, 32)
+    assert np.isnan(y[1]).all() and not np.isnan(y[0]).any()
+    gather = gather_case(2, 20, 64, 32, "u4", 2, tied=False)
+    gather.indices[:] = [1, 99]
+    rows = _run(device, gather, status=status)["rows"]
+    assert np.isnan(rows[1]).all() and not np.isnan(rows[0]).any()
+    gqa = gqa_case(3, 2, 1, 4, 2, 16, 6, shared=True)
+    gqa.seqlens[0] = -5
+    out = _run(device, gqa, status=status)["out"]
+    assert np.isnan(out[0]).all() and not np.isnan(out[1]).any()
+    word = int(bufs.get(status, (1,), np.uint32)[0])
+    assert word == 7
+    with pytest.raises(Exception, match="device decoder ops flagged"):
+        check_status(word)
+
+
 def assert_exact(got, want, what):
     assert got.shape == want.shape, what
     bad = np.argwhere(got.view(np.uint32) != want.view(np.uint32))
@@ -85,12 +154,7 @@ def norm_bound(case) -> np.ndarray:
 @pytest.mark.parametrize("rows,n", [(1, 512), (4, 4096), (8, 3000), (2, 17)])
 @pytest.mark.parametrize("form", ["rms", "layer", "skip_rms", "skip_layer_bias"])
 def test_row_norm_matches_the_cpu_op(device, rows, n, form):
-    case = norm_case(rows * n, rows, n, simplified="rms" in form, skip=form.startswith("skip"), beta="layer" in form,
-                     bias="bias" in form)
-    want, got = case.cpu(), _run(device, case)
-    assert_within(got["y"], want["y"], norm_bound(case), f"{form} y")
-    if "sum" in want:
-        assert_exact(got["sum"], want["sum"], f"{form} input_skip_bias_sum")
+    check_row_norm(device, rows, n, form)
 
 
 @pytest.mark.parametrize("B,S,heads,H,rot,transposed,interleaved,per_token", [
@@ -98,11 +162,7 @@ def test_row_norm_matches_the_cpu_op(device, rows, n, form):
     (1, 5, 8, 64, 64, True, False, False), (4, 1, 8, 128, 64, True, True, True),
 ])
 def test_rotary_is_the_cpu_ops_bits(device, B, S, heads, H, rot, transposed, interleaved, per_token):
-    case = rotary_case(B + S + H, B, S, heads, H, rot, transposed=transposed, interleaved=interleaved,
-                       per_token=per_token, max_pos=4096)
-    want = case.cpu()["y"]
-    assert_exact(_run(device, case)["y"], want, "rotary")
-    assert_exact(_run(device, case, in_place=True)["y"], want, "rotary in place")
+    check_rotary(device, B, S, heads, H, rot, transposed, interleaved, per_token)
 
 
 def attention_bound(q_heads: np.ndarray, keys: np.ndarray, values: np.ndarray, span: int, H: int,
@@ -132,28 +192,18 @@ def gqa_bound(case, want_out) -> np.ndarray:
     (1, 2048, 8, 8, 64, 0, dict(shared=True, first_prompt=True)),  # a 2048-token prompt at the tiny fixture's shape
 ])
 def test_gqa_matches_the_cpu_kernel(device, B, S, N, KN, H, P, options):
-    case = gqa_case(B * 1000 + S * 100 + P, B, S, N, KN, H, P, **options)
-    want, got = case.cpu(), _run(device, case)
-    assert_exact(got["present_key"], want["present_key"], "present key")
-    assert_exact(got["present_value"], want["present_value"], "present value")
-    assert_within(got["out"], want["out"], gqa_bound(case, want["out"]), "output")
+    check_gqa(device, B, S, N, KN, H, P, options)
 
 
 @pytest.mark.parametrize("B,N,KN,S,H,P", [(1, 32, 32, 1, 128, 500), (2, 8, 1, 4, 64, 37), (1, 4, 4, 8, 32, 0)]
                          + FUSED_PROMPT_CASES + [(1, 8, 8, 2048, 64, 0)])  # the tiny fixture's 2048-token prefill
 def test_the_fused_attention_matches_the_cpu_op(device, B, N, KN, S, H, P):
-    case = fused_attention_case(B * 100 + S + P, B, N, KN, S, H, P)
-    want, got = case.cpu(), _run(device, case)
-    assert_exact(got["present_key"], want["present_key"], "present key")
-    assert_exact(got["present_value"], want["present_value"], "present value")
-    bound = attention_bound(case.q, want["present_key"], want["present_value"], P + S, H, case.scale)
-    assert_within(got["out"], want["out"], np.full(want["out"].shape, bound), "output")
+    check_fused_attention(device, B, N, KN, S, H, P)
 
 
 @pytest.mark.parametrize("B,heads,S,D,per_row", [(1, 32, 1, 128, False), (2, 8, 6, 64, True)])
 def test_the_fused_rotary_is_the_cpu_ops_bits(device, B, heads, S, D, per_row):
-    case = tables_rotary_case(B + S + D, B, heads, S, D, per_row=per_row)
-    assert_exact(_run(device, case)["y"], case.cpu()["y"], "fused rotary")
+    check_fused_rotary(device, B, heads, S, D, per_row)
 
 
 @pytest.mark.parametrize("V,K,bs,zp,tied", [
@@ -161,26 +211,8 @@ def test_the_fused_rotary_is_the_cpu_ops_bits(device, B, heads, S, D, per_row):
     (8192, 512, 32, "u4", True), (65, 200, 64, "float", True),
 ])
 def test_int4_gather_is_the_cpu_kernels_bits(device, V, K, bs, zp, tied):
-    case = gather_case(V + K, V, K, bs, zp, 8, tied=tied)
-    assert_exact(_run(device, case)["rows"], case.cpu()["rows"], "gathered rows")
+    check_int4_gather(device, V, K, bs, zp, tied)
 
 
 def test_a_bad_position_index_and_seqlens_come_back_as_status_bits(device):
-    ops, bufs, stream = device
-    status = bufs.put(np.zeros(1, np.uint32))
-    rot = rotary_case(1, 1, 2, 2, 16, 16, transposed=False, interleaved=False, per_token=True, max_pos=10)
-    rot.pos[0, 1] = -1
-    y = _run(device, rot, status=status)["y"].reshape(2, 32)
-    assert np.isnan(y[1]).all() and not np.isnan(y[0]).any()
-    gather = gather_case(2, 20, 64, 32, "u4", 2, tied=False)
-    gather.indices[:] = [1, 99]
-    rows = _run(device, gather, status=status)["rows"]
-    assert np.isnan(rows[1]).all() and not np.isnan(rows[0]).any()
-    gqa = gqa_case(3, 2, 1, 4, 2, 16, 6, shared=True)
-    gqa.seqlens[0] = -5
-    out = _run(device, gqa, status=status)["out"]
-    assert np.isnan(out[0]).all() and not np.isnan(out[1]).any()
-    word = int(bufs.get(status, (1,), np.uint32)[0])
-    assert word == 7
-    with pytest.raises(Exception, match="device decoder ops flagged"):
-        check_status(word)
+    check_status_bits(device)
