@@ -297,8 +297,7 @@ class PreparedCache:
         length when its ``xxh3`` digest is to be checked now, else 0): what
         :meth:`accept_mapped` then takes as ``xxh3``."""
         e = self.manifest.by_key[payload.key]
-        verify = self.verify_payloads and e.key not in self._verified
-        return e.length if verify and e.payload_digest.startswith("xxh3:") else 0
+        return e.length if self._verify_now(e) and e.payload_digest.startswith("xxh3:") else 0
 
     def accept_mapped(self, payload: PackedPayloadEntry, view: np.ndarray, *, xxh3: int | None = None) -> bool:
         """An entry mapped into its slot (``mapping``): check its digest on its first
@@ -307,7 +306,7 @@ class PreparedCache:
         match (recorded as for ``read_into``; the caller rebuilds from sources); raises
         under ``require-complete``."""
         e = self.manifest.by_key[payload.key]
-        verify = self.verify_payloads and e.key not in self._verified
+        verify = self._verify_now(e)
         if verify:
             if xxh3 is not None and e.payload_digest.startswith("xxh3:"):
                 digest = f"xxh3:{xxh3:016x}"
@@ -341,7 +340,7 @@ class PreparedCache:
             # verified on its first read in this process; a later read of the same entry
             # (a page-in after an eviction) is of bytes already accepted
             h = PayloadHasher.matching(e.payload_digest) \
-                if self.verify_payloads and e.key not in self._verified else None
+                if self._verify_now(e) else None
             if e.encoding is None:
                 mv = memoryview(buf)
                 got = 0
@@ -359,6 +358,12 @@ class PreparedCache:
         except (_Unusable, OSError) as exc:
             return self._unusable(e, str(exc))
         return self._accepted(e, verified=h is not None, mapped=False)
+
+    def _verify_now(self, e: CacheEntry) -> bool:
+        """Whether entry ``e``'s digest is checked on this read: the cache checks
+        payloads, and this process has not accepted ``e`` yet (a page-in after an
+        eviction reads bytes already accepted)."""
+        return self.verify_payloads and e.key not in self._verified
 
     def _accepted(self, e: CacheEntry, *, verified: bool, mapped: bool) -> bool:
         """Count entry ``e`` as read (mapped or copied); ``verified``: its checksum was

@@ -199,15 +199,6 @@ class HostSlotPool:
     def decommit(self, key: PreparedKey) -> None:
         self._residency[key].slot.decommit()
 
-    def pmd_mapped_bytes(self, key: PreparedKey) -> int | None:
-        """Bytes of the key's slot mapped by 2 MiB page-table entries; None where the
-        kernel cannot tell (``StableSlot.pmd_mapped_bytes``)."""
-        return self._residency[key].slot.pmd_mapped_bytes()
-
-    def intact(self, key: PreparedKey) -> bool:
-        """False when the file under the key's mapping shrank while it was read."""
-        return self._residency[key].slot.mapping_intact()
-
     def buffer(self, key: PreparedKey, nbytes: int, reservation: Any) -> SlotBuffer:
         return SlotBuffer(self, key, nbytes, reservation)
 
