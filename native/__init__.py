@@ -42,6 +42,7 @@ try:
         matmul_nbits_packed_size,
         matmul_nbits_parts,
         prepack_matmul_nbits,
+        set_weight_streaming,
     )
     from onnx_prep.native.norm import NormResult, norm_rows, norm_rows_y, skip_norm_rows
     from onnx_prep.native.packed import PackedHeader, packed_header
@@ -85,6 +86,7 @@ __all__ = [
     "matmul_nbits_parts",
     "norm_rows",
     "norm_rows_y",
+    "set_weight_streaming",
     "skip_norm_rows",
     "NormResult",
     "packed_header",

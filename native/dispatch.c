@@ -17,6 +17,11 @@
 _Thread_local int op_last_kernel_code = OP_KERNEL_NONE;
 int op_last_kernel(void) { return op_last_kernel_code; }
 
+int op_weight_streaming_on = 1;
+int op_set_weight_streaming(int on) {
+    return __atomic_exchange_n(&op_weight_streaming_on, on ? 1 : 0, __ATOMIC_RELAXED);
+}
+
 /* NOTE: this maps an ISA to a table and writes nothing to op_last_kernel_code: the
  * tables' kernels record what ran, so a wrong entry here is visible to the tests. */
 static const op_kernel_table *kernels_for(int isa, int *status) {

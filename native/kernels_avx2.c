@@ -131,8 +131,10 @@ AI void f32_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP,
     for (int r = 0; r < R; r++) arow[r] = a->A + (m + r) * a->lda;
     __m256 out[4][2][2], acc[4][2][2];
     zero_tiles(out, TP, R);
+    const size_t bb = op_mm_block_bytes(bs, op_zp_kind(h));
     for (uint32_t b = 0; b < nb; b++) {
         const uint8_t *blk = op_mm_block(h, a->panels, p, b);
+        op_stream_block(a, blk, bb);
         zero_tiles(acc, TP, R);
         for (uint32_t g = 0; g < bs / OP_GROUP_K; g++) {
             const size_t kb = (size_t)b * bs + (size_t)g * OP_GROUP_K;
@@ -165,8 +167,10 @@ AI void i8_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP, 
     __m256 out[4][2][2];
     __m256i isum[4][2][2];
     zero_tiles(out, TP, R);
+    const size_t bb = op_mm_block_bytes(bs, op_zp_kind(h));
     for (uint32_t b = 0; b < nb; b++) {
         const uint8_t *blk = op_mm_block(h, a->panels, p, b);
+        op_stream_block(a, blk, bb);
         for (int i = 0; i < TP; i++)
             for (int hf = 0; hf < 2; hf++)
                 for (int r = 0; r < R; r++) isum[i][hf][r] = _mm256_setzero_si256();
@@ -224,8 +228,10 @@ AI void bfp_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP,
     __m256 out[4][2][2];
     __m256i il[4][2][2], im[4][2][2], ih[4][2][2];
     zero_tiles(out, TP, R);
+    const size_t bb = op_mm_block_bytes(bs, op_zp_kind(h));
     for (uint32_t b = 0; b < nb; b++) {
         const uint8_t *blk = op_mm_block(h, a->panels, p, b);
+        op_stream_block(a, blk, bb);
         for (int i = 0; i < TP; i++)
             for (int hf = 0; hf < 2; hf++)
                 for (int r = 0; r < R; r++) il[i][hf][r] = im[i][hf][r] = ih[i][hf][r] = _mm256_setzero_si256();
@@ -261,8 +267,9 @@ AI void bfp_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP,
  * bandwidth, although they spill fewer registers). Otherwise one tile by two rows
  * at a time (16 YMM registers are the limit). */
 #define DEFINE_DRIVER(NAME, PANEL)                                                     \
-    static void NAME(const op_mm_args *a) {                                            \
+    static void NAME(const op_mm_args *in) {                                           \
         op_ran(KERNEL_CODE);                                                           \
+        OP_STREAM_ARGS(a, in, in->M < 2); /* the one-pass decode branch */             \
         OP_FOR_PANELS(a, p, tb, te) {                                                  \
             if (a->M < 2) {                                                            \
                 OP_PANEL_WITH_TILES(PANEL, a, p, tb, te - tb, 0, 1)                    \
@@ -282,8 +289,9 @@ DEFINE_DRIVER(mm_i8_avx2, i8_panel)
 /* bfp: every row takes the panel's tiles in one pass (six accumulators per tile
  * spill to L1 at four tiles, which measured faster than a second pass over the
  * panel: the stream stays sequential). */
-static void mm_bfp_avx2(const op_mm_args *a) {
+static void mm_bfp_avx2(const op_mm_args *in) {
     op_ran(KERNEL_CODE);
+    OP_STREAM_ARGS(a, in, in->M == 1); /* a pass per row */
     OP_FOR_PANELS(a, p, tb, te)
         for (size_t m = 0; m < a->M; m++) OP_PANEL_WITH_TILES(bfp_panel, a, p, tb, te - tb, m, 1)
 }

@@ -125,8 +125,10 @@ AI void f32_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP,
     __m512 out[4][8], acc[4][8];
     for (int i = 0; i < TP; i++)
         for (int r = 0; r < R; r++) out[i][r] = _mm512_setzero_ps();
+    const size_t bb = op_mm_block_bytes(bs, op_zp_kind(h));
     for (uint32_t b = 0; b < nb; b++) {
         const uint8_t *blk = op_mm_block(h, a->panels, p, b);
+        op_stream_block(a, blk, bb);
         for (int i = 0; i < TP; i++)
             for (int r = 0; r < R; r++) acc[i][r] = _mm512_setzero_ps();
         for (uint32_t g = 0; g < bs / OP_GROUP_K; g++) {
@@ -187,8 +189,10 @@ AI void f32_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP,
         __m512i is0[4][4], is1[4][4];                                                  \
         for (int i = 0; i < TP; i++)                                                   \
             for (int r = 0; r < R; r++) out[i][r] = _mm512_setzero_ps();              \
+        const size_t bb = op_mm_block_bytes(bs, op_zp_kind(h));                        \
         for (uint32_t b = 0; b < nb; b++) {                                            \
             const uint8_t *blk = op_mm_block(h, a->panels, p, b);                      \
+            op_stream_block(a, blk, bb);                                               \
             for (int i = 0; i < TP; i++)                                               \
                 for (int r = 0; r < R; r++) is0[i][r] = is1[i][r] = _mm512_setzero_si512(); \
             for (uint32_t g = 0; g < bs / OP_GROUP_K; g++) {                           \
@@ -241,8 +245,10 @@ AI void f32_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP,
         __m512 out[4][4];                                                              \
         for (int i = 0; i < 4; i++)                                                    \
             for (int r = 0; r < 4; r++) out[i][r] = _mm512_setzero_ps();              \
+        const size_t bb = op_mm_block_bytes(bs, op_zp_kind(h));                        \
         for (uint32_t b = 0; b < nb; b++) {                                            \
             const uint8_t *blk = op_mm_block(h, a->panels, p, b);                      \
+            op_stream_block(a, blk, bb);                                               \
             for (int i0 = tb; i0 < te; i0 += 2) {                                      \
                 const int TP = i0 + 2 <= te ? 2 : 1;                                   \
                 __m512i is[2][4];                                                      \
@@ -310,8 +316,10 @@ AI __m512i bcast32(const int8_t *p) {
         __m512i il[4][4], im[4][4], ih[4][4];                                          \
         for (int i = 0; i < TP; i++)                                                   \
             for (int r = 0; r < R; r++) out[i][r] = b0 ? st[i * R + r] : _mm512_setzero_ps(); \
+        const size_t bb = op_mm_block_bytes(bs, op_zp_kind(h));                        \
         for (uint32_t b = b0; b < b1; b++) {                                           \
             const uint8_t *blk = op_mm_block(h, a->panels, p, b);                      \
+            op_stream_block(a, blk, bb);                                               \
             for (int i = 0; i < TP; i++)                                               \
                 for (int r = 0; r < R; r++)                                            \
                     il[i][r] = im[i][r] = ih[i][r] = _mm512_setzero_si512();           \
@@ -374,7 +382,10 @@ DEFINE_BFP_PANEL(bfp_panel_bw, dot_bw)
  * between the matmuls use. Same bits; no change in a decode step, switched on and off
  * every two steps in one process (2026-12-02, 2-vCPU AMD EPYC, median step ratio
  * 1.009 / 1.009 / 1.001 for the builder Llama at level 4, batch 1 / 2 / 8, and 0.980
- * for the medium fixture at level 0, batch 1). */
+ * for the medium fixture at level 0, batch 1): on write-back memory the non-temporal
+ * hint of a load is ignored. What does keep the stream out of L2 is a PREFETCHNTA
+ * ahead of the loads: op_stream_block (op_internal.h), which the one-pass drivers
+ * below turn on through OP_STREAM_ARGS. */
 /* The last 1-3 rows of a panel, all of its tiles in one pass. */
 #define REST_ROWS(PANEL, a, p, tb, te, m)                                             \
     switch (a->M - m) {                                                               \
@@ -385,8 +396,9 @@ DEFINE_BFP_PANEL(bfp_panel_bw, dot_bw)
     }
 
 #define DEFINE_DRIVER(NAME, PANEL, BIG)                                               \
-    static void NAME(const op_mm_args *a) {                                           \
+    static void NAME(const op_mm_args *in) {                                          \
         op_ran(KERNEL_CODE);                                                          \
+        OP_STREAM_ARGS(a, in, in->M <= 3); /* REST_ROWS alone: one pass */            \
         OP_FOR_PANELS(a, p, tb, te) {                                                 \
             size_t m = 0;                                                             \
             if (BIG == 8)                                                             \
@@ -405,8 +417,9 @@ DEFINE_DRIVER(mm_f32_avx512, f32_panel, 8)
 /* int8: rows in chunks of four, each chunk one pass over the panel (PANEL4), then
  * the last 1-3 rows as in DEFINE_DRIVER. */
 #define DEFINE_I8_DRIVER(NAME, PANEL, PANEL4)                                         \
-    static void NAME(const op_mm_args *a) {                                           \
+    static void NAME(const op_mm_args *in) {                                          \
         op_ran(KERNEL_CODE);                                                          \
+        OP_STREAM_ARGS(a, in, in->M <= 4); /* one PANEL4 or REST_ROWS pass */         \
         OP_FOR_PANELS(a, p, tb, te) {                                                 \
             size_t m = 0;                                                             \
             for (; m + 4 <= a->M; m += 4) PANEL4(a, p, tb, te, m);                    \
@@ -433,8 +446,9 @@ AI uint32_t chunk_blocks(const op_packed_header *h) {
     return bb >= OP_CHUNK_BYTES ? 1u : (uint32_t)(OP_CHUNK_BYTES / bb);
 }
 #define DEFINE_BFP_DRIVER(NAME, PANEL)                                                \
-    static void NAME(const op_mm_args *a) {                                           \
+    static void NAME(const op_mm_args *in) {                                          \
         op_ran(KERNEL_CODE);                                                          \
+        OP_STREAM_ARGS(a, in, in->M == 1); /* a pass per row */                       \
         __m512 st[OP_PANEL_TILES * 4];                                                \
         OP_FOR_PANELS(a, p, tb, te) {                                                 \
             size_t m = 0;                                                             \

@@ -206,6 +206,15 @@ def matmul_nbits_parts(A: np.ndarray, packed: np.ndarray, ranges, *, bias: np.nd
     return res, [lambda cb=cb, ce=ce: call(cb, ce) for cb, ce in ranges]
 
 
+def set_weight_streaming(on: bool) -> bool:
+    """Whether INT4 matmul passes that read their weights once (decode GEMVs) prefetch
+    them non-temporally, past the caches, so the weights they stream do not evict what
+    the ops between them use (native/op_internal.h, ``OP_STREAM_AHEAD``). On by default;
+    process-wide; the same bits either way. Returns the previous setting: for
+    benchmarks that time both in one run (scripts/gemv_step_profile.py --compare streaming)."""
+    return bool(lib.op_set_weight_streaming(1 if on else 0))
+
+
 def matmul_nbits(A: np.ndarray, packed: np.ndarray, *, bias: np.ndarray | None = None,
                  out: np.ndarray | None = None, col_begin: int = 0, col_end: int | None = None,
                  accuracy_level: int | None = None, isa: str | None = None,

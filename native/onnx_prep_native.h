@@ -69,6 +69,13 @@ typedef enum {
 } op_kernel_code;
 int op_last_kernel(void);
 
+/* ---- weight streaming ----------------------------------------------------------- */
+/* Whether an INT4 matmul pass that reads its weights once (decode) prefetches them
+ * non-temporally, past the caches (op_internal.h, OP_STREAM_AHEAD). On unless turned
+ * off; process-wide, read at each call's start. Results are the same bits either way.
+ * Returns the previous setting. For benchmarks that compare both in one run. */
+int op_set_weight_streaming(int on);
+
 /* ---- packed buffer header (64 bytes) ---------------------------------------- */
 typedef struct {
     uint32_t magic;          /* OP_PACK_MAGIC */

@@ -3,7 +3,7 @@ survives other work on the machine: thread CPU time of the run's own thread, the
 hand-off's counters (native/handoff.c) and the step's GEMVs replayed on one thread.
 
     .venv/bin/python scripts/gemv_step_profile.py [--preset medium | --model PATH]
-        [--tokens 24] [--rounds 4] [--threads 2] [--compare huge-pages] [--json FILE]
+        [--tokens 24] [--rounds 4] [--threads 2] [--compare huge-pages|streaming] [--json FILE]
 
 Per decode step (the prefill and the first decode step left out), min and median of:
   wall_ms        the step's wall time (what other work on the machine inflates most)
@@ -20,7 +20,10 @@ one-thread cost, to set against fj_cpu_ms + the helpers' share.
 ``--compare huge-pages`` opens the model twice, its prepared weights on 4 KiB pages and
 on transparent huge pages (``SessionOptions.huge_pages``), runs them interleaved round by
 round, and prints each session's open + prepare time (the huge pages' first-use cost
-lands there). The greedy tokens of every session must be identical (checked).
+lands there). ``--compare streaming`` runs two sessions of the model, one with the decode GEMVs'
+non-temporal weight prefetch (the default) and one without (native/op_internal.h,
+``OP_STREAM_AHEAD``), interleaved round by round.
+The greedy tokens of every session must be identical (checked).
 ``--split-all`` splits every INT4 matmul however small (smoke runs on tiny fixtures).
 Figures are indicative; wall times need a quiet machine (scripts/bench_decode_speed.py).
 """
@@ -36,7 +39,11 @@ from pathlib import Path
 import numpy as np
 
 METRICS = ("wall_ms", "cpu_ms", "fj_ms", "fj_cpu_ms", "wait_ms", "batches", "solo", "helper_chunks")
-MODES = {"none": {"default": None}, "huge-pages": {"4k": False, "huge": True}}
+# --compare: the sessions to interleave, each with its Session huge_pages and whether
+# one-pass INT4 GEMVs stream their weights past the caches (native.set_weight_streaming)
+MODES = {"none": {"default": (None, True)},
+         "huge-pages": {"4k": (False, True), "huge": (True, True)},
+         "streaming": {"stream": (None, True), "no-stream": (None, False)}}
 
 
 class StepProbe:
@@ -114,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tokens < 4:
         ap.error("--tokens must be at least 4 (the prefill and the first decode step are left out)")
 
+    from onnx_prep import native
     from onnx_prep.core.decode.decoder_io import DecoderIO
     from onnx_prep.core.decode.export_hints import ExportHints
     from onnx_prep.core.decode.generation import greedy_decode
@@ -139,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     replayed: dict[str, int] = {}  # INT4 matmuls of the replayed step
     tokens: dict[str, list] = {}
     try:
-        for mode, huge in MODES[args.compare].items():
+        for mode, (huge, _) in MODES[args.compare].items():
             t = time.perf_counter()
             s = Session(resolved, cpu_workers=args.threads, intra_op_threads=args.threads, huge_pages=huge)
             s.prepare()
@@ -165,10 +173,12 @@ def main(argv: list[str] | None = None) -> int:
                     return out
 
                 s.run = run
+                native.set_weight_streaming(MODES[args.compare][mode][1])
                 try:
                     res = greedy_decode(s, io, prompt, args.tokens)
                 finally:
                     del s.run
+                    native.set_weight_streaming(True)
                 tokens.setdefault(mode, res.tokens.tolist())
                 if tokens[mode] != next(iter(tokens.values())):
                     raise SystemExit(f"{mode}: greedy tokens differ from the other session's")
@@ -177,7 +187,11 @@ def main(argv: list[str] | None = None) -> int:
                         steps[mode][k].append(row[k])
                 if r == 0:
                     replayed[mode] = len(rows[2]["gemvs"])
-                    replay[mode] = replay_ms(rows[2]["gemvs"], max(3, args.rounds * 2))
+                    native.set_weight_streaming(MODES[args.compare][mode][1])
+                    try:
+                        replay[mode] = replay_ms(rows[2]["gemvs"], max(3, args.rounds * 2))
+                    finally:
+                        native.set_weight_streaming(True)
         activity = MachineActivity.now().since(activity0)
     finally:
         uninstall()

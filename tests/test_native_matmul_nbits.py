@@ -87,6 +87,32 @@ def test_isa_paths_equal_scalar_bit_for_bit(isa, level, zp):
         np.testing.assert_array_equal(got, ref, err_msg=f"{isa} level {level} shape {(M, K, N, bs)}")
 
 
+@pytest.mark.parametrize("isa", SIMD_ISAS)
+@pytest.mark.parametrize("level", LEVELS)
+def test_weight_streaming_changes_no_bit(isa, level):
+    """The one-pass passes' non-temporal prefetch (on by default) reads ahead of each
+    block, past a panel's and the buffer's end: it must change no result. M 1-5 takes
+    every driver's one-pass branch and the multi-pass ones; a column range that starts
+    and ends inside panels, the split's chunks."""
+    kw = {"compute": "fma"} if level == "fma" else {}
+    try:
+        for i, (M, K, N, bs) in enumerate([(1, 1100, 200, 32), (2, 640, 130, 128), (3, 257, 70, 16),
+                                           (4, 1024, 200, 32), (5, 300, 64, 64)]):
+            A, packed, _, b = _case(40 + i, M, K, N, bs, "u4", level=level, bias=i % 2 == 1)
+            ref = native.matmul_nbits(A, packed, bias=b, isa="scalar", **kw)
+            assert native.set_weight_streaming(True) is True  # the default, and what the last call left
+            on = native.matmul_nbits(A, packed, bias=b, isa=isa, **kw)
+            part = native.matmul_nbits(A, packed, bias=b, isa=isa, col_begin=24, col_end=N - 9, **kw)
+            assert native.set_weight_streaming(False) is True
+            off = native.matmul_nbits(A, packed, bias=b, isa=isa, **kw)
+            assert native.set_weight_streaming(True) is False
+            np.testing.assert_array_equal(on, ref, err_msg=f"{isa} level {level} M {M}")
+            np.testing.assert_array_equal(off, ref, err_msg=f"{isa} level {level} M {M}")
+            np.testing.assert_array_equal(part[:, 24:N - 9], ref[:, 24:N - 9])
+    finally:
+        native.set_weight_streaming(True)
+
+
 def test_levels_0_to_3_compute_alike_and_fma_is_a_compute_mode():
     """ONNX Runtime computes accuracy levels 0 and 1 alike on CPU (fp32); here levels
     0-3 all run block floating point, bit for bit the same outputs on every ISA path,
