@@ -3,7 +3,8 @@ survives other work on the machine: thread CPU time of the run's own thread, the
 hand-off's counters (native/handoff.c) and the step's GEMVs replayed on one thread.
 
     .venv/bin/python scripts/gemv_step_profile.py [--preset medium | --model PATH]
-        [--tokens 24] [--rounds 4] [--threads 2] [--compare huge-pages|streaming] [--json FILE]
+        [--tokens 24] [--rounds 4] [--threads 2] [--batch 1] [--compare huge-pages|streaming]
+        [--json FILE]
 
 Per decode step (the prefill and the first decode step left out), min and median of:
   wall_ms        the step's wall time (what other work on the machine inflates most)
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=1, help="rows decoded together (the same prompt in each)")
     ap.add_argument("--compare", choices=sorted(MODES), default="none")
     ap.add_argument("--split-all", action="store_true")
     ap.add_argument("--json", type=Path)
@@ -138,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                             hints=hints or (lambda: ExportHints.for_model(path)))
     if args.split_all:
         intra_op.MIN_SPLIT_WORK = 1
-    prompt = np.arange(1, 9, dtype=np.int64)[None, :]
+    prompt = np.tile(np.arange(1, 9, dtype=np.int64)[None, :], (args.batch, 1))
     probe = StepProbe()
     uninstall = probe.install()
     sessions, open_s = {}, {}
@@ -199,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             s.close()
 
     name = args.model or args.preset
-    print(f"{name}: {args.threads} threads, {args.rounds} rounds of {args.tokens} tokens per session, "
+    print(f"{name}: {args.threads} threads, batch {args.batch}, {args.rounds} rounds of {args.tokens} tokens per session, "
           f"per decode step (min / median)")
     for mode in sessions:
         print(f"  [{mode}] open + prepare {open_s[mode]:.2f} s; the step's {replayed[mode]} GEMVs replayed "
@@ -209,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    {k:14s} {min(v):9.2f} {statistics.median(v):9.2f}")
     print(describe(activity))
     if args.json:
-        args.json.write_text(json.dumps({"model": str(name), "threads": args.threads, "open_s": open_s,
+        args.json.write_text(json.dumps({"model": str(name), "threads": args.threads, "batch": args.batch,
+                                         "open_s": open_s,
                                          "replay_ms": replay, "replayed_gemvs": replayed, "steps": steps, "tokens": tokens,
                                          "machine_activity": activity}, indent=2))
     return 0

@@ -313,12 +313,13 @@ def test_gpu_check_script_parses():
 
 def test_gemv_step_profile_compares_weight_streaming(tmp_path):
     out = tmp_path / "gemv.json"
-    p = _run(["scripts/gemv_step_profile.py", "--preset", "tiny-llm", "--compare", "streaming",
+    p = _run(["scripts/gemv_step_profile.py", "--preset", "tiny-llm", "--compare", "streaming", "--batch", "2",
               "--tokens", "4", "--rounds", "2", "--json", str(out)], tmp_path / "cache")
     assert p.returncode == 0, p.stderr  # includes: both sessions' greedy tokens identical
     doc = json.loads(out.read_text())
     assert set(doc["steps"]) == set(doc["replay_ms"]) == {"stream", "no-stream"}
-    assert doc["tokens"]["stream"] == doc["tokens"]["no-stream"]
+    assert doc["tokens"]["stream"] == doc["tokens"]["no-stream"] and doc["batch"] == 2
+    assert len(doc["tokens"]["stream"]) == 2  # one row of tokens per batch row
     assert all(len(v) == 2 * 2 for steps in doc["steps"].values() for v in steps.values())
     assert "[no-stream]" in p.stdout
 
