@@ -1,0 +1,96 @@
+"""Decode steps with the INT4 GEMVs' non-temporal weight prefetch on and off, alternating
+every two steps in ONE session (native.set_weight_streaming), so that both settings see
+the same machine state, the same memory and the same KV lengths.
+
+    .venv/bin/python scripts/ab_weight_streaming.py [--preset medium | --model PATH]
+        [--batch 1] [--tokens 32] [--rounds 6] [--threads 2] [--json FILE]
+
+Each round decodes --tokens greedily from the same prompt; the prefill and the first
+decode step are left out. Prints each setting's step wall time, min / median / max (ms),
+and checks that every round's tokens are identical (the setting changes no bit).
+scripts/gemv_step_profile.py --compare streaming compares the same in two sessions
+interleaved round by round. Run it alone: other work on the machine changes every figure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="medium")
+    ap.add_argument("--model", type=Path, help="a decoder model file instead of --preset")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    if args.tokens < 4:
+        ap.error("--tokens must be at least 4 (the prefill and the first decode step are left out)")
+
+    from onnx_prep import native
+    from onnx_prep.core.decode.decoder_io import DecoderIO
+    from onnx_prep.core.decode.export_hints import ExportHints
+    from onnx_prep.core.decode.generation import greedy_decode
+    from onnx_prep.core.model.resolution import resolve_model
+    from onnx_prep.core.profile.machine_activity import MachineActivity, describe
+    from onnx_prep.core.runtime.session import Session
+    from onnx_prep.fixtures import FixtureConfig, ensure_cached
+
+    path = args.model if args.model is not None else ensure_cached(FixtureConfig.preset(args.preset))
+    resolved = resolve_model(path)
+    io = DecoderIO.discover(resolved.inputs, resolved.outputs, None, model=str(path),
+                            hints=ExportHints.from_config(path) or (lambda: ExportHints.for_model(path)))
+    prompt = np.tile(np.arange(1, 9, dtype=np.int64)[None, :], (args.batch, 1))
+    steps: dict[str, list[float]] = {"stream": [], "no-stream": []}
+    tokens = None
+    session = Session(resolved, cpu_workers=args.threads, intra_op_threads=args.threads)
+    activity0 = MachineActivity.now()
+    try:
+        session.prepare()
+        orun, step = session.run, [0]
+
+        def run(feeds):
+            i = step[0]
+            step[0] += 1
+            mode = ("stream", "no-stream")[(i // 2) % 2]
+            native.set_weight_streaming(mode == "stream")
+            t = time.perf_counter()
+            out = orun(feeds)
+            if i >= 2:
+                steps[mode].append((time.perf_counter() - t) * 1e3)
+            return out
+
+        session.run = run
+        for _ in range(args.rounds):
+            step[0] = 0
+            got = greedy_decode(session, io, prompt, args.tokens).tokens.tolist()
+            if tokens is not None and got != tokens:
+                raise SystemExit("the greedy tokens differ between rounds: a setting changed the result")
+            tokens = got
+    finally:
+        native.set_weight_streaming(True)
+        session.close()
+    activity = MachineActivity.now().since(activity0)
+    print(f"{args.model or args.preset}: {args.threads} threads, batch {args.batch}, {args.rounds} rounds of "
+          f"{args.tokens} tokens, step wall ms min / median / max")
+    for mode, v in steps.items():
+        print(f"  {mode:10s} n={len(v):4d} {min(v):8.2f} {statistics.median(v):8.2f} {max(v):8.2f}")
+    print(f"  median no-stream / stream: {statistics.median(steps['no-stream']) / statistics.median(steps['stream']):.3f}")
+    print(describe(activity))
+    if args.json:
+        args.json.write_text(json.dumps({"model": str(args.model or args.preset), "batch": args.batch,
+                                         "threads": args.threads, "steps_ms": steps, "tokens": tokens,
+                                         "machine_activity": activity}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
