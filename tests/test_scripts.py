@@ -324,17 +324,18 @@ def test_gemv_step_profile_compares_weight_streaming(tmp_path):
     assert "[no-stream]" in p.stdout
 
 
-def test_ab_weight_streaming_alternates_in_one_session(tmp_path):
+@pytest.mark.parametrize("toggle", ["streaming", "split-attention"])
+def test_ab_decode_step_alternates_in_one_session(tmp_path, toggle):
     out = tmp_path / "ab.json"
-    p = _run(["scripts/ab_weight_streaming.py", "--preset", "tiny-llm", "--tokens", "6", "--rounds", "2",
-              "--json", str(out)], tmp_path / "cache")
+    p = _run(["scripts/ab_decode_step.py", "--toggle", toggle, "--preset", "tiny-llm", "--tokens", "6",
+              "--rounds", "2", "--json", str(out)], tmp_path / "cache")
     assert p.returncode == 0, p.stderr  # includes: every round's tokens identical
     doc = json.loads(out.read_text())
     _check_activity(doc["machine_activity"], p.stdout)
     # 6 tokens: 6 runs a round (the prefill gives the first), runs 0-1 left out; runs
-    # 2-3 without streaming, 4-5 with it (alternating every two)
-    assert len(doc["steps_ms"]["stream"]) == len(doc["steps_ms"]["no-stream"]) == 2 * 2
-    assert "median no-stream / stream" in p.stdout
+    # 2-3 with the setting off, 4-5 on (alternating every two)
+    assert len(doc["steps_ms"]["on"]) == len(doc["steps_ms"]["off"]) == 2 * 2 and doc["toggle"] == toggle
+    assert "median off / on" in p.stdout
 
 
 def test_gemv_step_profile_smoke(tmp_path):

@@ -1,15 +1,21 @@
-"""Decode steps with the INT4 GEMVs' non-temporal weight prefetch on and off, alternating
-every two steps in ONE session (native.set_weight_streaming), so that both settings see
-the same machine state, the same memory and the same KV lengths.
+"""Decode steps with one setting on and off, alternating every two steps in ONE session,
+so that both see the same machine state, the same memory and the same KV lengths.
 
-    .venv/bin/python scripts/ab_weight_streaming.py [--preset medium | --model PATH]
-        [--batch 1] [--tokens 32] [--rounds 6] [--threads 2] [--json FILE]
+    .venv/bin/python scripts/ab_decode_step.py [--toggle streaming | split-attention]
+        [--preset medium | --model PATH] [--batch 1] [--tokens 32] [--rounds 6] [--threads 2]
+        [--json FILE]
+
+--toggle:
+  streaming        the INT4 GEMVs' non-temporal weight prefetch (native.set_weight_streaming;
+                   docs/kernels.md "Weight streaming")
+  split-attention  a decode step's attention shared with the run's helpers through its
+                   mailbox (core/ops/intra_op.py, split_attention)
 
 Each round decodes --tokens greedily from the same prompt; the prefill and the first
 decode step are left out. Prints each setting's step wall time, min / median / max (ms),
-and checks that every round's tokens are identical (the setting changes no bit).
-scripts/gemv_step_profile.py --compare streaming compares the same in two sessions
-interleaved round by round. Run it alone: other work on the machine changes every figure.
+and checks that every round's tokens are identical (the setting changes no bit). "on" is
+the default of both. scripts/gemv_step_profile.py --compare streaming compares the
+streaming in two sessions interleaved round by round. Run it alone: other work on the machine changes every figure.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import numpy as np
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--toggle", choices=("streaming", "split-attention"), default="streaming")
     ap.add_argument("--preset", default="medium")
     ap.add_argument("--model", type=Path, help="a decoder model file instead of --preset")
     ap.add_argument("--batch", type=int, default=1)
@@ -40,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from onnx_prep.core.decode.export_hints import ExportHints
     from onnx_prep.core.decode.generation import greedy_decode
     from onnx_prep.core.model.resolution import resolve_model
+    from onnx_prep.core.ops import intra_op
     from onnx_prep.core.profile.machine_activity import MachineActivity, describe
     from onnx_prep.core.runtime.session import Session
     from onnx_prep.fixtures import FixtureConfig, ensure_cached
@@ -49,7 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     io = DecoderIO.discover(resolved.inputs, resolved.outputs, None, model=str(path),
                             hints=ExportHints.from_config(path) or (lambda: ExportHints.for_model(path)))
     prompt = np.tile(np.arange(1, 9, dtype=np.int64)[None, :], (args.batch, 1))
-    steps: dict[str, list[float]] = {"stream": [], "no-stream": []}
+    steps: dict[str, list[float]] = {"on": [], "off": []}
+
+    def setting(on: bool) -> None:
+        if args.toggle == "streaming":
+            native.set_weight_streaming(on)
+        else:
+            intra_op.split_attention = on
+
     tokens = None
     session = Session(resolved, cpu_workers=args.threads, intra_op_threads=args.threads)
     activity0 = MachineActivity.now()
@@ -60,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         def run(feeds):
             i = step[0]
             step[0] += 1
-            mode = ("stream", "no-stream")[(i // 2) % 2]
-            native.set_weight_streaming(mode == "stream")
+            mode = ("on", "off")[(i // 2) % 2]
+            setting(mode == "on")
             t = time.perf_counter()
             out = orun(feeds)
             if i >= 2:
@@ -76,17 +91,18 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit("the greedy tokens differ between rounds: a setting changed the result")
             tokens = got
     finally:
-        native.set_weight_streaming(True)
+        setting(True)
         session.close()
     activity = MachineActivity.now().since(activity0)
-    print(f"{args.model or args.preset}: {args.threads} threads, batch {args.batch}, {args.rounds} rounds of "
-          f"{args.tokens} tokens, step wall ms min / median / max")
+    print(f"{args.model or args.preset}: {args.toggle} on and off, {args.threads} threads, batch {args.batch}, "
+          f"{args.rounds} rounds of {args.tokens} tokens, step wall ms min / median / max")
     for mode, v in steps.items():
         print(f"  {mode:10s} n={len(v):4d} {min(v):8.2f} {statistics.median(v):8.2f} {max(v):8.2f}")
-    print(f"  median no-stream / stream: {statistics.median(steps['no-stream']) / statistics.median(steps['stream']):.3f}")
+    print(f"  median off / on: {statistics.median(steps['off']) / statistics.median(steps['on']):.3f}")
     print(describe(activity))
     if args.json:
-        args.json.write_text(json.dumps({"model": str(args.model or args.preset), "batch": args.batch,
+        args.json.write_text(json.dumps({"model": str(args.model or args.preset), "toggle": args.toggle,
+                                         "batch": args.batch,
                                          "threads": args.threads, "steps_ms": steps, "tokens": tokens,
                                          "machine_activity": activity}, indent=2))
     return 0
