@@ -27,6 +27,15 @@ from pathlib import Path
 
 import numpy as np
 
+from onnx_prep import native
+from onnx_prep.core.decode.decoder_io import DecoderIO
+from onnx_prep.core.decode.generation import greedy_decode
+from onnx_prep.core.model.resolution import resolve_model
+from onnx_prep.core.ops import intra_op
+from onnx_prep.core.profile.machine_activity import MachineActivity, describe
+from onnx_prep.core.runtime.session import Session
+from onnx_prep.fixtures import FixtureConfig, ensure_cached
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -42,20 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.tokens < 4:
         ap.error("--tokens must be at least 4 (the prefill and the first decode step are left out)")
 
-    from onnx_prep import native
-    from onnx_prep.core.decode.decoder_io import DecoderIO
-    from onnx_prep.core.decode.export_hints import ExportHints
-    from onnx_prep.core.decode.generation import greedy_decode
-    from onnx_prep.core.model.resolution import resolve_model
-    from onnx_prep.core.ops import intra_op
-    from onnx_prep.core.profile.machine_activity import MachineActivity, describe
-    from onnx_prep.core.runtime.session import Session
-    from onnx_prep.fixtures import FixtureConfig, ensure_cached
-
     path = args.model if args.model is not None else ensure_cached(FixtureConfig.preset(args.preset))
     resolved = resolve_model(path)
-    io = DecoderIO.discover(resolved.inputs, resolved.outputs, None, model=str(path),
-                            hints=ExportHints.from_config(path) or (lambda: ExportHints.for_model(path)))
+    io = DecoderIO.for_resolved(resolved)
     prompt = np.tile(np.arange(1, 9, dtype=np.int64)[None, :], (args.batch, 1))
     steps: dict[str, list[float]] = {"on": [], "off": []}
 

@@ -125,7 +125,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from onnx_prep import native
     from onnx_prep.core.decode.decoder_io import DecoderIO
-    from onnx_prep.core.decode.export_hints import ExportHints
     from onnx_prep.core.decode.generation import greedy_decode
     from onnx_prep.core.model.resolution import resolve_model
     from onnx_prep.core.ops import intra_op
@@ -135,9 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
     path = args.model if args.model is not None else ensure_cached(FixtureConfig.preset(args.preset))
     resolved = resolve_model(path)
-    hints = ExportHints.from_config(path)
-    io = DecoderIO.discover(resolved.inputs, resolved.outputs, None, model=str(path),
-                            hints=hints or (lambda: ExportHints.for_model(path)))
+    io = DecoderIO.for_resolved(resolved)
     if args.split_all:
         intra_op.MIN_SPLIT_WORK = 1
     prompt = np.tile(np.arange(1, 9, dtype=np.int64)[None, :], (args.batch, 1))

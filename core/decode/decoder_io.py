@@ -167,6 +167,14 @@ class DecoderIO:
         return _Discovery(inputs, outputs, io_map or {}, model, hints).run()
 
     @classmethod
+    def for_resolved(cls, resolved: Any) -> "DecoderIO":
+        """Discover a ``ResolvedModel``'s roles; hints (asked only where the value infos
+        leave a KV dim symbolic) from its file's exporter (``ExportHints.for_model``)."""
+        path = resolved.model_path
+        return cls.discover(resolved.inputs, resolved.outputs, model=str(path),
+                            hints=lambda: ExportHints.for_model(path))
+
+    @classmethod
     def from_model(cls, model: Any, io_map: Mapping[str, Any] | None = None) -> "DecoderIO":
         """Discover from an ONNX file path or ``onnx.ModelProto`` (no payload read)."""
         inputs, outputs = value_infos_from_model(model)
