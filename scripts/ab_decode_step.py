@@ -28,13 +28,11 @@ from pathlib import Path
 import numpy as np
 
 from onnx_prep import native
-from onnx_prep.core.decode.decoder_io import DecoderIO
 from onnx_prep.core.decode.generation import greedy_decode
-from onnx_prep.core.model.resolution import resolve_model
 from onnx_prep.core.ops import intra_op
 from onnx_prep.core.profile.machine_activity import MachineActivity, describe
 from onnx_prep.core.runtime.session import Session
-from onnx_prep.fixtures import FixtureConfig, ensure_cached
+from gemv_step_profile import open_decoder  # this folder: sys.path[0] when run as a script
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,10 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tokens < 4:
         ap.error("--tokens must be at least 4 (the prefill and the first decode step are left out)")
 
-    path = args.model if args.model is not None else ensure_cached(FixtureConfig.preset(args.preset))
-    resolved = resolve_model(path)
-    io = DecoderIO.for_resolved(resolved)
-    prompt = np.tile(np.arange(1, 9, dtype=np.int64)[None, :], (args.batch, 1))
+    path, resolved, io, prompt = open_decoder(args.model, args.preset, args.batch)
     steps: dict[str, list[float]] = {"on": [], "off": []}
 
     def setting(on: bool) -> None:

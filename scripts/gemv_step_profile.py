@@ -95,6 +95,20 @@ class StepProbe:
             self.acc[k] = 0.0
 
 
+def open_decoder(model: Path | None, preset: str, batch: int):
+    """``(path, resolved, io, prompt)``: the decoder model (``model``, else the fixture
+    ``preset``, generated and cached), resolved, its roles, and an 8-token prompt in
+    each of ``batch`` rows. (scripts/ab_decode_step.py uses it too.)"""
+    from onnx_prep.core.decode.decoder_io import DecoderIO
+    from onnx_prep.core.model.resolution import resolve_model
+    from onnx_prep.fixtures import FixtureConfig, ensure_cached
+
+    path = model if model is not None else ensure_cached(FixtureConfig.preset(preset))
+    resolved = resolve_model(path)
+    prompt = np.tile(np.arange(1, 9, dtype=np.int64)[None, :], (batch, 1))
+    return path, resolved, DecoderIO.for_resolved(resolved), prompt
+
+
 def replay_ms(gemvs: list, repeats: int) -> float:
     """Min CPU time of ``gemvs`` run whole, back to back, on this thread."""
     from onnx_prep import native
@@ -124,20 +138,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--tokens must be at least 4 (the prefill and the first decode step are left out)")
 
     from onnx_prep import native
-    from onnx_prep.core.decode.decoder_io import DecoderIO
     from onnx_prep.core.decode.generation import greedy_decode
-    from onnx_prep.core.model.resolution import resolve_model
     from onnx_prep.core.ops import intra_op
     from onnx_prep.core.profile.machine_activity import MachineActivity, describe
     from onnx_prep.core.runtime.session import Session
-    from onnx_prep.fixtures import FixtureConfig, ensure_cached
 
-    path = args.model if args.model is not None else ensure_cached(FixtureConfig.preset(args.preset))
-    resolved = resolve_model(path)
-    io = DecoderIO.for_resolved(resolved)
+    path, resolved, io, prompt = open_decoder(args.model, args.preset, args.batch)
     if args.split_all:
         intra_op.MIN_SPLIT_WORK = 1
-    prompt = np.tile(np.arange(1, 9, dtype=np.int64)[None, :], (args.batch, 1))
     probe = StepProbe()
     uninstall = probe.install()
     sessions, open_s = {}, {}
