@@ -146,16 +146,13 @@ def gqa_decode(query: np.ndarray, key: np.ndarray | None, value: np.ndarray | No
                past_value: np.ndarray, seqlens_k: np.ndarray, total_sequence_length,
                cos_cache: np.ndarray | None, sin_cache: np.ndarray | None, *, num_heads: int,
                kv_num_heads: int, scale: float, interleaved: bool,
-               present: tuple[np.ndarray, np.ndarray], mailbox=None
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               present: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``group_query_attention(...)`` for a decode step as the runtime makes it: float32
     q / k / v in the kernel's form (or packed QKV: key and value None), past KV views
     with room after their rows, the present buffers given (the append buffers), int32 /
     int64 ``seqlens_k``, float32 cos / sin tables or none. The same checks of what the
     kernel trusts (every shape, the buffers' rows) and the same C call with the same
     arguments: the same bits. Anything else goes through ``group_query_attention``.
-    ``mailbox``: a run's ``native.Mailbox``: the (batch row, kv head) units are cut into
-    chunks that its helpers share (``_launch``).
 
     NOTE: what it saves is small: the general wrapper's conversions and checks, 24.3 ->
     22.6 us a call hot (32 heads, past 40; the C kernel ~2 us of it, the rest is Python
@@ -203,25 +200,14 @@ def gqa_decode(query: np.ndarray, key: np.ndarray | None, value: np.ndarray | No
                    batch=B, seq=S, num_heads=N, kv_num_heads=KN, head_size=H, past_len=P, present_len=L,
                    rotary_dim=rd, cache_rows=cos_cache.shape[0] if rd else 0,
                    interleaved=1 if interleaved else 0, first_prompt=0,
-                   scale=float(scale) if scale else 1.0 / math.sqrt(H), mailbox=mailbox)
+                   scale=float(scale) if scale else 1.0 / math.sqrt(H))
 
 
-# Units (batch row, kv head) per chunk when a call is shared through a mailbox: at least
-# two chunks per thread, so a helper that joins late leaves the caller little to wait for.
-_CHUNKS_PER_CALL = 4
-
-
-def _launch(q, k, v, past_key, past_value, seqlens, cos, sin, present, isa, total, mask=None, mailbox=None,
-            **params):
+def _launch(q, k, v, past_key, past_value, seqlens, cos, sin, present, isa, total, mask=None, **params):
     """Run the C kernel on fp32 q / k / v ``[B, S, heads * H]`` (C-contiguous) and past KV
     ``[B, KN, P, H]`` (or None), writing present into ``present`` when given (else fresh
     arrays): ``(output [B, S, N * H], present key, present value)``. ``params``: the
-    op_gqa_params fields but the strides; ``total`` the total length the error names.
-
-    ``mailbox`` (a ``native.Mailbox``): the call's units go to it as one batch of unit
-    ranges (native/handoff.c), shared with the helpers serving it; each unit is computed
-    as in a whole call, so the bits are the same. A failing chunk: the whole call is made
-    again here, and its error raised (a shape error is found before anything is written)."""
+    op_gqa_params fields but the strides; ``total`` the total length the error names."""
     B, KN, L, H = params["batch"], params["kv_num_heads"], params["present_len"], params["head_size"]
     if present is None:
         present_k = np.empty((B, KN, L, H), np.float32)
@@ -246,20 +232,6 @@ def _launch(q, k, v, past_key, past_value, seqlens, cos, sin, present, isa, tota
         fields.update(mask=_address(mask), **dict(zip(("mask_b", "mask_h", "mask_s"),
                                                       (st // 4 for st in mask.strides[:3]))))
     p = ffi.new("op_gqa_params *", fields)
-    units = B * KN
-    if mailbox is not None and units >= 2 and isa is None:
-        job = ffi.new("op_gqa_job *", dict(
-            isa=isa_id(isa), p=p, query=ptr(q, "float *"), key=ptr(k, "float *"), value=ptr(v, "float *"),
-            past_key=_address(pk), past_value=_address(pv), seqlens_k=ptr(seqlens, "int64_t *"),
-            cos_cache=ptr(cos, "float *"), sin_cache=ptr(sin, "float *"), out=ptr(out, "float *"),
-            present_key=_address(present_k), present_value=_address(present_v)))
-        per = -(-units // min(units, _CHUNKS_PER_CALL))
-        ranges = [(u, min(units, u + per)) for u in range(0, units, per)]
-        flat = ffi.new("int64_t[]", [x for r in ranges for x in r])
-        rcs = ffi.new("int[]", len(ranges))
-        batch = ffi.new("op_mm_batch *", dict(gqa=job, ranges=flat, n=len(ranges), rcs=rcs))
-        if lib.op_mailbox_fork_join(mailbox.c, batch) == lib.OP_OK:
-            return out, present_k, present_v
     bad = ffi.new("int64_t *")
     status = lib.op_group_query_attention(
         isa_id(isa), p, ptr(q, "float *"), ptr(k, "float *"), ptr(v, "float *"), _address(pk),
@@ -295,8 +267,8 @@ def _mask_view(mask: np.ndarray, shape: tuple[int, int, int, int]) -> np.ndarray
 def attention_with_past(query: np.ndarray, key: np.ndarray, value: np.ndarray, past_key: np.ndarray,
                         past_value: np.ndarray, *, scale: float, mask: np.ndarray | None = None,
                         nan_to_zero: bool = False,
-                        present: tuple[np.ndarray, np.ndarray] | None = None, isa: str | None = None,
-                        mailbox=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                        present: tuple[np.ndarray, np.ndarray] | None = None, isa: str | None = None
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Causal attention over a KV cache, all in BNSH (the fused ``onnx_prep.fused::Attention``
     of core/ops/attention.py): query ``[B, N, S, H]``, new key / value ``[B, KN, S, H]``
     (KN divides N: query head h reads kv head h / (N / KN)), past key / value ``[B, KN, P,
@@ -314,7 +286,7 @@ def attention_with_past(query: np.ndarray, key: np.ndarray, value: np.ndarray, p
     mask (padding, causal, -inf or float32-lowest fills) means what an ``Add`` of it
     before the Softmax means. A row whose softmax is not a number (every key at -inf)
     is NaN, as the Softmax op gives, or 0 with ``nan_to_zero`` (the exports'
-    ``Where(IsNaN(p), 0, p)`` after it). ``mailbox``: as ``gqa_decode``'s.
+    ``Where(IsNaN(p), 0, p)`` after it).
     """
     shapes = [np.shape(x) for x in (query, key, value, past_key, past_value)]
     if any(len(s) != 4 for s in shapes):
@@ -333,7 +305,7 @@ def attention_with_past(query: np.ndarray, key: np.ndarray, value: np.ndarray, p
     mask_view = None if mask is None else _mask_view(mask, (B, N, S, P + S))
     out, present_k, present_v = _launch(
         q, k, v, past_key, past_value, seq, None, None, present, isa, P + S, mask=mask_view,
-        mailbox=mailbox, nan_to_zero=int(bool(nan_to_zero)),
+        nan_to_zero=int(bool(nan_to_zero)),
         batch=B, seq=S, num_heads=N, kv_num_heads=KN, head_size=H, past_len=P, present_len=P + S,
         rotary_dim=0, cache_rows=0, interleaved=0, first_prompt=int(P == 0), scale=float(scale))
     return out.reshape(B, S, N, H), present_k, present_v

@@ -76,15 +76,9 @@ int64_t op_batch_run(op_mm_batch *b) {
         if (i >= b->n) break;
         const size_t cb = (size_t)b->ranges[2 * i], ce = (size_t)b->ranges[2 * i + 1];
         const op_mm_prep *prep = (const op_mm_prep *)b->prep;
-        const op_gqa_job *g = (const op_gqa_job *)b->gqa;
-        if (g)
-            b->rcs[i] = op_group_query_attention(g->isa, g->p, g->query, g->key, g->value, g->past_key,
-                                                 g->past_value, g->seqlens_k, g->cos_cache, g->sin_cache, g->out,
-                                                 g->present_key, g->present_value, (int64_t)cb, (int64_t)ce, NULL);
-        else
-            b->rcs[i] = prep ? op_mm_prep_run(prep, cb, ce)
-                             : op_matmul_nbits(b->isa, b->A, (size_t)b->M, (size_t)b->lda, b->packed, b->nbytes,
-                                               b->bias, b->Y, (size_t)b->ldy, cb, ce, b->level);
+        b->rcs[i] = prep ? op_mm_prep_run(prep, cb, ce)
+                         : op_matmul_nbits(b->isa, b->A, (size_t)b->M, (size_t)b->lda, b->packed, b->nbytes,
+                                           b->bias, b->Y, (size_t)b->ldy, cb, ce, b->level);
         __atomic_fetch_add(&b->done, 1, __ATOMIC_RELEASE);
         ran++;
     }
@@ -93,20 +87,15 @@ int64_t op_batch_run(op_mm_batch *b) {
 
 int op_mailbox_fork_join(op_mailbox *m, op_mm_batch *b) {
     /* A is prepared (quantized, for level 4) once here, before the publish, and every
-     * chunk reads it: chunks no longer repeat that work, whoever runs them. An attention
-     * batch (gqa) has nothing to prepare. */
-    op_mm_prep prep = {0};
-    if (!b->gqa) {
-        int st = op_mm_prepare(&prep, b->isa, b->A, (size_t)b->M, (size_t)b->lda, b->packed, b->nbytes, b->bias,
-                               b->Y, (size_t)b->ldy, b->level);
-        if (st) {
-            op_mm_prep_release(&prep);
-            return st;
-        }
-        b->prep = &prep;
-    } else {
-        b->prep = NULL;
+     * chunk reads it: chunks no longer repeat that work, whoever runs them. */
+    op_mm_prep prep;
+    int st = op_mm_prepare(&prep, b->isa, b->A, (size_t)b->M, (size_t)b->lda, b->packed, b->nbytes, b->bias,
+                           b->Y, (size_t)b->ldy, b->level);
+    if (st) {
+        op_mm_prep_release(&prep);
+        return st;
     }
+    b->prep = &prep;
     b->next = 0;
     b->done = 0;
     __atomic_store_n(&m->batch, b, __ATOMIC_RELEASE);
@@ -128,7 +117,7 @@ int op_mailbox_fork_join(op_mailbox *m, op_mm_batch *b) {
     m->batches++;
     if (mine == b->n) m->solo_batches++;
     b->prep = NULL;
-    if (!b->gqa) op_mm_prep_release(&prep);
+    op_mm_prep_release(&prep);
     for (int64_t i = 0; i < b->n; i++)
         if (b->rcs[i]) return b->rcs[i];
     return 0;

@@ -233,10 +233,7 @@ size_t op_page_size(void);
 /* One INT4 matmul cut into column chunks: op_matmul_nbits's arguments, the chunks'
  * [col_begin, col_end) pairs and a result code per chunk. next / done / prep:
  * internal (prep: A prepared once for every chunk, set by op_mailbox_fork_join for the
- * batch's duration; NULL: each chunk prepares A itself).
- * gqa != NULL (an op_gqa_job, below): the batch is one op_group_query_attention call
- * instead, its chunks [unit_begin, unit_end) ranges of its units, and the matmul
- * fields are not read. */
+ * batch's duration; NULL: each chunk prepares A itself). */
 typedef struct {
     const float *A; int64_t M; int64_t lda;
     const uint8_t *packed; size_t nbytes;
@@ -245,7 +242,6 @@ typedef struct {
     const int64_t *ranges; int64_t n; int *rcs;
     int64_t next; int64_t done;
     void *prep;
-    const void *gqa;
 } op_mm_batch;
 /* Where one run publishes its batches to the helpers lent to it. Zero it, then set
  * seq = 1 (closed) and spin_ns (how long an idle helper spins before it sleeps; 0 =
@@ -318,24 +314,6 @@ int op_group_query_attention(int isa, const op_gqa_params *p, const float *query
                              const int64_t *seqlens_k, const float *cos_cache, const float *sin_cache,
                              float *out, float *present_key, float *present_value,
                              int64_t unit_begin, int64_t unit_end, int64_t *bad_row);
-
-/* One op_group_query_attention call's arguments but the unit range: the work of an
- * op_mm_batch whose gqa points here (its chunks: unit ranges, each a call). */
-typedef struct {
-    int isa;
-    const op_gqa_params *p;
-    const float *query;
-    const float *key;
-    const float *value;
-    const float *past_key;
-    const float *past_value;
-    const int64_t *seqlens_k;
-    const float *cos_cache;
-    const float *sin_cache;
-    float *out;
-    float *present_key;
-    float *present_value;
-} op_gqa_job;
 
 /* ---- element-wise math (elementwise.c) ----------------------------------------- */
 /* y[i] = erf(x[i]) (libm, double precision; in place allowed). */

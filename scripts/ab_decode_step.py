@@ -1,20 +1,18 @@
 """Decode steps with one setting on and off, alternating every two steps in ONE session,
 so that both see the same machine state, the same memory and the same KV lengths.
 
-    .venv/bin/python scripts/ab_decode_step.py [--toggle streaming | split-attention]
+    .venv/bin/python scripts/ab_decode_step.py [--toggle streaming]
         [--preset medium | --model PATH] [--batch 1] [--tokens 32] [--rounds 6] [--threads 2]
         [--json FILE]
 
 --toggle:
   streaming        the INT4 GEMVs' non-temporal weight prefetch (native.set_weight_streaming;
                    docs/kernels.md "Weight streaming")
-  split-attention  a decode step's attention shared with the run's helpers through its
-                   mailbox (core/ops/intra_op.py, split_attention)
 
 Each round decodes --tokens greedily from the same prompt; the prefill and the first
 decode step are left out. Prints each setting's step wall time, min / median / max (ms),
 and checks that every round's tokens are identical (the setting changes no bit). "on" is
-the default of both. scripts/gemv_step_profile.py --compare streaming compares the
+the default. scripts/gemv_step_profile.py --compare streaming compares the
 streaming in two sessions interleaved round by round. Run it alone: other work on the machine changes every figure.
 """
 from __future__ import annotations
@@ -29,7 +27,6 @@ import numpy as np
 
 from onnx_prep import native
 from onnx_prep.core.decode.generation import greedy_decode
-from onnx_prep.core.ops import intra_op
 from onnx_prep.core.profile.machine_activity import MachineActivity, describe
 from onnx_prep.core.runtime.session import Session
 from gemv_step_profile import open_decoder  # this folder: sys.path[0] when run as a script
@@ -37,7 +34,7 @@ from gemv_step_profile import open_decoder  # this folder: sys.path[0] when run 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--toggle", choices=("streaming", "split-attention"), default="streaming")
+    ap.add_argument("--toggle", choices=("streaming",), default="streaming")
     ap.add_argument("--preset", default="medium")
     ap.add_argument("--model", type=Path, help="a decoder model file instead of --preset")
     ap.add_argument("--batch", type=int, default=1)
@@ -53,10 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     steps: dict[str, list[float]] = {"on": [], "off": []}
 
     def setting(on: bool) -> None:
-        if args.toggle == "streaming":
-            native.set_weight_streaming(on)
-        else:
-            intra_op.split_attention = on
+        native.set_weight_streaming(on)  # --toggle streaming, the one so far
 
     tokens = None
     session = Session(resolved, cpu_workers=args.threads, intra_op_threads=args.threads)

@@ -52,67 +52,6 @@ def test_a_served_mailbox_equals_a_whole_call_and_the_helper_takes_chunks(level)
     assert box.chunks_by_helpers > 0
 
 
-def _gqa_step(seed: int, B: int, N: int, KN: int, past: int, H: int = 16):
-    """One decode step's GroupQueryAttention arguments, the present buffers the pasts
-    themselves with room for the new row (the runtime's append buffers)."""
-    r = np.random.default_rng(seed)
-    f = lambda *shape: r.standard_normal(shape).astype(np.float32)  # noqa: E731
-    pk, pv = f(B, KN, past + 4, H), f(B, KN, past + 4, H)
-    ang = r.uniform(0, 6.28, (past + 4, H // 2)).astype(np.float32)
-    args = [f(B, 1, N * H), f(B, 1, KN * H), f(B, 1, KN * H), pk[:, :, :past], pv[:, :, :past],
-            np.full(B, past, np.int32), np.array(past + 1, np.int32), np.cos(ang), np.sin(ang)]
-    kw = dict(num_heads=N, kv_num_heads=KN, scale=0.0, interleaved=False,
-              present=(pk[:, :, :past + 1], pv[:, :, :past + 1]))
-    return args, kw, (pk, pv)
-
-
-@pytest.mark.parametrize("B,N,KN", [(1, 8, 2), (2, 4, 4), (3, 6, 3), (1, 4, 1)])
-def test_an_attention_shared_through_a_served_mailbox_equals_a_whole_call(B, N, KN):
-    """gqa_decode's (batch row, kv head) units cut into chunks that a helper shares
-    (native/handoff.c, a batch with a gqa job): the same output and present rows, bit
-    for bit; one unit (B * KN == 1) stays whole."""
-    box = native.Mailbox()
-    helper = threading.Thread(target=box.serve)
-    helper.start()
-    try:
-        for i in range(2000):  # until the helper has run chunks (it spins in C, so soon)
-            args, kw, bufs = _gqa_step(i, B, N, KN, past=5 + i % 7)
-            ref_args, ref_kw, ref_bufs = _gqa_step(i, B, N, KN, past=5 + i % 7)
-            out, pk, pv = native.gqa_decode(*args, **kw, mailbox=box)
-            ref, rk, rv = native.gqa_decode(*ref_args, **ref_kw)
-            np.testing.assert_array_equal(out, ref)
-            np.testing.assert_array_equal(bufs[0], ref_bufs[0])  # the new rows, and nothing else
-            np.testing.assert_array_equal(bufs[1], ref_bufs[1])
-            if B * KN == 1 or (box.chunks_by_helpers and i >= 10):
-                break
-    finally:
-        box.stop()
-        helper.join()
-    assert (box.chunks_by_helpers > 0) == (B * KN > 1)
-    assert box.batches == (0 if B * KN == 1 else i + 1)
-
-
-def test_a_shared_attention_that_fails_raises_the_whole_calls_error():
-    args, kw, _ = _gqa_step(1, 2, 4, 2, past=6)
-    args[5] = np.array([6, 40], np.int32)  # row 1's seqlens_k past its buffers
-    with pytest.raises(ValueError, match=r"seqlens_k\[1\] = 40"):
-        native.gqa_decode(*args, **kw, mailbox=native.Mailbox())
-
-
-def test_the_attention_op_shares_a_big_enough_decode_call_with_the_run(monkeypatch):
-    """core/ops/intra_op.attention_mailbox: the run's mailbox for a call over at least
-    SPLIT_ATTENTION_BYTES of past KV and two units; None below, for one unit, and with
-    split_attention off."""
-    asked = []
-    monkeypatch.setattr(intra_op, "mailbox", lambda: asked.append(1) or "box")
-    big = intra_op.SPLIT_ATTENTION_BYTES
-    assert intra_op.attention_mailbox(2, big) == "box"
-    assert intra_op.attention_mailbox(2, big - 1) is None and intra_op.attention_mailbox(1, 10 * big) is None
-    monkeypatch.setattr(intra_op, "split_attention", False)
-    assert intra_op.attention_mailbox(8, 10 * big) is None
-    assert len(asked) == 1  # asked only when it would share: asking lends the run's helpers
-
-
 def test_a_mailbox_nobody_serves_runs_every_chunk_on_the_caller():
     K, N = 256, 640
     p = _packed(K, N)
@@ -326,41 +265,6 @@ def test_hot_runs_lend_idle_workers_and_keep_every_bit(tiny_llm_path, monkeypatc
         sched = spin.scheduler
         assert not sched._side  # every offer taken back or finished
         assert spin.stats().hot_runs >= 6
-
-
-def test_a_decode_whose_attentions_are_shared_gives_the_same_tokens(tiny_llm_path, monkeypatch):
-    """Every decode step's attention shared through the run's mailbox (threshold 1 byte)
-    against a session that splits nothing: the same greedy tokens and logits."""
-    from onnx_prep.core.decode.decoder_io import DecoderIO
-    from onnx_prep.core.decode.generation import greedy_decode
-    from onnx_prep.core.model.resolution import resolve_model
-    from onnx_prep.core.runtime.session import Session
-
-    r = resolve_model(tiny_llm_path)
-    io = DecoderIO.discover(r.inputs, r.outputs)
-    prompt = np.arange(3, 11, dtype=np.int64).reshape(2, 4)
-    shared = []
-    real = native.attention.attention_with_past
-
-    def spy(*a, mailbox=None, **kw):
-        shared.append(mailbox is not None)
-        return real(*a, mailbox=mailbox, **kw)
-
-    monkeypatch.setattr(native, "attention_with_past", spy)
-    with Session(r, intra_op=False) as whole:
-        whole.prepare()
-        ref = greedy_decode(whole, io, prompt, 6, keep_logits=True)
-    assert shared and not any(shared)
-    monkeypatch.setattr(intra_op, "SPLIT_ATTENTION_BYTES", 1)
-    monkeypatch.setattr(intra_op, "MIN_SPLIT_WORK", 1)  # the matmuls split too: the run lends its helpers
-    shared.clear()
-    with Session(r) as split:
-        split.prepare()
-        got = greedy_decode(split, io, prompt, 6, keep_logits=True)
-    assert any(shared)  # the decode steps' calls (a prefill has no past to share)
-    np.testing.assert_array_equal(got.tokens, ref.tokens)
-    for a, b in zip(got.logits, ref.logits):
-        np.testing.assert_array_equal(a, b)
 
 
 def test_a_run_that_splits_nothing_lends_nothing(tiny_llm_path, monkeypatch):

@@ -324,7 +324,7 @@ def test_gemv_step_profile_compares_weight_streaming(tmp_path):
     assert "[no-stream]" in p.stdout
 
 
-@pytest.mark.parametrize("toggle", ["streaming", "split-attention"])
+@pytest.mark.parametrize("toggle", ["streaming"])
 def test_ab_decode_step_alternates_in_one_session(tmp_path, toggle):
     out = tmp_path / "ab.json"
     p = _run(["scripts/ab_decode_step.py", "--toggle", toggle, "--preset", "tiny-llm", "--tokens", "6",

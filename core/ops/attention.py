@@ -32,7 +32,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from onnx_prep.core.errors import NativeError
-from onnx_prep.core.ops import append_buffer, intra_op
+from onnx_prep.core.ops import append_buffer
 from onnx_prep.core.ops.attributes import APPEND_IN_PLACE
 from onnx_prep.core.ops.nn import softmax
 
@@ -59,7 +59,6 @@ def group_query_attention(inputs, attrs: Mapping[str, Any], prepared):
         rows = int(np.asarray(total).reshape(-1)[0])
         kwargs["present"] = tuple(append_buffer.extend(x, 2, rows, spread=(position + 0.5) / count)[0]
                                   for x in (pk, pv))
-        kwargs["mailbox"] = intra_op.attention_mailbox(pk.shape[0] * pk.shape[1], pk.nbytes + pv.nbytes)
         return list(native.gqa_decode(*args, **kwargs))  # the lean call: the same checks and bits
     return list(kernel(*args, **kwargs))
 
@@ -94,10 +93,8 @@ def attention_with_past(inputs, attrs: Mapping[str, Any], prepared):
                 position, count = mark
                 present = tuple(append_buffer.extend(x, 2, end, spread=(2 * position + j + 0.5) / (2 * count))[0]
                                 for j, x in enumerate((past_key, past_value)))
-            box = intra_op.attention_mailbox(past_key.shape[0] * past_key.shape[1],
-                                             past_key.nbytes + past_value.nbytes) if mark else None
             return list(kernel(q, k, v, past_key, past_value, scale=1.0 / scale if divide else scale,
-                               present=present, mailbox=box))
+                               present=present))
     return list(reference_attention(q, k, v, past_key, past_value, start, end, scale=scale, divide=divide,
                                     mask_fill=float(attrs["mask_fill"]), axis=int(attrs.get("axis", 2))))
 

@@ -158,24 +158,6 @@ def mailbox() -> Any:
     return box.get() if box is not None else None
 
 
-# NOTE: a decode step's attention reads its layer's KV cache from DRAM (the step's
-# weights have streamed through the caches since the layer last ran), one unit (batch
-# row, kv head) after another on the run's thread while its helpers wait for the next
-# GEMV. Shared through the mailbox, the helpers read half of it. Below
-# SPLIT_ATTENTION_BYTES of past keys and values a call is a few us and the hand-off is
-# not worth it. ``split_attention`` False keeps every call whole (benchmarks compare).
-SPLIT_ATTENTION_BYTES = 256 << 10
-split_attention = True
-
-
-def attention_mailbox(units: int, kv_bytes: int) -> Any:
-    """The run's mailbox for an attention call of ``units`` (batch row, kv head) units
-    over ``kv_bytes`` of past keys and values, when worth sharing; else None."""
-    if not split_attention or units < 2 or kv_bytes < SPLIT_ATTENTION_BYTES:
-        return None
-    return mailbox()
-
-
 @contextlib.contextmanager
 def using(fork_join: ForkJoin | None, parts: int, mailbox: LazyMailbox | None = None) -> Iterator[None]:
     """Install ``fork_join`` with ``parts`` (>= 2 to split at all) for the block, and
