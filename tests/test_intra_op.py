@@ -133,5 +133,9 @@ def test_decode_gemvs_are_cut_into_chunks_of_about_chunk_work_prefill_into_one_p
     assert intra_op.chunk_count(int(2.4 * mib), 1, 2) == 2
     assert intra_op.chunk_count(13 * mib, 1, 2) == 6
     assert intra_op.chunk_count(36 * mib, 1, 2) == 2 * intra_op.MAX_CHUNKS_PER_PART
+    # a multiple of the parts: 3 chunks over 2 threads would leave one a third alone
+    assert intra_op.chunk_count(int(7.9 * mib), 1, 2) == 4  # the medium QKV: ~3 chunks of CHUNK_WORK
+    assert intra_op.chunk_count(int(14.4 * mib), 1, 2) == 8  # gate-up: ~7
+    assert intra_op.chunk_count(int(7.9 * mib), 1, 3) == 3 and intra_op.chunk_count(13 * mib, 1, 4) == 8
     # more rows: one chunk per part
     assert intra_op.chunk_count(36 * mib, 8, 2) == 2
