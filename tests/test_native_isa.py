@@ -1,6 +1,7 @@
 """ISA selection: detection, the ONNX_PREP_ISA override and its errors, version check."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from onnx_prep import native
@@ -18,6 +19,15 @@ def test_env_var_forces_each_available_isa(monkeypatch):
     for name in native.available_isas():
         monkeypatch.setenv("ONNX_PREP_ISA", name)
         assert native.active_isa() == name
+    # the variable is read where os.environ writes it (native/isa.py _env_isa): a change
+    # or removal shows at the next call, and the kernels follow
+    monkeypatch.setenv("ONNX_PREP_ISA", "scalar")
+    assert native.active_isa() == "scalar"
+    native.matmul_nbits(np.ones((1, 32), np.float32), native.prepack_matmul_nbits(
+        np.zeros((4, 1, 16), np.uint8), np.ones(4, np.float32), None, K=32, N=4, block_size=32))
+    assert native.last_kernel() == "scalar"
+    monkeypatch.delenv("ONNX_PREP_ISA")
+    assert native.active_isa() == native.available_isas()[-1]
 
 
 def test_unknown_isa_lists_the_valid_ones(monkeypatch):
@@ -31,7 +41,6 @@ def test_forcing_an_isa_the_build_or_cpu_lacks_is_a_clear_error(monkeypatch):
     if not missing:
         # Every ISA runs here; prove the refusal path through the C check instead:
         # an out-of-range ISA id must be refused by the kernel itself.
-        import numpy as np
         from onnx_prep.native._module import lib, ffi
         g = native.prepack_gemm_b(np.ones((4, 4), np.float32), trans_b=False)
         a = np.ones((1, 4), np.float32)
@@ -64,7 +73,6 @@ def test_forcing_an_isa_missing_here_names_the_available_ones(monkeypatch):
 
 
 def test_kernels_follow_the_forced_isa_and_refuse_bad_values(monkeypatch):
-    import numpy as np
     g = native.prepack_gemm_b(np.ones((8, 8), np.float32), trans_b=False)
     monkeypatch.setenv("ONNX_PREP_ISA", "bogus")
     with pytest.raises(NativeError, match="not an ISA name"):
