@@ -243,6 +243,33 @@ def test_a_single_output_norm_op_computes_what_norm_rows_does(op, simplified):
     np.testing.assert_array_equal(y16, want16)
 
 
+def test_the_rmsnorm_ops_lean_path_is_taken_only_for_its_form(monkeypatch):
+    """SimplifiedLayerNormalization with Y only, over the last axis of a contiguous
+    float32 input and a float32 [n] scale: one norm_rows_y call (core/ops/norm.py);
+    statistics asked for, another axis: the general path. The same values either way."""
+    from onnx_prep.core.ops import norm
+    from onnx_prep.core.ops.attributes import N_OUTPUTS
+
+    calls = []
+    monkeypatch.setattr(norm, "_lean_norm_y", lambda: lambda *a, **k: calls.append(1) or native.norm_rows_y(*a, **k))
+    rng = np.random.default_rng(9)
+    x, g = _values(rng, (2, 3, 96)), _values(rng, 96)
+    want = native.norm_rows(x.reshape(6, 96), g, epsilon=1e-6, simplified=True).y.reshape(x.shape)
+    for axis in (-1, 2):
+        np.testing.assert_array_equal(norm.simplified_layer_normalization(
+            [x, g], {"epsilon": 1e-6, "axis": axis, N_OUTPUTS: 1}, {})[0], want)
+    np.testing.assert_array_equal(norm.simplified_layer_normalization(
+        [x[0, 0], g], {"epsilon": 1e-6, N_OUTPUTS: 1}, {})[0], want[0, 0])  # one row, 1-D
+    assert len(calls) == 3
+    y, inv = norm.simplified_layer_normalization([x, g], {"epsilon": 1e-6, N_OUTPUTS: 2}, {})
+    np.testing.assert_array_equal(y, want)
+    g3 = _values(rng, (3, 96))  # axis 1: each row of 3 x 96 values normalized as one
+    ref = native.norm_rows(x.reshape(2, 288), g3.reshape(288), epsilon=1e-6, simplified=True).y.reshape(x.shape)
+    np.testing.assert_array_equal(norm.simplified_layer_normalization(
+        [x, g3], {"epsilon": 1e-6, "axis": 1, N_OUTPUTS: 1}, {})[0], ref)
+    assert len(calls) == 3 and inv.shape == (2, 3, 1)
+
+
 # ------------------------------------------------------------------ against ONNX Runtime
 
 def _ort_and_ours(op, domain, inputs, attrs, n_out, opset=21):

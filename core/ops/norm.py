@@ -118,8 +118,31 @@ def layer_normalization(inputs, attrs, prepared):
 
 def simplified_layer_normalization(inputs, attrs, prepared):
     """SimplifiedLayerNormalization(X, scale) -> Y, inv_std_var."""
+    x, scale = inputs[0], inputs[1]
+    lean = _lean_norm_y()
+    if (lean is not None and attrs.get(N_OUTPUTS, 2) <= 1 and attrs.get("axis", -1) in (-1, x.ndim - 1)
+            and type(x) is np.ndarray and x.dtype == np.float32 and x.ndim and x.flags.c_contiguous
+            and type(scale) is np.ndarray and scale.dtype == np.float32 and scale.shape == x.shape[-1:]
+            and x.size):
+        # the decode step's form: Y only, over the last axis, of a float32 row stack
+        # (NOTE: the general path's axis and shape handling cost ~6.6 of its ~12 us a
+        # call hot, 33 calls a medium step): the same C call, the same bits
+        n = x.shape[-1]
+        return [lean(x.reshape(-1, n), scale, None, epsilon=float(attrs.get("epsilon", _DEFAULT_EPSILON)),
+                     simplified=True).reshape(x.shape)]
     y, _, inv = _axis_norm(inputs, attrs, simplified=True)
     return [y] if inv is None else [y, inv]
+
+
+@functools.cache
+def _lean_norm_y():
+    """``native.norm_rows_y``, or None without the native module (looked up once)."""
+    try:
+        from onnx_prep import native
+
+        return native.norm_rows_y
+    except NativeError:
+        return None
 
 
 def _skip_norm(inputs, attrs, simplified: bool):
