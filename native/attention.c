@@ -123,9 +123,10 @@ static void place_past(const op_gqa_params *p, const float *past_buf, int64_t pa
  * asked for while the unit before it computes. NOTE: in a decode step the KV cache
  * comes from DRAM (the step's weights streamed through the caches since this layer
  * last ran), and each unit's rows are a few 4 KiB pages that the hardware prefetcher
- * starts on afresh; asking for the next unit's first rows ahead measured 350-376 ->
- * 290-300 us a call (32 heads, past 64-84, the medium fixture's layers in a decode
- * step, 2-vCPU Intel Xeon, 2026-12-02). Past OP_ATTN_PREFETCH bytes a row's stream
+ * starts on afresh; asking for the next unit's first rows ahead measured 419 -> 388
+ * us a call (median of 480 each, on and off alternating every two steps; 32 heads,
+ * past 64-84, the medium fixture's layers in one-thread decode steps, 2-vCPU Intel
+ * Xeon, 2026-12-02). Past OP_ATTN_PREFETCH bytes a row's stream
  * is long enough for the hardware prefetcher; prefetching more would only evict. */
 #define OP_ATTN_PREFETCH 32768u
 static void prefetch_unit(const op_gqa_params *p, const float *past_key, const float *past_value,
