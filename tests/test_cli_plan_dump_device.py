@@ -38,8 +38,10 @@ def test_the_table_says_nothing_was_queried_and_what_was_assumed(tiny_llm_path):
     out = result.stdout
     for needle in ("cuda: planned from metadata, no device queried",
                    "slot granularity 2,097,152 B (2.0 MiB), assumed",
-                   "27, 58,720,256 B (56.0 MiB) committed in whole granules", "for 13,126,848 B (12.5 MiB) packed",
-                   "largest step: 0 embed_tokens, 8,388,608 B (8.0 MiB)",
+                   # 17 packed objects in 18 granules of their own, the ten raw weights in one
+                   # shared granule (before shared granules: a granule each, 56.0 MiB)
+                   "27, 39,845,888 B (38.0 MiB) committed in whole granules", "for 13,126,848 B (12.5 MiB) packed",
+                   "largest step: 0 embed_tokens, 6,291,456 B (6.0 MiB)",
                    "host to device", "13,125,760 B (12.5 MiB) a load", "budget", "none",
                    "io 44, device 79", "upload → pack on device 17", "raw → upload 10",
                    "2,097,152 B read, 2,621,440 B prepacked, 2,097,152 B uploaded",
@@ -89,7 +91,7 @@ def test_json_validates_and_dot_draws_the_device_queue(tiny_llm_path):
     (("--device", "cuda", "--granularity", "3MiB"), "--device cuda: granularity must be a power of two"),
     (("--device", "cuda", "--budget", "lots"), "--budget must be a size like"),
     (("--device", "cuda", "--budget", "4MiB"),
-     "--budget 4,194,304 B: step 0 (embed_tokens) pins 8,388,608 B of device slots (2,097,152 B granules, "
+     "--budget 4,194,304 B: step 0 (embed_tokens) pins 6,291,456 B of device slots (2,097,152 B granules, "
      "assumed); no order of page-ins runs it")])
 def test_bad_device_options(tiny_llm_path, args, needle):
     assert_one_line_error(run(str(tiny_llm_path), *args), needle)

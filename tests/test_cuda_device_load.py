@@ -3,13 +3,13 @@ on the fake driver (tests/fake_cuda_driver.py), which queues stream work until a
 synchronisation and refuses what the real driver refuses, packing on a CPU worker
 (``device_prepack=False``: the host recipes; the device-side prepack in a session is
 test_cuda_device_prepack_session.py's): the tiny fixture's every prepared object in its
-device slot, its bytes read back equal to the CPU prepack of the same key (raw weights to
-their source bytes); the counters (uploads, host-to-device bytes, device time, committed
-and peak bytes); a load from a prepared cache uploading its payloads and reading no
-packed object's sources; the refusals (a budget below every slot, the device-side
-prepack on a device without its kernel, a run, a cache that persists); the page-locked
-staging all given back, and everything released by close. The same load on a real
-device, packing there: the ``gpu`` test at the end."""
+device slot (the raw weights sharing one granule), its bytes read back equal to the CPU
+prepack of the same key (raw weights to their source bytes); the counters (uploads,
+host-to-device bytes, device time, committed and peak bytes); a load from a prepared
+cache uploading its payloads and reading no packed object's sources; the refusals (a
+budget below every slot, the device-side prepack on a device without its kernel, a run,
+a cache that persists); the page-locked staging all given back, and everything released
+by close. The same load on a real device, packing there: the ``gpu`` test at the end."""
 from __future__ import annotations
 
 import dataclasses
@@ -32,7 +32,7 @@ from onnx_prep.core.plan.device_recipes import (
     READ_SOURCE_UPLOAD,
     READ_SOURCE_UPLOAD_PREPACK,
 )
-from onnx_prep.core.plan.device_target import DeviceTarget
+from onnx_prep.core.plan.device_target import DeviceTarget, device_memory
 from onnx_prep.core.plan.execution_plan import RAW_LAYOUT, build_prepared_execution_plan
 from onnx_prep.core.plan.task import TaskKind
 from onnx_prep.core.runtime.arenas import Arena
@@ -71,7 +71,12 @@ def device_session(resolved, *, budget=None, memory=256 * MiB, device_prepack=Fa
 
 
 def committed(plan) -> int:
-    return sum(-(-r.packed_bytes // G) * G for r in plan.requirements)
+    """Every slot resident: each packed object in whole granules of its own, the raw
+    weights packed together into shared granules, 256-byte shares (the tiny fixture's ten,
+    18,560 bytes, in one: 38 MiB in all, where a granule each took 56 MiB)."""
+    own = sum(-(-r.packed_bytes // G) * G for r in plan.requirements if r.kernel != RAW_LAYOUT)
+    shared = sum(-(-r.packed_bytes // 256) * 256 for r in plan.requirements if r.kernel == RAW_LAYOUT)
+    return own + -(-shared // G) * G
 
 
 def check_slots(s, expected) -> None:
@@ -100,7 +105,9 @@ def test_the_tiny_fixture_loads_into_device_slots_as_the_cpu_packs_it(tiny, expe
         assert st.upload_ns == n * 2_000
         assert st.device_memory == {"committed_bytes": committed(plan), "peak_committed_bytes": committed(plan)}
         c = s.slots.counters()
-        assert (c.page_ins, c.host_to_device_bytes) == (n, packed)
+        raw = sum(r.kernel == RAW_LAYOUT for r in plan.requirements)
+        # a map per packed object, one for the granule the raw weights share
+        assert (c.page_ins, c.host_to_device_bytes) == (n - raw + 1, packed)
         doc = st.to_json()["device"]
         assert doc == {"uploads": n, "source_uploads": 0, "host_to_device_bytes": packed, "upload_ns": n * 2_000,
                        "device_prepacks": 0, "device_prepack_ns": 0,
@@ -145,6 +152,35 @@ def test_an_evicted_object_comes_back_at_its_address(tiny, expected):
         st = s.stats()
         assert (st.page_ins, st.uploads) == (1, len(s.plan.requirements) + 1)
         assert s.device.live_staging() == 0
+
+
+def test_the_raw_weights_share_one_granule_at_stable_addresses(tiny, expected):
+    """The session reserves raw weights' device keys as shared (DeviceSlotPool shared
+    ranges): the tiny fixture's ten in one granule, mapped once, the bytes the same; the
+    granule stays while any of them is resident and they come back at their addresses."""
+    driver, s = device_session(tiny)
+    with s:
+        s.prepare()
+        check_slots(s, expected)
+        pool, plan = s.slots, s.plan
+        raw = [r.key for r in plan.requirements if r.kernel == RAW_LAYOUT]
+        packed = [r.key for r in plan.requirements if r.kernel != RAW_LAYOUT]
+        assert len(raw) == 10 and all(pool.is_shared(k) for k in raw) and not any(pool.is_shared(k) for k in packed)
+        addresses = [pool.address(k) for k in raw]
+        base = min(addresses) // G * G
+        assert len(set(addresses)) == 10 and all(base <= a < base + G and a % 256 == 0 for a in addresses)
+        assert all(pool.address(k) % G == 0 for k in packed)
+        # 18 mappings: 17 packed objects of their own, one shared granule
+        assert len(driver.mappings) == len(packed) + 1 and driver.mappings[base].size == G
+        assert pool.committed_bytes() == committed(plan) == 19 * G == device_memory(plan)["committed_bytes"]
+        for k in raw[:-1]:
+            assert s.evict(k) and pool.committed_bytes(k) == 0
+        assert base in driver.mappings and pool.committed_bytes() == 19 * G  # the last one still holds it
+        assert pool.copy_to_host(raw[-1]) == expected[raw[-1]]
+        assert s.evict(raw[-1]) and base not in driver.mappings and pool.committed_bytes() == 18 * G
+        s.prepare()
+        assert [pool.address(k) for k in raw] == addresses and pool.committed_bytes() == 19 * G
+        check_slots(s, expected)
 
 
 def test_from_a_prepared_cache_the_payloads_are_uploaded_and_no_packed_source_read(tiny_llm_path, tmp_path,

@@ -37,7 +37,7 @@ from onnx_prep.core.plan.device_recipes import (
     READ_SOURCE_UPLOAD,
     READ_SOURCE_UPLOAD_PREPACK,
 )
-from onnx_prep.core.plan.device_target import DeviceTarget
+from onnx_prep.core.plan.device_target import DeviceTarget, device_memory
 from onnx_prep.core.plan.execution_plan import RAW_LAYOUT, build_prepared_execution_plan
 from onnx_prep.core.plan.task import ResourceClass, TaskKind
 from onnx_prep.core.runtime.arenas import Arena
@@ -125,6 +125,11 @@ def test_every_object_is_packed_on_the_device_as_the_cpu_packs_it(request, model
         s.prepare()
         assert s.is_prepared()
         check_slots(s, want)
+        # the raw weights in a shared granule, as the plan placed them
+        from test_cuda_device_load import committed
+
+        assert s.slots.committed_bytes() == committed(plan) == device_memory(plan)["committed_bytes"]
+        assert all(s.slots.is_shared(r.key) for r in raw)
         st = s.stats()
         # which recipe ran: each INT4 matmul object packed on the device, the rest uploaded
         assert (st.device_prepacks, st.prepacks) == (len(on_device), len(on_host))

@@ -26,7 +26,13 @@ from onnx_prep.core.plan.device_recipes import (
     READ_SOURCE_UPLOAD,
     READ_SOURCE_UPLOAD_PREPACK,
 )
-from onnx_prep.core.plan.device_target import DEFAULT_GRANULARITY, DeviceTarget, device_memory, require_budget
+from onnx_prep.core.plan.device_target import (
+    DEFAULT_GRANULARITY,
+    DeviceTarget,
+    device_memory,
+    require_budget,
+    slot_placement,
+)
 from onnx_prep.core.plan.execution_plan import RAW_LAYOUT, build_prepared_execution_plan
 from onnx_prep.core.plan.plan_report import plan_dump, plan_report, schema_path, task_from_json
 from onnx_prep.core.plan.task import ResourceClass, TaskKind
@@ -218,30 +224,64 @@ def test_slots_are_whole_granules_of_the_assumed_or_given_size(tiny, plan):
     memory = device_memory(plan)
     assert memory["queried"] is False and memory["granularity"] == DEFAULT_GRANULARITY == 2 * MiB
     assert memory["granularity_source"] == "assumed"
-    packed = [r.packed_bytes for r in plan.requirements]
-    assert memory["slots"] == 27 and memory["packed_bytes"] == sum(packed) == 13_126_848
-    assert memory["committed_bytes"] == sum(-(-b // (2 * MiB)) * 2 * MiB for b in packed) == 28 * 2 * MiB
+    packed = [r.packed_bytes for r in plan.requirements if r.kernel != RAW_LAYOUT]
+    raw = [r.packed_bytes for r in plan.requirements if r.kernel == RAW_LAYOUT]
+    assert memory["slots"] == 27 and memory["packed_bytes"] == sum(packed) + sum(raw) == 13_126_848
+    # the 17 packed objects in whole granules of their own (18), the ten raw weights (nine
+    # 2 KiB norm weights, the 128-byte rotary table) together in one shared granule
+    # (before shared granules: a granule each, 28 in all)
+    assert sorted(raw) == [128] + [2048] * 9
+    assert memory["committed_bytes"] == sum(-(-b // (2 * MiB)) * 2 * MiB for b in packed) + 2 * MiB == 19 * 2 * MiB
     assert memory["host_to_device_bytes"] == 13_125_760  # the sources: every object packed on the device
     small = build_prepared_execution_plan(tiny, device=DeviceTarget("cuda", 64 << 10, True))
     m = device_memory(small)
     assert m["granularity_source"] == "given"
-    assert m["committed_bytes"] == sum(-(-b // (64 << 10)) * (64 << 10) for b in packed)
+    assert m["committed_bytes"] == sum(-(-b // (64 << 10)) * (64 << 10) for b in packed) + (64 << 10)
     assert m["committed_bytes"] < memory["committed_bytes"]
     assert memory["fits"] is None and memory["min_page_in_bytes_per_pass"] is None
+
+
+def test_raw_weights_share_granules_first_fit_in_plan_order(tiny, plan):
+    """``slot_placement`` places them as the device slot pool does (the session reserves
+    them in plan order): first fit, each share 256-byte multiples, none straddling two
+    granules, one larger than a granule in whole granules of its own."""
+    placement = slot_placement(plan)
+    raw = [i for i, r in enumerate(plan.requirements) if r.kernel == RAW_LAYOUT]
+    assert placement.shared_granules == 1 and {placement.granule[i] for i in raw} == {0}
+    assert all(placement.own[i] == 0 for i in raw)
+    assert all(placement.granule[i] is None and placement.own[i] % (2 * MiB) == 0
+               for i in range(len(plan.requirements)) if i not in raw)
+    # 2 KiB granules: the rotary table's 128 bytes take 256 of the first, whose 1,792 left
+    # no norm weight fits; each norm weight fills one of its own: ten in all
+    fine = build_prepared_execution_plan(tiny, device=DeviceTarget("cuda", 2048, True))
+    p = slot_placement(fine)
+    sizes = [fine.requirements[i].packed_bytes for i in raw]
+    assert sizes[0] == 128 and sizes[1:] == [2048] * 9  # the rotary table first in plan order
+    assert [p.granule[i] for i in raw] == list(range(10)) and p.shared_granules == 10
+    # 4 KiB: the table's 256 bytes and one norm weight, then two norm weights a granule
+    coarse = build_prepared_execution_plan(tiny, device=DeviceTarget("cuda", 4096, True))
+    p = slot_placement(coarse)
+    assert [p.granule[i] for i in raw] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    assert p.shared_granules == 5
+    assert DeviceTarget("cuda", 2048, True).share_bytes(2049) is None  # a slot of its own
+    assert [CUDA.share_bytes(n) for n in (0, 1, 256, 257, 2 * MiB)] == [256, 256, 256, 512, 2 * MiB]
 
 
 def test_a_budget_says_whether_the_slots_fit_and_what_a_pass_pages_in(tiny, plan):
     committed = device_memory(plan)["committed_bytes"]
     largest = device_memory(plan)["largest_step"]
-    assert largest == {"step": 0, "label": "embed_tokens", "committed_bytes": 8 * MiB}
+    # the embedding (4 MiB of its own) and the shared granule holding the rotary table and
+    # the first norm weight (before shared granules: a granule each, 8 MiB)
+    assert largest == {"step": 0, "label": "embed_tokens", "committed_bytes": 6 * MiB}
     fits = build_prepared_execution_plan(tiny, device=DeviceTarget("cuda", budget=committed))
     assert device_memory(fits)["fits"] is True and device_memory(fits)["min_page_in_bytes_per_pass"] == 0
-    tight = build_prepared_execution_plan(tiny, device=DeviceTarget("cuda", budget=8 * MiB))
+    tight = build_prepared_execution_plan(tiny, device=DeviceTarget("cuda", budget=6 * MiB))
     require_budget(tight)  # the largest step fits alone
     assert device_memory(tight)["fits"] is False
-    assert device_memory(tight)["min_page_in_bytes_per_pass"] == committed - 8 * MiB
-    short = build_prepared_execution_plan(tiny, device=DeviceTarget("cuda", budget=8 * MiB - 1))
-    with pytest.raises(DeviceBudgetError, match=r"step 0 \(embed_tokens\) pins 8,388,608 B of device slots"):
+    assert device_memory(tight)["min_page_in_bytes_per_pass"] == committed - 6 * MiB
+    short = build_prepared_execution_plan(tiny, device=DeviceTarget("cuda", budget=6 * MiB - 1))
+    with pytest.raises(DeviceBudgetError, match=r"step 0 \(embed_tokens\) pins 6,291,456 B of device slots"
+                                                r".*every slot at once takes 39,845,888 B"):
         require_budget(short)
 
 

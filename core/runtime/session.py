@@ -63,6 +63,7 @@ from onnx_prep.core.model.prepared_key import PreparedKey
 from onnx_prep.core.model.resolved_model import ResolvedModel, require_frozen
 from onnx_prep.core.ops.intra_op import spin_helpers_default
 from onnx_prep.core.plan.execution_plan import (
+    RAW_LAYOUT,
     READ_PACKED_PAYLOAD,
     LookaheadWindow,
     PackedPayloadIndex,
@@ -216,11 +217,15 @@ class Session:
         huge = opts.huge_pages
         if huge is None and self.budget.limit(Arena.PREPARED) is not None:
             huge = True
-        # on a device: its slot pool (device stable-VA slots, reserved here alike)
+        # on a device: its slot pool (device stable-VA slots, reserved here alike), where
+        # the raw weights (a few KiB each, read by every step, never paged) share
+        # granules instead of taking one each (device_slot_pool.py: shared ranges); in
+        # plan order, as the plan's device_memory places them
         self.slots = HostSlotPool(huge_pages=huge) if device is None else device.slots
         for r in plan.requirements:
             if r.packed_bytes > 0:
-                self.slots.reserve(r.key, r.packed_bytes)
+                self.slots.reserve(r.key, r.packed_bytes,
+                                   shared=device is not None and r.request.layout == RAW_LAYOUT)
         self.eviction = EvictionPolicy(plan)
         self.tasks = SessionTasks(plan, self.scheduler, self.store, self.budget, self.eviction,
                                   task_fn=lambda desc: self.materializer.task_fn(desc),

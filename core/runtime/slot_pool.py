@@ -9,7 +9,10 @@ Contract (what the materializer and the session rely on; the device pool, reserv
 device virtual addresses, implements the same: core/cuda/device_slot_pool.py, whose
 views are device addresses):
 
-``reserve(key, capacity)``  reserve (and open) the key's range ahead of any work.
+``reserve(key, capacity, *, shared=False)``  reserve (and open) the key's range ahead of
+    any work. ``shared``: a small object resident for the session may share its memory
+    with others (the device pool places it in a granule it shares; the host pool ignores
+    it: its slots commit whole pages of their own, 4 KiB ones by default).
 ``map_file(key, nbytes, fd, offset) -> view``  (host pool) the key's bytes are a
     read-only mapping of a file range at the key's address: nothing copied.
 ``commit(key, nbytes, typed_as=None) -> view``  commit ``nbytes`` under the key's range
@@ -48,7 +51,7 @@ WARM_STEP_BYTES = 4 << 20
 
 
 class SlotPool(Protocol):
-    def reserve(self, key: PreparedKey, capacity: int) -> None: ...
+    def reserve(self, key: PreparedKey, capacity: int, *, shared: bool = False) -> None: ...
 
     def commit(self, key: PreparedKey, nbytes: int, typed_as: Any = None) -> np.ndarray: ...
 
@@ -128,7 +131,8 @@ class HostSlotPool:
         self._warmed = threading.Condition(self._lock)  # notified as bytes_warmed grows
         self.bytes_warmed = 0  # committed ahead of their load by warm()
 
-    def reserve(self, key: PreparedKey, capacity: int) -> None:
+    def reserve(self, key: PreparedKey, capacity: int, *, shared: bool = False) -> None:
+        # ``shared`` is ignored here (the module docstring).
         # NOTE: reserving and opening change the process's memory map, which waits for
         # and blocks every other thread's page population: done per key by the workers,
         # two CPU workers committing slots spent ~40% of that time asleep
