@@ -45,12 +45,21 @@ def as_packed(packed: np.ndarray) -> np.ndarray:
     return packed.reshape(-1)
 
 
-def read_header(packed: np.ndarray, expected_kind: int = 0) -> tuple[object, PackedHeader]:
+def read_header(packed: np.ndarray, expected_kind: int = 0, *, header_only: bool = False
+                ) -> tuple[object, PackedHeader]:
     """Validate and read the header; returns (the cdata header, PackedHeader).
-    Raises NativeError if the bytes are not a valid packed buffer (of that kind)."""
+    Raises NativeError if the bytes are not a valid packed buffer (of that kind).
+    ``header_only``: ``packed`` is the first HEADER_SIZE bytes alone (an object on a
+    device, its header read back): its size is taken as the header's own total size
+    (the C check reads only the header's bytes)."""
     p = as_packed(packed)
+    size = p.nbytes
+    if header_only:
+        if p.nbytes != HEADER_SIZE:
+            raise ValueError(f"a packed header alone is {HEADER_SIZE} bytes, not {p.nbytes}")
+        size = int.from_bytes(p[56:64].tobytes(), "little")  # op_packed_header.total_size
     h = ffi.new("op_packed_header *")
-    check(lib.op_packed_header_read(ffi.from_buffer("uint8_t[]", p), p.nbytes, expected_kind, h),
+    check(lib.op_packed_header_read(ffi.from_buffer("uint8_t[]", p), size, expected_kind, h),
           "packed buffer")
     flags = h.flags
     info = PackedHeader(

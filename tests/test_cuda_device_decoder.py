@@ -85,12 +85,19 @@ def test_a_budget_below_one_weight_is_refused_before_anything_is_paged(model, d)
 
 
 def test_opened_from_the_model_it_reads_packs_and_runs_the_same(model, d):
+    """open_device_decoder loads through a device session (core/cuda/session_pages.py):
+    its slots hold the CPU prepack's bytes, no host copy is kept, and streamed under one
+    granule the step gives the same outputs."""
     resolved, packed = model
     f = feeds(7)
-    with open_device_decoder(resolved, d, budget=G) as dec:
-        assert set(dec.host) == set(packed)
-        assert all(np.array_equal(dec.host[k], p.reshape(-1).view(np.uint8)) for k, p in packed.items())
+    with open_device_decoder(resolved, d) as dec:
+        assert dec.host == {} and set(dec.runner.prepared) == set(packed)
+        for k, obj in dec.runner.prepared.items():
+            assert d.copy_to_host(obj.view.address, obj.view.nbytes) == packed[k].tobytes(), k
         _assert_cpu(dec.run(f), resolved, packed, f)
+    with open_device_decoder(resolved, d, budget=G) as dec:
+        _assert_cpu(dec.run(f), resolved, packed, f)
+        assert dec.counters()["segments_per_step"] == 2
 
 
 @pytest.mark.gpu

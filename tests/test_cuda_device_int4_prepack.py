@@ -90,6 +90,7 @@ def test_matmul_device_prepack_equals_the_cpu_prepack(device, zp, scales, bs):
     assert got == want.tobytes(), f"K={K} N={N}: the device bytes are not the CPU prepack's"
     header = native.packed_header(np.frombuffer(got, np.uint8))
     assert (header.K, header.N, header.accuracy_level, header.scales_were_f16) == (K, N, level, scales == "float16")
+    assert source.header() == header, "the header described on the host is not the one the prepack writes"
     assert d.launched == ["int4_matmul_prepack"]
 
 
@@ -106,6 +107,7 @@ def test_gather_device_prepack_equals_the_cpu_prepack(device, zp, bs):
     got = device_prepack(d, pool, stream, "table", source, arrays)
     want = native.prepack_gather_block_quantized(*arrays[:2], arrays[2] if len(arrays) > 2 else None, block_size=bs)
     assert got == want.tobytes(), f"V={V} n_blocks={nb}: the device bytes are not the CPU prepack's"
+    assert source.header() == native.packed_header(want), "the header described on the host is not the prepack's"
     assert d.launched == ["int4_gather_prepack"]
 
 

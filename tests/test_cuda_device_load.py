@@ -215,7 +215,7 @@ def test_a_budget_below_every_slot_is_refused_before_any_work(tiny):
     need = committed(plan)
     driver = ready(memory=256 * MiB)
     with pytest.raises(DeviceBudgetError, match=rf"below the {need:,} B that all {len(plan.requirements)} "
-                                                r"device slots commit .*nothing pages a device load yet"):
+                                                r"device slots commit .*unless its caller pages them"):
         Session(tiny, SessionOptions(device=CudaSessionDevice(driver, budget=need - G, device_prepack=False)))
     assert driver.live() == NOTHING_LIVE and driver.reservations == {}  # the session closed its device
     _, s = device_session(tiny, budget=need)  # exactly every slot: loads

@@ -4,13 +4,18 @@ as the CPU session and ONNX Runtime are.
 
 What it puts together:
 
-- the packed objects, made on the host by the CPU's load (``open_device_decoder``: a CPU
-  session, so a prepared cache's payloads where it has them, else the CPU prepack: the
-  same bytes on every device), copied once into page-locked host memory, where they
-  stay for the decoder's life: they are what a page-in copies from;
-- every object's device address range, reserved once (``DeviceSlotPool.reserve``)
-  before the node list is built, so the launches carry addresses that hold whatever is
-  paged in or out later;
+- the objects, from one of two places:
+  - **a device session** (``open_device_decoder``, what ``run --device cuda`` and the
+    device sweep use; ``session=``): the session's plan puts each object in its device
+    slot (a prepared cache's payload read and uploaded, or its sources uploaded and
+    packed on the device, or packed on a CPU worker and uploaded), and pages them for
+    the decoder under the device budget (session_pages.py): nothing of the model stays
+    in host memory;
+  - **packed host arrays** (``packed=``: the component alone, as its tests build it),
+    copied once into page-locked host memory, which page-ins copy from;
+- every object's device address range, reserved once (``DeviceSlotPool.reserve``; a
+  device session reserves its slots when it opens) before the node list is built, so
+  the launches carry addresses that hold whatever is paged in or out later;
 - the node list run by :class:`DeviceGraphRunner` (device_graph.py): a run is one
   :class:`DeviceStep` of copies and launches;
 - :class:`WeightResidency` (weight_residency.py): the order in which the step's launches
@@ -42,7 +47,7 @@ device, or why not.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -52,6 +57,7 @@ from onnx_prep.core.cuda.device_kv_cache import DeviceKVCache, kv_pairs
 from onnx_prep.core.cuda.device_slot_pool import DeviceSlotPool, DeviceView
 from onnx_prep.core.cuda.driver import DeviceDriver
 from onnx_prep.core.cuda.graph_capture import capture_decision
+from onnx_prep.core.cuda.session_pages import SessionPages, session_objects
 from onnx_prep.core.cuda.step_graph import StepGraph
 from onnx_prep.core.cuda.weight_residency import WeightResidency
 from onnx_prep.core.errors import DeviceError
@@ -78,38 +84,55 @@ class DeviceDecoder:
     ``kv_on_device``: keep the KV on the device where the model allows it, in buffers
     of ``kv_capacity`` rows (None: the decode loop's ``append_buffer.room_for``). The
     presents it returns for a KV kept on the device are placeholders (read-only NaN of
-    the presents' shapes) to be fed back as the next past."""
+    the presents' shapes) to be fed back as the next past.
 
-    def __init__(self, resolved: Any, driver: DeviceDriver, packed: Mapping[Any, np.ndarray], *,
+    ``session``: a device session (``device_pages=True``) instead of ``packed`` and
+    ``weights``, its device's budget the decoder's (``budget`` not given); the decoder
+    owns it from here (closed with it, or by a construction that fails), and ``owned``
+    (closed after it: the prepared cache it reads)."""
+
+    def __init__(self, resolved: Any, driver: DeviceDriver, packed: Mapping[Any, np.ndarray] | None = None, *,
                  weights: Mapping[str, np.ndarray] | None = None, budget: int | None = None, capture: bool = True,
                  kv_capacity_fixed: bool = False, kv_on_device: bool = True, kv_capacity: int | None = None,
-                 ordinal: int = 0) -> None:
+                 ordinal: int = 0, session: Any = None, owned: Sequence[Any] = ()) -> None:
         from onnx_prep import native
 
+        if (packed is None) == (session is None):
+            raise ValueError("give the packed objects (packed=) or a device session (session=), not both")
+        if session is not None and budget is not None:
+            raise ValueError("a device session's budget is its device's (CudaSessionDevice(budget=...))")
         self.driver = driver
-        self.pool = DeviceSlotPool(driver, ordinal, budget=budget)
+        self.session = session
+        self._owned = list(owned)  # closed after the session (e.g. the read-only cache it reads)
+        self.pool = DeviceSlotPool(driver, ordinal, budget=budget) if session is None else session.device.slots
         self.stream = driver.stream_create()
         self.host: dict[Any, Any] = {}
         self.runner: DeviceGraphRunner | None = None
         self.residency: WeightResidency | None = None
+        self._pager: Any = self.host  # what the residency pages from: the host copies, or the session
+        self._step_budget = self.pool.budget  # what the step's packed weights may commit together
         self._graphs: dict[tuple[str, int], StepGraph] = {}  # (phase, segment) -> its graph
         self._cuts: tuple[int, ...] = ()
         self._host_fed = 0  # segments run eagerly because their step's KV came through the host
         self.steps = 0
-        self.load: Any = None  # open_device_decoder: the CPU session's load stats (RuntimeStats)
+        self.load: Any = None  # open_device_decoder: the device session's load stats (RuntimeStats)
+        self.cache_commit: dict | None = None  # open_device_decoder: what a build-if-missing cache published
         self.kv: DeviceKVCache | None = None
         try:
-            prepared = {}
-            for key, array in packed.items():
-                raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-                pinned = driver.host_alloc(raw.nbytes)
-                pinned[:] = raw
-                self.host[key] = pinned
-                self.pool.reserve(key, raw.nbytes)
-                prepared[key] = DeviceObject(DeviceView(self.pool.address(key), raw.nbytes),
-                                             native.packed_header(raw))
-            self._ranges = sorted((self.pool.address(k), self.pool.address(k) + memoryview(h).nbytes, k)
-                                  for k, h in self.host.items())
+            if session is None:
+                prepared = {}
+                for key, array in packed.items():
+                    raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+                    pinned = driver.host_alloc(raw.nbytes)
+                    pinned[:] = raw
+                    self.host[key] = pinned
+                    self.pool.reserve(key, raw.nbytes)
+                    prepared[key] = DeviceObject(DeviceView(self.pool.address(key), raw.nbytes),
+                                                 native.packed_header(raw))
+                self._ranges = sorted((self.pool.address(k), self.pool.address(k) + memoryview(h).nbytes, k)
+                                      for k, h in self.host.items())
+            else:
+                prepared, weights = self._from_session(session)
             self.runner = DeviceGraphRunner(resolved, driver, prepared=prepared, weights=weights,
                                             stream=self.stream, ordinal=ordinal)
             pairs, ids, why = kv_pairs(resolved) if kv_on_device else ((), "", "kv_on_device=False")
@@ -120,12 +143,36 @@ class DeviceDecoder:
             raise
         self.kv_reason = "kept on the device at a fixed capacity" if self.kv is not None else \
             f"fed from the host: {why}"
-        self.decision = capture_decision(offload_enabled=budget is not None, stable_va=True,
+        self.decision = capture_decision(offload_enabled=self.pool.budget is not None, stable_va=True,
                                          kv_capacity_fixed=kv_capacity_fixed or self.kv is not None, host_ops=0)
         self.capture = capture
         self.reason = self.decision.reason if capture else "capture off (capture=False)"
         if capture and not self.decision.ok and self.kv is None:
             self.reason += f" (the KV cache is {self.kv_reason})"
+
+    def _from_session(self, session: Any) -> tuple[dict, dict]:
+        """The launches' objects over a device session's slots (session_pages.py); the
+        raw weights made resident, and every packed object too where all of them fit
+        what the budget leaves (else the residency pages them, step by step)."""
+        from onnx_prep.core.errors import DeviceBudgetError
+
+        objects = session_objects(session)
+        self._ranges = objects.ranges
+        self._pager = SessionPages(session, objects.nbytes)
+        g = self.pool.granularity
+        need = sum(-(-max(n, 1) // g) * g for n in objects.nbytes.values())
+        if self.pool.budget is not None:
+            self._step_budget = self.pool.budget - objects.raw_committed
+            largest = max((-(-max(n, 1) // g) * g for n in objects.nbytes.values()), default=0)
+            if largest > self._step_budget:
+                raise DeviceBudgetError(
+                    f"device budget of {self.pool.budget:,} B leaves {self._step_budget:,} B for the packed weights "
+                    f"once the raw weights commit {objects.raw_committed:,} B, and the largest packed weight needs "
+                    f"{largest:,} B (whole granules)", hint=f"give a budget of at least "
+                                                           f"{objects.raw_committed + largest:,} B")
+        if self._step_budget is None or need <= self._step_budget:
+            session.prepare(list(objects.nbytes))  # all resident from the start: no step pages
+        return objects.prepared, objects.weights
 
     # -- the Runner protocol
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -137,7 +184,7 @@ class DeviceDecoder:
         step.stage()
         uses, at = self._uses(step)
         if self.residency is None:
-            self.residency = WeightResidency(self.pool, uses, self.host, self.stream)
+            self.residency = WeightResidency(self.pool, uses, self._pager, self.stream, budget=self._step_budget)
             starts = [at[a] for a, _ in self.residency.segments[1:]]
             self._cuts = (0, *starts, len(step.ops))
         elif uses != self.residency.uses:
@@ -191,6 +238,11 @@ class DeviceDecoder:
                 at.append(index)
         return tuple(uses), at
 
+    def own(self, resource: Any) -> None:
+        """Close ``resource`` with the decoder, after its session (a prepared cache the
+        session's page-ins read)."""
+        self._owned.append(resource)
+
     # -- accounting
     def counters(self) -> dict:
         r = self.residency.counters().to_json() if self.residency is not None else {}
@@ -226,13 +278,20 @@ class DeviceDecoder:
             self.runner = None
         if self.stream is not None:
             d.stream_synchronize(self.stream)
-        self.pool.close()
+        if self.session is not None:
+            self.session.close()  # its device: the slots, its stream, any staging
+            self.session = None
+        else:
+            self.pool.close()
         for h in self.host.values():
             d.host_free(h)
         self.host = {}
         if self.stream is not None:
             d.stream_destroy(self.stream)
             self.stream = None
+        owned, self._owned = self._owned, []
+        for o in owned:
+            o.close()
 
     def __enter__(self) -> DeviceDecoder:
         return self
@@ -243,29 +302,59 @@ class DeviceDecoder:
 
 def open_device_decoder(resolved: Any, driver: DeviceDriver, *, budget: int | None = None, capture: bool = True,
                         kv_capacity_fixed: bool = False, kv_on_device: bool = True, verify_digests: bool = True,
-                        trust_symlinks: bool = False, cache: Any = None, ordinal: int = 0) -> DeviceDecoder:
-    """``resolved`` on the device, loaded as the CPU loads it: a CPU session
-    (core/runtime/session.py) prepares every object, from ``cache`` (a prepared cache,
-    core/cache/prepared_cache.py: its payloads mapped, nothing packed) where it has them,
-    else read through the model's one reader (digests checked) and packed by the CPU
-    prepack; then a :class:`DeviceDecoder` over them, which copies the packed objects
-    into page-locked memory (what its page-ins copy from) and the raw weights it reads
-    as data. The session is closed before this returns; a ``build-if-missing`` cache has
-    been handed what it packed (the caller commits it)."""
-    from onnx_prep.core.plan.execution_plan import RAW_LAYOUT
+                        trust_symlinks: bool = False, cache: Any = None, ordinal: int = 0,
+                        device_prepack: bool | None = None) -> DeviceDecoder:
+    """``resolved`` on the device through ONE load path: a device session
+    (core/runtime/session.py on a :class:`CudaSessionDevice` of ``budget`` device bytes,
+    its objects paged by the decoder: ``device_pages``) whose plan puts every object in
+    its device slot, from ``cache`` (a prepared cache, core/cache/prepared_cache.py)
+    where it has the object, else read through the model's one reader (digests checked)
+    and packed on the device where its kernels are (``device_prepack``: None where they
+    compile, False never, True required) or on a CPU worker; then a
+    :class:`DeviceDecoder` over the session's slots, which owns the session.
+
+    A device session does not write the prepared cache, so a ``build-if-missing``
+    cache with entries missing is completed first: a CPU session packs the missing
+    objects (handed to the cache as any CPU load does), the cache publishes them
+    (``decoder.cache_commit``: what it wrote), and the device session reads it
+    read-only."""
+    from onnx_prep.core.cuda.session_device import CudaSessionDevice
+    from onnx_prep.core.runtime.session import Session, SessionOptions
+
+    commit = None
+    owned = []
+    if cache is not None and getattr(cache, "persisting", False):
+        commit = _complete_cache(resolved, cache, verify_digests=verify_digests, trust_symlinks=trust_symlinks)
+        from onnx_prep.core.cache.prepared_cache import PreparedCache
+
+        cache = PreparedCache(resolved, cache.path, policy="read-only", verify_payloads=cache.verify_payloads,
+                              warn=cache._warn)
+        owned.append(cache)
+    try:
+        device = CudaSessionDevice(driver, ordinal, budget=budget, device_prepack=device_prepack)
+        session = Session(resolved, SessionOptions(device=device, device_pages=True, cache=cache,
+                                                   verify_digests=verify_digests, trust_symlinks=trust_symlinks))
+    except BaseException:
+        for o in owned:
+            o.close()
+        raise
+    decoder = DeviceDecoder(resolved, driver, session=session, capture=capture, kv_capacity_fixed=kv_capacity_fixed,
+                            kv_on_device=kv_on_device, ordinal=ordinal, owned=owned)
+    decoder.load = session.stats()
+    decoder.cache_commit = commit
+    return decoder
+
+
+def _complete_cache(resolved: Any, cache: Any, *, verify_digests: bool, trust_symlinks: bool) -> dict | None:
+    """A ``build-if-missing`` cache's missing entries packed by a CPU session and
+    published; what ``commit`` wrote, or None when nothing was missing."""
+    from onnx_prep.core.plan.execution_plan import RAW_LAYOUT, build_prepared_execution_plan
     from onnx_prep.core.runtime.session import Session
 
-    with Session(resolved, cache=cache, verify_digests=verify_digests, trust_symlinks=trust_symlinks) as session:
-        session.prepare()
-        packed: dict[Any, np.ndarray] = {}
-        weights: dict[str, np.ndarray] = {}
-        for r in session.plan.requirements:
-            view = session.prepared_view(r.key)
-            if r.request.layout == RAW_LAYOUT:
-                weights[r.request.logical_value] = np.array(view)  # a copy: the slot goes with the session
-            else:
-                packed[r.key] = view  # copied into page-locked memory by the decoder, before the session closes
-        decoder = DeviceDecoder(resolved, driver, packed, weights=weights, budget=budget, capture=capture,
-                                kv_capacity_fixed=kv_capacity_fixed, kv_on_device=kv_on_device, ordinal=ordinal)
-        decoder.load = session.stats()
-    return decoder
+    plan = build_prepared_execution_plan(resolved)
+    missing = [r.key for r in plan.requirements if r.request.layout != RAW_LAYOUT and cache.lookup(r.request) is None]
+    if not missing:
+        return None
+    with Session(resolved, cache=cache, verify_digests=verify_digests, trust_symlinks=trust_symlinks) as s:
+        s.prepare(missing)
+    return cache.commit()

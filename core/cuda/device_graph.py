@@ -109,7 +109,7 @@ class DeviceGraphRunner:
     ``prepared``: every prepared object the model's device nodes read, as
     :class:`DeviceObject` (paged in by the caller: a DeviceSlotPool's views);
     ``weights``: the raw external weights a device node reads as data (host arrays,
-    uploaded once); ``stream``: the stream steps are issued on (one is made, and
+    uploaded once, or :class:`DeviceTensor` s already on the device, read where they are); ``stream``: the stream steps are issued on (one is made, and
     destroyed by ``close``, if None); ``launchers``: the registry (DEVICE_LAUNCHERS)."""
 
     def __init__(self, resolved: Any, driver: DeviceDriver, *, prepared: Mapping[Any, DeviceObject] | None = None,
@@ -140,6 +140,7 @@ class DeviceGraphRunner:
         self._own_stream = stream is None
         self.stream = driver.stream_create() if stream is None else stream
         self._constants: dict[int, DeviceTensor] = {}
+        self._uploaded: list[int] = []  # the constants' device memory this runner allocated (not a session's slots)
         self._arena, self._arena_size = 0, 0
         self._pinned: dict[str, Any] = {"in": None, "out": None}
         self.status = 0  # the status word's device address (0: no launcher reports one)
@@ -278,8 +279,12 @@ class DeviceGraphRunner:
                     array = self._weights.get(name)
                 if array is None:
                     continue  # a value of the run
+                if isinstance(array, DeviceTensor):  # already on the device (a device session's slot)
+                    self._constants[s] = array
+                    continue
                 array = np.ascontiguousarray(array)
                 address = self.driver.mem_alloc(max(array.nbytes, ARENA_ALIGN))
+                self._uploaded.append(address)
                 self._constants[s] = DeviceTensor(address, tuple(array.shape), array.dtype)
                 if array.nbytes:
                     self.driver.copy_to_device(address, array.reshape(-1).view(np.uint8))
@@ -529,8 +534,9 @@ class DeviceGraphRunner:
             if held is not None:
                 d.host_free(held)
             self._pinned[which] = None
-        for t in self._constants.values():
-            d.mem_free(t.address)
+        for address in self._uploaded:
+            d.mem_free(address)
+        self._uploaded.clear()
         self._constants.clear()
         if self.status:
             d.mem_free(self.status)

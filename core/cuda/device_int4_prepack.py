@@ -214,6 +214,23 @@ class Int4Source:
         return (f"{self.kind} rows={self.rows} K={self.K} block_size={self.block_size} scales={self.scales} "
                 f"zero_points={self.zero_points}")
 
+    def header(self) -> Any:
+        """The packed object's header (``native.packed.PackedHeader``) as its prepack
+        writes it, computed here from the description alone: what a device step's
+        launches read (core/cuda/device_graph.py's ``DeviceObject``) before the object
+        is on the device, or while it is paged out."""
+        from onnx_prep.native import lib
+        from onnx_prep.native.packed import PackedHeader
+
+        matmul = self.kind == "int4_matmul"
+        return PackedHeader(
+            kind=self.kind, format_version=lib.OP_PACK_FORMAT_VERSION,
+            K=self.K if matmul else self.n_blocks * self.block_size, N=self.rows, block_size=self.block_size,
+            n_blocks=self.n_blocks, zero_points=self.packed_zero_points,
+            accuracy_level=self.accuracy_level if matmul else 0, scales_were_f16=self.scales == "float16",
+            trans_b=False, panel_n=PANEL_N if matmul else 0, panel_stride=self.stride(),
+            total_size=self.packed_size())
+
 
 def kernel_source() -> str:
     """The CUDA source as compiled: the packed format's constants from the native module

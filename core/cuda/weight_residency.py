@@ -8,8 +8,15 @@ distinct weights (each rounded up to whole granules, what the device really comm
 fit the budget together. Before a segment runs, ``prepare`` makes its weights resident:
 it evicts others, the one needed furthest ahead first (the uses repeat every step, so
 the next use of each weight is known exactly: the choice that pages least, as the CPU
-runtime's EvictionPolicy makes it), and pages in the missing ones from their host
-copies (``DeviceSlotPool.commit`` + an async upload on the step's stream).
+runtime's EvictionPolicy makes it), and pages in the missing ones through its
+**pager**, which says where a weight comes from:
+
+- :class:`HostCopies`: page-locked host copies of the packed bytes, kept for the
+  residency's life (``DeviceSlotPool.commit`` + an async upload on the step's stream);
+- a device session's own plan (core/cuda/session_pages.py, ``SessionPages``): the
+  session's recipes make the weight resident again (its prepared-cache payload read
+  and uploaded, or its sources read and packed on the device, or packed on a CPU worker
+  and uploaded), and its store evicts it. Nothing of the model stays in host memory.
 
 Why segments, and why this keeps CUDA-graph capture: a page-in maps physical memory
 (``cuMemMap``), which no graph can hold, so page-ins happen between segments, and each
@@ -34,13 +41,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from onnx_prep.core.cuda.device_slot_pool import DeviceSlotPool, DeviceView
 from onnx_prep.core.errors import DeviceBudgetError, Where
 from onnx_prep.core.model.prepared_key import PreparedKey
 
-__all__ = ["ResidencyCounters", "WeightResidency", "segments"]
+__all__ = ["HostCopies", "ResidencyCounters", "WeightPager", "WeightResidency", "segments"]
 
 
 @dataclass
@@ -92,20 +99,56 @@ def segments(uses: Sequence[PreparedKey], sizes: Mapping[PreparedKey, int], budg
     return tuple(out)
 
 
-class WeightResidency:
-    """The weights ``uses`` reads, paged into ``pool`` from ``host`` (each weight's
-    packed bytes, page-locked: ``driver.host_alloc``'s, kept for the residency's life)
-    on ``stream``, under the pool's budget."""
+class WeightPager(Protocol):
+    """Where a residency's weights come from and go back to."""
 
-    def __init__(self, pool: DeviceSlotPool, uses: Sequence[PreparedKey], host: Mapping[PreparedKey, Any],
-                 stream: Any) -> None:
+    def nbytes(self, key: PreparedKey) -> int: ...  # the weight's bytes (its object's size)
+
+    def page_in(self, keys: Sequence[PreparedKey], stream: Any) -> None:
+        """Make ``keys`` resident (their slots committed under the pool's budget), each
+        copy either done when this returns or queued on ``stream`` (before whatever the
+        caller queues next)."""
+
+    def evict(self, key: PreparedKey) -> None: ...  # its memory back; its address stays reserved
+
+
+class HostCopies:
+    """A pager over page-locked host copies (``driver.host_alloc``'s, one per weight, kept
+    by the caller for the residency's life): a page-in commits the slot and queues the
+    copy on the step's stream."""
+
+    def __init__(self, pool: DeviceSlotPool, host: Mapping[PreparedKey, Any]) -> None:
+        self.pool, self.host = pool, host
+
+    def nbytes(self, key: PreparedKey) -> int:
+        return memoryview(self.host[key]).nbytes
+
+    def page_in(self, keys: Sequence[PreparedKey], stream: Any) -> None:
+        for k in keys:
+            self.pool.commit(k, self.nbytes(k))
+            self.pool.upload(k, self.host[k], stream)
+
+    def evict(self, key: PreparedKey) -> None:
+        self.pool.decommit(key)
+
+
+class WeightResidency:
+    """The weights ``uses`` reads, paged into ``pool`` by ``pager`` (a :class:`WeightPager`,
+    or a mapping of page-locked host copies: :class:`HostCopies` over it) on ``stream``.
+    ``budget``: what the step's weights may commit together (None: the pool's budget);
+    less than the pool's where the pool also holds what this residency never pages
+    (a device session's raw weights)."""
+
+    def __init__(self, pool: DeviceSlotPool, uses: Sequence[PreparedKey], pager: WeightPager | Mapping[PreparedKey, Any],
+                 stream: Any, *, budget: int | None = None) -> None:
         self.pool, self.driver, self.stream = pool, pool.driver, stream
         self.uses = tuple(uses)
-        self.host = host
+        self.pager = HostCopies(pool, pager) if isinstance(pager, Mapping) else pager
         g = pool.granularity
-        self.nbytes = {k: memoryview(host[k]).nbytes for k in dict.fromkeys(self.uses)}
+        self.nbytes = {k: self.pager.nbytes(k) for k in dict.fromkeys(self.uses)}
         self.sizes = {k: -(-max(n, 1) // g) * g for k, n in self.nbytes.items()}
-        self.segments = segments(self.uses, self.sizes, pool.budget)
+        self.budget = pool.budget if budget is None else budget
+        self.segments = segments(self.uses, self.sizes, self.budget)
         for k, size in self.sizes.items():  # every weight's address, fixed from now on
             if k not in pool:  # (the caller may have reserved it already, to build launches first)
                 pool.reserve(k, size)
@@ -146,9 +189,9 @@ class WeightResidency:
                     break
                 self._evict(victim)
                 headroom = self.pool.headroom()
+        if missing:
+            self.pager.page_in(missing, self.stream)
         for k in missing:
-            self.pool.commit(k, self.nbytes[k])
-            self.pool.upload(k, self.host[k], self.stream)
             self._resident.add(k)
             c.page_ins += 1
             c.page_in_bytes += self.nbytes[k]
@@ -188,7 +231,7 @@ class WeightResidency:
         ranges stay: the pool's owner closes it)."""
         self.driver.stream_synchronize(self.stream)
         for k in list(self._resident):
-            self.pool.decommit(k)
+            self.pager.evict(k)
         self._resident.clear()
         for e in self._events:
             self.driver.event_destroy(e)
@@ -199,6 +242,6 @@ class WeightResidency:
         if event is not None:
             self.driver.event_synchronize(event)
             self._c.eviction_waits += 1
-        self.pool.decommit(key)
+        self.pager.evict(key)
         self._resident.discard(key)
         self._c.evictions += 1

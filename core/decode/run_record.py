@@ -261,15 +261,20 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
                                    model=str(path))
             if hasattr(runner, "device_record"):
                 device_runs.append(runner.device_record())
+                if runner.cache_commit is not None:  # a device load completes a build-if-missing cache first
+                    early_commits.append(runner.cache_commit)
         return open_ms, result, getattr(runner, "source_pages", None)
 
     device_runs: list[dict] = []
+    early_commits: list[dict] = []
     try:
         open_ms, result, pages = decode(options.runtime, keep_logits=options.logits_out is not None)
         device_counters = device_runs[0] if device_runs else None
         # build-if-missing: what the run built was written meanwhile, at idle priority;
-        # published now, once the output is in hand
+        # published now, once the output is in hand (a device run published it before loading)
         committed = cache.commit() if cache is not None and cache.policy.value == "build-if-missing" else None
+        if early_commits:
+            committed = early_commits[0]
     finally:
         if cache is not None:
             cache.close()
@@ -370,7 +375,7 @@ def _compare_per_node(resolved, io, prompt, options: RunOptions, ort_config) -> 
 
 def _open_device(resolved, options: RunOptions, cache):
     """The prepared runtime on the CUDA device (core/cuda/device_decoder.py), its
-    objects loaded as on the CPU: from ``cache`` where it has them."""
+    objects loaded and paged by a device session: from ``cache`` where it has them."""
     from onnx_prep.core.cuda.device_decoder import open_device_decoder
     from onnx_prep.core.cuda.device_selection import open_driver
 

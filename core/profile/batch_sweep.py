@@ -346,7 +346,7 @@ def _device_runs(resolved, io, batches, options: SweepOptions, tick) -> dict:
 
     driver = open_driver()
     g = driver.allocation_granularity(0)
-    committed = sum(-(-r.packed_bytes // g) * g for r in _requests(resolved))  # each object in whole granules
+    committed = _device_committed(resolved, g)  # what every object commits on the device, all resident
     budget = parse_budget(options.budget, committed)  # sized against what the device commits
     runs: dict[int, list[dict]] = {}
     summary = None
@@ -363,9 +363,12 @@ def _device_runs(resolved, io, batches, options: SweepOptions, tick) -> dict:
             try:
                 dec = open_device_decoder(resolved, driver, budget=budget, trust_symlinks=options.trust_symlinks,
                                           cache=cache)
-            finally:
+            except BaseException:
                 if cache is not None:
                     cache.close()
+                raise
+            if cache is not None:
+                dec.own(cache)  # its page-ins read the cache again: closed with the decoder
             with dec:
                 result = greedy_decode(dec, io, prompts, options.tokens,
                                        on_step=lambda ev, dec=dec: marks.append(dec.counters()))
@@ -385,10 +388,14 @@ def _device_runs(resolved, io, batches, options: SweepOptions, tick) -> dict:
     return {"runs": runs, "summary": summary}
 
 
-def _requests(resolved):
+def _device_committed(resolved, granularity: int) -> int:
+    """The device bytes every object of ``resolved`` commits all resident (the device
+    plan's figure: packed objects in whole granules each, raw weights sharing theirs)."""
+    from onnx_prep.core.plan.device_target import DeviceTarget, device_memory
     from onnx_prep.core.plan.execution_plan import build_prepared_execution_plan
 
-    return build_prepared_execution_plan(resolved).requirements
+    target = DeviceTarget("cuda", granularity=granularity, granularity_given=True)
+    return device_memory(build_prepared_execution_plan(resolved, device=target))["committed_bytes"]
 
 
 def _device_row(rs: list[dict], cpu_tokens, n: int, options: SweepOptions) -> dict:

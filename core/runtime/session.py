@@ -41,11 +41,14 @@ as does a construction that fails. Where the device packs (``packs_on_device``),
 plan takes the kernel's choice of where to pack (``target()``'s ``prepack="kernel"``)
 and the device-side prepack runs on the device queue (materializer.py). What is
 refused, each in one line: a plan that packs on a device without the kernel
-(``packs_on_device`` False); a budget
-below every slot at once (nothing pages a device load yet); a prepared cache that
-persists (a device session does not write one: build it first); a host PREPARED limit
-(the objects live in device memory, under the device's budget). ``run`` is refused:
-the device step is not built.
+(``packs_on_device`` False); a budget below every slot at once, unless the caller pages
+(``device_pages=True``: it asks for the objects a step needs with ``prepare(keys)`` and
+gives them back with ``evict(key)``, as core/cuda/session_pages.py does for a decode
+streamed under the budget; the device's pool refuses any commit past the budget); a
+prepared cache that persists (a device session does not write one: build it first); a
+host PREPARED limit (the objects live in device memory, under the device's budget).
+``run`` is refused: a device's steps are run by core/cuda/device_decoder.py, over
+this session's slots.
 """
 from __future__ import annotations
 
@@ -148,8 +151,13 @@ class SessionOptions:
     keep_values: bool = False
     # The device to load onto (session_device.SessionDevice; the module docstring); None: the CPU
     device: SessionDevice | None = None
+    # On a device: the caller pages the objects (prepare(keys), evict), so a budget below
+    # every slot at once is not refused here (the module docstring)
+    device_pages: bool = False
 
     def __post_init__(self) -> None:
+        if self.device_pages and self.device is None:
+            raise UsageError("device_pages pages a device's objects: give the session a device")
         if self.source_io not in SOURCE_IO:
             raise UsageError(f"unknown source_io {self.source_io!r}",
                              hint=f"choose one of {', '.join(SOURCE_IO)}")
@@ -271,11 +279,11 @@ class Session:
         if packs and not device.packs_on_device:
             raise device_prepack_refused(device.name, packs, getattr(device, "device_prepack_reason", None))
         memory = device_memory(plan)
-        if memory["fits"] is False:
+        if memory["fits"] is False and not opts.device_pages:
             raise DeviceBudgetError(
                 f"device budget {plan.device.budget:,} B is below the {memory['committed_bytes']:,} B that all "
                 f"{memory['slots']} device slots commit ({plan.device.granularity:,} B granules): a device session "
-                "loads every prepared object at once, and nothing pages a device load yet",
+                "loads every prepared object at once unless its caller pages them (device_pages=True)",
                 hint=f"give a device budget of at least {memory['committed_bytes']:,} B")
         if getattr(opts.cache, "persisting", False):
             raise UsageError("a session on a device does not write the prepared cache",
@@ -440,8 +448,12 @@ class Session:
         return self.slots.view(key)
 
     def evict(self, key: PreparedKey) -> bool:
-        """Evict one unpinned object (its slot keeps its address). False if pinned."""
-        return self.store.evict(key)
+        """Evict one unpinned object (its slot keeps its address), counted in the
+        ``prepare`` section's evictions as the eviction policy's are. False if pinned."""
+        evicted = self.store.evict(key)
+        if evicted:
+            self._count("evictions")
+        return evicted
 
     def replay_hot(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The hot path's baseline (benchmarks): ``RunLoop.replay_hot``."""
