@@ -357,7 +357,8 @@ def tiny_gqa(tmp_path_factory):
 def _check_gqa_decode(tiny_gqa, batch, d):
     """The tiny-gqa decode of PROMPTS[batch] on ``d`` under four of its granules: the CPU
     session's tokens and first logits, its KV on the device, every segment captured once
-    for the prefill and once for the decode step, then replayed, no fallback."""
+    for the prefill and once for the decode step, then replayed, no fallback; and with
+    capture off, the same streaming gives the same tokens and logits bit for bit."""
     resolved, io, want = tiny_gqa
     budget = 4 * d.allocation_granularity(0)  # its packed objects commit more than that all resident
     with open_device_decoder(resolved, d, budget=budget) as dec:
@@ -372,6 +373,13 @@ def _check_gqa_decode(tiny_gqa, batch, d):
     assert segments >= 2 and c["evictions"] > 0 and c["peak_committed_bytes"] <= budget
     assert (c["captures"], c["replays"], c["fallbacks"], c["invalidations"]) == \
         (2 * segments, segments * (TOKENS - 2), 0, 0)
+    # the issue's GPU test (3): capture off, the same streaming: the same tokens, the same logits bit for bit
+    with open_device_decoder(resolved, d, budget=budget, capture=False) as dec:
+        eager = greedy_decode(dec, io, np.array(PROMPTS[batch]), TOKENS, keep_logits=True)
+        off = dec.counters()
+    assert off["captures"] == off["replays"] == 0 and off["evictions"] > 0
+    assert eager.tokens.tolist() == got.tokens.tolist()
+    assert all(np.array_equal(a, b) for a, b in zip(eager.logits, got.logits))
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -406,7 +414,7 @@ def test_the_tiny_gqa_fixture_prefills_a_40_token_prompt_on_the_device_its_kv_ke
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 2])
 def test_on_a_device_the_tiny_gqa_fixture_captures_and_replays_its_decode_step(tiny_gqa, batch):
-    """The issue's GPU test (4) on a real device (skipped here, with discovery's reason)."""
+    """The issue's GPU tests (3) and (4) on a real device (skipped here, with discovery's reason)."""
     from test_cuda_weight_residency import _real_driver
 
     _check_gqa_decode(tiny_gqa, batch, _real_driver())
