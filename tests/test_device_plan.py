@@ -60,6 +60,8 @@ def by_kind_and_resource(plan) -> dict[tuple[str, str], int]:
 
 
 def check_device_plan(plan) -> None:
+    placement = slot_placement(plan)
+    place = {r.key: i for i, r in enumerate(plan.requirements)}
     """What every device plan holds, whatever its recipes: steps on the device queue
     after the tasks publishing what they pin, each of those an upload or a device
     prepack filling that key's slot; uploads after the prepack or read of their bytes."""
@@ -81,8 +83,13 @@ def check_device_plan(plan) -> None:
         if t.kind is TaskKind.UPLOAD:
             assert t.resource is ResourceClass.DEVICE and t.estimated_input_bytes > 0
             assert t.arena is None  # device memory: the device slot pool's, no host arena's
-            if t.publishes is not None:  # fills the key's slot: whole granules
-                assert t.estimated_output_bytes == plan.device.slot_bytes(t.estimated_input_bytes)
+            if t.publishes is not None:  # fills the key's slot: what slot_placement commits for it
+                i = place[t.publishes]
+                if placement.granule[i] is None:  # a slot of its own: whole granules
+                    assert t.estimated_output_bytes == placement.own[i] == plan.device.slot_bytes(t.estimated_input_bytes)
+                else:  # a raw weight sharing a granule: its 256-byte share, not the granule (ba3452a)
+                    assert plan.requirements[i].request.layout == RAW_LAYOUT
+                    assert t.estimated_output_bytes == plan.device.share_bytes(t.estimated_input_bytes)
                 assert [d.kind for d in deps] in ([TaskKind.PREPACK], [TaskKind.READ_SOURCE], [TaskKind.READ_PACKED])
                 assert all(d.resource is not ResourceClass.DEVICE for d in deps)
             else:  # a source's bytes, for a device prepack: after its read (none for an inline source)

@@ -27,8 +27,10 @@ kernel plans so).
 Every ``upload`` and device ``prepack`` runs on the ``device`` resource (the device's
 queue). Its ``estimated_input_bytes`` are the bytes it copies host to device (an
 upload) or packs (a prepack); its ``estimated_output_bytes`` what it commits on the
-device: the slot it fills, whole granules (``DeviceTarget.slot_bytes``), or for a
-source upload the staging bytes the device prepack reads. Device memory is the device
+device: the slot it fills, whole granules (``DeviceTarget.slot_bytes``) for a packed
+object, its share of a granule it shares with other raw weights for a raw weight of at
+most one granule (``DeviceTarget.share_bytes``, as ``slot_placement`` places it), or for
+a source upload the staging bytes the device prepack reads. Device memory is the device
 slot pool's, not a host arena's: those tasks' ``arena`` is None. The host side of a
 recipe (a prepack on a CPU worker, a packed read) publishes nothing: its bytes are
 pinned host staging (Preparation arena) for the upload, and the device object is what
@@ -84,7 +86,7 @@ class DeviceTasks:
             desc = weights[req.logical_value]
             read = self.source_read(desc)
             recipe = MaterializationRecipe(READ_SOURCE_UPLOAD, sources=(desc.name,))
-            publisher = self._upload(key, read, desc.length, f"upload {desc.name}")
+            publisher = self._upload(key, read, desc.length, f"upload {desc.name}", shared=True)
             return PreparedRequirement(
                 key=key, request=device_req, bit=bit, recipes=(recipe,), selected=recipe, publisher=publisher,
                 kernel=RAW_LAYOUT, node=node.name, packed_bytes=desc.length, read_bytes=desc.length,
@@ -135,13 +137,16 @@ class DeviceTasks:
             kernel=node.kernel or "", node=node.name, packed_bytes=packed, read_bytes=read_bytes,
             first_step=first_step, last_step=last_step)
 
-    def _upload(self, key: PreparedKey, after: TaskId, nbytes: int, label: str) -> TaskId:
-        """Copy ``nbytes`` host to device into ``key``'s slot, after ``after``; publishes ``key``."""
+    def _upload(self, key: PreparedKey, after: TaskId, nbytes: int, label: str, *, shared: bool = False) -> TaskId:
+        """Copy ``nbytes`` host to device into ``key``'s slot, after ``after``; publishes ``key``.
+        ``shared``: a raw weight, which commits its share of a shared granule where it fits
+        in one (``slot_placement``), else whole granules like a packed object."""
         tid = f"S.upload:{key}"
+        share = self.target.share_bytes(nbytes) if shared and nbytes > 0 else None
         self.tasks.append(TaskDescriptor(
             id=tid, scope=TaskScope.SESSION, kind=TaskKind.UPLOAD, resource=ResourceClass.DEVICE,
             dependencies=(after,), publishes=key, estimated_input_bytes=nbytes,
-            estimated_output_bytes=self.target.slot_bytes(nbytes), label=label))
+            estimated_output_bytes=self.target.slot_bytes(nbytes) if share is None else share, label=label))
         return tid
 
     def _source_upload(self, name: str) -> TaskId:
