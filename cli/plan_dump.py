@@ -212,7 +212,7 @@ def _device_rows(summary, d: dict) -> None:
     source = ("given (--granularity)" if d["granularity_source"] == "given"
               else "assumed (`onnx-prep devices` reports a device's; --granularity)")
     _row(summary, "", f"slot granularity {_size(d['granularity'])}, {source}")
-    _row(summary, "device slots", f"{d['slots']}, {_size(d['committed_bytes'])} committed in whole granules")
+    _row(summary, "device slots", f"{d['slots']}, {_size(d['committed_bytes'])} committed (granules; raw weights share)")
     _row(summary, "", f"for {_size(d['packed_bytes'])} packed")
     step = d["largest_step"]
     if step is not None:

@@ -40,7 +40,7 @@ def test_the_table_says_nothing_was_queried_and_what_was_assumed(tiny_llm_path):
                    "slot granularity 2,097,152 B (2.0 MiB), assumed",
                    # 17 packed objects in 18 granules of their own, the ten raw weights in one
                    # shared granule (before shared granules: a granule each, 56.0 MiB)
-                   "27, 39,845,888 B (38.0 MiB) committed in whole granules", "for 13,126,848 B (12.5 MiB) packed",
+                   "27, 39,845,888 B (38.0 MiB) committed (granules; raw weights share)", "for 13,126,848 B (12.5 MiB) packed",
                    "largest step: 0 embed_tokens, 6,291,456 B (6.0 MiB)",
                    "host to device", "13,125,760 B (12.5 MiB) a load", "budget", "none",
                    "io 44, device 79", "upload → pack on device 17", "raw → upload 10",

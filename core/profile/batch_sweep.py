@@ -25,7 +25,7 @@ page reads fully overlapped with compute.
 With ``--device cuda`` each row also carries ``device``: the same decode on the CUDA
 device (core/cuda/device_decoder.py), a fresh decoder each repeat, its packed weights
 committed under the budget as the device counts it (a percentage of the device's
-committed size, each object in whole granules; a size as given), streamed between the
+committed size: packed objects in whole granules, raw weights sharing; a size as given), streamed between the
 step's segments past it. Its counters over the decode steps: bytes copied host to
 device and page-ins per token, evictions, byte hit rate, the graphs' captures,
 replays, fallbacks and invalidations; tokens/s; and whether its tokens are the CPU's
