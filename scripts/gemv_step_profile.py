@@ -4,7 +4,7 @@ hand-off's counters (native/handoff.c) and the step's GEMVs replayed on one thre
 
     .venv/bin/python scripts/gemv_step_profile.py [--preset medium | --model PATH]
         [--tokens 24] [--rounds 4] [--threads 2] [--batch 1] [--compare huge-pages|streaming]
-        [--json FILE]
+        [--per-op] [--json FILE]
 
 Per decode step (the prefill and the first decode step left out), min and median of:
   wall_ms        the step's wall time (what other work on the machine inflates most)
@@ -25,6 +25,10 @@ lands there). ``--compare streaming`` runs two sessions of the model, one with t
 non-temporal weight prefetch (the default) and one without (native/op_internal.h,
 ``OP_STREAM_AHEAD``), interleaved round by round.
 The greedy tokens of every session must be identical (checked).
+``--per-op`` then decodes once more in the first session with every action timed on
+its own (the run's thread, the split GEMVs' helpers lent as usual) and prints, per op
+type, the actions a step, their ms a step and µs each: where the time outside the
+GEMVs goes. Timing each action adds a little to each; the GEMVs' sum stays close to fj_ms.
 ``--split-all`` splits every INT4 matmul however small (smoke runs on tiny fixtures).
 Figures are indicative; wall times need a quiet machine (scripts/bench_decode_speed.py).
 """
@@ -122,6 +126,49 @@ def replay_ms(gemvs: list, repeats: int) -> float:
     return best
 
 
+def per_op_profile(session, io, prompt, tokens: int) -> tuple[int, list[tuple[str, int, float]]]:
+    """One more greedy decode on ``session`` with each action of each decode step (the
+    prefill and the first step left out) timed on its own: (steps timed, [(op type,
+    actions a step, ms a step)], slowest first)."""
+    from collections import defaultdict
+
+    from onnx_prep.core.decode.generation import greedy_decode
+    from onnx_prep.core.runtime.action_program import ActionProgram
+
+    total: dict[str, int] = defaultdict(int)
+    count: dict[str, int] = defaultdict(int)
+    timing, step = [False], [0]
+    execute = ActionProgram.execute
+
+    def timed(self, values, prepared, begin=0, end=None):
+        end = len(self.actions) if end is None else end
+        if not timing[0]:
+            return execute(self, values, prepared, begin, end)
+        for i in range(begin, end):
+            t = time.perf_counter_ns()
+            execute(self, values, prepared, i, i + 1)
+            op = self.actions[i].op_type
+            total[op] += time.perf_counter_ns() - t
+            count[op] += 1
+
+    orun = session.run
+
+    def run(feeds):
+        timing[0] = step[0] >= 2
+        step[0] += 1
+        return orun(feeds)
+
+    ActionProgram.execute, session.run = timed, run
+    try:
+        greedy_decode(session, io, prompt, tokens)
+    finally:
+        ActionProgram.execute = execute
+        del session.run
+    n = max(step[0] - 2, 1)
+    rows = sorted(((op, count[op] // n, total[op] / n / 1e6) for op in total), key=lambda r: -r[2])
+    return n, rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="medium")
@@ -132,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=1, help="rows decoded together (the same prompt in each)")
     ap.add_argument("--compare", choices=sorted(MODES), default="none")
     ap.add_argument("--split-all", action="store_true")
+    ap.add_argument("--per-op", action="store_true", help="then time every action of one more decode, per op type")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if args.tokens < 4:
@@ -200,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                     finally:
                         native.set_weight_streaming(True)
         activity = MachineActivity.now().since(activity0)
+        per_op = per_op_profile(next(iter(sessions.values())), io, prompt, args.tokens) if args.per_op else None
     finally:
         uninstall()
         for s in sessions.values():
@@ -214,11 +263,20 @@ def main(argv: list[str] | None = None) -> int:
         for k in METRICS:
             v = steps[mode][k]
             print(f"    {k:14s} {min(v):9.2f} {statistics.median(v):9.2f}")
+    if per_op is not None:
+        steps_timed, rows = per_op
+        print(f"  per op type, {steps_timed} decode steps, every action timed on its own: "
+              f"{sum(ms for _, _, ms in rows):.2f} ms a step")
+        for op, count, ms in rows:
+            print(f"    {op:34s} {count:4d} a step {ms:8.3f} ms {ms / count * 1e3:8.1f} us each")
     print(describe(activity))
     if args.json:
         args.json.write_text(json.dumps({"model": str(name), "threads": args.threads, "batch": args.batch,
                                          "open_s": open_s,
                                          "replay_ms": replay, "replayed_gemvs": replayed, "steps": steps, "tokens": tokens,
+                                         "per_op": None if per_op is None else {
+                                             "steps": per_op[0], "ops": [{"op": op, "count": n, "ms": ms}
+                                                                         for op, n, ms in per_op[1]]},
                                          "machine_activity": activity}, indent=2))
     return 0
 

@@ -341,7 +341,7 @@ def test_ab_decode_step_alternates_in_one_session(tmp_path, toggle):
 def test_gemv_step_profile_smoke(tmp_path):
     out = tmp_path / "gemv.json"
     p = _run(["scripts/gemv_step_profile.py", "--preset", "tiny-llm", "--split-all", "--compare", "huge-pages",
-              "--tokens", "5", "--rounds", "2", "--json", str(out)], tmp_path / "cache")
+              "--tokens", "5", "--rounds", "2", "--per-op", "--json", str(out)], tmp_path / "cache")
     assert p.returncode == 0, p.stderr  # includes: both sessions' greedy tokens identical
     doc = json.loads(out.read_text())
     _check_activity(doc["machine_activity"], p.stdout)
@@ -355,3 +355,25 @@ def test_gemv_step_profile_smoke(tmp_path):
         assert all(s <= b for s, b in zip(steps["solo"], steps["batches"]))
         assert all(h >= b - s for h, b, s in zip(steps["helper_chunks"], steps["batches"], steps["solo"]))
         assert all(w <= f + 1e-6 for w, f in zip(steps["wait_ms"], steps["fj_ms"]))
+    # --per-op: one more decode, every action timed: 17 INT4 matmuls a step, slowest op first
+    per_op = doc["per_op"]
+    ops = {o["op"]: o for o in per_op["ops"]}
+    assert per_op["steps"] == 3 and ops["MatMulNBits"]["count"] == 17 and ops["MatMulNBits"]["ms"] > 0
+    assert [o["ms"] for o in per_op["ops"]] == sorted((o["ms"] for o in per_op["ops"]), reverse=True)
+    assert "us each" in p.stdout
+
+
+def test_bench_gemv_bandwidth_smoke(tmp_path):
+    out = tmp_path / "bw.json"
+    p = _run(["scripts/bench_gemv_bandwidth.py", "--weights", "3", "--K", "256", "--N", "512", "--repeats", "2",
+              "--json", str(out)], tmp_path / "cache")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(out.read_text())
+    _check_activity(doc["machine_activity"], p.stdout)
+    assert set(doc["gb_per_s"]) == {"one thread", "two threads, no sync", "two, split as a step",
+                                    "numpy sum, two threads"}
+    assert all(len(v) == 2 and min(v) > 0 for v in doc["gb_per_s"].values())
+    from onnx_prep import native
+
+    one = native.matmul_nbits_packed_size(K=256, N=512, block_size=32, zero_points="none", accuracy_level=4)
+    assert doc["packed_bytes"] == 3 * one  # the rates are of the packed bytes the GEMVs read
