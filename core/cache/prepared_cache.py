@@ -459,6 +459,12 @@ class PreparedCache:
             self._sources.update(sources)
         self._queue.put((identity, packed, done))
 
+    def read_only(self) -> PreparedCache:
+        """The same cache opened again under ``read-only``: what a reader that must not
+        write sees (a device session reads a cache this one has just completed)."""
+        return PreparedCache(self.resolved, self.path, policy=CachePolicy.READ_ONLY, compress=self.compress,
+                             verify_payloads=self.verify_payloads, warn=self._warn, map_payloads=self.map_payloads)
+
     def hold_writes(self) -> Callable[[], None]:
         """Hold the background writer until the returned ``release()`` is called (once;
         later calls do nothing), or until :meth:`flush`. A session holds it over its first

@@ -325,10 +325,7 @@ def open_device_decoder(resolved: Any, driver: DeviceDriver, *, budget: int | No
     owned = []
     if cache is not None and getattr(cache, "persisting", False):
         commit = _complete_cache(resolved, cache, verify_digests=verify_digests, trust_symlinks=trust_symlinks)
-        from onnx_prep.core.cache.prepared_cache import PreparedCache
-
-        cache = PreparedCache(resolved, cache.path, policy="read-only", verify_payloads=cache.verify_payloads,
-                              warn=cache._warn)
+        cache = cache.read_only()
         owned.append(cache)
     try:
         device = CudaSessionDevice(driver, ordinal, budget=budget, device_prepack=device_prepack)
