@@ -160,17 +160,17 @@ class DeviceDecoder:
         self._ranges = objects.ranges
         self._pager = SessionPages(session, objects.nbytes)
         g = self.pool.granularity
-        need = sum(-(-max(n, 1) // g) * g for n in objects.nbytes.values())
+        sizes = [-(-max(n, 1) // g) * g for n in objects.nbytes.values()]  # whole granules, as committed
         if self.pool.budget is not None:
             self._step_budget = self.pool.budget - objects.raw_committed
-            largest = max((-(-max(n, 1) // g) * g for n in objects.nbytes.values()), default=0)
+            largest = max(sizes, default=0)
             if largest > self._step_budget:
                 raise DeviceBudgetError(
                     f"device budget of {self.pool.budget:,} B leaves {self._step_budget:,} B for the packed weights "
                     f"once the raw weights commit {objects.raw_committed:,} B, and the largest packed weight needs "
                     f"{largest:,} B (whole granules)", hint=f"give a budget of at least "
                                                            f"{objects.raw_committed + largest:,} B")
-        if self._step_budget is None or need <= self._step_budget:
+        if self._step_budget is None or sum(sizes) <= self._step_budget:
             session.prepare(list(objects.nbytes))  # all resident from the start: no step pages
         return objects.prepared, objects.weights
 

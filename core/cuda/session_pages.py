@@ -48,13 +48,11 @@ class SessionPages:
 
     def __init__(self, session: Any, nbytes: Mapping[PreparedKey, int]) -> None:
         self.session, self._nbytes = session, dict(nbytes)
-        self.prepares = 0  # session.prepare calls made for page-ins
 
     def nbytes(self, key: PreparedKey) -> int:
         return self._nbytes[key]
 
     def page_in(self, keys: Sequence[PreparedKey], stream: Any) -> None:
-        self.prepares += 1
         self.session.prepare(list(keys))  # resident when it returns (the module docstring)
 
     def evict(self, key: PreparedKey) -> None:
