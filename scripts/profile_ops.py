@@ -29,8 +29,8 @@ from onnx_prep.fixtures import generate
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="tiny-llm")
-    ap.add_argument("--model", type=Path, help="a fixture-shaped model file instead of --preset "
-                    "(input_ids, position_ids, past_key_values.N.key / .value)")
+    ap.add_argument("--model", type=Path, help="a decoder model instead of --preset (any export `run` "
+                    "decodes: its inputs are found as `run` finds them)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--past", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=20)
@@ -47,26 +47,24 @@ def main() -> int:
     binding = program.bind_prepared(prepack_all(resolved, load, backend=args.backend))
     weights = {n: load(n) for n in program.weight_names}
 
-    kv = [v for v in resolved.inputs if v.name.startswith("past_key_values.")]
-    heads, dim = kv[0].shape[1], kv[0].shape[3]
-    rng = np.random.default_rng(0)
-    feeds = {"input_ids": rng.integers(0, 100, size=(args.batch, 1)).astype(np.int64),
-             "position_ids": np.full((args.batch, 1), args.past, np.int64)}
-    for v in kv:
-        feeds[v.name] = rng.standard_normal((args.batch, heads, args.past, dim)).astype(np.float32)
-
     from onnx_prep.core.decode.decoder_io import DecoderIO
+    from onnx_prep.core.decode.generation import next_past, step_feeds
 
-    io = DecoderIO.discover(resolved.inputs, resolved.outputs)
+    # The roles come from the same discovery `run` uses, so an export with symbolic KV
+    # dims (the genai builder's) works: the past is a prefill of --past random tokens.
+    io = DecoderIO.for_resolved(resolved)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 100, size=(args.batch, args.past))
+    out = program.run(step_feeds(io, prompt, io.empty_past(args.batch), 0), binding, weights=weights)
+    past_len = args.past
+    feeds = step_feeds(io, prompt[:, -1:], next_past(io, out, past_len), past_len)
 
     def advance(feeds, out):
         """The next decode step's feeds: the presents as past (so KV Concats append in
         place, as in a real decode), one position further."""
-        nxt = dict(feeds)
-        for p in io.kv:
-            nxt[p.past_key.name], nxt[p.past_value.name] = out[p.present_key], out[p.present_value]
-        nxt["position_ids"] = feeds["position_ids"] + 1
-        return nxt
+        nonlocal past_len
+        past_len += 1
+        return step_feeds(io, feeds[io.input_ids.name], next_past(io, out, past_len), past_len)
 
     ort_feeds = dict(feeds)
     for _ in range(3):  # warm up
@@ -104,7 +102,7 @@ def main() -> int:
     rows = sorted(((k, v[0], v[1] // args.repeats) for k, v in per_op.items()), key=lambda r: -r[1])
     from onnx_prep import native
 
-    record = {"preset": args.preset, "batch": args.batch, "past": args.past, "backend": args.backend,
+    record = {"model": str(args.model) if args.model is not None else args.preset, "batch": args.batch, "past": args.past, "backend": args.backend,
               "isa": native.active_isa(), "actions": len(program), "step_ms": round(step_ms, 3),
               "ort_step_ms": None if ort_ms is None else round(ort_ms, 3),
               "profiled_ms": round(total_profiled, 3),
@@ -114,7 +112,7 @@ def main() -> int:
         json.dump(record, sys.stdout, indent=1)
         print()
         return 0
-    print(f"{args.preset} batch {args.batch} past {args.past} backend {args.backend} isa {record['isa']}: "
+    print(f"{record['model']} batch {args.batch} past {args.past} backend {args.backend} isa {record['isa']}: "
           f"{len(program)} actions, decode step {step_ms:.2f} ms (per-action profile {total_profiled:.2f} ms)"
           + ("" if ort_ms is None else f"; ONNX Runtime (1 thread) {ort_ms:.2f} ms"))
     print(f"{'op [kernel]':40s} {'count':>5s} {'ms':>8s} {'share':>6s}")

@@ -216,6 +216,21 @@ def test_profile_ops_smoke(tmp_path):
     assert abs(sum(row["share"] for row in doc["per_op"]) - 1.0) < 1e-3
 
 
+def test_profile_ops_on_builder_export(tmp_path):
+    """A genai builder export (symbolic KV head dims, attention mask, seqlens_k) is
+    profiled with its inputs found as `run` finds them."""
+    from conftest import real_export
+
+    model = real_export("builder-qwen2-acc4-b32")
+    p = _run(["scripts/profile_ops.py", "--model", str(model), "--past", "4", "--repeats", "2", "--json"],
+             tmp_path / "cache")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    ops = {row["op"]: row for row in doc["per_op"]}
+    assert ops["GroupQueryAttention [gqa]"]["count"] == 2  # one per block of the tiny Qwen2
+    assert doc["model"] == str(model) and doc["actions"] == sum(row["count"] for row in doc["per_op"])
+
+
 def test_bench_cache_smoke(tmp_path):
     """The prepared-cache benchmark runs end to end on the tiny model (--quick) and prints
     its tables and the issue's targets; what each load read is consistent."""
