@@ -42,6 +42,7 @@ try:
         matmul_nbits_packed_size,
         matmul_nbits_parts,
         prepack_matmul_nbits,
+        set_gemv_panels,
         set_weight_streaming,
     )
     from onnx_prep.native.norm import NormResult, norm_rows, norm_rows_y, skip_norm_rows
@@ -86,6 +87,7 @@ __all__ = [
     "matmul_nbits_parts",
     "norm_rows",
     "norm_rows_y",
+    "set_gemv_panels",
     "set_weight_streaming",
     "skip_norm_rows",
     "NormResult",

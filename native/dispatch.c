@@ -18,6 +18,10 @@ _Thread_local int op_last_kernel_code = OP_KERNEL_NONE;
 int op_last_kernel(void) { return op_last_kernel_code; }
 
 int op_weight_streaming_on = 1;
+int op_gemv_panels = 2;
+int op_set_gemv_panels(int panels) {
+    return __atomic_exchange_n(&op_gemv_panels, panels >= 2 ? 2 : 1, __ATOMIC_RELAXED);
+}
 int op_set_weight_streaming(int on) {
     return __atomic_exchange_n(&op_weight_streaming_on, on ? 1 : 0, __ATOMIC_RELAXED);
 }

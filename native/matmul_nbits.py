@@ -215,6 +215,15 @@ def set_weight_streaming(on: bool) -> bool:
     return bool(lib.op_set_weight_streaming(1 if on else 0))
 
 
+def set_gemv_panels(panels: int) -> int:
+    """How many whole 64-column panels a one-row int8 GEMV (accuracy level 4 at batch 1,
+    AVX-512) reads side by side: 2, the default (two sequential streams keep more reads
+    in flight: native/kernels_avx512.c, ``DEFINE_I8_PANEL_PAIR``), or 1. Process-wide;
+    the same bits either way. Returns the previous setting: for benchmarks that time
+    both in one run (scripts/gemv_step_profile.py --compare panels)."""
+    return int(lib.op_set_gemv_panels(int(panels)))
+
+
 def matmul_nbits(A: np.ndarray, packed: np.ndarray, *, bias: np.ndarray | None = None,
                  out: np.ndarray | None = None, col_begin: int = 0, col_end: int | None = None,
                  accuracy_level: int | None = None, isa: str | None = None,

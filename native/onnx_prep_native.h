@@ -75,6 +75,11 @@ int op_last_kernel(void);
  * off; process-wide, read at each call's start. Results are the same bits either way.
  * Returns the previous setting. For benchmarks that compare both in one run. */
 int op_set_weight_streaming(int on);
+/* How many whole panels a one-row int8 GEMV (decode at accuracy level 4, AVX-512) reads
+ * side by side: 2 (the default: two sequential streams) or 1. Process-wide, read at each
+ * call's start; the same bits either way. Returns the previous setting. For benchmarks
+ * that compare both in one run. */
+int op_set_gemv_panels(int panels);
 
 /* ---- packed buffer header (64 bytes) ---------------------------------------- */
 typedef struct {

@@ -125,6 +125,7 @@ typedef struct {
  * us after a 32-400 MB stream; a trivial attention call 40 us and ~270 us. */
 #define OP_STREAM_AHEAD 2560u
 extern int op_weight_streaming_on; /* op_set_weight_streaming (dispatch.c) */
+extern int op_gemv_panels;         /* op_set_gemv_panels (dispatch.c) */
 /* In a driver taking `in`: `a`, its own copy of the arguments with `stream` = `once` (its
  * passes for this M read every panel byte once; a byte read again must stay cached). */
 #define OP_STREAM_ARGS(a, in, once)                                                   \

@@ -1,13 +1,15 @@
 """Decode steps with one setting on and off, alternating every two steps in ONE session,
 so that both see the same machine state, the same memory and the same KV lengths.
 
-    .venv/bin/python scripts/ab_decode_step.py [--toggle streaming]
+    .venv/bin/python scripts/ab_decode_step.py [--toggle streaming|panels]
         [--preset medium | --model PATH] [--batch 1] [--tokens 32] [--rounds 6] [--threads 2]
         [--json FILE]
 
 --toggle:
   streaming        the INT4 GEMVs' non-temporal weight prefetch (native.set_weight_streaming;
                    docs/kernels.md "Weight streaming")
+  panels           a one-row level-4 GEMV reading two panels side by side ("on", the
+                   default) or one at a time (native.set_gemv_panels)
 
 Each round decodes --tokens greedily from the same prompt; the prefill and the first
 decode step are left out. Prints each setting's step wall time, min / median / max (ms),
@@ -32,9 +34,14 @@ from onnx_prep.core.runtime.session import Session
 from gemv_step_profile import open_decoder  # this folder: sys.path[0] when run as a script
 
 
+# --toggle: the setting, on (the default) or off
+TOGGLES = {"streaming": native.set_weight_streaming,
+           "panels": lambda on: native.set_gemv_panels(2 if on else 1)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--toggle", choices=("streaming",), default="streaming")
+    ap.add_argument("--toggle", choices=tuple(TOGGLES), default="streaming")
     ap.add_argument("--preset", default="medium")
     ap.add_argument("--model", type=Path, help="a decoder model file instead of --preset")
     ap.add_argument("--batch", type=int, default=1)
@@ -50,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     steps: dict[str, list[float]] = {"on": [], "off": []}
 
     def setting(on: bool) -> None:
-        native.set_weight_streaming(on)  # --toggle streaming, the one so far
+        TOGGLES[args.toggle](on)
 
     tokens = None
     session = Session(resolved, cpu_workers=args.threads, intra_op_threads=args.threads)

@@ -3,7 +3,7 @@ survives other work on the machine: thread CPU time of the run's own thread, the
 hand-off's counters (native/handoff.c) and the step's GEMVs replayed on one thread.
 
     .venv/bin/python scripts/gemv_step_profile.py [--preset medium | --model PATH]
-        [--tokens 24] [--rounds 4] [--threads 2] [--batch 1] [--compare huge-pages|streaming]
+        [--tokens 24] [--rounds 4] [--threads 2] [--batch 1] [--compare huge-pages|streaming|panels]
         [--per-op] [--json FILE]
 
 Per decode step (the prefill and the first decode step left out), min and median of:
@@ -23,7 +23,9 @@ on transparent huge pages (``SessionOptions.huge_pages``), runs them interleaved
 round, and prints each session's open + prepare time (the huge pages' first-use cost
 lands there). ``--compare streaming`` runs two sessions of the model, one with the decode GEMVs'
 non-temporal weight prefetch (the default) and one without (native/op_internal.h,
-``OP_STREAM_AHEAD``), interleaved round by round.
+``OP_STREAM_AHEAD``), interleaved round by round. ``--compare panels`` does the same
+with a one-row level-4 GEMV reading one panel at a time and two side by side (the
+default; native/kernels_avx512.c, ``DEFINE_I8_PANEL_PAIR``).
 The greedy tokens of every session must be identical (checked).
 ``--per-op`` then decodes once more in the first session with every action timed on
 its own (the run's thread, the split GEMVs' helpers lent as usual) and prints, per op
@@ -44,11 +46,20 @@ from pathlib import Path
 import numpy as np
 
 METRICS = ("wall_ms", "cpu_ms", "fj_ms", "fj_cpu_ms", "wait_ms", "batches", "solo", "helper_chunks")
-# --compare: the sessions to interleave, each with its Session huge_pages and whether
+# --compare: the sessions to interleave, each with its Session huge_pages, whether
 # one-pass INT4 GEMVs stream their weights past the caches (native.set_weight_streaming)
-MODES = {"none": {"default": (None, True)},
-         "huge-pages": {"4k": (False, True), "huge": (True, True)},
-         "streaming": {"stream": (None, True), "no-stream": (None, False)}}
+# and how many panels a one-row int8 GEMV reads side by side (native.set_gemv_panels)
+MODES = {"none": {"default": (None, True, 2)},
+         "huge-pages": {"4k": (False, True, 2), "huge": (True, True, 2)},
+         "streaming": {"stream": (None, True, 2), "no-stream": (None, False, 2)},
+         "panels": {"one-panel": (None, True, 1), "panel-pairs": (None, True, 2)}}
+
+
+def _settings(mode: tuple) -> None:
+    from onnx_prep import native
+
+    native.set_weight_streaming(mode[1])
+    native.set_gemv_panels(mode[2])
 
 
 class StepProbe:
@@ -202,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     replayed: dict[str, int] = {}  # INT4 matmuls of the replayed step
     tokens: dict[str, list] = {}
     try:
-        for mode, (huge, _) in MODES[args.compare].items():
+        for mode, (huge, *_) in MODES[args.compare].items():
             t = time.perf_counter()
             s = Session(resolved, cpu_workers=args.threads, intra_op_threads=args.threads, huge_pages=huge)
             s.prepare()
@@ -228,12 +239,12 @@ def main(argv: list[str] | None = None) -> int:
                     return out
 
                 s.run = run
-                native.set_weight_streaming(MODES[args.compare][mode][1])
+                _settings(MODES[args.compare][mode])
                 try:
                     res = greedy_decode(s, io, prompt, args.tokens)
                 finally:
                     del s.run
-                    native.set_weight_streaming(True)
+                    _settings(MODES["none"]["default"])
                 tokens.setdefault(mode, res.tokens.tolist())
                 if tokens[mode] != next(iter(tokens.values())):
                     raise SystemExit(f"{mode}: greedy tokens differ from the other session's")
@@ -242,11 +253,11 @@ def main(argv: list[str] | None = None) -> int:
                         steps[mode][k].append(row[k])
                 if r == 0:
                     replayed[mode] = len(rows[2]["gemvs"])
-                    native.set_weight_streaming(MODES[args.compare][mode][1])
+                    _settings(MODES[args.compare][mode])
                     try:
                         replay[mode] = replay_ms(rows[2]["gemvs"], max(3, args.rounds * 2))
                     finally:
-                        native.set_weight_streaming(True)
+                        _settings(MODES["none"]["default"])
         activity = MachineActivity.now().since(activity0)
         per_op = per_op_profile(next(iter(sessions.values())), io, prompt, args.tokens) if args.per_op else None
     finally:

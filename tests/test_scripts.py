@@ -339,7 +339,17 @@ def test_gemv_step_profile_compares_weight_streaming(tmp_path):
     assert "[no-stream]" in p.stdout
 
 
-@pytest.mark.parametrize("toggle", ["streaming"])
+def test_gemv_step_profile_compares_panel_pairs(tmp_path):
+    out = tmp_path / "gemv.json"
+    p = _run(["scripts/gemv_step_profile.py", "--preset", "tiny-llm", "--compare", "panels",
+              "--tokens", "4", "--rounds", "1", "--json", str(out)], tmp_path / "cache")
+    assert p.returncode == 0, p.stderr  # includes: both sessions' greedy tokens identical
+    doc = json.loads(out.read_text())
+    assert set(doc["steps"]) == {"one-panel", "panel-pairs"}
+    assert doc["tokens"]["one-panel"] == doc["tokens"]["panel-pairs"]
+
+
+@pytest.mark.parametrize("toggle", ["streaming", "panels"])
 def test_ab_decode_step_alternates_in_one_session(tmp_path, toggle):
     out = tmp_path / "ab.json"
     p = _run(["scripts/ab_decode_step.py", "--toggle", toggle, "--preset", "tiny-llm", "--tokens", "6",
