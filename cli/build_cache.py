@@ -28,6 +28,11 @@ def build_cache(
     device: str = typer.Option("cpu", "--device", help="Device the packed objects are for: cpu."),
     rebuild: bool = typer.Option(False, "--rebuild", help="Build every object again, replacing the cache "
                                  "(also one that is malformed)."),
+    verify: bool = typer.Option(True, "--verify/--no-verify", help="Read every entry kept and check it "
+                                "against its payload digest first; a damaged one is rebuilt (default: on)."),
+    write_digests: bool = typer.Option(False, "--write-digests", help="First give the model's weights their "
+                                       "missing digests (as onnx-prep digest --write): a load uses no entry "
+                                       "built from a weight without one."),
     json_out: bool = typer.Option(False, "--json", help="Print the build record as JSON (docs/build-cache.md)."),
     trust_symlinks: bool = TRUST_SYMLINKS,
 ) -> None:
@@ -39,7 +44,8 @@ def build_cache(
         show = not json_out and output.stderr.is_terminal
         with _progress(show) as progress:
             doc = build_prepared_cache(model_path(model), output=out, cache_dir=cache_dir, compress=compress,
-                                       device=device, rebuild=rebuild, trust_symlinks=trust_symlinks,
+                                       device=device, rebuild=rebuild, verify=verify,
+                                       write_digests=write_digests, trust_symlinks=trust_symlinks,
                                        warn=output.warn, progress=progress)
         if json_out:
             output.emit_json(doc)
@@ -86,7 +92,8 @@ def _render(doc: dict) -> None:
 
     t = doc["timings"]
     if doc["written"] == 0 and doc["rebuilt"] == 0 and doc["reused"] == doc["objects"]:
-        say(f"{doc['cache']}: up to date, {doc['objects']} objects, generation {doc['generation']} "
+        checked = f", {doc['verified']} checked" if doc["verified"] else ""
+        say(f"{doc['cache']}: up to date, {doc['objects']} objects{checked}, generation {doc['generation']} "
             f"({_mib(doc['cache_bytes'])}); nothing written ({t['total_ms']:.0f} ms)")
         return
     say(f"{doc['cache']}: generation {doc['generation']}"
@@ -96,4 +103,6 @@ def _render(doc: dict) -> None:
     enc = f", {doc['compress']}" if doc["compress"] else ""
     say(f"  bytes: {_mib(doc['bytes_written'])} written{enc}; cache {_mib(doc['cache_bytes'])} stored for "
         f"{_mib(doc['packed_bytes'])} packed; {_mib(doc['source_bytes_read'])} of source read")
+    if doc["digests_added"]:
+        say(f"  digests: {doc['digests_added']} weights given one (the model file rewritten; its data files not)")
     say(f"  time: {t['total_ms']:.0f} ms (resolve {t['resolve_ms']:.0f} ms, build {t['build_ms']:.0f} ms)")

@@ -134,3 +134,68 @@ def test_a_folder_with_its_cache_still_names_one_model(model):
     doc = json.loads(cli("run", model.parent, "--tokens", "2", "--json").stdout)
     assert doc["model"].endswith(model.name) and doc["cache"]["packed_reads"] > 0
     assert json.loads(cli("build-cache", model.parent, "--json").stdout)["written"] == 0
+
+
+def _strip_digests(model: Path) -> None:
+    """The model as most exporters write it: no per-tensor digest, no file checksum."""
+    import onnx
+
+    from onnx_prep.core.model.weight_digests import TENSOR_DIGEST_KEY, TENSOR_FAST_DIGEST_KEY
+
+    m = onnx.load(str(model), load_external_data=False)
+    for t in m.graph.initializer:
+        keep = [p for p in t.metadata_props if p.key not in (TENSOR_DIGEST_KEY, TENSOR_FAST_DIGEST_KEY)]
+        del t.metadata_props[:]
+        t.metadata_props.extend(keep)
+        ext = [p for p in t.external_data if p.key != "checksum"]
+        del t.external_data[:]
+        t.external_data.extend(ext)
+    onnx.save(m, str(model))
+
+
+def test_weights_without_digests_are_said_and_write_digests_makes_the_cache_usable(model):
+    """A cache built from weights without digests is one no load uses: build-cache says
+    so (one warning naming the fix), and --write-digests gives them digests first, after
+    which a load under require-complete reads every object from the cache and a second
+    build writes nothing."""
+    jsonschema = pytest.importorskip("jsonschema")
+    _strip_digests(model)
+    p = cli("build-cache", model)
+    warning = [line for line in p.stderr.splitlines() if "without a digest" in line]
+    assert len(warning) == 1 and f"build-cache --write-digests {model}" in warning[0]
+    doc = json.loads(cli("build-cache", model, "--json").stdout)
+    jsonschema.validate(doc, schema("build-cache"))
+    assert doc["unverifiable"] == doc["objects"] > 0 and doc["written"] == doc["objects"]
+    assert any("without a digest" in w for w in doc["warnings"])
+    r = cli("run", model, "--tokens", "2", "--cache-policy", "require-complete", ok=False)
+    assert r.returncode == 2 and f"onnx-prep digest --write {model}" in r.stderr  # the fix, not build-cache alone
+    fixed = json.loads(cli("build-cache", model, "--write-digests", "--json").stdout)
+    jsonschema.validate(fixed, schema("build-cache"))
+    assert fixed["digests_added"] > 0 and fixed["unverifiable"] == 0 and fixed["warnings"] == []
+    assert cli("run", model, "--tokens", "2", "--cache-policy", "require-complete").returncode == 0
+    again = json.loads(cli("build-cache", model, "--json").stdout)
+    assert again["written"] == 0 and again["verified"] == again["objects"] and again["digests_added"] == 0
+
+
+def test_a_damaged_payload_is_found_and_rebuilt_by_build_cache(model):
+    """The fix a load names for a damaged entry works: build-cache reads every entry it
+    keeps against its payload digest, so it rebuilds the damaged one (and only it)."""
+    from onnx_prep.core.cache.manifest import read_manifest
+
+    built = json.loads(cli("build-cache", model, "--json").stdout)
+    e = max(read_manifest(Path(built["cache"])).entries, key=lambda e: e.length)
+    data = model.parent / e.file
+    with open(data, "r+b") as f:  # one payload byte flipped
+        f.seek(e.offset + e.length // 2)
+        b = f.read(1)
+        f.seek(e.offset + e.length // 2)
+        f.write(bytes([b[0] ^ 0x40]))
+    r = cli("run", model, "--tokens", "2", "--cache-policy", "require-complete", ok=False)
+    assert r.returncode == 2 and "does not match its digest" in r.stderr
+    assert f"rebuild it: onnx-prep build-cache {model}" in r.stderr
+    skipped = json.loads(cli("build-cache", model, "--no-verify", "--json").stdout)
+    assert skipped["written"] == 0 and skipped["verified"] == 0  # not read: not found
+    doc = json.loads(cli("build-cache", model, "--json").stdout)
+    assert doc["written"] == doc["rebuilt"] == 1 and doc["verified"] == doc["objects"]
+    assert [o["was"] for o in doc["outcomes"] if o["action"] == "written"] == ["damaged"]
+    assert cli("run", model, "--tokens", "2", "--cache-policy", "require-complete").returncode == 0

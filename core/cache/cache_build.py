@@ -1,5 +1,5 @@
 """The cache build: what ``onnx-prep build-cache`` does, as one core call returning one
-record (schema ``onnx-prep.build-cache/1``, docs/build-cache.md).
+record (schema ``onnx-prep.build-cache/2``, docs/build-cache.md).
 
 It opens the model's prepared cache under ``build-if-missing`` and, when some prepared
 object has no compatible entry, loads exactly those through the real runtime (a
@@ -14,11 +14,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from onnx_prep.core.cache.prepared_cache import CachePolicy, EntryStatus, PreparedCache, default_cache_path
+from onnx_prep.core.cache.prepared_cache import (CachePolicy, EntryOutcome, EntryStatus, PreparedCache,
+                                                 default_cache_path)
 
 __all__ = ["SCHEMA", "build_prepared_cache"]
 
-SCHEMA = "onnx-prep.build-cache/1"
+SCHEMA = "onnx-prep.build-cache/2"
 
 # progress(done_objects, total_objects, done_bytes, total_bytes)
 BuildProgress = Callable[[int, int, int, int], None]
@@ -26,9 +27,15 @@ BuildProgress = Callable[[int, int, int, int], None]
 
 def build_prepared_cache(model: Path, *, output: Path | None = None, cache_dir: Path | None = None,
                          compress: str | None = None, device: str = "cpu", rebuild: bool = False,
-                         trust_symlinks: bool = False, warn: Callable[[str], None] | None = None,
+                         verify: bool = True, write_digests: bool = False, trust_symlinks: bool = False,
+                         warn: Callable[[str], None] | None = None,
                          progress: BuildProgress | None = None) -> dict:
-    """Build or update ``model``'s prepared cache; the record of what it did."""
+    """Build or update ``model``'s prepared cache; the record of what it did.
+
+    ``verify``: every entry kept is read and checked against its payload digest first
+    (a damaged one is rebuilt), so a cache this reports up to date loads. ``write_digests``:
+    the model's weights get their missing digests first (``onnx-prep digest --write``):
+    an entry built from a weight without one is unverified, and no load uses it."""
     from onnx_prep.core.errors import UsageError
     from onnx_prep.core.model.resolution import resolve_model
     from onnx_prep.core.runtime.session import Session
@@ -39,6 +46,12 @@ def build_prepared_cache(model: Path, *, output: Path | None = None, cache_dir: 
         raise UsageError(f"-o {output}: a prepared cache's file name ends in .prepared.onnx",
                          hint="e.g. -o model.prepared.onnx")
     t0 = time.perf_counter()
+    digests_added = 0
+    if write_digests:
+        from onnx_prep.core.model.weight_digests import digest_model
+
+        written = digest_model(Path(model), write=True, trust_symlinks=trust_symlinks)["write"] or {}
+        digests_added = written.get("tensor_digests_added", 0)
     resolved = resolve_model(Path(model), trust_symlinks=trust_symlinks)
     t_resolved = time.perf_counter()
     path = Path(output) if output is not None else default_cache_path(resolved.model_path, cache_dir)
@@ -57,6 +70,15 @@ def build_prepared_cache(model: Path, *, output: Path | None = None, cache_dir: 
             before[k] = replace(o, status=EntryStatus.INCOMPATIBLE, reason=why)
             cache.outcomes[k] = before[k]
             cache.replace_keys.add(k)
+    verified = 0
+    if verify:  # what a load would find wrong with an entry kept, found now
+        for k, o in list(before.items()):
+            if o.status is EntryStatus.HIT and k not in cache.replace_keys:
+                problem = cache.payload_problem(cache.entry(k))
+                verified += 1
+                if problem is not None:
+                    before[k] = cache.outcomes[k] = EntryOutcome(k, EntryStatus.DAMAGED, problem)
+                    cache.replace_keys.add(k)
     todo = [k for k, o in before.items() if o.status is not EntryStatus.HIT]
     total_bytes = sum(cache.packed_size(k) or 0 for k in todo)
     stats = None
@@ -88,6 +110,19 @@ def build_prepared_cache(model: Path, *, output: Path | None = None, cache_dir: 
         outcomes.append({"key": key, "was": o.status.value, "reason": o.reason, "action": action})
     live = cache.manifest
     entries = live.entries if live is not None else ()
+    warnings = list(cache.warnings)
+    unverifiable = cache.unverifiable()
+    if unverifiable:
+        # A load trusts an entry only through its sources' digests: without them every
+        # load rebuilds these objects, and every build writes them again.
+        msg = (f"{len(unverifiable)} of {len(before)} objects come from weights without a digest "
+               f"({next(iter(unverifiable.values()))}{', ...' if len(unverifiable) > 1 else ''}): no load "
+               f"can check their entries, so loads rebuild them and this cache goes unused; give the "
+               f"weights digests and build again: onnx-prep build-cache --write-digests {resolved.model_path}"
+               f"{'' if path == default_cache_path(resolved.model_path) else f' -o {path}'}")
+        warnings.append(msg)
+        if warn is not None:
+            warn(msg)
     return {
         "schema": SCHEMA,
         "model": str(resolved.model_path),
@@ -106,7 +141,10 @@ def build_prepared_cache(model: Path, *, output: Path | None = None, cache_dir: 
         "source_bytes_read": stats.source_bytes_read + stats.source_bytes_mapped if stats else 0,
         "files": sorted({e.file for e in entries}),
         "outcomes": outcomes,
-        "warnings": list(cache.warnings),
+        "verified": verified,
+        "unverifiable": len(unverifiable),
+        "digests_added": digests_added,
+        "warnings": warnings,
         "timings": {"resolve_ms": (t_resolved - t0) * 1e3, "build_ms": (t_end - t_resolved) * 1e3,
                     "total_ms": (t_end - t0) * 1e3},
     }

@@ -41,7 +41,7 @@ import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -191,7 +191,45 @@ class PreparedCache:
                 raise PreparedCacheError(
                     f"prepared cache is incomplete: {len(missing)} of {len(self.outcomes)} objects have "
                     f"no compatible entry ({first}{'; ...' if len(missing) > 3 else ''})",
-                    Where(file=str(self.path)), hint="build it: onnx-prep build-cache")
+                    Where(file=str(self.path)), hint=self.build_hint(missing))
+
+    def build_hint(self, outcomes: Iterable[EntryOutcome] = (), *, verb: str = "build",
+                   unverifiable: bool = False) -> str:
+        """What makes this cache complete, as a command line: ``build-cache`` (naming the
+        cache where it is not the default), after ``digest --write`` where an entry is
+        unverified (a source without a digest: no build can make a load trust it)."""
+        model = self.resolved.model_path
+        where = "" if self.path == default_cache_path(model) else f" -o {self.path}"
+        build = f"onnx-prep build-cache {model}{where}"
+        if any(o.status is EntryStatus.UNVERIFIED for o in outcomes) or unverifiable:
+            return f"give the weights digests, then build: onnx-prep digest --write {model}; {build}"
+        return f"{verb} it: {build}"
+
+    def unverifiable(self) -> dict[str, str]:
+        """Each object whose entry no load can check, with its first source that has no
+        digest: a load trusts an entry only through its sources' digests."""
+        out = {}
+        for key, req in self._requests.items():
+            if self.expected_lineage(req) is None:
+                out[key] = next(n for n in req.source_lineage if self.declared.get(n) is None)
+        return out
+
+    def payload_problem(self, e: CacheEntry) -> str | None:
+        """Entry ``e``'s payload read whole and checked against its digest (1 MiB at a
+        time: bounded memory); what is wrong with it, or None."""
+        try:
+            fd = self._fd(e.file)
+            h = PayloadHasher.matching(e.payload_digest)
+            for lo in range(0, e.length, _CHUNK):
+                chunk = os.pread(fd, min(_CHUNK, e.length - lo), e.offset + lo)
+                if not chunk:
+                    raise _Unusable("payload file ended early")
+                h.update(chunk)
+            if h.digest() != e.payload_digest:
+                raise _Unusable(f"payload does not match its digest {e.payload_digest}")
+        except (OSError, _Unusable) as exc:
+            return str(exc)
+        return None
 
     # ---------------------------------------------------------------- compatibility
     @functools.cached_property
@@ -392,7 +430,7 @@ class PreparedCache:
         msg = f"prepared cache entry {e.key} is unusable: {reason}"
         if self.policy is CachePolicy.REQUIRE_COMPLETE:
             where = Where(file=str(self.folder / e.file), tensor=e.tensor_name, offset=e.offset)
-            raise PreparedCacheError(msg, where, hint="rebuild it: onnx-prep build-cache")
+            raise PreparedCacheError(msg, where, hint=self.build_hint(verb="rebuild"))
         self._note(msg + "; rebuilt from its sources")
         with self._lock:
             self.counters["fallbacks"] += 1
@@ -627,7 +665,7 @@ def prepared_cache_findings(resolved: ResolvedModel, prepared_path: Path | None 
     try:
         if cache.manifest is None:
             if require_complete:
-                add(path.name, f"no prepared cache at {path}; build it: onnx-prep build-cache",
+                add(path.name, f"no prepared cache at {path}; {cache.build_hint()}",
                     Where(file=str(path)), True)
             return findings
         for key, o in sorted(cache.outcomes.items()):
@@ -639,19 +677,10 @@ def prepared_cache_findings(resolved: ResolvedModel, prepared_path: Path | None 
                 require_complete or o.status is EntryStatus.DAMAGED)
         if verify_payloads:
             for e in cache.manifest.entries:
-                where = Where(file=str(path.parent / e.file), tensor=e.tensor_name, offset=e.offset)
-                try:
-                    fd = cache._fd(e.file)
-                    h = PayloadHasher.matching(e.payload_digest)
-                    for lo in range(0, e.length, _CHUNK):
-                        chunk = os.pread(fd, min(_CHUNK, e.length - lo), e.offset + lo)
-                        if not chunk:
-                            raise _Unusable("payload file ended early")
-                        h.update(chunk)
-                    if h.digest() != e.payload_digest:
-                        raise _Unusable(f"payload does not match its digest {e.payload_digest}")
-                except (OSError, _Unusable) as exc:
-                    add(e.key, f"payload unusable: {exc}", where, True)
+                problem = cache.payload_problem(e)
+                if problem is not None:
+                    add(e.key, f"payload unusable: {problem}; {cache.build_hint(verb='rebuild')}",
+                        Where(file=str(path.parent / e.file), tensor=e.tensor_name, offset=e.offset), True)
     finally:
         cache.close()
     return findings
