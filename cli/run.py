@@ -246,7 +246,8 @@ def _render_per_node(pn: dict, say: Callable[[str], None]) -> None:
     untyped = f"; {len(pn['untyped'])} without a known type not compared" if pn["untyped"] else ""
     if d is None:
         worst = pn["largest"]
-        say(f"per node (step 0): all {pn['compared']} values within {pn['tolerance']:g} x their range{untyped}"
+        say(f"per node (step 0): all {pn['compared']} values within {pn['tolerance']:g} x their range "
+            f"({pn['tolerance_basis']}){untyped}"
             + (f"; largest {worst['relative_diff']:.3g} at node {worst['node']!r} ({worst['op_type']})"
                if worst else ""))
         return

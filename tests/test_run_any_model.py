@@ -199,6 +199,18 @@ def test_generated_inputs_give_ort_outputs(mlp, tmp_path):
     assert again["outputs"][0]["max"] == pytest.approx(doc["outputs"][0]["max"], rel=1e-5)
 
 
+def test_a_zero_size_dim_runs_as_in_onnx_runtime(mlp, tmp_path):
+    """--shape batch=0 (documented as allowed): empty outputs of the right shapes, as ONNX
+    Runtime gives, through the packed MatMul and the INT4 matmul alike."""
+    out = tmp_path / "out.npz"
+    doc = _json([str(mlp), "--shape", "batch=0", "--outputs-out", str(out)])
+    written = dict(np.load(out))
+    ref = _ort(mlp, {"input": np.zeros((0, HIDDEN), np.float32), "gain": _generated("gain", (1,))})
+    for name in ("output", "label"):
+        assert written[name].shape == ref[name].shape and written[name].dtype == ref[name].dtype
+    assert written["output"].shape == (0, OUT) and [o["shape"] for o in doc["outputs"]] == [[0, OUT], [0]]
+
+
 def test_npz_and_npy_inputs_give_ort_outputs(mlp, tmp_path):
     rng = np.random.default_rng(7)
     feeds = {"input": rng.standard_normal((5, HIDDEN)).astype(np.float32), "gain": np.array([0.5], np.float32)}

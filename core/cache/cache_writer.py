@@ -101,8 +101,11 @@ def _write_error(exc: OSError, folder: Path) -> CacheWriteError:
             errno.EACCES: "no permission to write there", errno.EPERM: "no permission to write there",
             errno.EDQUOT: "the disk quota is exceeded", errno.EFBIG: "the file is too large"}
     reason = what.get(exc.errno, exc.strerror or str(exc))
+    elsewhere = "build-cache --cache-dir DIR or -o PATH, then run --prepared PATH"
+    full = exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
     return CacheWriteError(f"cannot write the prepared cache: {reason}", Where(file=str(folder)),
-                           hint="choose another place with --cache-dir, or free space")
+                           hint=(f"free space, or put the cache elsewhere: {elsewhere}" if full
+                                 else f"put the cache in a folder you can write: {elsewhere}"))
 
 
 @contextmanager

@@ -36,7 +36,7 @@ from onnx_prep.core.errors import UsageError, Where
 from onnx_prep.core.option_ranges import (MAX_BATCH, MAX_MEMORY_BUDGET, MAX_THREADS, MAX_TOKEN_ID, MAX_TOKENS,
                                           MIN_MEMORY_BUDGET, check_range)
 
-SCHEMA = "onnx-prep.run/7"
+SCHEMA = "onnx-prep.run/8"
 RUNTIMES = ("prepared", "ort")
 COMPARE_WITH = ("ort",)
 DEFAULT_PROMPT = (1, 2, 3, 4)
@@ -237,7 +237,10 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
                   tokens=options.tokens, model=str(path))
     top = max(max(row) for row in options.distinct_rows)
     if io.vocab_size is not None and top >= io.vocab_size:
-        raise UsageError(f"prompt id {top} is outside the vocabulary (size {io.vocab_size})", Where(model=str(path)))
+        raise UsageError(f"prompt id {top} is outside the vocabulary (size {io.vocab_size})", Where(model=str(path)),
+                         hint=("give ids below it with --prompt-ids" if io.kv else
+                               "give ids below it with --prompt-ids; a model that is not a decoder "
+                               "runs one forward with --inputs or --shape"))
     # Before either runtime opens and before the prompt array: what cannot fit is refused
     # before it is allocated.
     admit(estimate_run_memory(io, len(options.prompt_ids), len(options.prompt_ids[0]), options.tokens,

@@ -44,6 +44,8 @@ def _matmul_prepared(a2: np.ndarray, packed: np.ndarray, alpha: float) -> np.nda
     if packed.dtype == np.uint8:
         from onnx_prep import native
 
+        if a2.shape[0] == 0:  # a zero-size dim (allowed): the kernel takes rows, so one zero row, none kept
+            return native.gemm(np.zeros((1, a2.shape[1]), np.float32), packed, alpha=alpha)[:0]
         return native.gemm(a2, packed, alpha=alpha)
     y = a2 @ packed
     if alpha != 1.0:

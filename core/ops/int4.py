@@ -93,7 +93,9 @@ def matmul_nbits(inputs, attrs, prepared):
     if a2.dtype != np.float32:  # fp16 A (fp16 scales): compute in fp32, cast back
         a2 = a2.astype(np.float32)
     packed = prepared.get(1) if prepared else None
-    if packed is not None and packed.dtype == np.uint8:
+    if a2.shape[0] == 0:  # a zero-size dim (allowed): nothing to compute
+        y = np.zeros((0, N), np.float32)
+    elif packed is not None and packed.dtype == np.uint8:
         from onnx_prep import native
 
         a2 = np.ascontiguousarray(a2)

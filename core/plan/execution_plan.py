@@ -35,7 +35,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 from onnx_prep.core.plan.task import Arena
-from onnx_prep.core.errors import OnnxPrepError
+from onnx_prep.core.errors import OnnxPrepError, Where
 from onnx_prep.core.model.prepared_key import PrepackRequest, PreparedKey
 from onnx_prep.core.model.resolved_model import NodeKernel, ResolvedModel, require_frozen
 from onnx_prep.core.plan.task import ResourceClass, TaskDescriptor, TaskId, TaskKind, TaskScope
@@ -296,8 +296,9 @@ def build_prepared_execution_plan(
     if resolved.unsupported:
         ops = ", ".join(f"{u.domain or 'ai.onnx'}::{u.op_type} ({', '.join(u.nodes[:3])})"
                         for u in resolved.unsupported)
-        raise OnnxPrepError(f"model has ops with no kernel: {ops}",
-                            hint="run `onnx-prep resolve` to list them")
+        path = resolved.model_path
+        raise OnnxPrepError(f"model has ops with no kernel: {ops}", Where(model=str(path) if path else None),
+                            hint=f"run `onnx-prep resolve{f' {path}' if path else ''}` to list them")
     manifest = resolved.manifest
 
     # --- invocation steps: a step starts at each node that consumes a prepared object
