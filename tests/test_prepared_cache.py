@@ -176,20 +176,30 @@ def test_mapped_page_ins_do_not_wait_behind_source_reads_holding_the_io_queue(mo
         cache.close()
 
 
-def test_a_new_process_reads_the_cache_and_decodes_the_same_tokens(model):
-    def run(*args):
-        p = subprocess.run([*ONNX_PREP, "run", str(model), "--tokens", "6", "--json", *args],
-                           capture_output=True, text=True, timeout=120)
+def test_a_new_process_reads_the_cache_and_decodes_the_same_tokens(model, tmp_path):
+    """The round trip as a user makes it: each run its own process; from the cache
+    (read-only, the default policy, and require-complete) the logits are the uncached
+    run's bit for bit and not one byte of a packed source is read."""
+    def run(name, *args):
+        logits = tmp_path / f"{name}.npz"
+        p = subprocess.run([*ONNX_PREP, "run", str(model), "--tokens", "6", "--json", "--logits-out", str(logits),
+                            *args], capture_output=True, text=True, timeout=120)
         assert p.returncode == 0, p.stderr
-        return json.loads(p.stdout)
+        doc = json.loads(p.stdout)
+        return doc, np.load(logits)["logits"]
 
-    plain = run("--cache-policy", "disabled")
-    built = run("--cache-policy", "build-if-missing")
-    cached = run("--cache-policy", "require-complete")
-    assert plain["cache"] is None
+    plain, plain_logits = run("plain", "--cache-policy", "disabled")
+    built, built_logits = run("built", "--cache-policy", "build-if-missing")
+    assert plain["cache"] is None and plain["load"]["packed_reads"] == 0
+    assert plain["load"]["prepacks"] > 0 and plain["load"]["packed_source_bytes"] > 0
     assert built["cache"]["committed"]["written"] == built["cache"]["entries"]["missing"] > 0
-    assert cached["cache"]["packed_reads"] == cached["cache"]["entries"]["hit"] == built["cache"]["persisted"]
-    assert plain["tokens"] == built["tokens"] == cached["tokens"]
+    for policy in ("read-only", "require-complete"):
+        cached, logits = run(policy, "--cache-policy", policy)
+        assert cached["cache"]["packed_reads"] == cached["cache"]["entries"]["hit"] == built["cache"]["persisted"]
+        assert cached["load"]["prepacks"] == 0 and cached["load"]["packed_source_bytes"] == 0
+        assert 0 < cached["load"]["source_bytes"] < plain["load"]["source_bytes"]  # the raw weights only
+        assert plain["tokens"] == built["tokens"] == cached["tokens"]
+        assert np.array_equal(logits, plain_logits) and np.array_equal(built_logits, plain_logits)
 
 
 def test_with_one_entry_removed_only_its_sources_are_read_and_repacked(model):

@@ -185,7 +185,7 @@ def open_prepared_runner(resolved, *, threads: int | None, source_pages: str, ve
 def record_run(model: str | Path, options: RunOptions, *, progress: Progress | None = None,
                warn: Callable[[str], None] | None = None) -> dict:
     """Decode with ``options.runtime`` (and again with ``options.compare``, compared) and
-    return the ``onnx-prep.run/6`` record. ``compare.agrees`` false is a finding, not an
+    return the ``onnx-prep.run/8`` record. ``compare.agrees`` false is a finding, not an
     error. Raises the typed errors of ``core/errors.py`` for unusable input."""
     import numpy as np
 
@@ -262,6 +262,8 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
                                           else nullcontext())
             result = greedy_decode(runner, io, prompt, tokens, on_step=on_step, keep_logits=keep_logits,
                                    model=str(path))
+            if kind == options.runtime and hasattr(runner, "reader") and hasattr(runner, "stats"):
+                loads.append(_load_record(runner, resolved))
             if hasattr(runner, "device_record"):
                 device_runs.append(runner.device_record())
                 if runner.cache_commit is not None:  # a device load completes a build-if-missing cache first
@@ -270,6 +272,7 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
 
     device_runs: list[dict] = []
     early_commits: list[dict] = []
+    loads: list[dict] = []
     try:
         open_ms, result, pages = decode(options.runtime, keep_logits=options.logits_out is not None)
         device_counters = device_runs[0] if device_runs else None
@@ -286,6 +289,7 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
            "io": io.to_json(), "tokens": result.tokens.tolist(),
            "timings": {"open_ms": open_ms, **result.timings_json()},
            "counters": result.counters_json(), "source_pages": pages, "device": device_counters,
+           "load": loads[0] if loads else None,
            "cache": None if cache is None else {**cache.summary(), "committed": committed},
            "compare": None}
     if options.logits_out is not None:
@@ -308,6 +312,19 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
         if options.per_node:
             doc["compare"]["per_node"] = _compare_per_node(resolved, io, prompt, options, ort_config)
     return doc
+
+
+def _load_record(session, resolved) -> dict:
+    """What the prepared runtime's load and decode read, from the session's counters:
+    objects packed here and objects read from the cache; source bytes read or mapped, and
+    of them those of weights that have a prepared form (0 when the cache held every
+    object: the rest are the weights used as they are, norms and embeddings)."""
+    stats = session.stats()
+    counters = session.reader.counters.snapshot()
+    packed = {n for r in resolved.requests.values() for n in r.source_lineage}
+    touched = (*counters["per_tensor"].items(), *counters["mapped_per_tensor"].items())
+    return {"prepacks": stats.prepacks, "packed_reads": stats.packed_reads, "source_bytes": stats.source_bytes,
+            "packed_source_bytes": sum(n for name, n in touched if name in packed)}
 
 
 def _kind(options: RunOptions, inputs, mapping):
