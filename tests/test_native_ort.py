@@ -9,6 +9,9 @@ import numpy as np
 import pytest
 
 from conftest import ort_or_skip
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from onnx_prep import native
 from test_native_reference import ALL_ISAS, dequantize_matmul_nbits, fold_weights, int8_rounded, random_matmul_nbits
 
@@ -167,6 +170,43 @@ def test_gather_block_quantized_matches_onnxruntime(bs, zp, scale_dtype):
         np.testing.assert_array_equal(got, want)  # (code - zero) * scale: one rounding, same order
     else:  # ORT rounds each value to fp16
         np.testing.assert_array_equal(got.astype(np.float16).astype(np.float32), want)
+
+
+@settings(max_examples=40, deadline=None)
+@given(V=st.integers(1, 70), kb=st.integers(1, 5), bs=st.sampled_from([16, 32, 64, 128]), zp=st.booleans(),
+       f16=st.booleans(), idx_shape=st.lists(st.integers(1, 4), min_size=1, max_size=3), seed=st.integers(0, 2**16),
+       tied=st.booleans())
+def test_gather_block_quantized_matches_onnxruntime_on_random_shapes(V, kb, bs, zp, f16, idx_shape, seed, tied):
+    """Random tables (rows, blocks a row, block size, zero points or not, fp32 or fp16
+    scales) and index tensors of rank 1-3 with negative indices, from a gather buffer and
+    from the matmul buffer a tied embedding reads: ONNX Runtime's values, bit for bit
+    (fp32: one rounding of (code - zero) x scale on both sides; fp16: ORT rounds each
+    value to fp16, so ours rounded once the same way)."""
+    rng = np.random.default_rng(seed)
+    scale_dtype = np.float16 if f16 else np.float32
+    data = rng.integers(0, 256, (V, kb, bs // 2), dtype=np.uint8)
+    scales = (rng.random((V, kb, 1)) * 0.1 + 0.01).astype(scale_dtype)
+    z = rng.integers(0, 16, (V, kb, 1), dtype=np.uint8) if zp else None
+    idx = rng.integers(-V, V, idx_shape, dtype=np.int64)
+    want = run_gather_block_quantized(data, scales, z, idx, bs).astype(np.float32).reshape(*idx_shape, kb * bs)
+    if tied:  # the LM head's matmul buffer: row v is output column v (zero points packed two a byte there)
+        zq = None if z is None else _pack_u4_rows(z.reshape(V, kb))
+        packed = native.prepack_matmul_nbits(data, scales.reshape(-1), zq, K=kb * bs, N=V, block_size=bs)
+    else:
+        packed = native.prepack_gather_block_quantized(data, scales, z, block_size=bs)
+    got = native.gather_block_quantized(idx, packed)
+    if f16:
+        got = got.astype(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(got, want)
+
+
+def _pack_u4_rows(z: np.ndarray) -> np.ndarray:
+    """Per row, uint4 zero points two to a byte (low nibble first), rows padded to a byte:
+    MatMulNBits' zero-point layout."""
+    rows, n = z.shape
+    padded = np.zeros((rows, n + n % 2), np.uint8)
+    padded[:, :n] = z
+    return (padded[:, 0::2] | (padded[:, 1::2] << 4)).reshape(-1)
 
 
 @pytest.mark.parametrize("isa", ALL_ISAS)
