@@ -202,6 +202,35 @@ def test_a_new_process_reads_the_cache_and_decodes_the_same_tokens(model, tmp_pa
         assert np.array_equal(logits, plain_logits) and np.array_equal(built_logits, plain_logits)
 
 
+def _bytes_read_by_this_process() -> int:
+    """``rchar`` of /proc/self/io: every byte this process's read-like calls returned."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs /proc/self/io (Linux) to count bytes read")
+def test_opening_a_cache_reads_its_manifest_and_no_payload(model):
+    """Opening (every entry validated, its payload file opened) reads the manifest, not
+    one payload: the bytes this process reads while it opens are far fewer than one
+    payload's (counted by the kernel, not by the cache's own counters)."""
+    manifest = build(model)
+    resolved = resolve_model(model)
+    PreparedCache(resolved).close()  # the first open imports what it needs: not counted below
+    smallest = min(e.length for e in manifest.entries)
+    manifest_size = (model.parent / f"{model.stem}.prepared.onnx").stat().st_size
+    before = _bytes_read_by_this_process()
+    cache = PreparedCache(resolved)
+    read = _bytes_read_by_this_process() - before
+    try:
+        assert all(o.status is EntryStatus.HIT for o in cache.outcomes.values())
+        assert cache.counters["packed_bytes"] == 0
+        assert read < manifest_size + 64 * 1024 < smallest * len(manifest.entries), (read, manifest_size)
+    finally:
+        cache.close()
+
+
 def test_with_one_entry_removed_only_its_sources_are_read_and_repacked(model):
     manifest = build(model)
     gone = manifest.entries[len(manifest.entries) // 2]
