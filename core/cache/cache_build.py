@@ -104,9 +104,12 @@ def build_prepared_cache(model: Path, *, output: Path | None = None, cache_dir: 
         cache.close()
     t_end = time.perf_counter()
     written = result["written"]
+    # an unverified entry whose sources hash, on this build's read, to what it was built
+    # from is kept as it is: built again, not written
+    written_keys = set(cache.committed_keys)
     outcomes = []
     for key, o in sorted(before.items()):
-        action = "written" if key in todo else "reused"
+        action = "written" if key in written_keys else "reused"
         outcomes.append({"key": key, "was": o.status.value, "reason": o.reason, "action": action})
     live = cache.manifest
     entries = live.entries if live is not None else ()
@@ -133,8 +136,8 @@ def build_prepared_cache(model: Path, *, output: Path | None = None, cache_dir: 
         "previous_generation": previous,
         "objects": len(before),
         "written": written,
-        "reused": len(before) - len(todo),
-        "rebuilt": sum(1 for k in todo if before[k].status not in (EntryStatus.MISSING,)),
+        "reused": len(before) - len(written_keys),
+        "rebuilt": sum(1 for k in written_keys if before[k].status is not EntryStatus.MISSING),
         "bytes_written": result["bytes_written"],
         "cache_bytes": sum(e.length for e in entries),
         "packed_bytes": sum(e.decoded_length for e in entries),

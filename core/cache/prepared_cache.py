@@ -149,9 +149,11 @@ class PreparedCache:
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._write_error: str | None = None
-        self.on_persisted: Callable[[int], None] | None = None  # after each object written (progress)
+        self.on_persisted: Callable[[int], None] | None = None  # after each object written or kept (progress)
         self.replace_keys: set[str] = set()  # persisted even over a compatible entry (build-cache)
         self._verified: set[str] = set()  # entries whose payload digest a read checked
+        self._confirmed: dict[str, str] = {}  # unverified entries whose sources this read matched: kept
+        self.committed_keys: list[str] = []  # the entries the last commit wrote
         self.write_errors_fatal = False  # build-cache: commit(strict=True) raises them, so no warning too
         self.manifest: CacheManifest | None = None
         self.outcomes: dict[str, EntryOutcome] = {}
@@ -262,6 +264,21 @@ class PreparedCache:
         return EntryOutcome(key, EntryStatus.HIT, "compatible")
 
     def _incompatibility(self, e: CacheEntry, req: PrepackRequest) -> EntryOutcome | None:
+        why = self._structural_incompatibility(e, req)
+        if why is not None:
+            return why
+        expected = self.expected_lineage(req)
+        if expected is None:
+            no_digest = [n for n in req.source_lineage if self.declared.get(n) is None]
+            return EntryOutcome(e.key, EntryStatus.UNVERIFIED, f"source {no_digest[0]} has no digest "
+                                "(onnx-prep digest --write gives it one)")
+        if e.lineage_digest != expected:
+            return EntryOutcome(e.key, EntryStatus.STALE, "the source bytes changed (lineage digest differs)")
+        return None
+
+    def _structural_incompatibility(self, e: CacheEntry, req: PrepackRequest) -> EntryOutcome | None:
+        """What makes ``e`` another object than this build packs for ``req``, its sources'
+        bytes aside: layout, device, kernel ABI, packed format, source names, size."""
         key = e.key
         for field, have, want in (("layout", e.layout, req.layout), ("device", e.device, req.device),
                                   ("kernel ABI", e.kernel_abi, self._abi),
@@ -272,13 +289,6 @@ class PreparedCache:
         size = self.packed_size(key)
         if size is not None and e.decoded_length != size:
             return EntryOutcome(key, EntryStatus.INCOMPATIBLE, f"size {e.decoded_length} bytes (expected {size})")
-        expected = self.expected_lineage(req)
-        if expected is None:
-            no_digest = [n for n in req.source_lineage if self.declared.get(n) is None]
-            return EntryOutcome(key, EntryStatus.UNVERIFIED, f"source {no_digest[0]} has no digest "
-                                "(onnx-prep digest --write gives it one)")
-        if e.lineage_digest != expected:
-            return EntryOutcome(key, EntryStatus.STALE, "the source bytes changed (lineage digest differs)")
         return None
 
     def packed_size(self, key: str) -> int | None:
@@ -296,6 +306,11 @@ class PreparedCache:
     def compatible(self, e: CacheEntry) -> bool:
         req = self._requests.get(e.key)
         return req is not None and self._incompatibility(e, req) is None
+
+    def _kept(self, e: CacheEntry) -> bool:
+        """Whether a commit carries live entry ``e`` into the new generation: compatible,
+        or unverified and found on this read to hold what these sources pack to."""
+        return self.compatible(e) or self._confirmed.get(e.key) == e.lineage_digest
 
     # ---------------------------------------------------------------- the index
     def lookup(self, request: PrepackRequest) -> PackedPayloadEntry | None:
@@ -475,6 +490,20 @@ class PreparedCache:
         if lineage is None or not self.persisting:  # a source read without a digest: cannot persist
             done()
             return
+        old = self.manifest.by_key.get(request.key) if self.manifest is not None else None
+        o = self.outcomes.get(request.key)
+        if (old is not None and o is not None and o.status is EntryStatus.UNVERIFIED
+                and request.key not in self.replace_keys and old.lineage_digest == lineage
+                and self._structural_incompatibility(old, request) is None):
+            # An unverified entry (its sources declare no digest) whose sources hash, on
+            # this read, to what it was built from: it holds these bytes already. Kept
+            # as it is, not written again.
+            with self._lock:
+                self._confirmed[request.key] = lineage
+            if self.on_persisted is not None:
+                self.on_persisted(packed.nbytes)
+            done()
+            return
         identity = CacheEntry(key=request.key, file="", offset=0, length=0, payload_digest="",
                               lineage_digest=lineage, source_lineage=request.source_lineage,
                               layout=request.layout, device=request.device, kernel_abi=self._abi,
@@ -598,9 +627,9 @@ class PreparedCache:
         try:
             live, added = writer.commit(
                 source_model_digest=source_model_digest(self.resolved.model_path), sources=self._sources,
-                keep=self.compatible,
+                keep=self._kept,
                 wanted=lambda new, old: new.key in self.replace_keys or old is None
-                or old.lineage_digest != new.lineage_digest or not self.compatible(old))
+                or old.lineage_digest != new.lineage_digest or not self._kept(old))
         except CacheWriteError as exc:
             writer.discard()
             if strict:
@@ -611,6 +640,7 @@ class PreparedCache:
         self.manifest = live
         out.update(generation=live.generation if live else None, written=len(added),
                    bytes_written=sum(e.length for e in added))
+        self.committed_keys = [e.key for e in added]
         return out
 
     def close(self) -> None:
