@@ -92,6 +92,28 @@ def ort_or_skip():
     return pytest.importorskip("onnxruntime", reason="onnxruntime not installed: oracle comparison skipped")
 
 
+def strip_digests(model: Path) -> dict[str, list[tuple[str, str]]]:
+    """Rewrite ``model`` as most exporters write it: no per-tensor digest, no data-file
+    checksum. Returns each initializer's removed digest entries (to put back)."""
+    import onnx
+
+    from onnx_prep.core.model.weights import TENSOR_DIGEST_KEY, TENSOR_FAST_DIGEST_KEY
+
+    m = onnx.load(str(model), load_external_data=False)
+    removed = {}
+    for t in m.graph.initializer:
+        keys = (TENSOR_DIGEST_KEY, TENSOR_FAST_DIGEST_KEY)
+        removed[t.name] = [(p.key, p.value) for p in t.metadata_props if p.key in keys]
+        keep = [p for p in t.metadata_props if p.key not in keys]
+        del t.metadata_props[:]
+        t.metadata_props.extend(keep)
+        ext = [p for p in t.external_data if p.key != "checksum"]
+        del t.external_data[:]
+        t.external_data.extend(ext)
+    onnx.save(m, str(model))
+    return removed
+
+
 def real_export(name: str) -> Path:
     """A real export (fixtures/real_exports.py) from the fixture cache, generated once per
     machine; skips, saying which tools are missing, where the ``exports`` extra is absent."""

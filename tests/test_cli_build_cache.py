@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import strip_digests
 from test_cli_exit_codes import ONNX_PREP
 
 
@@ -136,30 +137,13 @@ def test_a_folder_with_its_cache_still_names_one_model(model):
     assert json.loads(cli("build-cache", model.parent, "--json").stdout)["written"] == 0
 
 
-def _strip_digests(model: Path) -> None:
-    """The model as most exporters write it: no per-tensor digest, no file checksum."""
-    import onnx
-
-    from onnx_prep.core.model.weight_digests import TENSOR_DIGEST_KEY, TENSOR_FAST_DIGEST_KEY
-
-    m = onnx.load(str(model), load_external_data=False)
-    for t in m.graph.initializer:
-        keep = [p for p in t.metadata_props if p.key not in (TENSOR_DIGEST_KEY, TENSOR_FAST_DIGEST_KEY)]
-        del t.metadata_props[:]
-        t.metadata_props.extend(keep)
-        ext = [p for p in t.external_data if p.key != "checksum"]
-        del t.external_data[:]
-        t.external_data.extend(ext)
-    onnx.save(m, str(model))
-
-
 def test_weights_without_digests_are_said_and_write_digests_makes_the_cache_usable(model):
     """A cache built from weights without digests is one no load uses: build-cache says
     so (one warning naming the fix), and --write-digests gives them digests first, after
     which a load under require-complete reads every object from the cache and a second
     build writes nothing."""
     jsonschema = pytest.importorskip("jsonschema")
-    _strip_digests(model)
+    strip_digests(model)
     p = cli("build-cache", model)
     warning = [line for line in p.stderr.splitlines() if "without a digest" in line]
     assert len(warning) == 1 and f"build-cache --write-digests {model}" in warning[0]

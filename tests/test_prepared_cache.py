@@ -32,6 +32,7 @@ from onnx_prep.core.plan.task import ResourceClass
 from onnx_prep.core.runtime.scheduler import TaskState
 from onnx_prep.core.runtime.session import Session
 
+from conftest import strip_digests
 from test_cli_exit_codes import ONNX_PREP
 
 
@@ -412,18 +413,7 @@ def test_a_source_whose_bytes_do_not_match_its_digest_is_never_persisted(model):
 
 
 def test_sources_without_digests_are_recorded_as_read_and_never_reused_until_digested(model):
-    m = onnx.load(str(model), load_external_data=False)
-    digests = {}
-    for t in m.graph.initializer:  # neither the per-tensor digest nor the file checksum
-        keep = [p for p in t.metadata_props if p.key not in (TENSOR_DIGEST_KEY, TENSOR_FAST_DIGEST_KEY)]
-        digests[t.name] = [(p.key, p.value) for p in t.metadata_props
-                           if p.key in (TENSOR_DIGEST_KEY, TENSOR_FAST_DIGEST_KEY)]
-        del t.metadata_props[:]
-        t.metadata_props.extend(keep)
-        ext = [p for p in t.external_data if p.key != "checksum"]
-        del t.external_data[:]
-        t.external_data.extend(ext)
-    onnx.save(m, str(model))
+    digests = strip_digests(model)  # neither the per-tensor digest nor the file checksum
     manifest = build(model)
     assert manifest.entries  # persisted, with the digests computed on that read ...
     out, cache, _, stats = load(model, "read-only")
