@@ -27,6 +27,14 @@ from onnx_prep.core.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT
 _SCRIPT = Path(sys.executable).with_name("onnx-prep")
 ONNX_PREP = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "onnx_prep"]
 
+
+def default_sigint() -> None:
+    """In a child before it runs: SIGINT's default disposition. A suite started from a
+    shell's background job (``pytest &``) inherits SIGINT ignored, and so would the CLI,
+    which then never sees the Ctrl-C a test sends (Python installs its handler only where
+    SIGINT is not ignored at start)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 # ``main()`` of the console script in a fresh interpreter, after a fault is put into one
 # core function: sys.argv[1] names it ("module:function"), the rest is the command line.
 FAULTY = """
@@ -113,7 +121,8 @@ def test_130_on_ctrl_c_during_a_decode_without_a_traceback(small_llm_path, tmp_p
     env = dict(os.environ, TERM="xterm-256color", COLUMNS="100")
     env.pop("NO_COLOR", None)
     proc = subprocess.Popen([*ONNX_PREP, "run", str(small_llm_path), "--tokens", "20000", "--json"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=slave, env=env)
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=slave, env=env,
+                            preexec_fn=default_sigint)
     os.close(slave)
     seen = ""
     deadline = time.monotonic() + 60  # a bound on a broken test, not a synchronisation

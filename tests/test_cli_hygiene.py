@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from decoder_toys import build_toy_decoder
 from onnx_prep.core.errors import EXIT_INTERRUPTED, EXIT_UNUSABLE
-from test_cli_exit_codes import ONNX_PREP, _ANSI, onnx_prep
+from test_cli_exit_codes import ONNX_PREP, _ANSI, default_sigint, onnx_prep
 
 
 def _loop_decoder(path):
@@ -46,7 +46,7 @@ def test_130_within_a_second_on_ctrl_c_inside_a_long_reference_loop(tmp_path):
     master, slave = pty.openpty()
     env = dict(os.environ, TERM="xterm-256color", COLUMNS="100")
     proc = subprocess.Popen([*ONNX_PREP, "run", str(model), "--tokens", "8"], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=slave, env=env)
+                            stdout=subprocess.PIPE, stderr=slave, env=env, preexec_fn=default_sigint)
     os.close(slave)
     seen, sent_at, ended_at = "", None, None
     deadline = time.monotonic() + 60  # a bound on a broken test, not a synchronisation
