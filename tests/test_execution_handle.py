@@ -184,7 +184,7 @@ def test_failure_cancels_only_dependents_and_wait_reraises(env):
         h.wait(T)
     err = ei.value
     assert isinstance(err.__cause__, ExternalDataError)
-    assert "read w2" in str(err) and "short read" in str(err) and err.where.offset == 4096
+    assert str(err).startswith("short read") and err.task == "read w2" and err.where.offset == 4096
     st = h.status()
     assert st.state is SubmissionState.FAILED and st.failing_task == "read w2"
     assert set(st.suppressed) == {"prepack w2", "step 2", "step 3"}

@@ -444,7 +444,7 @@ class PreparedCache:
         Returns False, what the readers return for it."""
         msg = f"prepared cache entry {e.key} is unusable: {reason}"
         if self.policy is CachePolicy.REQUIRE_COMPLETE:
-            where = Where(file=str(self.folder / e.file), tensor=e.tensor_name, offset=e.offset)
+            where = Where(file=str(self.folder / e.file), offset=e.offset)  # the message names the entry
             raise PreparedCacheError(msg, where, hint=self.build_hint(verb="rebuild"))
         self._note(msg + "; rebuilt from its sources")
         with self._lock:

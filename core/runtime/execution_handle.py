@@ -386,14 +386,23 @@ def _cancel_submission(tracker: _Tracker) -> None:
 
 
 def _task_failed(st: ExecutionStatus) -> TaskFailedError:
+    """The error a wait raises for a failed submission. A task's own OnnxPrepError (bad
+    input: a damaged cache entry, a changed source, a device call) says what is wrong
+    and where in its own words, and is what the user reads; anything else is named with
+    the task it broke. ``task`` (the failing task's name) and ``__cause__`` keep both
+    for logs and ``--debug``."""
     err = st.error
     where = err.where if isinstance(err, OnnxPrepError) else Where()
     exit_code = err.exit_code if isinstance(err, OnnxPrepError) else EXIT_INTERNAL
     hint = err.hint if isinstance(err, OnnxPrepError) else None
-    msg = f"task {st.failing_task!r} failed: {type(err).__name__}: "
-    msg += err.message if isinstance(err, OnnxPrepError) else str(err)
-    if st.suppressed:
-        msg += f" ({len(st.suppressed)} dependent task(s) cancelled)"
+    if isinstance(err, OnnxPrepError) and not isinstance(err, TaskFailedError):
+        msg = err.message
+    else:
+        msg = f"task {st.failing_task!r} failed: {type(err).__name__}: "
+        msg += err.message if isinstance(err, OnnxPrepError) else str(err)
+        if st.suppressed:
+            msg += f" ({len(st.suppressed)} dependent task(s) cancelled)"
     e = TaskFailedError(msg, where, hint=hint, exit_code=exit_code)
+    e.task = st.failing_task
     e.__cause__ = err
     return e
