@@ -111,6 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     from onnx_prep.core.profile.machine import describe_machine
+    from onnx_prep.core.profile.machine_activity import MachineActivity, describe, distorted
 
     batches = [int(b) for b in args.batches.split(",")]
     names = [m for m in args.models.split(",") if m]
@@ -143,8 +144,10 @@ def main(argv=None) -> int:
     record = {"machine": facts, "tokens": args.tokens, "repeats": args.repeats, "from_cache": args.from_cache,
               "rows": []}
     print(f"{'model':14s} {'N':>2s}  {'ours tok/s':>22s}  {'ORT tok/s':>22s}  {'ours/ORT':>8s}  tokens")
+    whole = MachineActivity.now()
     for name in names:
         for n in batches:
+            started = MachineActivity.now()
             got = {"prepared": [], "ort": []}
             toks = {}
             for r in range(args.repeats):
@@ -153,12 +156,18 @@ def main(argv=None) -> int:
                     got[rt].append(out["tokens_per_s"])
                     toks[rt] = out["tokens"]
             med = {k: statistics.median(v) for k, v in got.items()}
+            activity = MachineActivity.now().since(started)
             row = {"model": name, "batch": n, **{f"{k}_tokens_per_s": v for k, v in got.items()},
-                   "ratio": med["prepared"] / med["ort"], "tokens_identical": toks["prepared"] == toks["ort"]}
+                   "ratio": med["prepared"] / med["ort"], "tokens_identical": toks["prepared"] == toks["ort"],
+                   "machine_activity": activity, "distorted": distorted(activity)}
             record["rows"].append(row)
             cell = lambda v: f"{min(v):6.1f}/{statistics.median(v):6.1f}/{max(v):6.1f}"  # noqa: E731
             print(f"{name:14s} {n:2d}  {cell(got['prepared']):>22s}  {cell(got['ort']):>22s}  "
-                  f"{row['ratio']:7.2f}x  {'identical' if row['tokens_identical'] else 'differ'}", flush=True)
+                  f"{row['ratio']:7.2f}x  {'identical' if row['tokens_identical'] else 'differ'}"
+                  + (f"  DISTORTED (other work {activity['foreign_cores']:.2f} cores, host steal "
+                     f"{activity['steal_s']:.2f} s)" if row["distorted"] else ""), flush=True)
+    record["machine_activity"] = MachineActivity.now().since(whole)
+    print(describe(record["machine_activity"]))
     if "medium-acc4" in paths:
         p = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_ops.py"), "--model",
                             str(paths["medium-acc4"]), "--batch", "1", "--json"],

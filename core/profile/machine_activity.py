@@ -122,6 +122,15 @@ class MachineActivity:
 NOISE_CORES = 0.05
 
 
+def distorted(activity: dict) -> bool:
+    """Whether other work or the host took enough CPU in ``activity`` (a ``since``) to
+    distort a benchmark's figures (``NOISE_CORES``); False where it cannot be told."""
+    if not activity.get("available"):
+        return False
+    wall = activity["wall_s"]
+    return activity["foreign_cores"] > NOISE_CORES or (wall > 0 and activity["steal_s"] / wall > NOISE_CORES)
+
+
 def describe(activity: dict) -> str:
     """One line for a benchmark's output: how much other work ran, and whether that is
     enough to distort the figures."""
@@ -135,7 +144,7 @@ def describe(activity: dict) -> str:
     f, st = activity["foreign_cpu_s"], activity["steal_s"]
     line = (f"other work on the machine during the run: {f:.2f} CPU-s in {wall:.1f} s "
             f"({activity['foreign_cores']:.2f} cores), host steal {st:.2f} s" + tail)
-    if activity["foreign_cores"] > NOISE_CORES or (wall > 0 and st / wall > NOISE_CORES):
+    if distorted(activity):
         line += ("  ** WARNING: figures distorted: another process or the host took CPU from "
                  "this run; rerun on a quiet machine **")
     return line
