@@ -117,7 +117,7 @@ def build_prepared_cache(model: Path, *, output: Path | None = None, cache_dir: 
     unverifiable = cache.unverifiable()
     if unverifiable:
         # A load trusts an entry only through its sources' digests: without them every
-        # load rebuilds these objects, and every build writes them again.
+        # load rebuilds these objects (and every build reads and packs them again).
         msg = (f"{len(unverifiable)} of {len(before)} objects come from weights without a digest "
                f"({next(iter(unverifiable.values()))}{', ...' if len(unverifiable) > 1 else ''}): no load "
                f"can check their entries, so loads rebuild them and this cache goes unused; give the "
