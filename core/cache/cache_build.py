@@ -121,8 +121,7 @@ def build_prepared_cache(model: Path, *, output: Path | None = None, cache_dir: 
         msg = (f"{len(unverifiable)} of {len(before)} objects come from weights without a digest "
                f"({next(iter(unverifiable.values()))}{', ...' if len(unverifiable) > 1 else ''}): no load "
                f"can check their entries, so loads rebuild them and this cache goes unused; give the "
-               f"weights digests and build again: onnx-prep build-cache --write-digests {resolved.model_path}"
-               f"{'' if path == default_cache_path(resolved.model_path) else f' -o {path}'}")
+               f"weights digests and build again: {cache.build_command('--write-digests')}")
         warnings.append(msg)
         if warn is not None:
             warn(msg)

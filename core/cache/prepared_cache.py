@@ -195,26 +195,31 @@ class PreparedCache:
                     f"no compatible entry ({first}{'; ...' if len(missing) > 3 else ''})",
                     Where(file=str(self.path)), hint=self.build_hint(missing))
 
-    def build_hint(self, outcomes: Iterable[EntryOutcome] = (), *, verb: str = "build",
-                   unverifiable: bool = False) -> str:
-        """What makes this cache complete, as a command line: ``build-cache`` (naming the
-        cache where it is not the default), after ``digest --write`` where an entry is
-        unverified (a source without a digest: no build can make a load trust it)."""
+    def build_command(self, *options: str) -> str:
+        """``onnx-prep build-cache`` for this model and cache, as a user would type it
+        (``-o PATH`` where the cache is not in the default place)."""
         model = self.resolved.model_path
         where = "" if self.path == default_cache_path(model) else f" -o {self.path}"
-        build = f"onnx-prep build-cache {model}{where}"
-        if any(o.status is EntryStatus.UNVERIFIED for o in outcomes) or unverifiable:
-            return f"give the weights digests, then build: onnx-prep digest --write {model}; {build}"
-        return f"{verb} it: {build}"
+        return " ".join(["onnx-prep build-cache", *options, str(model)]) + where
+
+    def build_hint(self, outcomes: Iterable[EntryOutcome] = (), *, verb: str = "build") -> str:
+        """What makes this cache complete: :meth:`build_command`, after ``digest --write``
+        where an entry is unverified (a source without a digest: no build can make a load
+        trust it)."""
+        if any(o.status is EntryStatus.UNVERIFIED for o in outcomes):
+            return (f"give the weights digests, then build: onnx-prep digest --write "
+                    f"{self.resolved.model_path}; {self.build_command()}")
+        return f"{verb} it: {self.build_command()}"
+
+    def _undigested(self, req: PrepackRequest) -> str | None:
+        """The first of ``req``'s sources without a declared digest, or None."""
+        return next((n for n in req.source_lineage if self.declared.get(n) is None), None)
 
     def unverifiable(self) -> dict[str, str]:
         """Each object whose entry no load can check, with its first source that has no
         digest: a load trusts an entry only through its sources' digests."""
-        out = {}
-        for key, req in self._requests.items():
-            if self.expected_lineage(req) is None:
-                out[key] = next(n for n in req.source_lineage if self.declared.get(n) is None)
-        return out
+        return {key: self._undigested(req) for key, req in self._requests.items()
+                if self.expected_lineage(req) is None}
 
     def payload_problem(self, e: CacheEntry) -> str | None:
         """Entry ``e``'s payload read whole and checked against its digest (1 MiB at a
@@ -269,8 +274,7 @@ class PreparedCache:
             return why
         expected = self.expected_lineage(req)
         if expected is None:
-            no_digest = [n for n in req.source_lineage if self.declared.get(n) is None]
-            return EntryOutcome(e.key, EntryStatus.UNVERIFIED, f"source {no_digest[0]} has no digest "
+            return EntryOutcome(e.key, EntryStatus.UNVERIFIED, f"source {self._undigested(req)} has no digest "
                                 "(onnx-prep digest --write gives it one)")
         if e.lineage_digest != expected:
             return EntryOutcome(e.key, EntryStatus.STALE, "the source bytes changed (lineage digest differs)")
