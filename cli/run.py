@@ -75,8 +75,8 @@ def run(
     compare: Optional[str] = typer.Option(None, "--compare", help="Also decode with this runtime and "
                                                                    "compare: ort."),
     per_node: bool = typer.Option(False, "--per-node",
-                                  help="With --compare ort: compare the first step value by value and name the "
-                                       "first node whose output differs beyond tolerance."),
+                                  help="With --compare ort: compare the first step (or the one forward) value by "
+                                       "value and name the first node whose output differs beyond tolerance."),
     io_map: Optional[Path] = typer.Option(None, "--io-map", help="JSON file naming the decoder I/O "
                                                                  "(format: docs/run.md)."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON (schema: docs/run.md)."),
@@ -231,6 +231,8 @@ def _render_forward(doc: dict) -> None:
         say(f"{cmp['runtime']}: output {row['name']!r} {verdict}: {diff}")
     say(f"{cmp['runtime']}: outputs {'agree' if cmp['agrees'] else 'DIVERGE'}; "
         f"{cmp['runtime']} forward {cmp['timings']['run_ms']:.1f} ms")
+    if cmp["per_node"] is not None:
+        _render_per_node(cmp["per_node"], say, what="the forward")
 
 
 def _stats(s: dict) -> str:
@@ -241,17 +243,17 @@ def _stats(s: dict) -> str:
             f"mean {s['mean']:.6g}{extra}")
 
 
-def _render_per_node(pn: dict, say: Callable[[str], None]) -> None:
+def _render_per_node(pn: dict, say: Callable[[str], None], what: str = "step 0") -> None:
     d = pn["first_divergence"]
     untyped = f"; {len(pn['untyped'])} without a known type not compared" if pn["untyped"] else ""
     if d is None:
         worst = pn["largest"]
-        say(f"per node (step 0): all {pn['compared']} values within {pn['tolerance']:g} x their range "
+        say(f"per node ({what}): all {pn['compared']} values within {pn['tolerance']:g} x their range "
             f"({pn['tolerance_basis']}){untyped}"
             + (f"; largest {worst['relative_diff']:.3g} at node {worst['node']!r} ({worst['op_type']})"
                if worst else ""))
         return
-    say(f"per node (step 0): FIRST DIVERGENCE at node {d['node']!r} ({d['op_type']}, #{d['position']}), "
+    say(f"per node ({what}): FIRST DIVERGENCE at node {d['node']!r} ({d['op_type']}, #{d['position']}), "
         f"value {d['value']!r}: {d['reason']}; {pn['divergent']} of {pn['compared']} values beyond "
         f"{pn['tolerance']:g} x their range{untyped}")
     say(f"  ours: {_stats(d['ours'])}")

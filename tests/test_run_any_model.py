@@ -255,6 +255,41 @@ def test_compare_ort_divergence_exits_1(mlp, tmp_path, monkeypatch):
     assert text.exit_code == EXIT_FINDINGS and "ort: output 'output' DIVERGED" in text.stdout
 
 
+def test_per_node_compares_every_value_of_the_forward(mlp):
+    doc = _json([str(mlp), "--shape", "batch=2", "--compare", "ort", "--per-node"])
+    pn = doc["compare"]["per_node"]
+    # h1, h2, h3, y, output, label: every node's output, none fused away here
+    assert pn["compared"] == 6 and pn["divergent"] == 0 and pn["first_divergence"] is None
+    assert pn["tolerance_basis"] == "fp32" and pn["largest"]["relative_diff"] < 1e-5
+    text = cli.invoke(app, ["run", str(mlp), "--shape", "batch=2", "--compare", "ort", "--per-node"])
+    assert text.exit_code == EXIT_OK and "per node (the forward): all 6 values within 0.001" in text.stdout
+
+
+def test_per_node_names_the_int4_matmul_where_a_forward_starts_to_differ(mlp, tmp_path, monkeypatch):
+    # Ours computes on weights whose INT4 scales are 1% off: everything before the INT4
+    # matmul agrees, its output is the first to differ, and everything after inherits it.
+    from onnx_prep.core.model.resolution import resolve_model
+
+    off = resolve_model(build_mlp(tmp_path / "off", scale_error=0.01))
+    opener = run_record.open_prepared_runner
+    monkeypatch.setattr(run_record, "open_prepared_runner", lambda resolved, **kw: opener(off, **kw))
+    doc = _json([str(mlp), "--shape", "batch=2", "--compare", "ort", "--per-node"], code=EXIT_FINDINGS)
+    pn = doc["compare"]["per_node"]
+    d = pn["first_divergence"]
+    assert (d["op_type"], d["value"], d["position"], d["reason"]) == ("MatMulNBits", "y", 3, "values")
+    assert d["relative_diff"] > pn["tolerance"] and pn["divergent"] >= 2  # 'output' inherits it
+    text = cli.invoke(app, ["run", str(mlp), "--shape", "batch=2", "--compare", "ort", "--per-node"])
+    assert text.exit_code == EXIT_FINDINGS
+    assert f"per node (the forward): FIRST DIVERGENCE at node '{d['node']}' (MatMulNBits, #3), value 'y'" in text.stdout
+
+
+def test_a_forward_and_a_decode_share_the_per_node_schema():
+    run, forward = _schema("run"), _schema("graph-run")
+    for name in ("value_stats", "value_difference", "per_node"):
+        assert forward["$defs"][name] == run["$defs"][name], name
+    assert forward["properties"]["compare"]["oneOf"][1]["properties"]["per_node"] == {"$ref": "#/$defs/per_node"}
+
+
 def test_the_tolerance_fails_int4_scales_one_percent_off(mlp, tmp_path):
     off = build_mlp(tmp_path / "off", scale_error=0.01)
     feeds = {"input": _generated("input", (4, HIDDEN)), "gain": np.ones(1, np.float32)}

@@ -121,10 +121,12 @@ def test_per_node_exit_0_when_every_value_matches_and_1_at_a_divergence(monkeypa
     assert "max |diff|" in text.stdout
 
 
-def test_per_node_is_refused_for_one_forward(small_llm_path, tmp_path):
-    # --inputs asks for one forward: --per-node compares a decode's first step only
-    out = cli.invoke(app, ["run", str(small_llm_path), "--inputs", str(tmp_path / "absent.npz"),
-                           "--compare", "ort", "--per-node"])
-    assert out.exit_code == EXIT_UNUSABLE, out.output
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--per-node compares a decode's first step; this model runs one forward" in lines[0]
+def test_per_node_on_one_forward_of_a_decoder(small_llm_path):
+    # --shape asks for one forward: --per-node then compares that forward value by value
+    out = cli.invoke(app, ["run", str(small_llm_path), "--shape", "batch=1,seq=4,past_seq=3",
+                           "--compare", "ort", "--per-node", "--json"])
+    assert out.exit_code == EXIT_OK, out.output
+    doc = json.loads(out.stdout)
+    assert doc["schema"] == "onnx-prep.graph-run/2"
+    pn = doc["compare"]["per_node"]
+    assert pn["first_divergence"] is None and pn["compared"] > 30 and pn["largest"]["relative_diff"] < 1e-4

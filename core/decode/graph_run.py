@@ -1,6 +1,6 @@
 """One forward of any model: the ``onnx-prep run`` of a model that is not a decoder
 (model_kind.py), or of any model given ``--inputs`` or ``--shape``. The record is the
-``onnx-prep.graph-run/1`` document (docs/run.md, "One forward of any model"; pinned by
+``onnx-prep.graph-run/2`` document (docs/run.md, "One forward of any model"; pinned by
 ``core/schemas/graph-run.schema.json``).
 
 The forward runs through the same runner a decode uses (``run_record``: the prepared
@@ -18,7 +18,8 @@ feeds and each output is compared: equal shapes and dtypes, NaN at the same plac
 1e-4 of the output's scale leaves room for fp32 sums taken in other orders through a
 deep graph (a whole decoder agrees to ~2e-6 of its logit range, docs/testing.md);
 INT4 scales 1% off miss it by 100x (tests/test_run_any_model.py). An output past its
-bound is a finding (``compare.agrees`` false; ``run`` exits 1).
+bound is a finding (``compare.agrees`` false; ``run`` exits 1). With ``per_node`` the
+same feeds then run value by value through both (node_comparison.py, ``--per-node``).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from onnx_prep.core.decode.model_kind import ModelKind
 from onnx_prep.core.errors import ModelIOError, UsageError, Where
 from onnx_prep.core.model.resolved_model import ValueInfo
 
-SCHEMA = "onnx-prep.graph-run/1"
+SCHEMA = "onnx-prep.graph-run/2"
 FLOAT_RTOL = 1e-4
 HALF_RTOL = 4e-3  # float16 and bfloat16: 2^-10 and 2^-7 steps
 FLOAT_ATOL = 1e-6
@@ -41,14 +42,16 @@ FLOAT_ATOL = 1e-6
 # ``open_runner(runtime) -> (ms already spent parsing, runner)``; ``cache()``: the
 # prepared cache the prepared runner opened (None before, or without one).
 OpenRunner = Callable[[str], tuple[float, Any]]
+# ``per_node(feeds)``: the forward compared value by value (node_comparison.py's record)
+PerNode = Callable[[Mapping[str, np.ndarray]], dict]
 
 
 def record_graph_run(path: Path, options, kind: ModelKind, inputs: Sequence[ValueInfo],
                      outputs: Sequence[ValueInfo], *, open_runner: OpenRunner,
-                     cache: Callable[[], Any], budget: int) -> dict:
-    """Run one forward with ``options.runtime`` (and ``options.compare``, compared) and
-    return the ``onnx-prep.graph-run/1`` record. ``options`` is ``run_record.RunOptions``;
-    ``budget`` the bytes generated inputs may take."""
+                     cache: Callable[[], Any], budget: int, per_node: PerNode | None = None) -> dict:
+    """Run one forward with ``options.runtime`` (and ``options.compare``, compared; with
+    ``per_node``, value by value too) and return the ``onnx-prep.graph-run/2`` record.
+    ``options`` is ``run_record.RunOptions``; ``budget`` the bytes generated inputs may take."""
     bindings = parse_shape_bindings(options.shape)
     feeds = graph_feeds(inputs, parse_input_files(options.inputs), bindings, model=str(path), budget=budget)
     for array in feeds.arrays.values():  # both runtimes get the very same bytes
@@ -74,7 +77,8 @@ def record_graph_run(path: Path, options, kind: ModelKind, inputs: Sequence[Valu
         ref_open_ms, ref_run_ms, ref, _ = _forward(open_runner, options.compare, feeds.arrays, names, path)
         rows = [compare_output(n, out[n], ref[n]) for n in names]
         doc["compare"] = {"runtime": options.compare, "outputs": rows, "agrees": all(r["ok"] for r in rows),
-                          "timings": {"open_ms": ref_open_ms, "run_ms": ref_run_ms}}
+                          "timings": {"open_ms": ref_open_ms, "run_ms": ref_run_ms},
+                          "per_node": None if per_node is None else per_node(feeds.arrays)}
     return doc
 
 

@@ -2,7 +2,7 @@
 the ``onnx-prep.run/6`` document (docs/run.md, pinned by ``core/schemas/run.schema.json``),
 or, for a model that is not a decoder (``model_kind.py``) or with ``--inputs`` /
 ``--shape``, runs one forward of its graph and returns ``graph_run.py``'s
-``onnx-prep.graph-run/1`` document.
+``onnx-prep.graph-run/2`` document.
 
 ``RunOptions`` holds what to decode and how and checks its values on construction,
 each before any module of the load path (numpy, onnx) is imported, except the
@@ -21,7 +21,7 @@ Compared with ONNX Runtime, ONNX Runtime decodes like for like (its QDQ int4 Mat
 the prepared runtime's accuracy level, ``ort_runner.like_for_like_config``); where the
 model has a DequantizeLinear that setting acts on, the prefill runs once more under
 ONNX Runtime's defaults, and both first-step differences are recorded. ``per_node``
-compares the first step value by value (core/decode/node_comparison.py): that parses
+compares the first step (or the one forward) value by value (core/decode/node_comparison.py): that parses
 the model once more, for ONNX Runtime's copy with every value exposed.
 """
 from __future__ import annotations
@@ -75,7 +75,7 @@ class RunOptions:
     # refused when the model runs one forward, where they would mean nothing
     decode_flags: tuple[str, ...] = ()
     fuse: bool = True  # the prepared runtime fuses standard-op patterns at resolve (core/model/fusion.py)
-    per_node: bool = False  # with compare: the first step compared value by value (node_comparison.py)
+    per_node: bool = False  # with compare: the first step (or the forward) value by value (node_comparison.py)
     device: str = "cpu"  # --device: cpu, or cuda (the prepared runtime on a CUDA device: docs/cuda.md)
     device_budget: int | None = None  # --device-budget: device bytes the packed weights may commit (None: all)
 
@@ -224,7 +224,11 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
     opened["ort"] = lambda: (0.0, _open_ort(path, options.threads, ort_config))
     kind = _kind(options, inputs, mapping)
     if not kind.is_decoder:
-        return _record_forward(path, options, kind, inputs, outputs, opened, lambda: cache)
+        per_node = None
+        if options.per_node:  # --per-node needs --compare ort, which needs the prepared runtime
+            def per_node(feeds):
+                return _per_node_record(resolved, feeds, options, ort_config)
+        return _record_forward(path, options, kind, inputs, outputs, opened, lambda: cache, per_node)
     if options.outputs_out is not None:
         raise UsageError(f"--outputs-out writes one forward's outputs; this model is decoded ({kind.reason})",
                          Where(model=str(path)),
@@ -337,8 +341,9 @@ def _kind(options: RunOptions, inputs, mapping):
     return kind
 
 
-def _record_forward(path: Path, options: RunOptions, kind, inputs, outputs, opened, cache) -> dict:
-    """One forward of the graph (graph_run.py) on the runners ``record_run`` opens."""
+def _record_forward(path: Path, options: RunOptions, kind, inputs, outputs, opened, cache, per_node) -> dict:
+    """One forward of the graph (graph_run.py) on the runners ``record_run`` opens;
+    ``per_node(feeds)``: the forward value by value (None: not asked for)."""
     from onnx_prep.core.decode.graph_run import record_graph_run
     from onnx_prep.core.decode.run_memory import default_memory_budget
 
@@ -348,11 +353,8 @@ def _record_forward(path: Path, options: RunOptions, kind, inputs, outputs, open
     if options.logits_out is not None:
         raise UsageError(f"--logits-out writes a decode's logits; this model runs one forward ({kind.reason})",
                          Where(model=str(path)), hint="write its outputs with --outputs-out FILE.npz")
-    if options.per_node:
-        raise UsageError(f"--per-node compares a decode's first step; this model runs one forward ({kind.reason})",
-                         Where(model=str(path)), hint="compare its outputs with --compare ort alone")
     return record_graph_run(path, options, kind, inputs, outputs, open_runner=lambda runtime: opened[runtime](),
-                            cache=cache, budget=options.memory_budget or default_memory_budget())
+                            cache=cache, budget=options.memory_budget or default_memory_budget(), per_node=per_node)
 
 
 def _write_logits(path: Path, result) -> None:
@@ -379,12 +381,17 @@ def _like_for_like() -> dict[str, str]:
 
 
 def _compare_per_node(resolved, io, prompt, options: RunOptions, ort_config) -> dict:
-    """The first step, value by value: a session of our runtime that keeps every value
-    (read from sources: no cache) against ONNX Runtime exposing them."""
+    """A decode's first step, value by value (``_per_node_record``)."""
     from onnx_prep.core.decode.generation import step_feeds
+
+    return _per_node_record(resolved, step_feeds(io, prompt, io.empty_past(prompt.shape[0]), 0), options, ort_config)
+
+
+def _per_node_record(resolved, feeds, options: RunOptions, ort_config) -> dict:
+    """``feeds`` run value by value: a session of our runtime that keeps every value
+    (read from sources: no cache) against ONNX Runtime exposing them."""
     from onnx_prep.core.decode.node_comparison import compare_first_step
 
-    feeds = step_feeds(io, prompt, io.empty_past(prompt.shape[0]), 0)
     return compare_first_step(
         resolved, feeds, lambda: open_prepared_runner(resolved, threads=options.threads,
                                                       source_pages=options.source_pages,
