@@ -182,3 +182,66 @@ def test_the_sources_record_round_trips(cache):
     assert json.loads(_prop(_model(data).metadata_props, mf.META_SOURCES).value) == {
         "a": {"digest": D1, "onnx_type": 22, "dims": [8, 2, 16]}}
     assert encode_manifest(m) == data  # decode . encode is the identity
+
+
+def _one_entry_writer(folder) -> CacheWriter:
+    w = CacheWriter(folder, "m", "m.prepared.onnx")
+    w.append(identity("a"), np.arange(5000, dtype=np.uint8))
+    return w
+
+
+def _commit(w: CacheWriter):
+    return w.commit(source_model_digest=D2, sources={}, keep=lambda e: True, wanted=lambda new, old: True)
+
+
+def test_a_commit_refuses_a_folder_at_the_manifest_path_and_leaves_nothing(tmp_path):
+    """A folder that appears where the manifest goes after the cache was opened: the
+    commit refuses before it renames anything, and the writer's temporary file goes."""
+    from onnx_prep.core.cache.cache_writer import CacheWriteError
+
+    w = _one_entry_writer(tmp_path)
+    (tmp_path / "m.prepared.onnx").mkdir()
+    with pytest.raises(CacheWriteError) as info:
+        _commit(w)
+    line = info.value.one_line()
+    assert "is a directory, not a manifest" in line and f"file {tmp_path / 'm.prepared.onnx'}" in line
+    w.discard()
+    assert os.listdir(tmp_path) == ["m.prepared.onnx"]
+
+
+def test_a_commit_that_fails_after_renaming_its_payloads_takes_them_back(tmp_path, monkeypatch):
+    """A publish that fails late (the manifest's rename): neither the manifest's
+    temporary file nor the renamed generation is left; the live cache is as it was."""
+    from onnx_prep.core.cache import cache_writer
+
+    first = _one_entry_writer(tmp_path)
+    _commit(first)
+    before = {p: (tmp_path / p).read_bytes() for p in os.listdir(tmp_path)}
+    w = _one_entry_writer(tmp_path)
+    rename = os.rename
+
+    def failing_rename(src, dst):
+        if str(dst).endswith(".prepared.onnx"):
+            raise OSError(5, "Input/output error")
+        return rename(src, dst)
+
+    monkeypatch.setattr(cache_writer.os, "rename", failing_rename)
+    with pytest.raises(cache_writer.CacheWriteError):
+        _commit(w)
+    monkeypatch.undo()
+    w.discard()
+    assert {p: (tmp_path / p).read_bytes() for p in os.listdir(tmp_path)} == before
+
+
+def test_a_failed_payload_rename_leaves_no_temporary_file(tmp_path):
+    """The generation's file name taken by a folder: the rename fails, and the
+    temporary payload file is removed by the discard that follows a failed commit."""
+    from onnx_prep.core.cache.cache_writer import CacheWriteError
+
+    w = _one_entry_writer(tmp_path)
+    (tmp_path / "m.prepared.g1.data").mkdir()
+    (tmp_path / "m.prepared.g1.data" / "x").write_text("keeps the folder from being replaced")
+    with pytest.raises(CacheWriteError):
+        _commit(w)
+    w.discard()
+    assert sorted(os.listdir(tmp_path)) == ["m.prepared.g1.data", "m.prepared.lock"]

@@ -186,3 +186,20 @@ def test_a_damaged_payload_is_found_and_rebuilt_by_build_cache(model):
     assert doc["written"] == doc["rebuilt"] == 1 and doc["verified"] == doc["objects"]
     assert [o["was"] for o in doc["outcomes"] if o["action"] == "written"] == ["damaged"]
     assert cli("run", model, "--tokens", "2", "--cache-policy", "require-complete").returncode == 0
+
+
+def test_a_folder_at_the_manifest_path_is_refused_in_one_line_and_nothing_is_left(model):
+    """A folder where the manifest goes is not a manifest --rebuild may replace: every
+    command that would write the cache refuses it, naming it, before writing a byte."""
+    manifest = model.parent / f"{model.stem}.prepared.onnx"
+    manifest.mkdir()
+    before = sorted(p.name for p in model.parent.iterdir())
+    for args in (["build-cache", model, "--rebuild"], ["build-cache", model],
+                 ["run", model, "--tokens", "2", "--cache-policy", "build-if-missing"]):
+        p = cli(*args, ok=False)
+        assert p.returncode == 2, (args, p.stderr)
+        (line,) = p.stderr.splitlines()
+        assert "is a directory, not a manifest" in line and f"file {manifest}" in line, (args, line)
+        assert "--rebuild" not in line, line  # it cannot replace a folder
+        assert sorted(p.name for p in model.parent.iterdir()) == before, args  # no temporary file, no generation
+    assert manifest.is_dir() and not any(manifest.iterdir())

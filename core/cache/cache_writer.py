@@ -30,6 +30,7 @@ import fcntl
 import os
 import secrets
 import signal
+import stat
 import threading
 from contextlib import contextmanager
 from dataclasses import replace
@@ -50,8 +51,8 @@ from onnx_prep.core.cache.manifest import (
 )
 from onnx_prep.core.errors import OnnxPrepError, Where
 
-__all__ = ["CacheWriteError", "CacheWriter", "cache_lock", "collect_garbage", "collect_leftovers",
-           "crash_point", "payload_file_name"]
+__all__ = ["CacheWriteError", "CacheWriter", "cache_lock", "check_manifest_target", "collect_garbage",
+           "collect_leftovers", "crash_point", "payload_file_name"]
 
 _CHUNK = 1 << 20
 # Payload bytes go to the file in writes of this size, each starting on a multiple of it
@@ -108,6 +109,27 @@ def _write_error(exc: OSError, folder: Path) -> CacheWriteError:
                                  else f"put the cache in a folder you can write: {elsewhere}"))
 
 
+def check_manifest_target(path: Path) -> None:
+    """Raise CacheWriteError unless the manifest path holds a regular file or nothing:
+    the only thing a commit may rename a new manifest over. A folder there would fail
+    the rename after the payloads were published; a symlink or FIFO would be replaced
+    without a word (docs/cache-format.md, "Writing")."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(st.st_mode):
+        return
+    if stat.S_ISLNK(st.st_mode):
+        what, hint = (f"a symlink (to {os.readlink(path)}): a cache is never written through one",
+                      f"build it where the link points: -o {os.path.realpath(path)}")
+    else:
+        what = "a directory, not a manifest" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        hint = "move it away, or put the cache elsewhere: build-cache -o PATH, then run --prepared PATH"
+    raise CacheWriteError(f"cannot write the prepared cache: {Path(path).name} is {what}",
+                          Where(file=str(path)), hint=hint)
+
+
 @contextmanager
 def cache_lock(folder: Path, stem: str) -> Iterator[None]:
     """The cache's commit lock: one commit (and garbage collection) at a time."""
@@ -145,6 +167,7 @@ class CacheWriter:
         except OSError as exc:
             raise _write_error(exc, self.folder) from None
         fcntl.flock(self._fd, fcntl.LOCK_EX)  # alive: garbage collection leaves it alone
+        self._renamed = False  # the temporary file became a generation's payload file
         self._lock = threading.Lock()
         self._end = 0
         self._gaps: list[tuple[int, int]] = []  # [start, end) before 2 MiB-aligned payloads, unwritten
@@ -195,12 +218,12 @@ class CacheWriter:
         return offset
 
     def discard(self) -> None:
-        """Drop the temporary file (nothing was committed, or the commit used none)."""
+        """Drop the temporary file (nothing was committed, or the commit used none, or
+        it failed: then its descriptor is closed already, and the file is still removed
+        rather than left for the next commit's garbage collection)."""
+        if not self._renamed:
+            _unlink_quietly(self.temp)
         if self._fd >= 0:
-            try:
-                os.unlink(self.temp)
-            except FileNotFoundError:
-                pass
             os.close(self._fd)
             self._fd = -1
 
@@ -212,8 +235,10 @@ class CacheWriter:
         new generation when nothing changes. Returns (the manifest now live, the entries
         this commit added)."""
         manifest_path = self.folder / self.manifest_name
+        check_manifest_target(manifest_path)  # before the lock: a refusal leaves no lock file either
         with cache_lock(self.folder, self.stem):
             crash_point("commit_locked")
+            check_manifest_target(manifest_path)  # again, now that no other commit can change it
             live = _live_manifest(manifest_path)
             live_by_key = live.by_key if live is not None else {}
             added = [e for e in self.entries if wanted(e, live_by_key.get(e.key))]
@@ -226,11 +251,13 @@ class CacheWriter:
                 return live, []
             generation = (live.generation if live else 0) + 1
             final = payload_file_name(self.stem, generation)
+            published = False
             try:
                 if added:
                     self._seal()
                     crash_point("payload_rename")
                     os.rename(self.temp, self.folder / final)
+                    self._renamed = True
                     crash_point("payload_renamed")
                 else:
                     self.discard()
@@ -238,10 +265,16 @@ class CacheWriter:
                     generation=generation, source_model_digest=source_model_digest,
                     sources={**(dict(live.sources) if live else {}), **sources},
                     entries=tuple(kept + [replace(e, file=final) for e in added]))
-                _publish(manifest_path, encode_manifest(new))
+                published = _publish(manifest_path, encode_manifest(new))
+                crash_point("manifest_renamed")
+                _fsync_dir(self.folder)
             except OSError as exc:
                 raise _write_error(exc, self.folder) from None
             finally:
+                if self._renamed and not published:
+                    # The live manifest is still the previous one, which cannot name this
+                    # generation's file (we hold the lock): it goes now, not at the next commit.
+                    _unlink_quietly(self.folder / final)
                 if self._fd >= 0:
                     os.close(self._fd)  # renamed or not: its lock goes with it
                     self._fd = -1
@@ -282,7 +315,10 @@ def _live_manifest(path: Path) -> CacheManifest | None:
         return None
 
 
-def _publish(path: Path, data: bytes) -> None:
+def _publish(path: Path, data: bytes) -> bool:
+    """Write ``data`` to a temporary file beside ``path``, fsync it and rename it over
+    ``path`` (the caller fsyncs the folder). Returns True, the new manifest live; an
+    error leaves the old one live and no temporary file."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
@@ -290,15 +326,16 @@ def _publish(path: Path, data: bytes) -> None:
         _pwrite_all(fd, memoryview(data), 0)
         crash_point("manifest_fsync")
         os.fsync(fd)
-    except BaseException:
         os.close(fd)
-        os.unlink(tmp)
+        fd = -1
+        crash_point("manifest_rename")
+        os.rename(tmp, path)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        _unlink_quietly(tmp)
         raise
-    os.close(fd)
-    crash_point("manifest_rename")
-    os.rename(tmp, path)
-    crash_point("manifest_renamed")
-    _fsync_dir(path.parent)
+    return True
 
 
 def collect_garbage(folder: Path, stem: str, live: CacheManifest | None) -> list[str]:
@@ -361,6 +398,13 @@ def _held(path: Path) -> bool:
         return True
     finally:
         os.close(fd)
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _unlink(path: Path, removed: list[str]) -> None:

@@ -79,6 +79,9 @@ _UINT8 = 2  # onnx.TensorProto.UINT8
 _EXTERNAL = 1  # onnx.TensorProto.EXTERNAL
 
 
+NOT_A_FILE_HINT = "move it away, or put the cache elsewhere: build-cache -o PATH, then run --prepared PATH"
+
+
 class CacheFormatError(OnnxPrepError):
     """The prepared cache's manifest is malformed. ``reason`` names the rule broken
     (docs/cache-format.md, "Validation"); the message says which entry and field."""
@@ -218,7 +221,10 @@ def read_manifest(path: Path) -> CacheManifest | None:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise CacheFormatError("not_a_file", "the manifest is not a regular file", where)
+            # NOTE: not "rebuild it": --rebuild replaces a malformed manifest file, never a
+            # folder or a FIFO in its place (prepared_cache.py, UNREPLACEABLE).
+            what = "a directory, not a manifest" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+            raise CacheFormatError("not_a_file", f"{path.name} is {what}", where, hint=NOT_A_FILE_HINT)
         if st.st_size > MAX_MANIFEST_BYTES:
             raise CacheFormatError("too_large", f"the manifest is {st.st_size:,} bytes, over the "
                                    f"{MAX_MANIFEST_BYTES:,}-byte cap", where)

@@ -59,6 +59,10 @@ __all__ = ["CachePolicy", "EntryStatus", "PreparedCache", "PreparedCacheError", 
            "prepared_cache_findings"]
 
 _CHUNK = 1 << 20
+# What ``ignore_invalid`` (build-cache --rebuild) still raises: a manifest path holding
+# something that is not a manifest file at all (a folder, a FIFO). A commit would fail
+# to rename over a folder, and another kind of file is not ours to replace.
+UNREPLACEABLE = ("not_a_file",)
 
 
 class CachePolicy(str, enum.Enum):
@@ -168,8 +172,8 @@ class PreparedCache:
 
         try:
             self.manifest = read_manifest(self.path)
-        except CacheFormatError:
-            if not ignore_invalid:
+        except CacheFormatError as exc:
+            if not ignore_invalid or exc.reason in UNREPLACEABLE:
                 raise
             self.manifest = None  # build-cache --rebuild: replaced at commit
         for d in (self.manifest.damaged if self.manifest else ()):
