@@ -245,3 +245,16 @@ def test_a_failed_payload_rename_leaves_no_temporary_file(tmp_path):
         _commit(w)
     w.discard()
     assert sorted(os.listdir(tmp_path)) == ["m.prepared.g1.data", "m.prepared.lock"]
+
+
+def test_a_symlinked_manifest_is_refused_unless_trusted_then_read_beside_its_target(cache, tmp_path_factory):
+    folder, data = cache
+    elsewhere = tmp_path_factory.mktemp("checkout")
+    link = elsewhere / "m.prepared.onnx"
+    link.symlink_to(folder / "m.prepared.onnx")
+    with pytest.raises(CacheFormatError) as info:
+        read_manifest(link)
+    assert info.value.reason == "symlink" and "--trust-symlinks" in info.value.one_line()
+    m = read_manifest(link, trust_symlinks=True)  # its payloads are in the target's folder, not the link's
+    assert [e.key for e in m.entries] == ["P:a|int4mm.v1.bs32|cpu", "P:b|int4mm.v1.bs32|cpu"] and not m.damaged
+    assert mf.payload_folder(link, trust_symlinks=True) == folder.resolve() and mf.payload_folder(link) == elsewhere

@@ -4,6 +4,7 @@ alone, one-line errors with exit 2."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from importlib import resources
 from pathlib import Path
@@ -203,3 +204,49 @@ def test_a_folder_at_the_manifest_path_is_refused_in_one_line_and_nothing_is_lef
         assert "--rebuild" not in line, line  # it cannot replace a folder
         assert sorted(p.name for p in model.parent.iterdir()) == before, args  # no temporary file, no generation
     assert manifest.is_dir() and not any(manifest.iterdir())
+
+
+def _linked_cache(model: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """The model's cache built in a folder of its own, reached from the default path by a
+    symlink (a cache shared between checkouts): (the link, its target)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    target = shared / f"{model.stem}.prepared.onnx"
+    cli("build-cache", model, "-o", target)
+    link = model.parent / target.name
+    link.symlink_to(target)
+    return link, target
+
+
+def _listing(*folders: Path) -> dict:
+    return {p: p.read_bytes() if p.is_file() and not p.is_symlink() else os.readlink(p)
+            for folder in folders for p in sorted(folder.iterdir())}
+
+
+def test_a_symlinked_manifest_is_read_through_only_with_trust_symlinks(model, tmp_path):
+    link, target = _linked_cache(model, tmp_path)
+    refused = cli("check", model, "--json", ok=False)
+    assert refused.returncode == 1, refused.stderr
+    [f] = json.loads(refused.stdout)["findings"]
+    assert f["check"] == "prepared_cache" and "is a symlink" in f["message"] and "--trust-symlinks" in f["message"]
+    p = cli("run", model, "--tokens", "2", ok=False)  # the default refuses it, in one line
+    assert p.returncode == 2 and "is a symlink" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    trusted = cli("check", model, "--trust-symlinks", "--require-complete", "--verify-payloads", "--json")
+    assert json.loads(trusted.stdout)["findings"] == []  # payloads found beside the link's target
+
+
+def test_build_cache_never_writes_through_a_symlinked_manifest(model, tmp_path):
+    """Neither replacing the link nor writing into its target's folder unasked: refused
+    before anything is read or written, naming the link and where to build instead."""
+    link, target = _linked_cache(model, tmp_path)
+    os.truncate(target.parent / f"{model.stem}.prepared.g1.data", 0)  # damaged: a build would write
+    before = _listing(model.parent, target.parent)
+    for args in (["--trust-symlinks"], ["--trust-symlinks", "--rebuild"], ["--rebuild"], ["--write-digests"]):
+        p = cli("build-cache", model, *args, ok=False)
+        assert p.returncode == 2, (args, p.stderr)
+        (line,) = p.stderr.splitlines()
+        assert "is a symlink" in line and f"file {link}" in line and f"-o {target}" in line, (args, line)
+        assert _listing(model.parent, target.parent) == before, args
+    assert link.is_symlink() and link.resolve() == target
+    done = json.loads(cli("build-cache", model, "-o", target, "--json").stdout)  # the fix it names
+    assert done["written"] == done["objects"]

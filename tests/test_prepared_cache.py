@@ -614,3 +614,28 @@ def test_a_load_whose_payloads_left_the_page_cache_keeps_overlapping(model):
     assert reads_first(plan, budget)
     out, counters, first_step, last_read, *_ = _first_run_timeline(model, "read-only")
     assert counters.get("reads_first") == 1 and first_step >= last_read and same(out, want)
+
+
+def test_a_trusted_symlinked_manifest_is_read_through_and_never_written_through(model, tmp_path):
+    """--trust-symlinks: the manifest is read through its link and its payloads found
+    beside the link's target; a build-if-missing load persists nothing through it (one
+    warning), so neither the link nor its target's folder changes."""
+    import os
+
+    manifest = build(model)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    name = f"{model.stem}.prepared.onnx"
+    for f in (name, *manifest.files):
+        os.rename(model.parent / f, shared / f)
+    link = model.parent / name
+    link.symlink_to(shared / name)
+    out, cache, _, _ = load(model, "require-complete", trust_symlinks=True)
+    assert same(out, reference(model)) and cache.counters["packed_reads"] == len(manifest.entries)
+    os.truncate(shared / manifest.entries[0].file, 0)  # every entry damaged: a build would write them all
+    listing = lambda: {p.name: p.read_bytes() for p in shared.iterdir()} | {"link": os.readlink(link)}  # noqa: E731
+    before = listing()
+    out, cache, _, _ = load(model, "build-if-missing", trust_symlinks=True)
+    assert same(out, reference(model)) and cache.counters["persisted"] == 0
+    assert any("is a symlink" in w and "going on without persisting" in w for w in cache.warnings), cache.warnings
+    assert listing() == before and not any(p.name.startswith(".") for p in model.parent.iterdir())

@@ -9,6 +9,7 @@ generation. An up-to-date cache loads nothing and writes nothing.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -36,7 +37,9 @@ def build_prepared_cache(model: Path, *, output: Path | None = None, cache_dir: 
     (a damaged one is rebuilt), so a cache this reports up to date loads. ``write_digests``:
     the model's weights get their missing digests first (``onnx-prep digest --write``):
     an entry built from a weight without one is unverified, and no load uses it."""
+    from onnx_prep.core.cache.cache_writer import check_manifest_target
     from onnx_prep.core.errors import UsageError
+    from onnx_prep.core.model.model_file import find_model_file
     from onnx_prep.core.model.resolution import resolve_model
     from onnx_prep.core.runtime.session import Session
 
@@ -46,19 +49,25 @@ def build_prepared_cache(model: Path, *, output: Path | None = None, cache_dir: 
         raise UsageError(f"-o {output}: a prepared cache's file name ends in .prepared.onnx",
                          hint="e.g. -o model.prepared.onnx")
     t0 = time.perf_counter()
+    model_file = Path(os.path.abspath(find_model_file(Path(model), folder=True)))  # as resolve_model finds it
+    path = Path(output) if output is not None else default_cache_path(model_file, cache_dir)
+    if not path.parent.is_dir():
+        raise UsageError(f"cache folder {path.parent} does not exist", hint="create it first")
+    # Before anything is read or written (the model file, with --write-digests): a
+    # manifest path this build could never publish to. A symlink is refused with or
+    # without --trust-symlinks (which reads through one): replacing the link would cut
+    # it from its target, and writing beside the target is a folder nobody named.
+    check_manifest_target(path)
     digests_added = 0
     if write_digests:
         from onnx_prep.core.model.weight_digests import digest_model
 
         written = digest_model(Path(model), write=True, trust_symlinks=trust_symlinks)["write"] or {}
         digests_added = written.get("tensor_digests_added", 0)
-    resolved = resolve_model(Path(model), trust_symlinks=trust_symlinks)
+    resolved = resolve_model(model_file, trust_symlinks=trust_symlinks)
     t_resolved = time.perf_counter()
-    path = Path(output) if output is not None else default_cache_path(resolved.model_path, cache_dir)
-    if not path.parent.is_dir():
-        raise UsageError(f"cache folder {path.parent} does not exist", hint="create it first")
     cache = PreparedCache(resolved, path, policy=CachePolicy.BUILD_IF_MISSING, compress=compress,
-                          device=device, ignore_invalid=rebuild, warn=warn)
+                          device=device, ignore_invalid=rebuild, warn=warn, trust_symlinks=trust_symlinks)
     cache.write_errors_fatal = True  # a folder that cannot take the cache is the error, one line
     before = dict(cache.outcomes)
     previous = cache.manifest.generation if cache.manifest is not None else None

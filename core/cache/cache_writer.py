@@ -44,6 +44,7 @@ from onnx_prep.core.cache.manifest import (
     ALIGNMENT,
     HUGE_ALIGNMENT,
     CacheEntry,
+    NOT_A_FILE_HINT,
     CacheManifest,
     SourceRecord,
     encode_manifest,
@@ -125,7 +126,7 @@ def check_manifest_target(path: Path) -> None:
                       f"build it where the link points: -o {os.path.realpath(path)}")
     else:
         what = "a directory, not a manifest" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-        hint = "move it away, or put the cache elsewhere: build-cache -o PATH, then run --prepared PATH"
+        hint = NOT_A_FILE_HINT
     raise CacheWriteError(f"cannot write the prepared cache: {Path(path).name} is {what}",
                           Where(file=str(path)), hint=hint)
 

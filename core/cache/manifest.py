@@ -29,7 +29,7 @@ from onnx_prep.core.errors import OnnxPrepError, Where
 
 __all__ = [
     "ALIGNMENT", "CACHE_FORMAT_VERSION", "HUGE_ALIGNMENT", "CacheEntry", "CacheFormatError", "CacheManifest",
-    "DamagedEntry", "ENCODINGS", "SourceRecord", "decode_manifest", "encode_manifest",
+    "DamagedEntry", "ENCODINGS", "SourceRecord", "decode_manifest", "encode_manifest", "payload_folder",
     "read_manifest",
 ]
 
@@ -207,15 +207,34 @@ def encode_manifest(manifest: CacheManifest) -> bytes:
 
 # --------------------------------------------------------------------------- decode
 
-def read_manifest(path: Path) -> CacheManifest | None:
-    """The manifest at ``path``, validated (payload files stat'ed, never read), or None
-    when there is none. Raises :class:`CacheFormatError`."""
+def payload_folder(path: Path, *, trust_symlinks: bool = False) -> Path:
+    """The folder the manifest at ``path`` names its payload files in: its own. A
+    symlinked manifest (read only with ``trust_symlinks``) is its target: the writer put
+    the payloads beside the file it published, which is the target, not the link."""
+    path = Path(path)
+    if trust_symlinks and os.path.islink(path):
+        return Path(os.path.realpath(path)).parent
+    return path.parent
+
+
+def read_manifest(path: Path, *, trust_symlinks: bool = False) -> CacheManifest | None:
+    """The manifest at ``path``, validated (payload files stat'ed in
+    :func:`payload_folder`, never read), or None when there is none. A symlink is refused
+    (reason ``symlink``) unless ``trust_symlinks``, and then read through. Raises
+    :class:`CacheFormatError`."""
     path = Path(path)
     where = Where(file=str(path))
+    real = path
+    if os.path.islink(path):
+        if not trust_symlinks:
+            raise CacheFormatError("symlink", f"{path.name} is a symlink (to {os.readlink(path)})", where,
+                                   hint=f"name its target instead ({os.path.realpath(path)}), or trust the "
+                                   "link: --trust-symlinks")
+        real = Path(os.path.realpath(path))  # what is opened is what the payloads are found beside
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        fd = os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
-        return None
+        return None  # a link to nothing, when trusted, is no cache either
     except OSError as exc:
         raise CacheFormatError("unreadable", f"cannot open the manifest: {exc.strerror}", where) from None
     try:
@@ -238,7 +257,7 @@ def read_manifest(path: Path) -> CacheManifest | None:
         os.close(fd)
     if len(data) > MAX_MANIFEST_BYTES:
         raise CacheFormatError("too_large", "the manifest grew past the cap while read", where)
-    return decode_manifest(bytes(data), path.parent, where=where)
+    return decode_manifest(bytes(data), real.parent, where=where)
 
 
 def decode_manifest(data: bytes, folder: Path, *, where: Where | None = None) -> CacheManifest:

@@ -322,7 +322,7 @@ class _State:
             return
         try:
             found = prepared_cache_findings(self.resolved, path, require_complete=require_complete,
-                                            verify_payloads=verify)
+                                            verify_payloads=verify, trust_symlinks=self.trust_symlinks)
         except OnnxPrepError as exc:  # a cache that cannot be read at all: one finding, not exit 2
             found = [finding_from_error("prepared_cache", str(path or exc.where.file or "prepared cache"), exc)]
         for f in found:

@@ -45,9 +45,10 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
-from onnx_prep.core.cache.cache_writer import CacheWriteError, CacheWriter, collect_leftovers
+from onnx_prep.core.cache.cache_writer import (CacheWriteError, CacheWriter, check_manifest_target,
+                                               collect_leftovers)
 from onnx_prep.core.cache.lineage import inline_digest, kernel_abi, lineage_digest, packed_format_version
-from onnx_prep.core.cache.manifest import CacheEntry, CacheManifest, SourceRecord, read_manifest
+from onnx_prep.core.cache.manifest import CacheEntry, CacheManifest, SourceRecord, payload_folder, read_manifest
 from onnx_prep.core.cache.payload_digest import PayloadHasher
 from onnx_prep.core.environment import flag
 from onnx_prep.core.errors import OnnxPrepError, UsageError, Where
@@ -60,9 +61,10 @@ __all__ = ["CachePolicy", "EntryStatus", "PreparedCache", "PreparedCacheError", 
 
 _CHUNK = 1 << 20
 # What ``ignore_invalid`` (build-cache --rebuild) still raises: a manifest path holding
-# something that is not a manifest file at all (a folder, a FIFO). A commit would fail
-# to rename over a folder, and another kind of file is not ours to replace.
-UNREPLACEABLE = ("not_a_file",)
+# something that is not a manifest file at all (a folder, a FIFO, a symlink). A commit
+# would fail to rename over a folder, and would replace a link (or a FIFO) that is not
+# ours to replace.
+UNREPLACEABLE = ("not_a_file", "symlink")
 
 
 class CachePolicy(str, enum.Enum):
@@ -120,11 +122,15 @@ class PreparedCache:
     def __init__(self, resolved: ResolvedModel, path: Path | None = None, *,
                  policy: CachePolicy | str = CachePolicy.READ_ONLY, compress: str | None = None,
                  device: str = "cpu", ignore_invalid: bool = False, verify_payloads: bool = True,
-                 warn: Callable[[str], None] | None = None, map_payloads: bool = True) -> None:
+                 warn: Callable[[str], None] | None = None, map_payloads: bool = True,
+                 trust_symlinks: bool = False) -> None:
         self.resolved = resolved
         self.policy = CachePolicy(policy)
         self.path = Path(path) if path is not None else default_cache_path(resolved.model_path)
-        self.folder = self.path.parent
+        # A symlinked manifest is read through only when trusted, its payloads beside its
+        # target; nothing is ever written through it (persist: check_manifest_target).
+        self.trust_symlinks = trust_symlinks
+        self.folder = payload_folder(self.path, trust_symlinks=trust_symlinks)
         self.stem = self.path.name[:-len(".prepared.onnx")] if self.path.name.endswith(".prepared.onnx") \
             else self.path.stem
         if compress not in (None, "zstd"):
@@ -171,7 +177,7 @@ class PreparedCache:
         from onnx_prep.core.cache.manifest import CacheFormatError
 
         try:
-            self.manifest = read_manifest(self.path)
+            self.manifest = read_manifest(self.path, trust_symlinks=trust_symlinks)
         except CacheFormatError as exc:
             if not ignore_invalid or exc.reason in UNREPLACEABLE:
                 raise
@@ -521,6 +527,7 @@ class PreparedCache:
         with self._lock:
             if self._thread is None:
                 try:
+                    check_manifest_target(self.path)  # a symlink (trusted for reading) or a folder
                     self._writer = CacheWriter(self.folder, self.stem, self.path.name, compress=self.compress)
                 except CacheWriteError as exc:
                     self._write_failed(exc)
@@ -538,7 +545,8 @@ class PreparedCache:
         """The same cache opened again under ``read-only``: what a reader that must not
         write sees (a device session reads a cache this one has just completed)."""
         return PreparedCache(self.resolved, self.path, policy=CachePolicy.READ_ONLY, compress=self.compress,
-                             verify_payloads=self.verify_payloads, warn=self._warn, map_payloads=self.map_payloads)
+                             verify_payloads=self.verify_payloads, warn=self._warn, map_payloads=self.map_payloads,
+                             trust_symlinks=self.trust_symlinks)
 
     def hold_writes(self) -> Callable[[], None]:
         """Hold the background writer until the returned ``release()`` is called (once;
@@ -678,13 +686,15 @@ class _Unusable(Exception):
 
 
 def prepared_cache_findings(resolved: ResolvedModel, prepared_path: Path | None = None, *,
-                            require_complete: bool = False, verify_payloads: bool = False) -> list[dict]:
+                            require_complete: bool = False, verify_payloads: bool = False,
+                            trust_symlinks: bool = False) -> list[dict]:
     """What ``onnx-prep check`` reports about a model's prepared cache: one finding per
     problem, ``{"check", "subject", "message", "where", "severity"}``. A malformed
     manifest is one error; an entry that cannot be used is a warning (an error with
     ``require_complete``, which also makes every object without a compatible entry an
     error); with ``verify_payloads`` every payload is read and checked against its digest
-    (bounded memory: 1 MiB at a time)."""
+    (bounded memory: 1 MiB at a time). ``trust_symlinks``: a symlinked manifest is read
+    through (else it is one error)."""
     from onnx_prep.core.cache.manifest import CacheFormatError
 
     path = Path(prepared_path) if prepared_path is not None else default_cache_path(resolved.model_path)
@@ -696,7 +706,7 @@ def prepared_cache_findings(resolved: ResolvedModel, prepared_path: Path | None 
                          "severity": "error" if error else "warning"})
 
     try:
-        cache = PreparedCache(resolved, path, policy=CachePolicy.READ_ONLY)
+        cache = PreparedCache(resolved, path, policy=CachePolicy.READ_ONLY, trust_symlinks=trust_symlinks)
     except CacheFormatError as exc:
         add(path.name, exc.one_line(), exc.where, True)
         return findings
@@ -718,7 +728,7 @@ def prepared_cache_findings(resolved: ResolvedModel, prepared_path: Path | None 
                 problem = cache.payload_problem(e)
                 if problem is not None:
                     add(e.key, f"payload unusable: {problem}; {cache.build_hint(verb='rebuild')}",
-                        Where(file=str(path.parent / e.file), tensor=e.tensor_name, offset=e.offset), True)
+                        Where(file=str(cache.folder / e.file), tensor=e.tensor_name, offset=e.offset), True)
     finally:
         cache.close()
     return findings
