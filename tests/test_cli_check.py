@@ -155,3 +155,20 @@ def test_the_console_script_exits_1_on_findings_and_3_on_an_internal_error(small
     p = with_fault("onnx_prep.core.model.resolution:resolve_model", "check", str(small_copy))
     assert p.returncode == EXIT_INTERNAL and "injected fault" in p.stderr
     assert p.stderr.strip().splitlines()[-1] == REPORT_REQUEST
+
+
+def test_a_wrong_file_checksum_beside_right_per_tensor_digests_exits_1(small_copy):
+    """--verify-payloads checks the data file's ONNX ``checksum`` even where every tensor
+    also records its own digests (and they match)."""
+    def edit(m):
+        for t in m.graph.initializer:
+            for e in t.external_data:
+                if e.key == "checksum":
+                    e.value = "0" * 40
+    _edit(small_copy, edit)
+    assert run("check", str(small_copy)).exit_code == EXIT_OK  # stat only: no byte read
+    result = run("check", str(small_copy), "--verify-payloads")
+    assert result.exit_code == EXIT_FINDINGS, result.output
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
+    assert line.startswith(f"error: digests: {SMALL_DATA} (offset 0): data file bytes do not match") and \
+        f"expected sha1:{'0' * 40}" in line, line

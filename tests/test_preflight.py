@@ -104,7 +104,10 @@ def test_a_truncated_data_file_is_one_finding_per_tensor_past_its_end(small_copy
         assert "run past the end of the file" in f["message"] and f"({size} bytes)" in f["message"]
         assert f["where"]["tensor"] == f["subject"] and f["where"]["file"] == SMALL_DATA
     assert doc["exit_code"] == EXIT_FINDINGS
-    assert findings(doc, "digests") == []  # the tensors in bounds verify; those past the end are not read
+    # the tensors in bounds verify and those past the end are not read; the file's checksum
+    # (the fixture records it beside the per-tensor digests) is of the file before the cut
+    [whole] = findings(doc, "digests")
+    assert whole["subject"] == SMALL_DATA and "data file bytes do not match" in whole["message"]
 
 
 @pytest.mark.parametrize("location, fragment", [
@@ -161,7 +164,9 @@ def test_a_wrong_digest_is_found_only_by_reading_the_payload(tiny_copy):  # noqa
     d = _zero(tiny_copy, VICTIM)
     assert validated(preflight(tiny_copy))["exit_code"] == EXIT_OK  # stat only: no byte read
     doc = validated(preflight(tiny_copy, verify_payloads=True))
-    [f] = doc["findings"]
+    # the tensor's digest, and its file's checksum (the fixture records both): one finding each
+    whole, f = doc["findings"]
+    assert (whole["subject"], whole["where"]["offset"]) == (TINY_DATA, 0)
     actual = "sha256:" + hashlib.sha256(b"\0" * d.length).hexdigest()
     assert (f["check"], f["subject"]) == ("digests", VICTIM) and "do not match" in f["message"]
     assert f["where"] | {"model": None} == {"model": None, "tensor": VICTIM, "file": TINY_DATA,
@@ -177,6 +182,25 @@ def test_a_wrong_file_checksum_is_one_finding_for_the_file(tiny_copy):  # noqa: 
     assert (f["check"], f["subject"]) == ("digests", TINY_DATA)
     assert f["where"]["expected"].startswith("sha1:") and f["where"]["actual"].startswith("sha1:")
     assert f["where"]["offset"] == 0 and "tensor" not in f["where"]
+
+
+
+def test_a_file_checksum_is_checked_beside_correct_per_tensor_digests(small_copy):
+    """A model recording both (what ``digest --write`` writes): bytes appended to its data
+    file change no tensor, so every per-tensor digest still matches; the file's
+    ``checksum`` does not, and is a finding of the file."""
+    with open(small_copy.parent / SMALL_DATA, "ab") as f:
+        f.write(b"appended after the checksum was recorded")
+    d = next(d for d in _external(small_copy) if d.name == NORM)
+    assert d.digest_source.value == "tensor-metadata"  # both recorded: the checksum is not its digest
+    assert validated(preflight(small_copy))["exit_code"] == EXIT_OK  # stat only: nothing read
+    doc = validated(preflight(small_copy, verify_payloads=True))
+    [f] = doc["findings"]
+    assert (f["check"], f["subject"], f["severity"]) == ("digests", SMALL_DATA, "error")
+    assert "data file bytes do not match" in f["message"]
+    assert f["where"]["expected"].startswith("sha1:") and f["where"]["actual"].startswith("sha1:")
+    assert f["where"]["offset"] == 0 and "tensor" not in f["where"] and f["where"]["file"] == SMALL_DATA
+    assert doc["exit_code"] == EXIT_FINDINGS
 
 
 CONFORMANCE = ["opset-99", "ir-99", "norm-int32", "two-producers", "mm-B-int8", "gbq-block-7"]
@@ -241,11 +265,13 @@ def test_verification_reports_progress_in_payload_bytes(small_llm_path):
     preflight(small_llm_path, verify_payloads=True, progress=progress)
     # every external initializer's digest is verified: the active ones (the manifest) and
     # the tied embedding's scales, which a load does not read (the LM head's are its bytes)
+    # and the data file's checksum, recorded beside them: one pass over the whole file
     external = _external(small_llm_path)
     manifest = resolve_model(small_llm_path).manifest
     assert [d.name for d in external if d.name not in manifest] == ["embed_tokens.scales"]
-    assert events[0] == ("verify payloads", sum(d.length for d in external))
-    assert sorted(events[1:]) == sorted(d.length for d in external)
+    file_size = (small_llm_path.parent / SMALL_DATA).stat().st_size
+    assert events[0] == ("verify payloads", sum(d.length for d in external) + file_size)
+    assert sorted(events[1:]) == sorted([file_size, *(d.length for d in external)])
 
 
 # ------------------------------------------------------------ prepared cache

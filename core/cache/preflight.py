@@ -16,7 +16,9 @@ from ``parse_model_file``). Everything else becomes findings of named checks:
 - ``digests``: each external tensor has a trusted digest (a per-tensor sha256 or xxh3
   in its ``metadata_props``, or the file's ``checksum``); with ``verify_payloads``,
   every trusted digest (both per-tensor ones where the model records both) is checked by reading through the one reader
-  (``ExternalDataReader.map_shared``: one tensor's pages at a time, released after).
+  (``ExternalDataReader.map_shared``: one tensor's pages at a time, released after), and
+  so is every data file's ``checksum`` a tensor records, even beside per-tensor digests
+  (which resolution trusts instead, so the tensor's descriptor does not carry it).
 - ``prepared_cache``: the companion prepared cache (``--prepared``, default
   ``<model stem>.prepared.onnx``), by ``core/cache/prepared_cache.prepared_cache_findings``:
   a malformed manifest, each entry a load could not use, with ``require_complete`` each
@@ -172,6 +174,9 @@ class _State:
         self.external: list = []  # WeightDescriptors of the external tensors whose entries parse
         self.resolved = None  # the ResolvedModel, where resolution accepts the model
         self.readable: list = []  # external tensors inside an existing file (external_data)
+        # each tensor with per-tensor digests that records its file's ``checksum`` too:
+        # the checksum, which its descriptor does not keep (the finer digest is its identity)
+        self.file_checksums: dict[str, str] = {}
 
     # -- model.conformance
     def describe(self, proto, conformance: _Check, external_data: _Check, digests: _Check) -> None:
@@ -180,6 +185,7 @@ class _State:
         from onnx import TensorProto
 
         from onnx_prep.core.model.resolution import weight_descriptor
+        from onnx_prep.core.model.weights import DigestSource
 
         seen: set[str] = set()
         for t in proto.graph.initializer:
@@ -195,6 +201,9 @@ class _State:
                 if t.data_location == TensorProto.EXTERNAL and d.name not in seen:  # a duplicate: conformance
                     self.external.append(d)
                     seen.add(d.name)
+                    checksum = next((e.value for e in t.external_data if e.key == "checksum"), None)
+                    if checksum is not None and d.digest_source is DigestSource.TENSOR_METADATA:
+                        self.file_checksums[d.name] = checksum
 
     def resolve(self, conformance: _Check, checks: Mapping[str, _Check]) -> None:
         from onnx_prep.core.model.resolution import resolve_model
@@ -277,22 +286,37 @@ class _State:
             if d.digest_source is DigestSource.FILE_CHECKSUM:
                 if d.file not in per_file or d.length < per_file[d.file].length:
                     per_file[d.file] = d
-        files = {d.file: (self.model_dir / d.file).stat().st_size for d in per_file.values()}
+        # A file whose tensors record their own digests and its checksum too: the checksum
+        # is checked as well (a file changed outside every tensor fails only it), through
+        # a stand-in descriptor of its smallest tensor whose digest is that checksum.
+        beside: dict[str, Any] = {}
+        for d in self.readable:
+            checksum = self.file_checksums.get(d.name)
+            if checksum is not None and d.file not in per_file and (
+                    d.file not in beside or d.length < beside[d.file].length):
+                beside[d.file] = replace(d, digest=f"sha1:{checksum.lower()}@{d.offset}+{d.length}",
+                                         digest_source=DigestSource.FILE_CHECKSUM, fast_digest=None)
+        files = {d.file: (self.model_dir / d.file).stat().st_size for d in (*per_file.values(), *beside.values())}
         total = sum(d.length for d in per_tensor) + sum(files.values())
         with (progress("verify payloads", total) if progress else nullcontext(None)) as advance:
-            self._verify(check, per_tensor, per_file, files, advance or (lambda n: None))
+            self._verify(check, per_tensor, per_file, beside, files, advance or (lambda n: None))
 
-    def _verify(self, check: _Check, per_tensor: list, per_file: dict, files: dict,
+    def _verify(self, check: _Check, per_tensor: list, per_file: dict, beside: dict, files: dict,
                 advance: Callable[[int], None]) -> None:
         from onnx_prep.core.io.external_data import ExternalDataReader
         from onnx_prep.core.model.resolved_model import PayloadManifest
 
-        reader = ExternalDataReader(self.model_dir, PayloadManifest(tuple(self.readable)),
-                                    trust_symlinks=self.trust_symlinks, model=self.model,
-                                    verify_every_digest=True)
+        def reader_of(descs) -> ExternalDataReader:
+            return ExternalDataReader(self.model_dir, PayloadManifest(tuple(descs)), trust_symlinks=self.trust_symlinks,
+                                      model=self.model, verify_every_digest=True)
+
+        tensors = reader_of(self.readable)
+        # The stand-ins share their tensors' names: a reader of their own admits them.
+        checksums = reader_of(beside.values()) if beside else tensors
         try:
-            for subject, d, nbytes in ([(d.file, d, files[d.file]) for d in per_file.values()]
-                                       + [(d.name, d, d.length) for d in per_tensor]):
+            for subject, d, nbytes, reader in ([(d.file, d, files[d.file], tensors) for d in per_file.values()]
+                                               + [(d.file, d, files[d.file], checksums) for d in beside.values()]
+                                               + [(d.name, d, d.length, tensors) for d in per_tensor]):
                 try:
                     reader.map_shared(d, verify=True)
                 except DigestError as exc:
@@ -306,7 +330,9 @@ class _State:
                     reader.release_shared(d)
                 advance(nbytes)
         finally:
-            reader.close_shared()
+            tensors.close_shared()
+            if checksums is not tensors:
+                checksums.close_shared()
 
     # -- prepared_cache
     def prepared_cache(self, check: _Check, prepared, require_complete: bool, verify: bool) -> None:
