@@ -79,10 +79,53 @@ def finding_line(f: dict) -> str:
     which node), message; control characters escaped."""
     from onnx_prep.core.errors import terminal_safe
 
+    return terminal_safe(f"{f['severity']}: {f['check']}: {_subject(f)}: {f['message']}")
+
+
+# Findings of one check alike (same severity, same message but for the names of their
+# own subject) are one line past this many: an export without digests has one per
+# weight, hundreds of lines that say one thing.
+ALIKE_MAX = 3
+
+
+def finding_lines(group: list[dict]) -> list[str]:
+    """The lines of one check's findings: each on its own line, except where more than
+    ``ALIKE_MAX`` are alike (``_alike_key``): those are one line at the first one's
+    place, the first in full, then how many more and the next subjects (``--json`` and
+    ``--junit`` list every one)."""
+    from onnx_prep.core.errors import terminal_safe
+
+    alike: dict[tuple[str, str], list[dict]] = {}
+    for f in group:
+        alike.setdefault(_alike_key(f), []).append(f)
+    lines = []
+    for f in group:
+        same = alike[_alike_key(f)]
+        if len(same) <= ALIKE_MAX:
+            lines.append(finding_line(f))
+        elif f is same[0]:
+            rest = ", ".join(g["subject"] for g in same[1:ALIKE_MAX])
+            lines.append(terminal_safe(f"{finding_line(f)}; and {len(same) - 1} more like it: {rest}, ... "
+                                       "(each in --json)"))
+    return lines
+
+
+def _alike_key(f: dict) -> tuple[str, str]:
+    """Severity and message with the finding's own names (its subject, its tensor, and
+    the parts of a cache entry's key) masked."""
+    import re
+
+    names = {f["subject"], f["where"].get("tensor") or "", *re.split(r"[:+|]", f["subject"])}
+    message = f["message"]
+    for name in sorted((n for n in names if len(n) > 2), key=len, reverse=True):
+        message = message.replace(name, "\0")
+    return f["severity"], message
+
+
+def _subject(f: dict) -> str:
     w = f["where"]
     place = [f"{key} {w[key]}" for key in ("node", "file", "offset") if key in w and w[key] != f["subject"]]
-    subject = f"{f['subject']} ({', '.join(place)})" if place else f["subject"]
-    return terminal_safe(f"{f['severity']}: {f['check']}: {subject}: {f['message']}")
+    return f"{f['subject']} ({', '.join(place)})" if place else f["subject"]
 
 
 def render(doc: dict) -> None:
@@ -107,8 +150,8 @@ def render(doc: dict) -> None:
         group = [f for f in doc["findings"] if f["check"] == c["id"]]
         if group:
             out.print(f"\n{c['id']}:", style="bold", markup=False, highlight=False)
-            for f in group:
-                out.print(finding_line(f), markup=False, highlight=False)
+            for line in finding_lines(group):
+                out.print(line, markup=False, highlight=False)
     s = doc["summary"]
     verdict = "[red]findings[/red]" if doc["exit_code"] else "[green]clean[/green]"
     out.print(f"\n{verdict}: {s['errors']} error{'s' * (s['errors'] != 1)}, {s['warnings']} "

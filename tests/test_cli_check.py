@@ -172,3 +172,27 @@ def test_a_wrong_file_checksum_beside_right_per_tensor_digests_exits_1(small_cop
     [line] = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
     assert line.startswith(f"error: digests: {SMALL_DATA} (offset 0): data file bytes do not match") and \
         f"expected sha1:{'0' * 40}" in line, line
+
+
+def test_findings_alike_are_one_line_past_three():
+    # An export without digests has one finding per weight: the text says it once, names
+    # the next subjects and how many; --json keeps every one.
+    from onnx_prep.cli.check import ALIKE_MAX, finding_lines
+
+    def f(name, message=None, severity="error"):
+        return {"check": "digests", "subject": name, "severity": severity,
+                "message": message or "no trusted digest: add digests",
+                "where": {"tensor": name, "file": "m.data", "offset": 0}}
+
+    four = [f(f"w{i}") for i in range(ALIKE_MAX + 1)]
+    lines = finding_lines(four + [f("x", "other reason")])
+    assert len(lines) == 2
+    assert lines[0] == ("error: digests: w0 (file m.data, offset 0): no trusted digest: add digests; "
+                        "and 3 more like it: w1, w2, ... (each in --json)")
+    assert lines[1].startswith("error: digests: x (")
+    assert len(finding_lines(four[:ALIKE_MAX])) == ALIKE_MAX  # three alike stay three lines
+    assert len(finding_lines(four[:2] + [f("w9", severity="warning")] * 2)) == 4  # severity tells apart
+    # a message naming the finding's own entry's source is alike too
+    keyed = [{"check": "prepared_cache", "subject": f"P:w{i}.q4+w{i}.scales|int4mm.v1|cpu", "severity": "warning",
+              "message": f"unverified: source w{i}.q4 has no digest", "where": {"file": "c.onnx"}} for i in range(5)]
+    assert len(finding_lines(keyed)) == 1
