@@ -451,7 +451,7 @@ def test_the_manifest_is_an_onnx_model_the_checker_accepts(model):
 # ------------------------------------------------------------------ findings for `check`
 
 def test_check_findings_name_each_unusable_entry(model):
-    from onnx_prep.core.cache.prepared_cache import prepared_cache_findings
+    from onnx_prep.core.cache.preflight import prepared_cache_findings
 
     resolved = resolve_model(model)
     assert prepared_cache_findings(resolved) == []  # no cache, not required: nothing to say
@@ -485,13 +485,13 @@ def _first_run_watching_the_writer(path: Path, **session_kw):
     try:
         with Session(resolved, cache=cache, **session_kw) as s:
             ctx = RuntimeContext(_feeds(path))
-            ctx.before_step = lambda i: open_at_steps.append(cache._writes_open.is_set())
+            ctx.before_step = lambda i: open_at_steps.append(cache.writes_open)
             with s.run_async(ctx):
                 pass
-            after_run = cache._writes_open.is_set()
+            after_run = cache.writes_open
             with s.run_async(RuntimeContext(_feeds(path))):  # a second run holds nothing
                 pass
-            after_second = cache._writes_open.is_set()
+            after_second = cache.writes_open
         committed = cache.commit()
     finally:
         cache.close()
@@ -526,12 +526,12 @@ def test_a_hold_ends_with_its_release_or_a_flush(model):
         first, second = cache.hold_writes(), cache.hold_writes()
         first()
         first()  # a second call does nothing
-        assert not cache._writes_open.is_set()  # the other hold remains
+        assert not cache.writes_open  # the other hold remains
         second()
-        assert cache._writes_open.is_set()
+        assert cache.writes_open
         cache.hold_writes()
         cache.flush()  # a session's close: the writer must drain whatever was held
-        assert cache._writes_open.is_set()
+        assert cache.writes_open
     finally:
         cache.close()
 

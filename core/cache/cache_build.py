@@ -15,8 +15,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from onnx_prep.core.cache.prepared_cache import (CachePolicy, EntryOutcome, EntryStatus, PreparedCache,
-                                                 default_cache_path)
+from onnx_prep.core.cache.cache_policy import CachePolicy, default_cache_path
+from onnx_prep.core.cache.entry_compatibility import EntryOutcome, EntryStatus
+from onnx_prep.core.cache.prepared_cache import PreparedCache
 
 __all__ = ["SCHEMA", "build_prepared_cache"]
 

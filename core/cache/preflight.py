@@ -20,7 +20,7 @@ from ``parse_model_file``). Everything else becomes findings of named checks:
   so is every data file's ``checksum`` a tensor records, even beside per-tensor digests
   (which resolution trusts instead, so the tensor's descriptor does not carry it).
 - ``prepared_cache``: the companion prepared cache (``--prepared``, default
-  ``<model stem>.prepared.onnx``), by ``core/cache/prepared_cache.prepared_cache_findings``:
+  ``<model stem>.prepared.onnx``), by :func:`prepared_cache_findings`:
   a malformed manifest, each entry a load could not use, with ``require_complete`` each
   missing one, with ``verify_payloads`` each payload against its digest. No cache at
   the default path is no finding (a load then packs from the sources); a cache named
@@ -36,7 +36,7 @@ import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Mapping
 
 from onnx_prep.core.errors import (
     EXIT_FINDINGS,
@@ -47,6 +47,9 @@ from onnx_prep.core.errors import (
     OnnxPrepError,
     Where,
 )
+
+if TYPE_CHECKING:
+    from onnx_prep.core.model.resolved_model import ResolvedModel
 
 CHECK_SCHEMA = "onnx-prep.check/1"
 CHECKS = ("model.conformance", "kernels", "external_data", "digests", "prepared_cache")
@@ -164,6 +167,56 @@ def preflight(model_path: str | os.PathLike, *, prepared: str | os.PathLike | No
 def schema_path() -> Path:
     """The JSON Schema (draft 2020-12) of ``preflight``'s record."""
     return Path(__file__).parents[1] / "schemas" / "check.schema.json"
+
+
+def prepared_cache_findings(resolved: ResolvedModel, prepared_path: Path | None = None, *,
+                            require_complete: bool = False, verify_payloads: bool = False,
+                            trust_symlinks: bool = False) -> list[dict]:
+    """What ``onnx-prep check`` reports about a model's prepared cache: one finding per
+    problem, ``{"check", "subject", "message", "where", "severity"}``. A malformed
+    manifest is one error; an entry that cannot be used is a warning (an error with
+    ``require_complete``, which also makes every object without a compatible entry an
+    error); with ``verify_payloads`` every payload is read and checked against its digest
+    (bounded memory: 1 MiB at a time). ``trust_symlinks``: a symlinked manifest is read
+    through (else it is one error)."""
+    from onnx_prep.core.cache.manifest import CacheFormatError
+    from onnx_prep.core.cache.prepared_cache import CachePolicy, EntryStatus, PreparedCache, default_cache_path
+
+    path = Path(prepared_path) if prepared_path is not None else default_cache_path(resolved.model_path)
+    findings: list[dict] = []
+
+    def add(subject: str, message: str, where: Where, error: bool) -> None:
+        findings.append({"check": "prepared_cache", "subject": subject, "message": message,
+                         "where": {k: v for k, v in vars(where).items() if v is not None},
+                         "severity": "error" if error else "warning"})
+
+    try:
+        cache = PreparedCache(resolved, path, policy=CachePolicy.READ_ONLY, trust_symlinks=trust_symlinks)
+    except CacheFormatError as exc:
+        add(path.name, exc.one_line(), exc.where, True)
+        return findings
+    try:
+        if cache.manifest is None:
+            if require_complete:
+                add(path.name, f"no prepared cache at {path}; {cache.build_hint()}",
+                    Where(file=str(path)), True)
+            return findings
+        for key, o in sorted(cache.outcomes.items()):
+            if o.status is EntryStatus.HIT:
+                continue
+            if o.status is EntryStatus.MISSING and not require_complete:
+                continue  # an incomplete cache is a cache, unless completeness is required
+            add(key, f"{o.status.value}: {o.reason}", Where(file=str(path), tensor=key),
+                require_complete or o.status is EntryStatus.DAMAGED)
+        if verify_payloads:
+            for e in cache.manifest.entries:
+                problem = cache.payload_problem(e)
+                if problem is not None:
+                    add(e.key, f"payload unusable: {problem}; {cache.build_hint(verb='rebuild')}",
+                        Where(file=str(cache.folder / e.file), tensor=e.tensor_name, offset=e.offset), True)
+    finally:
+        cache.close()
+    return findings
 
 
 class _State:
@@ -336,8 +389,6 @@ class _State:
 
     # -- prepared_cache
     def prepared_cache(self, check: _Check, prepared, require_complete: bool, verify: bool) -> None:
-        from onnx_prep.core.cache.prepared_cache import prepared_cache_findings
-
         if self.resolved is None:
             check.skip("needs the model resolved (see model.conformance)")
             return
