@@ -75,7 +75,8 @@ def plan_dump(
         def open_cache(resolved):  # the cache `run` would use with the same options
             if cache_policy == "disabled":
                 return None
-            return PreparedCache(resolved, prepared, policy=cache_policy, warn=output.warn)
+            return PreparedCache(resolved, prepared, policy=cache_policy, warn=output.warn,
+                                 trust_symlinks=trust_symlinks)
 
         doc = build(model_path(model), open_cache=open_cache, trust_symlinks=trust_symlinks, scope=scope,
                     text=text, fuse=fuse, device=device, budget=_size_option("--budget", budget),

@@ -233,6 +233,12 @@ def test_a_symlinked_manifest_is_read_through_only_with_trust_symlinks(model, tm
     assert p.returncode == 2 and "is a symlink" in p.stderr and len(p.stderr.strip().splitlines()) == 1
     trusted = cli("check", model, "--trust-symlinks", "--require-complete", "--verify-payloads", "--json")
     assert json.loads(trusted.stdout)["findings"] == []  # payloads found beside the link's target
+    # every command that opens the cache hands it its --trust-symlinks
+    ran = json.loads(cli("run", model, "--tokens", "2", "--trust-symlinks", "--cache-policy", "require-complete",
+                         "--json").stdout)
+    assert ran["load"]["prepacks"] == 0 and ran["load"]["packed_reads"] > 0 and ran["cache"]["entries"]["hit"] > 0
+    plan = json.loads(cli("plan-dump", model, "--trust-symlinks", "--format", "json").stdout)
+    assert plan["summary"]["recipes"]["read_packed_payload"] > 0 and plan["summary"]["bytes_to_read"]["packed"] > 0
 
 
 def test_build_cache_never_writes_through_a_symlinked_manifest(model, tmp_path):

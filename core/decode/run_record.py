@@ -418,7 +418,7 @@ def _open_cache(resolved, options: RunOptions, warn):
     from onnx_prep.core.cache.prepared_cache import PreparedCache
 
     return PreparedCache(resolved, options.prepared, policy=options.cache_policy,
-                         verify_payloads=options.verify_digests, warn=warn)
+                         verify_payloads=options.verify_digests, warn=warn, trust_symlinks=options.trust_symlinks)
 
 
 def _open_ort(path: Path, threads: int | None, session_config: dict[str, str] | None):

@@ -262,7 +262,8 @@ def _one_run(resolved, io, prompts, options: SweepOptions, budget: int | None, w
     if options.cache_policy != "disabled":
         from onnx_prep.core.cache.prepared_cache import PreparedCache
 
-        cache = PreparedCache(resolved, options.prepared, policy=options.cache_policy, warn=warn)
+        cache = PreparedCache(resolved, options.prepared, policy=options.cache_policy, warn=warn,
+                              trust_symlinks=options.trust_symlinks)
     mem = MemoryBudget(limits={Arena.PREPARED: budget} if budget is not None else None)
     kw = {} if options.threads is None else {"cpu_workers": options.threads, "intra_op_threads": options.threads}
     marks = []
@@ -359,7 +360,8 @@ def _device_runs(resolved, io, batches, options: SweepOptions, tick) -> dict:
             if options.cache_policy != "disabled":
                 from onnx_prep.core.cache.prepared_cache import PreparedCache
 
-                cache = PreparedCache(resolved, options.prepared, policy=options.cache_policy)
+                cache = PreparedCache(resolved, options.prepared, policy=options.cache_policy,
+                                      trust_symlinks=options.trust_symlinks)
             try:
                 dec = open_device_decoder(resolved, driver, budget=budget, trust_symlinks=options.trust_symlinks,
                                           cache=cache)

@@ -155,14 +155,15 @@ def _run_child(spec: LoadSpec, warn: Callable[[str], None] | None) -> dict:
     return doc["sample"]
 
 
-def _cache_files(resolved, policy: str, prepared: Path | None, warn) -> tuple[list[Path], dict | None]:
+def _cache_files(resolved, policy: str, prepared: Path | None, warn, *,
+                 trust_symlinks: bool = False) -> tuple[list[Path], dict | None]:
     """The cache's files a load under ``policy`` reads (for --cold), and its summary;
     opening it here also refuses what the load would refuse (require-complete, say)."""
     if policy in ("disabled", "build-if-missing"):
         return [], None
     from onnx_prep.core.cache.prepared_cache import PreparedCache
 
-    cache = PreparedCache(resolved, prepared, policy=policy, warn=warn)
+    cache = PreparedCache(resolved, prepared, policy=policy, warn=warn, trust_symlinks=trust_symlinks)
     try:
         files = [] if cache.manifest is None else \
             [cache.path] + [cache.folder / f for f in sorted(cache.manifest.files) if (cache.folder / f).is_file()]
@@ -193,7 +194,8 @@ def profile_load(model_path: Path, options: LoadProfileOptions, *,
 
         import_onnxruntime()
     model_files = [model_path] + sorted({resolved.model_dir / d.file for d in resolved.manifest if d.file})
-    caches = {p: _cache_files(resolved, p, options.prepared, warn) for p in options.cache_policies}
+    caches = {p: _cache_files(resolved, p, options.prepared, warn, trust_symlinks=options.trust_symlinks)
+              for p in options.cache_policies}
     configs = options.configurations
     total = options.repeat * (len(configs) + (1 if options.compare else 0)) + (1 if options.trace else 0)
     done = 0

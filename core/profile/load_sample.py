@@ -177,7 +177,8 @@ def measure_load(spec: LoadSpec, *, warn=None) -> LoadMeasurement:
         from onnx_prep.core.cache.prepared_cache import PreparedCache
 
         cache = PreparedCache(resolved, None if spec.prepared is None else Path(spec.prepared),
-                              policy=spec.cache_policy, verify_payloads=spec.verify_digests, warn=warn)
+                              policy=spec.cache_policy, verify_payloads=spec.verify_digests, warn=warn,
+                              trust_symlinks=spec.trust_symlinks)
     budget = MemoryBudget()
     try:
         base = time.perf_counter_ns()
