@@ -31,6 +31,11 @@ The greedy tokens of every session must be identical (checked).
 its own (the run's thread, the split GEMVs' helpers lent as usual) and prints, per op
 type, the actions a step, their ms a step and µs each: where the time outside the
 GEMVs goes. Timing each action adds a little to each; the GEMVs' sum stays close to fj_ms.
+``--ort-per-op`` then decodes the same prompt with ONNX Runtime (the same threads, its
+session config as ``run --compare ort`` sets it) with its profiler on, and prints its
+kernel time per op type a step beside ours (steps 0 and 1 left out, as above): where the
+two steps differ. ONNX Runtime fuses at load what we run as separate ops (Sigmoid and
+Mul become QuickGelu), so compare the groups, not only the rows.
 ``--split-all`` splits every INT4 matmul however small (smoke runs on tiny fixtures).
 Figures are indicative; wall times need a quiet machine (scripts/bench_decode_speed.py).
 """
@@ -180,6 +185,52 @@ def per_op_profile(session, io, prompt, tokens: int) -> tuple[int, list[tuple[st
     return n, rows
 
 
+def ort_per_op(path: Path, io, prompt, tokens: int, threads: int) -> tuple[int, float, list[tuple[str, int, float]]]:
+    """The same greedy decode through ONNX Runtime with its profiler on: (steps timed,
+    its median run ms, [(op type, kernels a step, ms a step)], slowest first), the
+    prefill and the first decode step left out."""
+    import os
+    import tempfile
+    from collections import defaultdict
+
+    from onnx_prep.core.decode.generation import greedy_decode
+    from onnx_prep.core.decode.ort_runner import import_onnxruntime, like_for_like_config
+
+    ort = import_onnxruntime()
+    opts = ort.SessionOptions()  # OrtRunner's session, with the profiler on
+    opts.intra_op_num_threads = threads
+    opts.log_severity_level = 3
+    for key, value in like_for_like_config().items():
+        opts.add_session_config_entry(key, value)
+    opts.enable_profiling = True
+    opts.profile_file_prefix = os.path.join(tempfile.mkdtemp(), "ort")
+    session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+
+    class Runner:
+        def run(self, feeds):
+            return dict(zip(names, session.run(None, feeds)))
+
+    try:
+        greedy_decode(Runner(), io, prompt, tokens)
+    finally:
+        trace = Path(session.end_profiling())
+    events = json.loads(trace.read_text())
+    trace.unlink()
+    runs = [e for e in events if e.get("name") == "model_run"]
+    start = runs[2]["ts"] if len(runs) > 2 else 0
+    total: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    for e in events:
+        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time") and e["ts"] >= start:
+            op = e["args"]["op_name"]
+            total[op] += e["dur"]
+            count[op] += 1
+    n = max(len(runs) - 2, 1)
+    rows = sorted(((op, count[op] // n, total[op] / n / 1e3) for op in total), key=lambda r: -r[2])
+    return n, statistics.median(r["dur"] for r in runs[2:]) / 1e3 if len(runs) > 2 else 0.0, rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="medium")
@@ -191,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare", choices=sorted(MODES), default="none")
     ap.add_argument("--split-all", action="store_true")
     ap.add_argument("--per-op", action="store_true", help="then time every action of one more decode, per op type")
+    ap.add_argument("--ort-per-op", action="store_true",
+                    help="then the same decode in ONNX Runtime with its profiler: its kernel time per op type")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if args.tokens < 4:
@@ -260,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                         _settings(MODES["none"]["default"])
         activity = MachineActivity.now().since(activity0)
         per_op = per_op_profile(next(iter(sessions.values())), io, prompt, args.tokens) if args.per_op else None
+        ort_op = ort_per_op(path, io, prompt, args.tokens, args.threads) if args.ort_per_op else None
     finally:
         uninstall()
         for s in sessions.values():
@@ -280,6 +334,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{sum(ms for _, _, ms in rows):.2f} ms a step")
         for op, count, ms in rows:
             print(f"    {op:34s} {count:4d} a step {ms:8.3f} ms {ms / count * 1e3:8.1f} us each")
+    if ort_op is not None:
+        steps_timed, run_ms, rows = ort_op
+        print(f"  ONNX Runtime, per op type, {steps_timed} decode steps (its profiler's kernel times): "
+              f"{sum(ms for _, _, ms in rows):.2f} ms a step in kernels, its run {run_ms:.2f} ms (median)")
+        for op, count, ms in rows:
+            print(f"    {op:34s} {count:4d} a step {ms:8.3f} ms {ms / max(count, 1) * 1e3:8.1f} us each")
     print(describe(activity))
     if args.json:
         args.json.write_text(json.dumps({"model": str(name), "threads": args.threads, "batch": args.batch,
@@ -288,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
                                          "per_op": None if per_op is None else {
                                              "steps": per_op[0], "ops": [{"op": op, "count": n, "ms": ms}
                                                                          for op, n, ms in per_op[1]]},
+                                         "ort_per_op": None if ort_op is None else {
+                                             "steps": ort_op[0], "run_ms": ort_op[1],
+                                             "ops": [{"op": op, "count": n, "ms": ms} for op, n, ms in ort_op[2]]},
                                          "machine_activity": activity}, indent=2))
     return 0
 

@@ -364,9 +364,13 @@ def test_ab_decode_step_alternates_in_one_session(tmp_path, toggle):
 
 
 def test_gemv_step_profile_smoke(tmp_path):
+    import importlib.util
+
     out = tmp_path / "gemv.json"
+    with_ort = importlib.util.find_spec("onnxruntime") is not None  # --ort-per-op's part is skipped without it
     p = _run(["scripts/gemv_step_profile.py", "--preset", "tiny-llm", "--split-all", "--compare", "huge-pages",
-              "--tokens", "5", "--rounds", "2", "--per-op", "--json", str(out)], tmp_path / "cache")
+              "--tokens", "5", "--rounds", "2", "--per-op", *(["--ort-per-op"] if with_ort else []),
+              "--json", str(out)], tmp_path / "cache")
     assert p.returncode == 0, p.stderr  # includes: both sessions' greedy tokens identical
     doc = json.loads(out.read_text())
     _check_activity(doc["machine_activity"], p.stdout)
@@ -386,6 +390,15 @@ def test_gemv_step_profile_smoke(tmp_path):
     assert per_op["steps"] == 3 and ops["MatMulNBits"]["count"] == 17 and ops["MatMulNBits"]["ms"] > 0
     assert [o["ms"] for o in per_op["ops"]] == sorted((o["ms"] for o in per_op["ops"]), reverse=True)
     assert "us each" in p.stdout
+    # --ort-per-op: ONNX Runtime's profiler over the same 3 decode steps; its 17 INT4 matmuls
+    # are MatMulNBits kernels too (the tiny fixture's are MatMulNBits nodes)
+    ort = doc["ort_per_op"]
+    if not with_ort:
+        assert ort is None
+        return
+    ort_ops = {o["op"]: o for o in ort["ops"]}
+    assert ort["steps"] == 3 and ort["run_ms"] > 0 and ort_ops["MatMulNBits"]["count"] == 17
+    assert "ONNX Runtime, per op type, 3 decode steps" in p.stdout
 
 
 def test_bench_gemv_bandwidth_smoke(tmp_path):
