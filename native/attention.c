@@ -12,6 +12,13 @@
  * ISAs. The scalar table below is the reference the SIMD tables are tested against:
  * plain loops and libm's expf.
  *
+ * A sliding window narrows the span to its last `window` positions: the tables get a
+ * shorter row starting at the window's first key, so a windowed row is, bit for bit,
+ * the same call as an unwindowed one over a cache cut to the window. The softcap
+ * (tanhf) runs between the scores and the softmax, in portable C for every ISA. A
+ * sliding-window cache (window_cache) indexes its buffers from the first position they
+ * hold; a step that evicts reads through a staging copy of its past and new rows.
+ *
  * NOTE: a padding row of a first prompt (s >= total_b: rows of different lengths in one
  * batch) attends to the row's total_b positions, as ONNX Runtime's does (its causal
  * span, s + 1, capped at total_b); its keys and values still go to present rows
@@ -94,29 +101,72 @@ static void rotate(const op_gqa_params *p, const float *cos_cache, const float *
     memcpy(dst + rd, x + rd, (size_t)(h - rd) * sizeof(float));
 }
 
-/* Row b's past length (past_b) and total length, or -1 when seqlens_k[b] does not fit
- * the buffers. */
-static int64_t row_lengths(const op_gqa_params *p, const int64_t *seqlens_k, int64_t b, int64_t *total) {
-    const int64_t t = seqlens_k[b] + 1;
-    const int64_t past = p->first_prompt ? 0 : t - p->seq;
-    *total = t;
-    if (t < 1 || past < 0 || past + p->seq > p->present_len || (p->first_prompt && t > p->seq)) return -1;
-    if (past > 0 && past > p->past_len) return -1;
-    return past;
+/* Positions a sliding-window cache keeps after T tokens (onnx_prep_native.h, window_cache):
+ * all up to its capacity C, then it drops G = C - W + 1 at once, so the window's W stay. */
+static int64_t window_rows(int64_t T, int64_t C, int64_t W) {
+    if (T <= C) return T;
+    const int64_t G = C - W + 1;
+    return T - G * ((T - C + G - 1) / G);
+}
+
+/* Where row b's keys are before and after the step. Past buffer rows [0, kept) hold
+ * positions [past - kept, past); after the step present rows [0, keep) hold positions
+ * [total - keep, total) (a full-length cache: kept = past, keep = past + seq, both from
+ * position 0; a first prompt's padding rows are kept too, as ONNX Runtime keeps them). */
+typedef struct {
+    int64_t total, past, kept, keep;
+} op_gqa_row;
+
+/* Row b's layout, or -1 when seqlens_k[b] does not fit the buffers. */
+static int row_layout(const op_gqa_params *p, const int64_t *seqlens_k, int64_t b, op_gqa_row *r) {
+    const int64_t t = seqlens_k[b] + 1, S = p->seq;
+    const int64_t past = p->first_prompt ? 0 : t - S;
+    r->total = t;
+    r->past = past;
+    r->kept = r->keep = 0;
+    if (t < 1 || past < 0 || (p->first_prompt && t > S)) return -1;
+    if (p->window_cache) {  /* any past fits: the cache keeps a window of it; no padding row (ONNX Runtime's rule) */
+        if (p->first_prompt && t < S) return -1;
+        r->kept = window_rows(past, p->past_len, p->window);
+        r->keep = window_rows(t, p->past_len, p->window);
+        return 0;
+    }
+    if (past + S > p->present_len || (past > 0 && past > p->past_len)) return -1;
+    r->kept = past;
+    r->keep = past + S;
+    return 0;
+}
+
+/* A sliding-window cache whose step drops positions it still reads, or whose new rows
+ * do not fit after the kept ones, computes through a staging copy (past rows, then the
+ * new ones) and writes the rows it keeps to present afterwards. */
+static int staged(const op_gqa_params *p, const op_gqa_row *r) {
+    return p->window_cache && (r->total - r->keep != r->past - r->kept || r->kept + p->seq > p->present_len);
 }
 
 static int64_t stride(int64_t given, int64_t len) { return given > 0 ? given : len; }
 
 /* Present rows other than the new ones of kv head j of row b (pk: its first row): none
  * to write when present is the past's own buffer (shared); otherwise the past's first
- * `past` rows, then zeros after the new rows. */
+ * `kept` rows, then zeros after the new rows. */
 static void place_past(const op_gqa_params *p, const float *past_buf, int64_t past_stride, const float *present_buf,
-                       float *pk, int64_t b, int64_t j, int64_t past) {
+                       float *pk, int64_t b, int64_t j, int64_t kept) {
     const int64_t H = p->head_size, S = p->seq;
     if (past_buf != NULL && past_buf == present_buf) return;
-    memset(pk + (past + S) * H, 0, (size_t)(p->present_len - past - S) * (size_t)H * sizeof(float));
-    if (past > 0)
-        memcpy(pk, past_buf + (b * p->kv_num_heads + j) * past_stride * H, (size_t)(past * H) * sizeof(float));
+    memset(pk + (kept + S) * H, 0, (size_t)(p->present_len - kept - S) * (size_t)H * sizeof(float));
+    if (kept > 0)
+        memcpy(pk, past_buf + (b * p->kv_num_heads + j) * past_stride * H, (size_t)(kept * H) * sizeof(float));
+}
+
+/* scores[i] = softcap * tanh(scores[i] / softcap), in portable C for every ISA: the same
+ * bits from the same scores. Returns the new largest score, NaN skipped as the tables'. */
+static float softcap_row(float *scores, size_t n, float softcap) {
+    float mx = -INFINITY;
+    for (size_t i = 0; i < n; i++) {
+        scores[i] = softcap * tanhf(scores[i] / softcap);
+        if (scores[i] > mx) mx = scores[i];
+    }
+    return mx;
 }
 
 /* The first rows of unit u's past keys and values (where the unit will read them),
@@ -148,29 +198,53 @@ static void prefetch_unit(const op_gqa_params *p, const float *past_key, const f
 
 static void unit(const op_attn_table *t, const op_gqa_params *p, const float *query, const float *key,
                  const float *value, const float *past_key, const float *past_value, int64_t b, int64_t j,
-                 int64_t past, int64_t total, const float *cos_cache, const float *sin_cache, float *out,
-                 float *present_key, float *present_value, float *scratch) {
+                 const op_gqa_row *row, const float *cos_cache, const float *sin_cache, float *out,
+                 float *present_key, float *present_value, float *scratch, float *stage) {
     const int64_t S = p->seq, H = p->head_size, N = p->num_heads, KN = p->kv_num_heads, G = N / KN;
+    const int64_t past = row->past, total = row->total, kept = row->kept;
     const size_t row_bytes = (size_t)H * sizeof(float);
     float *pk = present_key + (b * KN + j) * stride(p->present_key_stride, p->present_len) * H;
     float *pv = present_value + (b * KN + j) * stride(p->present_value_stride, p->present_len) * H;
-    place_past(p, past_key, stride(p->past_key_stride, p->past_len), present_key, pk, b, j, past);
-    place_past(p, past_value, stride(p->past_value_stride, p->past_len), present_value, pv, b, j, past);
+    /* dk / dv: the rows the queries read, position `first` at row 0 (present itself, or
+     * the staging copy) */
+    float *dk = pk, *dv = pv;
+    const int64_t first = past - kept;
+    const int staging = staged(p, row);
+    if (staging) {
+        dk = stage;
+        dv = stage + (kept + S) * H;
+        if (kept > 0) {
+            memcpy(dk, past_key + (b * KN + j) * stride(p->past_key_stride, p->past_len) * H, (size_t)kept * row_bytes);
+            memcpy(dv, past_value + (b * KN + j) * stride(p->past_value_stride, p->past_len) * H,
+                   (size_t)kept * row_bytes);
+        }
+    } else {
+        place_past(p, past_key, stride(p->past_key_stride, p->past_len), present_key, pk, b, j, kept);
+        place_past(p, past_value, stride(p->past_value_stride, p->past_len), present_value, pv, b, j, kept);
+    }
     for (int64_t s = 0; s < S && !p->cache_only; s++) {
         const float *k = key + ((b * S + s) * KN + j) * H, *v = value + ((b * S + s) * KN + j) * H;
         if (p->rotary_dim > 0)
-            rotate(p, cos_cache, sin_cache, past + s, k, pk + (past + s) * H);
+            rotate(p, cos_cache, sin_cache, past + s, k, dk + (kept + s) * H);
         else
-            memcpy(pk + (past + s) * H, k, row_bytes);
-        memcpy(pv + (past + s) * H, v, row_bytes);
+            memcpy(dk + (kept + s) * H, k, row_bytes);
+        memcpy(dv + (kept + s) * H, v, row_bytes);
     }
     /* The query rows of one position s that read this kv head weigh the same keys: up to
      * OP_ATTN_ROWS of them go through a table's row-group entries at once (each key and
      * value read once for the group), else one at a time. */
     const int64_t R = t->scores_rows ? OP_ATTN_ROWS : 1;
     for (int64_t s = 0; s < S; s++) {
-        const int64_t span0 = past + s + 1 < total ? past + s + 1 : total;
-        const size_t span = (size_t)(p->mask ? total : span0);
+        /* keys [lo, hi) by position: causal up to the row's total, from the window's start.
+         * NOTE: a first prompt's padding row (past + s + 1 > total) has its window end at
+         * its own position in ONNX Runtime 1.32's kernel without softcap (past it: no key)
+         * and at the row's total with softcap (its other path): both copied, though ONNX
+         * Runtime calls these rows unspecified, so that every output row compares. */
+        const int64_t hi = p->mask ? total : (past + s + 1 < total ? past + s + 1 : total);
+        const int64_t end = p->softcap > 0.0f ? hi : past + s + 1;
+        const int64_t lo = p->windowed && end - p->window > 0 ? end - p->window : 0;
+        const size_t span = hi > lo ? (size_t)(hi - lo) : 0;
+        const float *ks = dk + (lo - first) * H, *vs = dv + (lo - first) * H;
         for (int64_t g0 = 0; g0 < G; g0 += R) {
             const int64_t rows = G - g0 < R ? G - g0 : R;
             const float *qs[OP_ATTN_ROWS], *m[OP_ATTN_ROWS];
@@ -184,10 +258,16 @@ static void unit(const op_attn_table *t, const op_gqa_params *p, const float *qu
                 sc[r] = scratch + OP_ATTN_ROWS * H + (r < rows ? r : rows - 1) * p->present_len;
                 o[r] = out + ((b * S + s) * N + h) * H;
             }
+            if (span == 0) {  /* a window that holds no key: zeros, as ONNX Runtime's empty sum */
+                for (int64_t r = 0; r < rows; r++) memset(o[r], 0, row_bytes);
+                continue;
+            }
             if (rows > 1)
-                t->scores_rows(qs, pk, (size_t)H, span, p->scale, p->mask ? m : NULL, sc, mx);
+                t->scores_rows(qs, ks, (size_t)H, span, p->scale, p->mask ? m : NULL, sc, mx);
             else
-                mx[0] = t->scores(qs[0], pk, (size_t)H, span, p->scale, m[0], sc[0]);
+                mx[0] = t->scores(qs[0], ks, (size_t)H, span, p->scale, m[0], sc[0]);
+            if (p->softcap > 0.0f)
+                for (int64_t r = 0; r < rows; r++) mx[r] = softcap_row(sc[r], span, p->softcap);
             int nan_rows = 0;
             for (int64_t r = 0; r < rows; r++) {
                 const float sum = t->softmax(sc[r], span, mx[r]);
@@ -196,13 +276,22 @@ static void unit(const op_attn_table *t, const op_gqa_params *p, const float *qu
             }
             for (int64_t r = rows; r < OP_ATTN_ROWS; r++) w[r] = w[rows - 1];
             if (rows > 1)
-                t->weighted_sum_rows(o, (const float *const *)sc, w, pv, (size_t)H, span);
+                t->weighted_sum_rows(o, (const float *const *)sc, w, vs, (size_t)H, span);
             else if (!nan_rows)
-                t->weighted_sum(o[0], sc[0], w[0], pv, (size_t)H, span);
+                t->weighted_sum(o[0], sc[0], w[0], vs, (size_t)H, span);
             for (int64_t r = 0; r < rows; r++)
                 if (nan_rows & (1 << r))
                     for (int64_t i = 0; i < H; i++) o[r][i] = p->nan_to_zero ? 0.0f : NAN;
         }
+    }
+    if (staging) {  /* the rows kept: positions [total - keep, total), from the staging copy */
+        const int64_t keep = row->keep, from = total - keep - first;
+        memcpy(pk, dk + from * H, (size_t)keep * row_bytes);
+        memcpy(pv, dv + from * H, (size_t)keep * row_bytes);
+        if (past_key != present_key)
+            memset(pk + keep * H, 0, (size_t)(p->present_len - keep) * row_bytes);
+        if (past_value != present_value)
+            memset(pv + keep * H, 0, (size_t)(p->present_len - keep) * row_bytes);
     }
 }
 
@@ -216,10 +305,16 @@ int op_group_query_attention(int isa, const op_gqa_params *p, const float *query
     if (!p || !query || !key || !value || !seqlens_k || !out || !present_key || !present_value)
         return OP_E_ARG;
     if (p->batch < 0 || p->seq < 1 || p->num_heads < 1 || p->kv_num_heads < 1 || p->head_size < 1 ||
-        p->num_heads % p->kv_num_heads || p->past_len < 0 || p->present_len < p->seq ||
+        p->num_heads % p->kv_num_heads || p->past_len < 0 || (p->present_len < p->seq && !p->window_cache) ||
         (p->past_len > 0 && (!past_key || !past_value)) || p->rotary_dim < 0 || p->rotary_dim % 2 ||
         p->rotary_dim > p->head_size || (p->rotary_dim > 0 && (!cos_cache || !sin_cache)))
         return OP_E_ARG;
+    if ((p->windowed && p->window < 0) || ((p->windowed || p->softcap > 0.0f || p->window_cache) &&
+                                           (p->mask || p->cache_only)))
+        return OP_E_ARG;
+    if (p->window_cache && (!p->windowed || p->window < 1 || p->past_len != p->present_len ||
+                            p->past_len < p->window || !past_key || !past_value))
+        return OP_E_ARG;  /* the capacity holds at least the window (ONNX Runtime's rule) */
     const int64_t units = p->batch * p->kv_num_heads;
     if (unit_begin < 0 || unit_end > units || unit_begin > unit_end) return OP_E_ARG;
     const int64_t pks = stride(p->past_key_stride, p->past_len), pvs = stride(p->past_value_stride, p->past_len);
@@ -233,25 +328,32 @@ int op_group_query_attention(int isa, const op_gqa_params *p, const float *query
     const op_attn_table *t = attn_table(isa, &st);
     if (!t) return st;
     for (int64_t b = unit_begin / p->kv_num_heads; b * p->kv_num_heads < unit_end; b++) {
-        int64_t total;
-        const int64_t past = row_lengths(p, seqlens_k, b, &total);
-        if (past < 0 || (p->rotary_dim > 0 && past + p->seq > p->cache_rows)) {
+        op_gqa_row row;
+        if (row_layout(p, seqlens_k, b, &row) < 0 || (p->rotary_dim > 0 && row.past + p->seq > p->cache_rows)) {
             if (bad_row) *bad_row = b;
             return OP_E_ARG;
         }
     }
     if (unit_begin == unit_end) return OP_OK;
     float *scratch = malloc((size_t)OP_ATTN_ROWS * (size_t)(p->head_size + p->present_len) * sizeof(float));
-    if (!scratch) return OP_E_NOMEM;
+    /* a staging copy holds a row's kept rows and its new ones, keys then values */
+    float *stage = p->window_cache ? malloc(2 * (size_t)(p->present_len + p->seq) * (size_t)p->head_size *
+                                            sizeof(float)) : NULL;
+    if (!scratch || (p->window_cache && !stage)) {
+        free(scratch);
+        free(stage);
+        return OP_E_NOMEM;
+    }
     for (int64_t u = unit_begin; u < unit_end; u++) {
         const int64_t b = u / p->kv_num_heads, j = u % p->kv_num_heads;
-        int64_t total;
-        const int64_t past = row_lengths(p, seqlens_k, b, &total);
-        if (u + 1 < unit_end) prefetch_unit(p, past_key, past_value, present_key, present_value, u + 1, past);
-        unit(t, p, query, key, value, past_key, past_value, b, j, past, total, cos_cache, sin_cache, out,
-             present_key, present_value, scratch);
+        op_gqa_row row;
+        row_layout(p, seqlens_k, b, &row);
+        if (u + 1 < unit_end) prefetch_unit(p, past_key, past_value, present_key, present_value, u + 1, row.kept);
+        unit(t, p, query, key, value, past_key, past_value, b, j, &row, cos_cache, sin_cache, out,
+             present_key, present_value, scratch, stage);
     }
     free(scratch);
+    free(stage);
     op_ran(t->code);
     return OP_OK;
 }

@@ -57,10 +57,19 @@ def group_query_attention(query: np.ndarray, key: np.ndarray | None, value: np.n
                           seqlens_k: np.ndarray, total_sequence_length: int | np.ndarray,
                           cos_cache: np.ndarray | None = None, sin_cache: np.ndarray | None = None, *,
                           num_heads: int, kv_num_heads: int, scale: float = 0.0, interleaved: bool = False,
+                          local_window_size: int = -1, softcap: float = 0.0, sliding_window_cache: bool = False,
                           present: tuple[np.ndarray, np.ndarray] | None = None, isa: str | None = None
                           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Output ``[B, S, num_heads * H]`` and present key / value ``[B, kv_num_heads,
-    max(total_sequence_length, past length), H]``.
+    max(total_sequence_length, past length), H]`` (the past's length with
+    ``sliding_window_cache``).
+
+    ``local_window_size`` W >= 0: the query at position p sees keys p + 1 - W .. p only
+    (none: zeros). ``softcap`` > 0: scores become ``softcap * tanh(score / softcap)``
+    before the softmax. ``sliding_window_cache``: past and present are window-sized
+    buffers of one capacity C (the past's length, >= W > 0) holding each row's most
+    recent positions from row 0, evicted as ONNX Runtime evicts them
+    (native/onnx_prep_native.h says how).
 
     key and value None: ``query`` is packed ``[B, S, (num_heads + 2 kv_num_heads) H]``.
     Rotary runs when cos / sin caches are given. ``present``: the (key, value) arrays to
@@ -105,6 +114,16 @@ def group_query_attention(query: np.ndarray, key: np.ndarray | None, value: np.n
                                  f"past length, {H}] (BNSH)")
         past_len = int(np.shape(past_key)[2])
     present_len = max(total, past_len)
+    if sliding_window_cache:  # ONNX Runtime's rules, in its words where it has them
+        if past_key is None:
+            raise ValueError("GroupQueryAttention: sliding_window_cache = 1 requires past_key and past_value")
+        if local_window_size < 1:
+            raise ValueError(f"GroupQueryAttention: sliding_window_cache = 1 requires local_window_size > 0, "
+                             f"got {local_window_size}")
+        if past_len < local_window_size:
+            raise ValueError(f"GroupQueryAttention: sliding_window_cache: KV cache capacity ({past_len}, past_key's "
+                             f"dimension 2) must be at least local_window_size ({local_window_size})")
+        present_len = past_len
     first_prompt = S == total
     if not first_prompt and S != 1 and B != 1:
         raise ValueError(f"GroupQueryAttention: a continued prompt (sequence {S}, total {total}) needs batch 1")
@@ -122,19 +141,33 @@ def group_query_attention(query: np.ndarray, key: np.ndarray | None, value: np.n
     seq = np.ascontiguousarray(np.asarray(seqlens_k).reshape(-1), dtype=np.int64)
     if seq.size != B:
         raise ValueError(f"GroupQueryAttention: seqlens_k has {seq.size} values for batch {B}")
+    if sliding_window_cache and first_prompt and seq.size and int(seq.min()) + 1 < S:
+        b = int(seq.argmin())
+        raise ValueError(f"GroupQueryAttention: seqlens_k[{b}] = {int(seq[b])} is too small for sequence_length {S} "
+                         f"(sliding_window_cache = 1 takes a first prompt without padding rows)")
     out, present_k, present_v = _launch(
         q, k, v, past_key, past_value, seq, cos, sin, present, isa, total,
         batch=B, seq=S, num_heads=num_heads, kv_num_heads=kv_num_heads, head_size=H, past_len=past_len,
         present_len=present_len, rotary_dim=rotary_dim, cache_rows=0 if cos is None else cos.shape[0],
         interleaved=int(bool(interleaved)), first_prompt=int(first_prompt),
-        scale=float(scale) if scale else 1.0 / float(np.sqrt(H)))
+        scale=float(scale) if scale else 1.0 / float(np.sqrt(H)),
+        **_window_fields(local_window_size, softcap, sliding_window_cache))
     if out_dtype != np.float32:
         return out.astype(out_dtype), present_k.astype(out_dtype), present_v.astype(out_dtype)
     return out, present_k, present_v
 
 
+def _window_fields(local_window_size: int, softcap: float, sliding_window_cache: bool) -> dict:
+    """The op_gqa_params fields of a window and a softcap: ONNX Runtime's CPU kernel
+    windows for any W >= 0 and caps for softcap > 0 only (others: none)."""
+    windowed = int(local_window_size) >= 0
+    return dict(window=int(local_window_size) if windowed else 0, windowed=int(windowed),
+                softcap=float(softcap) if softcap > 0 else 0.0, window_cache=int(bool(sliding_window_cache)))
+
+
 _F32 = np.dtype(np.float32)
 _SEQ_TYPES = (np.dtype(np.int32), np.dtype(np.int64))
+_NO_WINDOW = _window_fields(-1, 0.0, False)
 
 
 def _plain(x, ndim: int) -> bool:
@@ -145,7 +178,8 @@ def _plain(x, ndim: int) -> bool:
 def gqa_decode(query: np.ndarray, key: np.ndarray | None, value: np.ndarray | None, past_key: np.ndarray,
                past_value: np.ndarray, seqlens_k: np.ndarray, total_sequence_length,
                cos_cache: np.ndarray | None, sin_cache: np.ndarray | None, *, num_heads: int,
-               kv_num_heads: int, scale: float, interleaved: bool,
+               kv_num_heads: int, scale: float, interleaved: bool, local_window_size: int = -1,
+               softcap: float = 0.0,
                present: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``group_query_attention(...)`` for a decode step as the runtime makes it: float32
     q / k / v in the kernel's form (or packed QKV: key and value None), past KV views
@@ -160,7 +194,8 @@ def gqa_decode(query: np.ndarray, key: np.ndarray | None, value: np.ndarray | No
     def general():
         return group_query_attention(query, key, value, past_key, past_value, seqlens_k, total_sequence_length,
                                      cos_cache, sin_cache, num_heads=num_heads, kv_num_heads=kv_num_heads,
-                                     scale=scale, interleaved=interleaved, present=present)
+                                     scale=scale, interleaved=interleaved, local_window_size=local_window_size,
+                                     softcap=softcap, present=present)
 
     present_k, present_v = present
     N, KN = num_heads, kv_num_heads
@@ -200,7 +235,9 @@ def gqa_decode(query: np.ndarray, key: np.ndarray | None, value: np.ndarray | No
                    batch=B, seq=S, num_heads=N, kv_num_heads=KN, head_size=H, past_len=P, present_len=L,
                    rotary_dim=rd, cache_rows=cos_cache.shape[0] if rd else 0,
                    interleaved=1 if interleaved else 0, first_prompt=0,
-                   scale=float(scale) if scale else 1.0 / math.sqrt(H))
+                   scale=float(scale) if scale else 1.0 / math.sqrt(H),
+                   **(_NO_WINDOW if local_window_size < 0 and not softcap > 0
+                      else _window_fields(local_window_size, softcap, False)))
 
 
 def _launch(q, k, v, past_key, past_value, seqlens, cos, sin, present, isa, total, mask=None, **params):

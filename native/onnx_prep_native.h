@@ -296,7 +296,20 @@ void op_mailbox_stop(op_mailbox *m);
  * nan_to_zero (an IsNaN -> Where(0) after the Softmax). mask NULL: as before.
  * cache_only: the caches are complete (past_len = present_len rows, present_key /
  * present_value the past buffers themselves); key and value are not read, nothing is
- * written but the output: attention over a KV cache a Concat already extended. */
+ * written but the output: attention over a KV cache a Concat already extended.
+ * windowed 1 (local_window_size = window >= 0): query s of row b, at position p =
+ * past_b + s, sees only keys p + 1 - window .. p (and < total_b); a query that sees no
+ * key (window 0, or a padding row past its window) outputs zeros, as ONNX Runtime
+ * 1.32's does (with softcap > 0 a padding row's window ends at total_b instead, as
+ * there: attention.c says why).
+ * softcap > 0: each score x becomes softcap * tanh(x / softcap) before the softmax.
+ * window_cache (sliding_window_cache = 1, windowed): past and present are one capacity
+ * C = past_len = present_len >= window > 0; row b's buffers hold its L(T) most recent
+ * positions at rows [0, L(T)), T = total_b, L(T) = T if T <= C, else T - G * ceil((T -
+ * C) / G) with G = C - window + 1 (ONNX Runtime's layout: eviction G positions at a
+ * time, never a ring); the step's keys are read through a staging copy when it evicts.
+ * Present rows [L(T), C) are zeros when present is not past's buffer. windowed, softcap
+ * and window_cache need mask NULL and cache_only 0 (zero fields: none of them). */
 typedef struct {
     int64_t batch, seq, num_heads, kv_num_heads, head_size;
     int64_t past_len;       /* past buffers' dimension 2 (0: no past) */
@@ -311,6 +324,10 @@ typedef struct {
     int64_t mask_b, mask_h, mask_s;
     int32_t nan_to_zero;
     int32_t cache_only;     /* 1: past holds every key (present is past, one buffer): nothing is written */
+    int64_t window;         /* local_window_size when windowed (>= 0): keys p + 1 - window .. p */
+    int32_t windowed;       /* 0: no window (a zeroed struct has none) */
+    float softcap;          /* > 0: softcap * tanh(score / softcap) before the softmax */
+    int32_t window_cache;   /* 1: sliding_window_cache's window-sized buffers (above) */
 } op_gqa_params;
 /* OP_E_ARG for a shape or a seqlens_k value outside the buffers (see above);
  * *bad_row is then the batch row at fault (-1: not a row's). */

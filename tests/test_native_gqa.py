@@ -339,9 +339,12 @@ def test_a_marked_node_with_rows_of_different_lengths_does_not_append():
 
 
 @pytest.mark.parametrize("attrs,extra,n_out,needle", [
-    (dict(local_window_size=128), (), 3, "local_window_size = 128: a sliding window"),
-    (dict(softcap=30.0), (), 3, "softcap = 30.0: softcap"),
     (dict(smooth_softmax=1), (), 3, "smooth_softmax = 1: smooth softmax"),
+    (dict(qk_output=1), (), 3, "qk_output = 1: the QK output"),
+    (dict(sliding_window_cache=1), (), 3, "sliding_window_cache = 1 requires local_window_size > 0, got -1"),
+    (dict(sliding_window_cache=1, local_window_size=0), (), 3, "requires local_window_size > 0, got 0"),
+    (dict(sliding_window_cache=1, local_window_size=4), (), 2,
+     "sliding_window_cache = 1 requires the present_key and present_value outputs"),
     (dict(kv_num_heads=3), (), 3, "num_heads 4 is not a multiple of kv_num_heads 3"),
     (dict(), ("position_ids",), 3, "input 9 (position_ids) is not implemented"),
     (dict(), ("position_ids", "attention_bias"), 3, "input 10 (attention_bias) is not implemented"),
@@ -363,11 +366,11 @@ def test_a_refusal_is_exit_2_in_one_line_through_the_cli(tmp_path):
 
     from onnx_prep.cli.app import app
 
-    path = gqa_model(tmp_path, attrs_of(4, 2, True, False, softcap=50.0))
+    path = gqa_model(tmp_path, attrs_of(4, 2, True, False, smooth_softmax=1))
     result = CliRunner().invoke(app, ["resolve", str(path)])
     assert result.exit_code == 2
     lines = [line for line in result.output.splitlines() if line.strip()]
-    assert any("softcap = 50.0" in line and "attn0" in line for line in lines)
+    assert any("smooth_softmax = 1" in line and "attn0" in line for line in lines)
     assert "Traceback" not in result.output
 
 

@@ -4,13 +4,15 @@ native/attention.c), with ONNX Runtime's CPU semantics (docs/ops.md).
 Takes what the onnxruntime-genai model builder emits: separate or packed Q/K/V, past
 and present KV in BNSH (growing, or at a fixed maximum length), ``seqlens_k`` /
 ``total_sequence_length``, rotary inside (``do_rotary``, interleaved or not), kv heads
-fewer than query heads, any ``scale``. No prepared object: every input is an
-activation or a small cos / sin table read as it is.
+fewer than query heads, any ``scale``, a sliding window (``local_window_size``), its
+window-sized KV buffers (``sliding_window_cache``) and ``softcap`` (Gemma 2). No
+prepared object: every input is an activation or a small cos / sin table read as it is.
 
 Refused at resolve, one line naming the node, the attribute or input and the rule:
 what ONNX Runtime itself rejects (num_heads not a multiple of kv_num_heads, do_rotary
-without cos / sin caches) and what this kernel does not implement (a sliding window,
-softcap, smooth softmax, position_ids, attention_bias, head_sink, the QK output).
+without cos / sin caches, sliding_window_cache without a window or a past) and what
+this kernel does not implement (smooth softmax, position_ids, attention_bias,
+head_sink, the QK output).
 
 Also runs ``onnx_prep.fused::Attention``, the causal attention over a KV cache that
 pattern fusion makes of standard ops (core/model/attention_pattern.py), on the same C
@@ -34,13 +36,17 @@ MASKED_OP = (FUSED_DOMAIN, "MaskedAttention")
 # Inputs past the nine the kernel reads: (position, name). ONNX Runtime derives position
 # ids from seqlens_k when position_ids is absent, which is what the builder relies on.
 _REFUSED_INPUTS = ((9, "position_ids"), (10, "attention_bias"), (11, "head_sink"))
-# Attributes whose non-default value this kernel does not implement: (name, default, what).
+# Attributes whose non-default value a kernel does not implement: (name, default, what).
+# The device kernels (core/cuda/device_decoder_ops.py check_gqa_attributes) refuse every
+# row; the CPU kernel implements those in _CPU_IMPLEMENTS (native/attention.c).
 _REFUSED_ATTRIBUTES = (
     ("local_window_size", -1, "a sliding window (only -1, none, is implemented)"),
     ("softcap", 0.0, "softcap (only 0, none, is implemented)"),
+    ("sliding_window_cache", 0, "window-sized KV buffers (only 0, none, is implemented)"),
     ("smooth_softmax", 0, "smooth softmax (only 0 is implemented)"),
     ("qk_output", 0, "the QK output (only 0, none, is implemented)"),
 )
+_CPU_IMPLEMENTS = frozenset({"local_window_size", "softcap", "sliding_window_cache"})
 
 _CHOICE = KernelChoice(ID)
 
@@ -55,8 +61,18 @@ def match(node: GraphNode, ctx: MatchContext) -> KernelChoice:
     if n % kv:
         raise refuse(node, f"num_heads {n} is not a multiple of kv_num_heads {kv}")
     for name, default, what in _REFUSED_ATTRIBUTES:
-        if name in a and a[name] != default:
+        if name in a and a[name] != default and name not in _CPU_IMPLEMENTS:
             raise refuse(node, f"{name} = {a[name]}: {what}")
+    if int(a.get("sliding_window_cache", 0)) not in (0, 1):
+        raise refuse(node, f"sliding_window_cache = {a['sliding_window_cache']}: only 0 or 1")
+    if int(a.get("sliding_window_cache", 0)) == 1:  # ONNX Runtime refuses both when the session is made
+        if int(a.get("local_window_size", -1)) < 1:
+            raise refuse(node, f"sliding_window_cache = 1 requires local_window_size > 0, got "
+                               f"{a.get('local_window_size', -1)}")
+        if not node_input(node, 3) or not node_input(node, 4):
+            raise refuse(node, "sliding_window_cache = 1 requires past_key and past_value (inputs 3 and 4)")
+        if len(node.outputs) < 3 or not node.outputs[1] or not node.outputs[2]:
+            raise refuse(node, "sliding_window_cache = 1 requires the present_key and present_value outputs")
     for position, name in _REFUSED_INPUTS:
         if node_input(node, position):
             raise refuse(node, f"input {position} ({name}) is not implemented", node_input(node, position))

@@ -44,15 +44,19 @@ def _inputs(inputs: list) -> list:
 def group_query_attention(inputs, attrs: Mapping[str, Any], prepared):
     q, k, v, pk, pv, seqlens_k, total, cos, sin = _inputs(inputs)[:9]
     rotary = int(attrs.get("do_rotary", 0)) == 1
+    window_cache = int(attrs.get("sliding_window_cache", 0)) == 1
     kwargs = dict(num_heads=int(attrs["num_heads"]), kv_num_heads=int(attrs["kv_num_heads"]),
-                  scale=float(attrs.get("scale", 0.0)), interleaved=int(attrs.get("rotary_interleaved", 0)) == 1)
+                  scale=float(attrs.get("scale", 0.0)), interleaved=int(attrs.get("rotary_interleaved", 0)) == 1,
+                  local_window_size=int(attrs.get("local_window_size", -1)), softcap=float(attrs.get("softcap", 0.0)))
     args = (q, k, v, pk, pv, seqlens_k, total, cos if rotary else None, sin if rotary else None)
     from onnx_prep import native
 
     try:
         kernel = native.group_query_attention
     except NativeError:  # pragma: no cover - only without the native module
-        return list(reference_gqa(*args, **kwargs))
+        return list(reference_gqa(*args, sliding_window_cache=window_cache, **kwargs))
+    if window_cache:  # present is the past's capacity, rows moved as the window slides: never an append
+        return list(kernel(*args, sliding_window_cache=True, **kwargs))
     mark = attrs.get(APPEND_IN_PLACE)
     if mark and _appends(q, pk, pv, seqlens_k, total):
         position, count = mark
@@ -265,8 +269,18 @@ def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) 
     return y
 
 
+def _window_rows(T: int, C: int, W: int) -> int:
+    """Positions a sliding-window cache of capacity C keeps after T tokens (ONNX Runtime's
+    rule, native/onnx_prep_native.h): all up to C, then it drops C - W + 1 at once."""
+    if T <= C:
+        return T
+    G = C - W + 1
+    return T - G * -(-(T - C) // G)
+
+
 def reference_gqa(q, k, v, past_key, past_value, seqlens_k, total_sequence_length, cos=None, sin=None, *,
-                  num_heads: int, kv_num_heads: int, scale: float = 0.0, interleaved: bool = False):
+                  num_heads: int, kv_num_heads: int, scale: float = 0.0, interleaved: bool = False,
+                  local_window_size: int = -1, softcap: float = 0.0, sliding_window_cache: bool = False):
     """The numpy twin of the C kernel (same semantics, no shape checks beyond numpy's)."""
     out_dtype = q.dtype
     q = q.astype(np.float32)
@@ -280,7 +294,7 @@ def reference_gqa(q, k, v, past_key, past_value, seqlens_k, total_sequence_lengt
     v = v.astype(np.float32).reshape(B, S, kv_num_heads, H)
     total = int(np.asarray(total_sequence_length).reshape(-1)[0])
     past_len = 0 if past_key is None else past_key.shape[2]
-    present_len = max(total, past_len)
+    present_len = past_len if sliding_window_cache else max(total, past_len)
     first = S == total
     pk = np.zeros((B, kv_num_heads, present_len, H), np.float32)
     pv = np.zeros_like(pk)
@@ -290,20 +304,36 @@ def reference_gqa(q, k, v, past_key, past_value, seqlens_k, total_sequence_lengt
     for b in range(B):
         t = int(seqlens_k[b]) + 1
         past = 0 if first else t - S
+        # rows [0, kept) of the past hold positions [past - kept, past); keys by position
+        kept = _window_rows(past, past_len, local_window_size) if sliding_window_cache else past
         pos = past + np.arange(S)
         qb, kb = q[b], k[b]
         if cos is not None:
             c, s_ = cos[pos][:, None, :], sin[pos][:, None, :]
             qb, kb = _rotate(qb, c, s_, interleaved), _rotate(kb, c, s_, interleaved)
-        if past:
-            pk[b, :, :past], pv[b, :, :past] = past_key[b, :, :past], past_value[b, :, :past]
-        pk[b, :, past:past + S], pv[b, :, past:past + S] = kb.transpose(1, 0, 2), v[b].transpose(1, 0, 2)
+        keys = np.concatenate([past_key[b, :, :kept] if kept else np.zeros((kv_num_heads, 0, H), np.float32),
+                               kb.transpose(1, 0, 2)], axis=1)
+        values = np.concatenate([past_value[b, :, :kept] if kept else np.zeros((kv_num_heads, 0, H), np.float32),
+                                 v[b].transpose(1, 0, 2)], axis=1)
+        first_pos = past - kept
+        if sliding_window_cache:
+            keep = _window_rows(t, past_len, local_window_size)
+            pk[b, :, :keep], pv[b, :, :keep] = (x[:, t - keep - first_pos:t - first_pos] for x in (keys, values))
+        else:
+            pk[b, :, :kept + S], pv[b, :, :kept + S] = keys, values
         for h in range(num_heads):
-            kh, vh = pk[b, h // G], pv[b, h // G]
+            kh, vh = keys[h // G], values[h // G]
             for s in range(S):
-                span = min(past + s + 1, t)
-                w = alpha * (kh[:span] @ qb[s, h])
+                hi = min(past + s + 1, t)
+                end = hi if softcap > 0 else past + s + 1  # a padding row's window: native/attention.c
+                lo = max(0, end - local_window_size) if local_window_size >= 0 else 0
+                if hi <= lo:  # a window that holds no key
+                    out[b, s, h] = 0
+                    continue
+                w = alpha * (kh[lo - first_pos:hi - first_pos] @ qb[s, h])
+                if softcap > 0:
+                    w = np.float32(softcap) * np.tanh(w / np.float32(softcap))
                 w = np.exp(w - w.max())
-                out[b, s, h] = (w / w.sum()) @ vh[:span]
+                out[b, s, h] = (w / w.sum()) @ vh[lo - first_pos:hi - first_pos]
     out = out.reshape(B, S, num_heads * H)
     return tuple(x if x.dtype == out_dtype else x.astype(out_dtype) for x in (out, pk, pv))
