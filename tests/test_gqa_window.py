@@ -268,3 +268,33 @@ def test_a_session_decodes_on_a_sliding_window_cache_as_onnx_runtime(tmp_path):
             np.testing.assert_array_equal(got["present_value"][:, :, :kept], want[2][:, :, :kept])
             mine, theirs = (got["present_key"], got["present_value"]), (want[1], want[2])
     assert total > C  # the steps went past the capacity
+
+
+@pytest.mark.parametrize("window,softcap", [(5, 0.0), (0, 0.0), (-1, 3.0), (4, 3.0)])
+def test_the_decode_steps_lean_call_takes_the_window_and_softcap_with_the_general_calls_bits(window, softcap,
+                                                                                              monkeypatch):
+    """native.gqa_decode (a session's decode step on append buffers, the Gemma 2 export's
+    growing cache) windows and caps as group_query_attention does, without taking the
+    general path."""
+    import onnx_prep.native.attention as attention_module
+
+    rng = np.random.default_rng(window + 10)
+    N, KN, H, P = 8, 2, 32, 9
+    q, k, v, pk, pv, seqlens, total, cos, sin = gqa_inputs(rng, B=1, S=1, N=N, KN=KN, H=H, lens=[P + 1],
+                                                           total=P + 1, past_len=P, rotary=True)
+    q = q * 3  # scores past a cap of 3
+    kw = dict(num_heads=N, kv_num_heads=KN, scale=0.0, interleaved=False, local_window_size=window, softcap=softcap)
+    want = native.group_query_attention(q, k, v, pk, pv, seqlens, total, cos, sin, **kw)
+    present = tuple(np.empty((1, KN, P + 1, H), np.float32) for _ in range(2))
+
+    def general(*a, **k):
+        raise AssertionError("the lean call took the general path")
+
+    monkeypatch.setattr(attention_module, "group_query_attention", general)
+    got = native.gqa_decode(q, k, v, pk, pv, seqlens, total, cos, sin, present=present, **kw)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    monkeypatch.undo()  # and the window or softcap changed the output, not only its path
+    kw.update(local_window_size=-1, softcap=0.0)
+    assert not np.array_equal(native.group_query_attention(q, k, v, pk, pv, seqlens, total, cos, sin, **kw)[0],
+                              want[0])
