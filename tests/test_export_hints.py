@@ -187,3 +187,41 @@ def test_the_batch_sweep_refuses_a_fixed_batch_before_loading(small_llm_copy):
     with pytest.raises(UsageError) as exc:
         record_batch_sweep(small_llm_copy, SweepOptions(batches=(1, 2), tokens=2, repeat=1))
     assert "fixes the batch at 1 (dim 0 of its token ids 'input_ids'); batch 2 asked" in exc.value.message
+
+
+@pytest.mark.parametrize("window, expect", [
+    ({"window_size": 4, "layers": [1], "cache_slack": 2}, {"past_key_values.1.key": 6, "past_key_values.1.value": 6}),
+    ({"window_size": 4, "layers": [0]}, {"past_key_values.0.key": 4, "past_key_values.0.value": 4}),
+    ({"window_size": 0, "layers": [1]}, {}),  # malformed: nothing said, the graph is not asked either
+    ({"window_size": 4, "layers": ["1"]}, {}),
+    ({"window_size": 4, "layers": [1], "cache_slack": -1}, {}),
+])
+def test_a_sliding_window_config_gives_its_layers_past_a_fixed_capacity(small_llm_copy, window, expect):
+    _edit_inputs(small_llm_copy, _symbolic_head_dim)
+    _genai_config(small_llm_copy, sliding_window=window)
+    assert dict(ExportHints.for_model(small_llm_copy).kv_capacity) == expect
+    io = DecoderIO.from_model(small_llm_copy)
+    assert {p.past_key.name: p.capacity for p in io.kv if p.capacity} == \
+        {k: v for k, v in expect.items() if k.endswith(".key")}
+    past = io.empty_past(3)
+    for name, capacity in expect.items():
+        assert past[name].shape == (3, KV_HEADS, capacity, HEAD_DIM) and not past[name].any()
+    for p in io.kv:  # the other layers grow from nothing
+        if p.past_key.name not in expect:
+            assert p.capacity is None and past[p.past_key.name].shape == (3, KV_HEADS, 0, HEAD_DIM)
+
+
+def test_a_sliding_window_cache_in_the_graph_gives_its_past_inputs_a_capacity():
+    # Without a config: each GroupQueryAttention with sliding_window_cache=1 says its
+    # past inputs hold local_window_size positions
+    from onnx import TensorProto, helper
+
+    def gqa(layer, **attrs):
+        return helper.make_node("GroupQueryAttention", ["q", "k", "v", f"past.{layer}.key", f"past.{layer}.value",
+                                                        "seqlens_k", "total"], [f"o{layer}", f"pk{layer}", f"pv{layer}"],
+                                domain="com.microsoft", num_heads=4, kv_num_heads=2, **attrs)
+
+    graph = helper.make_graph([gqa(0, local_window_size=8, sliding_window_cache=1), gqa(1, local_window_size=8),
+                               gqa(2)], "g", [], [helper.make_tensor_value_info("o0", TensorProto.FLOAT, None)])
+    hints = ExportHints.for_model(None, graph=graph)
+    assert dict(hints.kv_capacity) == {"past.0.key": 8, "past.0.value": 8}

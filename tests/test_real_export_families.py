@@ -19,9 +19,10 @@ repeat (Gemma's tied, scaled embedding copies the last token at this init).
 
 The builder's default for a sliding-window layer, window-sized KV buffers
 (``sliding_window_cache = 1``, ``builder-gemma2-windowed-cache``), needs its past at a
-capacity of at least the window from the first step on; the decode loop feeds an empty
-past, which both runtimes refuse in one line. Fed such a cache by hand, it decodes as ONNX
-Runtime does, evictions included.
+capacity of at least the window from the first step on (an empty past is refused in one
+line by both runtimes): the decode loop feeds it one (docs/run.md, "Sliding-window
+caches"), and it decodes as ONNX Runtime does, evictions included; fed a larger cache
+by hand, too.
 """
 from __future__ import annotations
 
@@ -95,19 +96,35 @@ def test_gemma2_s_window_and_softcaps_are_in_the_graph_and_decode_as_onnx_runtim
     assert _check_against_ort(ours, ref, FP32_RTOL) is None  # no near tie: all 32 steps compared
 
 
-def test_the_windowed_cache_export_resolves_and_an_empty_past_is_refused_in_one_line_by_both():
+def test_the_windowed_cache_export_decodes_as_onnx_runtime_through_run():
+    """The loop feeds layer 0 (the window layer) a past of the window's size from the
+    first step: 32 steps at batch 2, every step's logits against ONNX Runtime's on the
+    same loop, through ``run`` too; an empty past stays refused in one line by both."""
+    from onnx_prep.core.decode.decoder_io import DecoderIO
+    from onnx_prep.core.decode.generation import greedy_decode, step_feeds
+    from onnx_prep.core.decode.ort_runner import OrtRunner, like_for_like_config
     from onnx_prep.core.model.resolution import resolve_model
+    from onnx_prep.core.runtime.session import Session
 
     ort_or_skip()
     path = real_export("builder-gemma2-windowed-cache")
     assert resolve_model(path).unsupported == ()
-    needle = f"must be at least local_window_size ({WINDOW})"
-    for runtime in ("prepared", "ort"):
-        result = cli.invoke(app, ["run", str(path), "--runtime", runtime, "--tokens", "2"])
-        assert result.exit_code == EXIT_UNUSABLE, result.output
-        lines = [line for line in result.output.splitlines() if needle in line]
-        assert len(lines) == 1 and "/model/layers.0/attn/GroupQueryAttention" in lines[0], result.output
-        assert "Traceback" not in result.output
+    io = DecoderIO.from_model(path)
+    assert [p.capacity for p in io.kv] == [WINDOW, None]  # genai_config: window 4, layer 0, no slack
+    prompts = np.array(PROMPTS[2])
+    ref = greedy_decode(OrtRunner(path, threads=1, session_config=like_for_like_config()), io, prompts, 32,
+                        keep_logits=True)
+    with Session.open(path) as s:
+        ours = greedy_decode(s, io, prompts, 32, keep_logits=True)
+        empty = {n: a[:, :, :0] for n, a in io.empty_past(2).items()}
+        with pytest.raises(Exception, match=f"must be at least local_window_size \\({WINDOW}\\)"):
+            s.run(step_feeds(io, prompts, empty, 0))
+    assert _check_against_ort(ours, ref, FP32_RTOL) is None  # every step's logits within tolerance
+    result = cli.invoke(app, ["run", str(path), "--tokens", "12", "--prompt-ids", "1,2,3,4,5,6,7,8",
+                              "--compare", "ort", "--json"])
+    assert result.exit_code == EXIT_OK, result.output
+    doc = json.loads(result.stdout)
+    assert [k["capacity"] for k in doc["io"]["kv"]] == [WINDOW, None] and doc["compare"]["identical"]
 
 
 @pytest.mark.parametrize("capacity", [WINDOW, WINDOW + 3])

@@ -37,7 +37,7 @@ past has a static max length, and left-padded batches are not supported.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -85,7 +85,10 @@ class KVPair:
     """One layer's past inputs and present outputs.
 
     ``present`` must equal ``concat(past, new, axis=seq)`` for the decode loop to
-    feed it back as the next step's past.
+    feed it back as the next step's past, except for a sliding-window cache:
+    ``capacity`` C (None: a growing cache) says past and present are one buffer of C
+    positions the attention keeps filled with the most recent ones (export_hints.py),
+    fed from the first step as C zeros.
     """
 
     layer: int
@@ -96,13 +99,14 @@ class KVPair:
     kv_heads: int
     key_head_dim: int
     value_head_dim: int
+    capacity: int | None = None
 
     def to_json(self) -> dict:
         return {"layer": self.layer, "past_key": self.past_key.name,
                 "past_value": self.past_value.name, "present_key": self.present_key,
                 "present_value": self.present_value, "kv_heads": self.kv_heads,
                 "key_head_dim": self.key_head_dim, "value_head_dim": self.value_head_dim,
-                "dtype": str(self.past_key.dtype)}
+                "dtype": str(self.past_key.dtype), "capacity": self.capacity}
 
 
 @dataclass(frozen=True)
@@ -134,12 +138,14 @@ class DecoderIO:
         return tuple(names)
 
     def empty_past(self, batch: int) -> dict[str, np.ndarray]:
-        """Past feeds of sequence length 0 for the first (prefill) step."""
+        """Past feeds for the first (prefill) step: sequence length 0, or a
+        sliding-window cache's capacity of zeros."""
         feeds = {}
         for p in self.kv:
+            seq = p.capacity or 0
             for slot, dim in ((p.past_key, p.key_head_dim), (p.past_value, p.value_head_dim)):
-                shape = ((batch, p.kv_heads, 0, dim) if self.kv_layout == "bhsd"
-                         else (batch, 0, p.kv_heads, dim))
+                shape = ((batch, p.kv_heads, seq, dim) if self.kv_layout == "bhsd"
+                         else (batch, seq, p.kv_heads, dim))
                 feeds[slot.name] = np.zeros(shape, dtype=slot.dtype)
         return feeds
 
@@ -306,6 +312,12 @@ class _Discovery:
                 self.where(), hint="give their roles with --io-map FILE (format: docs/run.md)")
         lshape = self.outputs[logits].shape
         vocab = lshape[-1] if lshape and isinstance(lshape[-1], int) else None
+        # hints already asked for (symbolic KV dims: every builder export) or given: a
+        # sliding-window cache's capacity (a model whose KV dims are static is not parsed
+        # again for it)
+        known = self._hints if not callable(self._hints) else None
+        capacity = dict(known.kv_capacity) if known is not None else {}
+        kv = [replace(p, capacity=capacity[p.past_key.name]) if p.past_key.name in capacity else p for p in kv]
         return DecoderIO(
             input_ids=ids, logits=logits, vocab_size=vocab, attention_mask=mask, position_ids=pos,
             kv=tuple(kv), kv_layout=layout, extras=MappingProxyType(extras),

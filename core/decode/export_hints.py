@@ -1,6 +1,6 @@
 """What an export says about its decoder beyond its graph inputs and outputs: the KV
-head count and head size when the past KV dims are symbolic, and the longest sequence
-it was built for.
+head count and head size when the past KV dims are symbolic, the longest sequence it
+was built for, and which past inputs are fixed-size sliding-window caches.
 
 The onnxruntime-genai model builder writes past KV as ``(batch_size, kv_heads,
 past_sequence_length, kv_cache_dim)``: the head size is a symbol, so the empty past of
@@ -8,12 +8,21 @@ the first step cannot be shaped from the value infos alone. Two sources say it, 
 this order (``ExportHints.for_model``):
 
 1. ``genai_config.json`` beside the model, when its ``model.decoder.filename`` is this
-   model (or absent): ``num_key_value_heads``, ``head_size``, ``context_length``.
+   model (or absent): ``num_key_value_heads``, ``head_size``, ``context_length``, and
+   ``sliding_window`` (``window_size``, ``layers``, ``cache_slack``), with the past
+   input names of ``inputs.past_key_names`` / ``past_value_names``.
 2. The graph's first ``GroupQueryAttention`` node (com.microsoft): ``kv_num_heads``,
    and the head size from the width of the projection feeding it (the packed QKV
    ``MatMulNBits``'s ``N`` or QDQ ``MatMul``'s weight width = (num_heads + 2
    kv_num_heads) x head size, or the key projection's = kv_num_heads x head size), a
-   bias ``Add`` in between allowed.
+   bias ``Add`` in between allowed; and every GroupQueryAttention node with
+   ``sliding_window_cache`` 1, whose past inputs are caches of ``local_window_size``.
+
+A sliding-window cache (the builder's default for Gemma 2's local layers) is a past
+input of a fixed capacity C: past and present are one buffer of C positions, which the
+attention keeps filled with the most recent ones (docs/ops.md). ONNX Runtime refuses a
+C below the window, so the first step's past for it is C zeros, not an empty one:
+``kv_capacity`` names those inputs and C (window size plus the config's slack).
 
 Neither reads a payload byte: the config is JSON, the graph is the protobuf without
 its external data, parsed only when the config is absent. ``DecoderIO.discover``
@@ -47,6 +56,7 @@ class ExportHints:
     head_dim: int | None = None
     context_length: int | None = None
     source: str | None = None
+    kv_capacity: tuple[tuple[str, int], ...] = ()  # (past input, fixed capacity): sliding-window caches
 
     @classmethod
     def for_model(cls, model_path: str | Path | None, graph: Any = None) -> "ExportHints":
@@ -77,7 +87,8 @@ class ExportHints:
 
     def to_json(self) -> dict:
         return {"kv_heads": self.kv_heads, "head_dim": self.head_dim,
-                "context_length": self.context_length, "source": self.source}
+                "context_length": self.context_length, "source": self.source,
+                "kv_capacity": dict(self.kv_capacity)}
 
 
 def _positive_int(value: Any) -> int | None:
@@ -102,28 +113,56 @@ def _from_genai_config(model_path: Path) -> ExportHints | None:
     return ExportHints(kv_heads=_positive_int(decoder.get("num_key_value_heads")),
                        head_dim=_positive_int(decoder.get("head_size")),
                        context_length=_positive_int(model.get("context_length")),
-                       source=str(cfg_path))
+                       source=str(cfg_path), kv_capacity=_config_capacities(decoder))
+
+
+def _config_capacities(decoder: dict) -> tuple[tuple[str, int], ...]:
+    """The sliding-window layers' past inputs and their capacity, from the config's
+    ``sliding_window`` (nothing where it is absent or malformed)."""
+    window = decoder.get("sliding_window")
+    if not isinstance(window, dict):
+        return ()
+    size = _positive_int(window.get("window_size"))
+    layers = window.get("layers")
+    slack = window.get("cache_slack", 0)
+    if size is None or not isinstance(layers, list) or not isinstance(slack, int) or slack < 0:
+        return ()
+    inputs = decoder.get("inputs") if isinstance(decoder.get("inputs"), dict) else {}
+    names = [inputs.get("past_key_names", "past_key_values.%d.key"),
+             inputs.get("past_value_names", "past_key_values.%d.value")]
+    out = []
+    for layer in layers:
+        if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
+            return ()
+        for pattern in names:
+            if not isinstance(pattern, str) or pattern.count("%d") != 1:
+                return ()
+            out.append((pattern.replace("%d", str(layer)), size + slack))
+    return tuple(out)
 
 
 def _from_graph(graph: Any) -> ExportHints:
     from onnx import helper
 
     producers = {out: node for node in graph.node for out in node.output}
-    for node in graph.node:
-        if node.op_type != "GroupQueryAttention":
-            continue
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        heads, kv_heads = _positive_int(attrs.get("num_heads")), _positive_int(attrs.get("kv_num_heads"))
-        if heads is None or kv_heads is None:
-            return ExportHints()
-        packed = len(node.input) < 2 or not node.input[1]
-        dims = {t.name: list(t.dims) for t in graph.initializer}
-        width = _projection_width(producers, dims, node.input[0] if packed else node.input[1])
-        per_head = heads + 2 * kv_heads if packed else kv_heads
-        head_dim = width // per_head if width is not None and width % per_head == 0 else None
-        return ExportHints(kv_heads=kv_heads, head_dim=head_dim,
-                           source=f"graph (GroupQueryAttention {node.name!r})")
-    return ExportHints()
+    gqa = [(node, {a.name: helper.get_attribute_value(a) for a in node.attribute})
+           for node in graph.node if node.op_type == "GroupQueryAttention"]
+    if not gqa:
+        return ExportHints()
+    capacity = tuple((node.input[i], attrs["local_window_size"]) for node, attrs in gqa
+                     if attrs.get("sliding_window_cache") == 1 and _positive_int(attrs.get("local_window_size"))
+                     for i in (3, 4) if len(node.input) > i and node.input[i])
+    node, attrs = gqa[0]
+    heads, kv_heads = _positive_int(attrs.get("num_heads")), _positive_int(attrs.get("kv_num_heads"))
+    if heads is None or kv_heads is None:
+        return ExportHints(kv_capacity=capacity)
+    packed = len(node.input) < 2 or not node.input[1]
+    dims = {t.name: list(t.dims) for t in graph.initializer}
+    width = _projection_width(producers, dims, node.input[0] if packed else node.input[1])
+    per_head = heads + 2 * kv_heads if packed else kv_heads
+    head_dim = width // per_head if width is not None and width % per_head == 0 else None
+    return ExportHints(kv_heads=kv_heads, head_dim=head_dim,
+                       source=f"graph (GroupQueryAttention {node.name!r})", kv_capacity=capacity)
 
 
 def _projection_width(producers: dict, dims: dict, tensor: str) -> int | None:

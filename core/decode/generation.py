@@ -171,18 +171,19 @@ def _last_logits(io: DecoderIO, out: Mapping[str, np.ndarray], batch: int, model
 def next_past(io: DecoderIO, out: Mapping[str, np.ndarray], expect_len: int,
               model: str | None = None) -> dict[str, np.ndarray]:
     """The next step's past inputs from a step's present outputs (checked: each holds
-    ``expect_len`` positions). Exposed, like :func:`step_feeds`, for runners that drive
-    their own loop."""
+    ``expect_len`` positions, a sliding-window cache its capacity). Exposed, like
+    :func:`step_feeds`, for runners that drive their own loop."""
     past = {}
     for p in io.kv:
+        want = p.capacity or expect_len
         for present, slot in ((p.present_key, p.past_key), (p.present_value, p.past_value)):
             arr = out.get(present)
             if arr is None:
                 raise ModelIOError(f"runner returned no present output {present!r}", Where(model=model))
-            if arr.ndim != 4 or arr.shape[io.seq_axis] != expect_len:
+            if arr.ndim != 4 or arr.shape[io.seq_axis] != want:
                 raise ModelIOError(
                     f"present output has shape {list(arr.shape)}; expected sequence length "
-                    f"{expect_len} on axis {io.seq_axis} ({io.kv_layout})",
+                    f"{want} on axis {io.seq_axis} ({io.kv_layout})",
                     Where(model=model, tensor=present),
                     hint="the KV layout may be wrong: give kv_layout in --io-map FILE")
             past[slot.name] = arr if arr.dtype == slot.dtype else arr.astype(slot.dtype)

@@ -36,7 +36,7 @@ from onnx_prep.core.errors import UsageError, Where
 from onnx_prep.core.option_ranges import (MAX_BATCH, MAX_MEMORY_BUDGET, MAX_THREADS, MAX_TOKEN_ID, MAX_TOKENS,
                                           MIN_MEMORY_BUDGET, check_range)
 
-SCHEMA = "onnx-prep.run/8"
+SCHEMA = "onnx-prep.run/9"
 RUNTIMES = ("prepared", "ort")
 COMPARE_WITH = ("ort",)
 DEFAULT_PROMPT = (1, 2, 3, 4)
@@ -185,7 +185,7 @@ def open_prepared_runner(resolved, *, threads: int | None, source_pages: str, ve
 def record_run(model: str | Path, options: RunOptions, *, progress: Progress | None = None,
                warn: Callable[[str], None] | None = None) -> dict:
     """Decode with ``options.runtime`` (and again with ``options.compare``, compared) and
-    return the ``onnx-prep.run/8`` record. ``compare.agrees`` false is a finding, not an
+    return the ``onnx-prep.run/9`` record. ``compare.agrees`` false is a finding, not an
     error. Raises the typed errors of ``core/errors.py`` for unusable input."""
     import numpy as np
 
