@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from conftest import ort_or_skip
 from test_native_gqa import (ISA_ATOL, ISA_RTOL, KEY_ATOL, MS, OUT_ATOL, OUT_RTOL, assert_matches, attrs_of, cases,
-                             gqa_inputs, gqa_model, ort_gqa, ours)
+                             gqa_inputs, gqa_model, ort_gqa, ours, session_step)
 
 from onnx_prep import native
 from onnx_prep.core.model.resolution import resolve_model
@@ -255,11 +255,7 @@ def test_a_session_decodes_on_a_sliding_window_cache_as_onnx_runtime(tmp_path):
     with Session(resolved) as session:
         for S in (3, 1, 1, 1, 1, 1):
             total += S
-            step = {"q": rng.standard_normal((B, S, 4 * H)).astype(np.float32),
-                    "k": rng.standard_normal((B, S, KN * H)).astype(np.float32),
-                    "v": rng.standard_normal((B, S, KN * H)).astype(np.float32),
-                    "seqlens_k": np.full(B, total - 1, np.int32),
-                    "total_sequence_length": np.array(total, np.int32)}
+            step = session_step(rng, B=B, S=S, KN=KN, H=H, total=total)
             got = session.run({**step, "past_key": mine[0], "past_value": mine[1]})
             want = oracle.run(None, {**step, "past_key": theirs[0], "past_value": theirs[1]})
             kept = _window_rows(total, C, W)

@@ -237,6 +237,16 @@ def test_inputs_the_kernel_cannot_take_are_one_line_naming_the_input(change, nee
     assert "\n" not in str(e.value)
 
 
+def session_step(rng, *, B: int, S: int, KN: int, H: int, total: int, N: int = 4) -> dict:
+    """One step's non-KV feeds of ``gqa_model``'s graph: S new positions of B rows, the
+    total sequence ``total`` (past + S)."""
+    return {"q": rng.standard_normal((B, S, N * H)).astype(np.float32),
+            "k": rng.standard_normal((B, S, KN * H)).astype(np.float32),
+            "v": rng.standard_normal((B, S, KN * H)).astype(np.float32),
+            "seqlens_k": np.full(B, total - 1, np.int32),
+            "total_sequence_length": np.array(total, np.int32)}
+
+
 def gqa_model(out_dir: Path, attrs: dict, *, extra_inputs: tuple[str, ...] = (), n_out: int = 3) -> Path:
     """A decoder layer's attention as the builder writes it: growing BNSH KV, rotary
     caches as external initializers."""
@@ -289,11 +299,7 @@ def test_a_session_decode_appends_present_in_place_and_matches_onnx_runtime(tmp_
     with Session(resolve_model(path)) as session:
         for S in (3, 1, 1, 1):
             total += S
-            step = {"q": rng.standard_normal((B, S, 4 * H)).astype(np.float32),
-                    "k": rng.standard_normal((B, S, KN * H)).astype(np.float32),
-                    "v": rng.standard_normal((B, S, KN * H)).astype(np.float32),
-                    "seqlens_k": np.full(B, total - 1, np.int32),
-                    "total_sequence_length": np.array(total, np.int32)}
+            step = session_step(rng, B=B, S=S, KN=KN, H=H, total=total)
             got = session.run({**step, "past_key": ours_kv[0], "past_value": ours_kv[1]})
             want = oracle.run(None, {**step, "past_key": theirs_kv[0], "past_value": theirs_kv[1]})
             assert_matches([got["y"], got["present_key"], got["present_value"]], want)
