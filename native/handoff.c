@@ -33,7 +33,7 @@ static int64_t now_ns(void) {
     QueryPerformanceCounter(&c);
     return (int64_t)((double)c.QuadPart * 1e9 / (double)f.QuadPart);
 }
-static void nap(uint32_t *word, uint32_t seen) { (void)word; (void)seen; Sleep(0); }
+static void nap(uint32_t *word, uint32_t seen, int64_t max_ns) { (void)word; (void)seen; (void)max_ns; Sleep(0); }
 static void wake_all(uint32_t *word) { (void)word; }
 #else
 #include <time.h>
@@ -46,15 +46,16 @@ static int64_t now_ns(void) {
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-/* Sleep while *word == seen (returns at once if it already changed, or on a signal:
- * the caller re-checks everything either way). */
-static void nap(uint32_t *word, uint32_t seen) {
-    syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+/* Sleep while *word == seen, for at most max_ns (0: no limit); returns at once if it
+ * already changed, or on a signal: the caller re-checks everything either way. */
+static void nap(uint32_t *word, uint32_t seen, int64_t max_ns) {
+    struct timespec ts = {(time_t)(max_ns / 1000000000), (long)(max_ns % 1000000000)};
+    syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, seen, max_ns > 0 ? &ts : NULL, NULL, 0);
 }
 static void wake_all(uint32_t *word) { syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, 0x7fffffff, NULL, NULL, 0); }
 #else
-static void nap(uint32_t *word, uint32_t seen) {
-    (void)word; (void)seen;
+static void nap(uint32_t *word, uint32_t seen, int64_t max_ns) {
+    (void)word; (void)seen; (void)max_ns;
     struct timespec ts = {0, 50000};
     nanosleep(&ts, NULL);
 }
@@ -126,9 +127,10 @@ int op_mailbox_fork_join(op_mailbox *m, op_mm_batch *b) {
 int64_t op_mailbox_serve(op_mailbox *m) {
     uint64_t last = 0;
     int64_t ran = 0;
-    int64_t spin_ns = m->spin_ns;
+    int64_t spin_ns = m->spin_ns, linger_ns = m->linger_ns;
     int64_t idle_since = now_ns();
     uint32_t polls = 0;
+    __atomic_fetch_add(&m->serving, 1, __ATOMIC_SEQ_CST);
     while (!__atomic_load_n(&m->stop, __ATOMIC_ACQUIRE)) {
         uint64_t s = __atomic_load_n(&m->seq, __ATOMIC_SEQ_CST);
         if ((s & 1) == 0 && s != last) {
@@ -141,7 +143,10 @@ int64_t op_mailbox_serve(op_mailbox *m) {
             continue;
         }
         cpu_relax();
-        if (spin_ns <= 0 || (++polls & 255) != 0 || now_ns() - idle_since < spin_ns) continue;
+        if ((++polls & 255) != 0) continue;
+        const int64_t idle = now_ns() - idle_since;
+        if (linger_ns > 0 && idle >= linger_ns) break; /* no batch for linger_ns: back to the pool */
+        if (spin_ns <= 0 || idle < spin_ns) continue;
         /* Idle too long: sleep until the next publish or stop. The wake word is read
          * before sleepers++ and seq is checked after it; the publisher bumps seq before
          * it reads sleepers (all sequentially consistent). So either the publisher sees
@@ -152,12 +157,13 @@ int64_t op_mailbox_serve(op_mailbox *m) {
         uint64_t s2 = __atomic_load_n(&m->seq, __ATOMIC_SEQ_CST);
         if (!((s2 & 1) == 0 && s2 != last) && !__atomic_load_n(&m->stop, __ATOMIC_SEQ_CST)) {
             __atomic_fetch_add(&m->sleeps, 1, __ATOMIC_RELAXED);
-            nap(&m->wake, w);
+            nap(&m->wake, w, linger_ns > 0 ? linger_ns - idle : 0);
         }
         __atomic_fetch_sub(&m->sleepers, 1, __ATOMIC_SEQ_CST);
         /* idle_since stays: woken without a batch (a stray wake-up, a nap that ran
          * out), the helper goes back to sleep at its next clock check */
     }
+    __atomic_fetch_sub(&m->serving, 1, __ATOMIC_SEQ_CST);
     return ran;
 }
 

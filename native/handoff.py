@@ -103,19 +103,21 @@ SPIN_NS_DEFAULT = 1_000_000
 
 
 class Mailbox:
-    """Where one run publishes its batches to the helpers lent to it. ``spin_ns``: how
-    long an idle helper spins before it sleeps until the next publish (0: it never
-    sleeps)."""
+    """Where one caller at a time publishes its batches to the helpers lent to it.
+    ``spin_ns``: how long an idle helper spins before it sleeps until the next publish
+    (0: it never sleeps); ``linger_ns``: how long a helper serves without a batch before
+    :meth:`serve` returns on its own (0: only at :meth:`stop`)."""
 
     __slots__ = ("c",)
 
-    def __init__(self, spin_ns: int | None = None) -> None:
+    def __init__(self, spin_ns: int | None = None, linger_ns: int = 0) -> None:
         spin_ns = SPIN_NS_DEFAULT if spin_ns is None else int(spin_ns)
-        if spin_ns < 0:
-            raise ValueError(f"spin_ns must be >= 0, got {spin_ns}")
+        if spin_ns < 0 or linger_ns < 0:
+            raise ValueError(f"spin_ns and linger_ns must be >= 0, got {spin_ns} and {linger_ns}")
         self.c = ffi.new("op_mailbox *")
         self.c.seq = 1  # closed
         self.c.spin_ns = spin_ns
+        self.c.linger_ns = int(linger_ns)
 
     def serve(self) -> int:
         """Helper side: run chunks of every batch published until :meth:`stop` (GIL
@@ -125,6 +127,11 @@ class Mailbox:
     def stop(self) -> None:
         """Make every ``serve`` return (at once, or when its current chunk ends)."""
         lib.op_mailbox_stop(self.c)
+
+    @property
+    def serving(self) -> int:
+        """Helpers inside :meth:`serve` right now (one that lingered out has left)."""
+        return max(0, int(self.c.serving))
 
     def fork_join(self, batch: MatmulBatch) -> None:
         """Run ``batch`` with whichever helpers are serving; returns when every chunk is

@@ -248,26 +248,30 @@ typedef struct {
     int64_t next; int64_t done;
     void *prep;
 } op_mm_batch;
-/* Where one run publishes its batches to the helpers lent to it. Zero it, then set
- * seq = 1 (closed) and spin_ns (how long an idle helper spins before it sleeps; 0 =
- * never sleeps). chunks_by_helpers counts the chunks helpers ran; sleeps, the times a
- * helper went to sleep; wakes, the times a publish had to wake one; batches, the
- * batches published; solo_batches, those whose every chunk the caller ran itself;
- * wait_ns, the caller's time waiting for helpers' chunks once it had none left to take.
- * wake and sleepers belong to handoff.c. */
+/* Where one caller at a time publishes its batches to the helpers lent to it. Zero it,
+ * then set seq = 1 (closed), spin_ns (how long an idle helper spins before it sleeps;
+ * 0 = never sleeps) and linger_ns (how long a helper serves without a batch before it
+ * returns on its own; 0 = until op_mailbox_stop). chunks_by_helpers counts the chunks
+ * helpers ran; sleeps, the times a helper went to sleep; wakes, the times a publish had
+ * to wake one; batches, the batches published; solo_batches, those whose every chunk the
+ * caller ran itself; wait_ns, the caller's time waiting for helpers' chunks once it had
+ * none left to take; serving, the helpers inside op_mailbox_serve now. wake and
+ * sleepers belong to handoff.c. */
 typedef struct {
     uint64_t seq; op_mm_batch *batch; int64_t active; uint32_t stop; int64_t chunks_by_helpers;
     int64_t spin_ns; uint32_t wake; int32_t sleepers; int64_t sleeps; int64_t wakes;
     int64_t batches; int64_t solo_batches; int64_t wait_ns;
+    int64_t linger_ns; int32_t serving;
 } op_mailbox;
 /* Run chunks of b until none is left; returns how many this thread ran. */
 int64_t op_batch_run(op_mm_batch *b);
 /* Publish b, run chunks of it, wait for all of them and for every helper to leave it.
  * 0, or the first failing chunk's error code. */
 int op_mailbox_fork_join(op_mailbox *m, op_mm_batch *b);
-/* A helper: wait on m, running chunks of each batch published, until op_mailbox_stop.
- * It spins while batches keep coming; after spin_ns without one it sleeps (Linux: a
- * futex; elsewhere: 50 us naps) until the next publish. Returns the chunks it ran. */
+/* A helper: wait on m, running chunks of each batch published, until op_mailbox_stop
+ * or linger_ns without a batch. It spins while batches keep coming; after spin_ns
+ * without one it sleeps (Linux: a futex; elsewhere: 50 us naps) until the next publish.
+ * Returns the chunks it ran. */
 int64_t op_mailbox_serve(op_mailbox *m);
 void op_mailbox_stop(op_mailbox *m);
 

@@ -223,6 +223,77 @@ def test_an_idle_helper_sleeps_costs_no_cpu_and_wakes_for_the_next_batch():
         native.Mailbox(spin_ns=-1)
 
 
+def test_a_lingering_helper_serves_while_batches_come_and_goes_back_on_its_own():
+    K, N = 256, 640
+    p = _packed(K, N)
+    A = rng.standard_normal((1, K)).astype(np.float32)
+    ref = native.matmul_nbits(A, p)
+    box = native.Mailbox(spin_ns=100_000, linger_ns=20_000_000)
+    helper = threading.Thread(target=box.serve)
+    helper.start()
+    try:
+        deadline = time.monotonic() + 30
+        while box.serving == 0:  # started
+            assert time.monotonic() < deadline
+        end = time.monotonic() + 0.1  # five lingers long, a batch at a time: it stays
+        while time.monotonic() < end:
+            y, batch = native.matmul_nbits_batch(A, p, _ranges(N, 8))
+            box.fork_join(batch)
+            np.testing.assert_array_equal(y, ref)
+        assert helper.is_alive() and box.serving == 1
+    finally:
+        helper.join(timeout=30)  # no stop: no batch for 20 ms, and it returns by itself
+    assert not helper.is_alive() and box.serving == 0 and box.chunks_by_helpers > 0
+    with pytest.raises(ValueError, match="linger_ns"):
+        native.Mailbox(linger_ns=-1)
+
+
+def test_hot_runs_keep_their_helpers_until_a_pause_a_release_or_the_close(tiny_llm_path, monkeypatch):
+    """Consecutive hot runs that split publish to one lent helper (lent once, not at
+    every run: each lend woke a worker that each run's end put back to sleep); the helper
+    goes back after HELPER_LINGER_NS without a batch, or when the session releases it
+    (a cold run does), or at the close. Outputs equal the run without helpers."""
+    from onnx_prep.core.decode.decoder_io import DecoderIO
+    from onnx_prep.core.decode.generation import step_feeds
+    from onnx_prep.core.model.resolution import resolve_model
+    from onnx_prep.core.runtime import run_loop
+    from onnx_prep.core.runtime.session import Session
+
+    r = resolve_model(tiny_llm_path)
+    io = DecoderIO.discover(r.inputs, r.outputs)
+    feeds = step_feeds(io, np.arange(3, 11, dtype=np.int64).reshape(1, 8), io.empty_past(1), 0)
+    monkeypatch.setattr(run_loop, "HELPER_LINGER_NS", 200_000_000)
+    with Session(r, intra_op=False) as whole:
+        whole.prepare()
+        ref = whole.run(feeds)
+    with Session(r) as s:
+        s.prepare()
+        lends = []
+        lend = s.scheduler.lend
+        monkeypatch.setattr(s.scheduler, "lend", lambda fn, n=1: lends.append(n) or lend(fn, n))
+        monkeypatch.setattr(intra_op, "MIN_SPLIT_WORK", 1)  # every tiny matmul splits
+        for _ in range(10):
+            out = s.run(feeds)
+            assert all(np.array_equal(out[k], ref[k]) for k in ref)
+        if s.stats().runs_lending == 0:
+            pytest.skip("no idle CPU worker to lend on this machine")
+        assert len(lends) == 1 and s.stats().runs_lending == 10  # lent once, used by every run
+        box = s.runs._kept[0]
+        assert box.serving == 1
+        s.runs.release_helpers()  # what a cold run does first
+        assert box.serving == 0 and s.runs._kept is None
+        s.run(feeds)
+        assert len(lends) == 2
+        box = s.runs._kept[0]
+        deadline = time.monotonic() + 30
+        while box.serving:  # no batch for the linger: it goes back by itself
+            assert time.monotonic() < deadline, "the helper never went back"
+        out = s.run(feeds)  # the next run lends again
+        assert len(lends) == 3 and all(np.array_equal(out[k], ref[k]) for k in ref)
+        box = s.runs._kept[0]
+    assert box.serving == 0  # the close took it back
+
+
 def test_batch_arguments_are_checked_before_any_c_call():
     p = _packed(128, 128)
     A = np.zeros((1, 128), np.float32)
@@ -236,8 +307,8 @@ def test_batch_arguments_are_checked_before_any_c_call():
 
 def test_hot_runs_lend_idle_workers_and_keep_every_bit(tiny_llm_path, monkeypatch):
     """Three sessions: no split, fork_join hand-off (spin_helpers=False), and the default
-    (helpers lent to each hot run, waiting in C). Equal outputs; only the default hands
-    chunks over through a mailbox, and its lent workers come back after every run."""
+    (helpers lent to hot runs, waiting in C). Equal outputs; only the default hands
+    chunks over through a mailbox, and no offer of it is left untaken."""
     from onnx_prep.core.decode.decoder_io import DecoderIO
     from onnx_prep.core.decode.generation import step_feeds
     from onnx_prep.core.model.resolution import resolve_model

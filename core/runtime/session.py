@@ -321,6 +321,7 @@ class Session:
             if self._closed:
                 return
             self._closed = True
+        self.runs.close()  # helpers kept lent between hot runs go back first
         self.tasks.close()
         if self.plan.cache is not None:  # objects handed over to be persisted stay pinned until written
             self.plan.cache.flush()
