@@ -14,6 +14,9 @@ Per decode step (the prefill and the first decode step left out), min and median
   wait_ms        the run thread's wait, with no chunk left to take, for helpers' chunks
   batches        split GEMVs; solo: those whose every chunk the run thread ran itself
                  (no helper arrived in time); helper_chunks: chunks helpers ran
+  switches       voluntary context switches of the process's threads over the step
+                 (a thread that blocked: on a VM its vCPU may idle and be given away;
+                 getrusage, 0 where there is none)
 and ``replay_ms``: the CPU time of one step's GEMVs (same activations, same prepared
 weights) run whole and back to back on this thread, min over repeats: the GEMVs'
 one-thread cost, to set against fj_cpu_ms + the helpers' share.
@@ -23,7 +26,10 @@ on transparent huge pages (``SessionOptions.huge_pages``), runs them interleaved
 round, and prints each session's open + prepare time (the huge pages' first-use cost
 lands there). ``--compare streaming`` runs two sessions of the model, one with the decode GEMVs'
 non-temporal weight prefetch (the default) and one without (native/op_internal.h,
-``OP_STREAM_AHEAD``), interleaved round by round. ``--compare panels`` does the same
+``OP_STREAM_AHEAD``), interleaved round by round. ``--compare helpers`` runs one
+session whose hot runs keep their lent helpers (the default) and one that lends and
+takes them back at every run (spinning 1 ms, as before; core/runtime/run_loop.py):
+compare their ``switches``. ``--compare panels`` does the same
 with a one-row level-4 GEMV reading one panel at a time and two side by side (the
 default; native/kernels_avx512.c, ``DEFINE_I8_PANEL_PAIR``).
 The greedy tokens of every session must be identical (checked).
@@ -50,21 +56,34 @@ from pathlib import Path
 
 import numpy as np
 
-METRICS = ("wall_ms", "cpu_ms", "fj_ms", "fj_cpu_ms", "wait_ms", "batches", "solo", "helper_chunks")
+from onnx_prep.core.runtime.run_loop import HELPER_SPIN_NS as KEPT_SPIN_NS
+
+METRICS = ("wall_ms", "cpu_ms", "fj_ms", "fj_cpu_ms", "wait_ms", "batches", "solo", "helper_chunks", "switches")
 # --compare: the sessions to interleave, each with its Session huge_pages, whether
-# one-pass INT4 GEMVs stream their weights past the caches (native.set_weight_streaming)
-# and how many panels a one-row int8 GEMV reads side by side (native.set_gemv_panels)
-MODES = {"none": {"default": (None, True, 2)},
-         "huge-pages": {"4k": (False, True, 2), "huge": (True, True, 2)},
-         "streaming": {"stream": (None, True, 2), "no-stream": (None, False, 2)},
-         "panels": {"one-panel": (None, True, 1), "panel-pairs": (None, True, 2)}}
+# one-pass INT4 GEMVs stream their weights past the caches (native.set_weight_streaming),
+# how many panels a one-row int8 GEMV reads side by side (native.set_gemv_panels) and
+# whether hot runs keep their lent helpers (core/runtime/run_loop.py; not kept: lent and
+# taken back at every run, spinning 1 ms, as before they were kept)
+MODES = {"none": {"default": (None, True, 2, True)},
+         "huge-pages": {"4k": (False, True, 2, True), "huge": (True, True, 2, True)},
+         "streaming": {"stream": (None, True, 2, True), "no-stream": (None, False, 2, True)},
+         "panels": {"one-panel": (None, True, 1, True), "panel-pairs": (None, True, 2, True)},
+         "helpers": {"per-run": (None, True, 2, False), "kept": (None, True, 2, True)}}
 
 
 def _settings(mode: tuple) -> None:
     from onnx_prep import native
+    from onnx_prep.core.runtime import run_loop
 
     native.set_weight_streaming(mode[1])
     native.set_gemv_panels(mode[2])
+    run_loop.HELPER_SPIN_NS = KEPT_SPIN_NS if mode[3] else 1_000_000
+
+
+def _per_run_helpers(session) -> None:
+    """Hot runs of ``session`` lend their helpers and take them back at every run (what
+    they did before they kept them)."""
+    session.runs._keep = lambda kept: False
 
 
 class StepProbe:
@@ -113,6 +132,16 @@ class StepProbe:
     def reset(self) -> None:
         for k in self.acc:
             self.acc[k] = 0.0
+
+
+def voluntary_switches() -> int:
+    """Voluntary context switches of this process so far, every thread's, ended ones too
+    (getrusage; 0 where there is none)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not Unix
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
 
 
 def open_decoder(model: Path | None, preset: str, batch: int):
@@ -269,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         for mode, (huge, *_) in MODES[args.compare].items():
             t = time.perf_counter()
             s = Session(resolved, cpu_workers=args.threads, intra_op_threads=args.threads, huge_pages=huge)
+            if not MODES[args.compare][mode][3]:
+                _per_run_helpers(s)
             s.prepare()
             open_s[mode] = time.perf_counter() - t
             sessions[mode] = s
@@ -282,10 +313,12 @@ def main(argv: list[str] | None = None) -> int:
                 def run(feeds, orun=orun, rows=rows):
                     probe.reset()
                     probe.capture = [] if r == 0 and len(rows) == 2 else None
+                    v = voluntary_switches()
                     t, c = time.perf_counter(), time.thread_time()
                     out = orun(feeds)
                     row = dict(probe.acc, wall_ms=(time.perf_counter() - t) * 1e3,
                                cpu_ms=(time.thread_time() - c) * 1e3)
+                    row["switches"] = voluntary_switches() - v
                     if probe.capture is not None:
                         row["gemvs"], probe.capture = probe.capture, None
                     rows.append(row)
