@@ -130,9 +130,17 @@ int64_t op_mailbox_serve(op_mailbox *m) {
     int64_t spin_ns = m->spin_ns, linger_ns = m->linger_ns;
     int64_t idle_since = now_ns();
     uint32_t polls = 0;
+    /* Idle means no batch published, not none taken: a batch the caller finished before
+     * this helper looked (short ones do, on a busy machine) still counts as activity,
+     * so a helper of a caller that keeps publishing neither sleeps nor lingers out. */
+    uint64_t seen = __atomic_load_n(&m->seq, __ATOMIC_SEQ_CST);
     __atomic_fetch_add(&m->serving, 1, __ATOMIC_SEQ_CST);
     while (!__atomic_load_n(&m->stop, __ATOMIC_ACQUIRE)) {
         uint64_t s = __atomic_load_n(&m->seq, __ATOMIC_SEQ_CST);
+        if (s != seen) {
+            seen = s;
+            idle_since = now_ns();
+        }
         if ((s & 1) == 0 && s != last) {
             __atomic_fetch_add(&m->active, 1, __ATOMIC_SEQ_CST);
             if (__atomic_load_n(&m->seq, __ATOMIC_SEQ_CST) == s)
