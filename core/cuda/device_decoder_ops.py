@@ -178,8 +178,10 @@ def plan_rotary(x: int, y: int, pos: int, cos_cache: int, sin_cache: int, *, bat
 
 
 def check_gqa_attributes(attrs: Mapping[str, Any]) -> None:
-    """DeviceError naming what a GroupQueryAttention node asks that the CPU kernel
-    refuses (core/kernels/gqa.py), in its words: the device kernels implement the same."""
+    """DeviceError naming what a GroupQueryAttention node asks that the device kernels do
+    not implement, in the CPU kernel's words (core/kernels/gqa.py, ``_REFUSED_ATTRIBUTES``):
+    what the CPU kernel refuses, and the sliding window, softcap and window-sized cache,
+    which only the CPU kernel implements (``_CPU_IMPLEMENTS``)."""
     from onnx_prep.core.kernels.gqa import _REFUSED_ATTRIBUTES
 
     n, kv = int(attrs.get("num_heads", 0)), int(attrs.get("kv_num_heads", 0))
