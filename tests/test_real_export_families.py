@@ -164,3 +164,32 @@ def test_the_windowed_cache_export_decodes_as_onnx_runtime_given_a_window_sized_
             states = [{n: out[n.replace("past_key_values", "present")] for n in states[0]} for out in (got, want)]
             total += 1
     assert total > capacity + 8
+
+
+def test_the_memory_estimate_counts_a_window_cache_at_its_capacity():
+    """A sliding-window layer's past and present hold its capacity from the first step:
+    the run's estimate counts that, and equals the last step's past and present."""
+    from onnx_prep.core.decode.decoder_io import DecoderIO
+    from onnx_prep.core.decode.generation import greedy_decode
+    from onnx_prep.core.decode.ort_runner import OrtRunner
+    from onnx_prep.core.decode.run_memory import estimate_run_memory
+
+    ort_or_skip()
+    path = real_export("builder-gemma2-windowed-cache")
+    io = DecoderIO.from_model(path)
+    outputs = []
+
+    class Recording:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def run(self, feeds):
+            out = self.inner.run(feeds)
+            outputs.append({n: a.nbytes for n, a in out.items()})
+            return out
+
+    batch, plen, tokens = 2, 2, 2  # 3 positions at the last step: the window layer holds its 4 anyway
+    greedy_decode(Recording(OrtRunner(path)), io, np.full((batch, plen), 3), tokens)
+    presents = {n for p in io.kv for n in (p.present_key, p.present_value)}
+    assert estimate_run_memory(io, batch, plen, tokens).kv_cache == 2 * sum(
+        n for name, n in outputs[-1].items() if name in presents)

@@ -4,9 +4,9 @@ against a budget before anything is allocated (docs/run.md, "Memory budget").
 ``estimate_run_memory(io, batch, prompt_len, tokens)`` counts what the decode loop
 holds at its largest, from the shapes alone:
 
-- the KV cache: batch x (prompt + tokens - 1) positions x every layer's
-  kv_heads x (key + value head dims) x the KV dtype, twice (a step's past and the
-  present it produces are alive together);
+- the KV cache: batch x (prompt + tokens - 1) positions (a sliding-window cache: its
+  capacity) x every layer's kv_heads x (key + value head dims) x the KV dtype, twice (a
+  step's past and the present it produces are alive together);
 - the prefill's outputs: logits batch x prompt x vocab (float32), and the attention
   scores batch x kv_heads x prompt x prompt (float32; a lower bound where the model
   has more query heads than KV heads); without KV inputs every step re-feeds the
@@ -107,9 +107,9 @@ def estimate_run_memory(io, batch: int, prompt_len: int, tokens: int, *, compare
     ``prompt_len`` ids with the decoder I/O ``io`` (a ``DecoderIO``). Python integers
     throughout: no size overflows, nothing is allocated."""
     length = prompt_len + tokens - 1  # KV positions at the last step
-    per_position = sum(p.kv_heads * (p.key_head_dim * p.past_key.dtype.itemsize
-                                     + p.value_head_dim * p.past_value.dtype.itemsize) for p in io.kv)
-    kv_cache = 2 * batch * length * per_position
+    # a sliding-window cache holds its capacity from the first step, whatever the length
+    kv_cache = 2 * batch * sum((p.capacity or length) * p.kv_heads * (
+        p.key_head_dim * p.past_key.dtype.itemsize + p.value_head_dim * p.past_value.dtype.itemsize) for p in io.kv)
     vocab = io.vocab_size or 0
     fed = prompt_len if io.kv else length  # positions the largest step feeds
     heads = io.kv[0].kv_heads if io.kv else 0
