@@ -292,9 +292,7 @@ class RunLoop:
                                                   box.wakes - wakes)
             for box, lent in opened:
                 if not (lent and self._keep((box, lent))):
-                    box.stop()  # first: an offer a worker takes later then returns at once
-                    if lent:
-                        self.scheduler.reclaim(lent)
+                    self._give_back(box, lent)
             if lazy is not None:  # the next hot run lends at its start if this one split
                 self._lend_at_start = lazy.asked
 
@@ -305,11 +303,9 @@ class RunLoop:
             kept, self._kept = self._kept, None
         if kept is None:
             return None
-        box, lent = kept
-        if box.serving:
+        if kept[0].serving:
             return kept
-        box.stop()
-        self.scheduler.reclaim(lent)
+        self._give_back(*kept)
         return None
 
     def _keep(self, kept: tuple[Any, list]) -> bool:
@@ -326,8 +322,12 @@ class RunLoop:
         with self._kept_lock:
             kept, self._kept = self._kept, None
         if kept is not None:
-            kept[0].stop()
-            self.scheduler.reclaim(kept[1])
+            self._give_back(*kept)
+
+    def _give_back(self, box, lent: list) -> None:
+        box.stop()  # first: an offer a worker takes later then returns at once
+        if lent:
+            self.scheduler.reclaim(lent)
 
     def close(self) -> None:
         """No hot run keeps helpers from here on; the kept ones go back now."""
