@@ -223,27 +223,14 @@ def ort_per_op(path: Path, io, prompt, tokens: int, threads: int) -> tuple[int, 
     from collections import defaultdict
 
     from onnx_prep.core.decode.generation import greedy_decode
-    from onnx_prep.core.decode.ort_runner import import_onnxruntime, like_for_like_config
+    from onnx_prep.core.decode.ort_runner import OrtRunner, like_for_like_config
 
-    ort = import_onnxruntime()
-    opts = ort.SessionOptions()  # OrtRunner's session, with the profiler on
-    opts.intra_op_num_threads = threads
-    opts.log_severity_level = 3
-    for key, value in like_for_like_config().items():
-        opts.add_session_config_entry(key, value)
-    opts.enable_profiling = True
-    opts.profile_file_prefix = os.path.join(tempfile.mkdtemp(), "ort")
-    session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-    names = [o.name for o in session.get_outputs()]
-
-    class Runner:
-        def run(self, feeds):
-            return dict(zip(names, session.run(None, feeds)))
-
+    runner = OrtRunner(path, threads, session_config=like_for_like_config(),
+                       profile_prefix=os.path.join(tempfile.mkdtemp(), "ort"))
     try:
-        greedy_decode(Runner(), io, prompt, tokens)
+        greedy_decode(runner, io, prompt, tokens)
     finally:
-        trace = Path(session.end_profiling())
+        trace = Path(runner.session.end_profiling())
     events = json.loads(trace.read_text())
     trace.unlink()
     runs = [e for e in events if e.get("name") == "model_run"]

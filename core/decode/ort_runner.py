@@ -46,7 +46,8 @@ def import_onnxruntime() -> Any:
 class OrtRunner:
     """One CPU ``InferenceSession``; ``run`` returns every output by name.
 
-    ``threads`` sets intra-op threads (None: ONNX Runtime's default). ``session_config``
+    ``threads`` sets intra-op threads (None: ONNX Runtime's default); ``profile_prefix``
+    turns ONNX Runtime's profiler on, its trace written under that prefix. ``session_config``
     adds session config entries (``like_for_like_config()``; None: ONNX Runtime's
     defaults). ``model_bytes``: the model to load instead of the file (a rewritten copy
     of it, ``exposing``), its external data read beside ``model_path``. Holds no decode
@@ -54,7 +55,8 @@ class OrtRunner:
     """
 
     def __init__(self, model_path: str | Path, threads: int | None = None, *,
-                 session_config: Mapping[str, str] | None = None, model_bytes: bytes | None = None) -> None:
+                 session_config: Mapping[str, str] | None = None, model_bytes: bytes | None = None,
+                 profile_prefix: str | None = None) -> None:
         ort = import_onnxruntime()
         self.model_path = Path(model_path)
         self.session_config = dict(session_config or {})
@@ -68,6 +70,9 @@ class OrtRunner:
             opts.add_session_config_entry(key, value)
         if model_bytes is not None:
             opts.add_session_config_entry(_EXTERNAL_FOLDER_KEY, str(self.model_path.resolve().parent))
+        if profile_prefix is not None:  # ONNX Runtime's profiler on (session.end_profiling() gives its file)
+            opts.enable_profiling = True
+            opts.profile_file_prefix = profile_prefix
         try:
             self.session = ort.InferenceSession(str(model_path) if model_bytes is None else model_bytes, opts,
                                                 providers=["CPUExecutionProvider"])
