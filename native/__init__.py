@@ -14,6 +14,7 @@ from onnx_prep.core.errors import NativeError
 try:
     from onnx_prep.native._module import NATIVE_VERSION, ffi, lib  # noqa: F401
     from onnx_prep.native.attention import (
+        GqaStep,
         attention_over_cache,
         attention_with_past,
         gqa_decode,
@@ -45,7 +46,7 @@ try:
         set_gemv_panels,
         set_weight_streaming,
     )
-    from onnx_prep.native.norm import NormResult, norm_rows, norm_rows_y, skip_norm_rows
+    from onnx_prep.native.norm import NormResult, norm_rows, norm_rows_y, skip_norm_rows, skip_norm_sum
     from onnx_prep.native.packed import PackedHeader, packed_header
     from onnx_prep.native.rotary import rotary_embedding
     from onnx_prep.native.stable_slot import GRANULE, StableSlot
@@ -67,6 +68,7 @@ __all__ = [
     "PackedHeader",
     "StableSlot",
     "PANEL_N",
+    "GqaStep",
     "active_isa",
     "attention_over_cache",
     "attention_with_past",
@@ -90,6 +92,7 @@ __all__ = [
     "set_gemv_panels",
     "set_weight_streaming",
     "skip_norm_rows",
+    "skip_norm_sum",
     "NormResult",
     "packed_header",
     "prepack_gather_block_quantized",

@@ -240,6 +240,136 @@ def gqa_decode(query: np.ndarray, key: np.ndarray | None, value: np.ndarray | No
                       else _window_fields(local_window_size, softcap, False)))
 
 
+class GqaStep:
+    """One GroupQueryAttention node's decode step with its attributes bound once: packed
+    QKV ``[B, 1, (N + 2 KN) H]`` float32, past KV views whose buffers hold the present
+    (``present``: the views an append buffer handed out for the pasts extended in place,
+    one row longer; their ``base`` is the pasts' ``base``, and both start at its start,
+    which is the caller's word: core/ops/append_buffer.py ``extend`` checked it), every
+    row at the past's length (``seqlens_k`` all P, total P + 1). Call it
+    as ``gqa_decode`` minus the key, value and attributes: ``(output, present_key,
+    present_value)``, or None when the arguments are not that form (the caller then
+    takes ``gqa_decode``, which takes anything).
+
+    The same checks of what the kernel trusts (every shape, stride and table length)
+    and the same C call with the same arguments as ``gqa_decode``: the same bits. The
+    kernel is given the buffers themselves, so it stays inside them whatever a view.
+
+    NOTE: why a bound call. In a decode step each op runs after a GEMV has streamed
+    megabytes of weights past the caches, where every Python object the call touches
+    costs a miss: ``gqa_decode`` took ~130-220 us a call there against ~27 us in its C
+    kernel (builder Llama, 32 heads, batch 1, past ~40), the general wrapper's
+    conversions, a parameter struct built from a dict and four ``ndarray.ctypes``
+    addresses (~3 us each even when hot). Here the constant fields are set once in a
+    template struct, copied per call; the buffers' addresses come from
+    ``ffi.from_buffer`` on the append buffers themselves (~0.7 us)."""
+
+    __slots__ = ("_template", "_size", "_heads", "_rotary", "_fields")
+
+    def __init__(self, *, num_heads: int, kv_num_heads: int, scale: float, interleaved: bool,
+                 local_window_size: int = -1, softcap: float = 0.0) -> None:
+        t = self._template = ffi.new("op_gqa_params *", dict(
+            seq=1, num_heads=num_heads, kv_num_heads=kv_num_heads, interleaved=1 if interleaved else 0,
+            first_prompt=0, **(_NO_WINDOW if local_window_size < 0 and not softcap > 0
+                               else _window_fields(local_window_size, softcap, False))))
+        self._size = ffi.sizeof("op_gqa_params")
+        self._heads = (num_heads, kv_num_heads, float(scale))
+        self._rotary = None  # (cos shape) the template's rotary fields were set for
+        self._fields = None  # (B, D) the template's shape fields were set for
+        del t
+
+    def __call__(self, query, past_key, past_value, seqlens_k, total_sequence_length, cos_cache, sin_cache,
+                 present):
+        q = query
+        if not (type(q) is np.ndarray and q.dtype == _F32 and q.ndim == 3 and q.flags.c_contiguous
+                and q.shape[1] == 1):
+            return None
+        N, KN, scale = self._heads
+        B, _, D = q.shape
+        H = D // (N + 2 * KN)
+        present_k, present_v = present
+        pk, pv = past_key, past_value
+        if not (type(pk) is np.ndarray and type(pv) is np.ndarray and pk.dtype == _F32 and pv.dtype == _F32
+                and type(present_k) is np.ndarray and type(present_v) is np.ndarray
+                and present_k.base is not None and pk.base is present_k.base
+                and present_v.base is not None and pv.base is present_v.base):
+            return None
+        P = pk.shape[2] if pk.ndim == 4 else -1
+        if (H < 1 or H % 8 or H * (N + 2 * KN) != D or pk.shape != (B, KN, P, H) or pv.shape != pk.shape
+                or present_k.shape != (B, KN, P + 1, H) or present_v.shape != present_k.shape
+                or type(seqlens_k) is not np.ndarray or seqlens_k.shape != (B,)
+                or seqlens_k.dtype not in _SEQ_TYPES):
+            return None
+        if (int(total_sequence_length.item()) if type(total_sequence_length) is np.ndarray
+                else int(total_sequence_length)) != P + 1:
+            return None
+        if B == 1:
+            if int(seqlens_k[0]) != P:
+                return None
+        elif not (seqlens_k == P).all():
+            return None
+        # the layout the kernel reads: each head's rows contiguous, heads `rows` rows
+        # apart, the views at the start of their buffers (checked: a view past a
+        # buffer's start would put its rows elsewhere)
+        kb, vb = present_k.base, present_v.base
+        rows = _head_rows(present_k, kb, H)
+        if rows is None or rows < P + 1 or _head_rows(present_v, vb, H) != rows or \
+                _head_rows(pk, kb, H) != rows or _head_rows(pv, vb, H) != rows:
+            return None
+        if cos_cache is not None:
+            if not (_plain(cos_cache, 2) and _plain(sin_cache, 2) and cos_cache.shape == sin_cache.shape
+                    and 2 * cos_cache.shape[1] <= H and cos_cache.shape[0] >= P + 1):
+                return None
+        elif sin_cache is not None:
+            return None
+        p = ffi.new("op_gqa_params *")
+        t = self._template
+        if self._fields != (B, D):
+            t.batch, t.head_size, t.scale = B, H, scale if scale else 1.0 / math.sqrt(H)
+            self._fields = (B, D)
+        rot = None if cos_cache is None else cos_cache.shape
+        if self._rotary != rot:
+            t.rotary_dim, t.cache_rows = (0, 0) if rot is None else (2 * rot[1], rot[0])
+            self._rotary = rot
+        ffi.memmove(p, t, self._size)
+        p.past_len, p.present_len = P, P + 1
+        p.past_key_stride = p.past_value_stride = p.present_key_stride = p.present_value_stride = rows
+        if B == 1:
+            qp = ffi.from_buffer("float[]", q)
+            k, v = qp + N * H, qp + (N + KN) * H
+            keep = q
+        else:
+            keep = (np.ascontiguousarray(q[..., :N * H]), np.ascontiguousarray(q[..., N * H:(N + KN) * H]),
+                    np.ascontiguousarray(q[..., (N + KN) * H:]))
+            qp, k, v = (ffi.from_buffer("float[]", x) for x in keep)
+        seq = np.full(B, P, np.int64)
+        out = np.empty((B, 1, N * H), np.float32)
+        kp, vp = ffi.from_buffer("float[]", kb), ffi.from_buffer("float[]", vb)
+        bad = ffi.new("int64_t *")
+        status = lib.op_group_query_attention(
+            isa_id(None), p, qp, k, v, kp, vp, ffi.from_buffer("int64_t[]", seq),
+            ptr(cos_cache, "float *"), ptr(sin_cache, "float *"), ffi.from_buffer("float[]", out), kp, vp,
+            0, B * KN, bad)
+        del keep
+        if status == lib.OP_E_ARG and bad[0] >= 0:
+            raise ValueError(f"GroupQueryAttention: seqlens_k[{int(bad[0])}] = {P} does not fit sequence 1, "
+                             f"total_sequence_length {P + 1}, past length {P}"
+                             + (f" and {cos_cache.shape[0]} cos/sin rows" if cos_cache is not None else ""))
+        check(status, "group_query_attention")
+        return out, present_k, present_v
+
+
+def _head_rows(view: np.ndarray, base: np.ndarray, H: int) -> int | None:
+    """Rows from one kv head to the next in ``view``, a [B, KN, L, H] float32 view of the
+    C-contiguous ``base`` [B, KN, rows, H] with base's strides, else None. Where the view
+    starts is the caller's word (``GqaStep``); the kernel then stays inside ``base``
+    wherever it starts."""
+    if not (base.flags.c_contiguous and base.ndim == 4 and base.dtype == _F32 and base.shape[3] == H
+            and base.shape[:2] == view.shape[:2] and view.strides == base.strides):
+        return None
+    return base.shape[2]
+
+
 def _launch(q, k, v, past_key, past_value, seqlens, cos, sin, present, isa, total, mask=None, **params):
     """Run the C kernel on fp32 q / k / v ``[B, S, heads * H]`` (C-contiguous) and past KV
     ``[B, KN, P, H]`` (or None), writing present into ``present`` when given (else fresh

@@ -85,6 +85,30 @@ class MatmulSplit:
         c.ranges, c.n, c.rcs = self._flat, self.chunks, rcs
         return res, MatmulBatch(c, (A2, packed, self._flat, bias, o2, rcs), self.chunks)
 
+    def through(self, box: "Mailbox", A: np.ndarray) -> np.ndarray:
+        """``Y = A @ W^T`` for ``A`` a C-contiguous float32 array whose last dimension is
+        K, with at least one row (the caller's word: the decode step's bound call,
+        core/ops/int4.py), no bias, the chunks handed to ``box``'s helpers:
+        ``batch`` and ``Mailbox.fork_join`` in one call, the same C call, the same bits.
+
+        NOTE: a decode step makes ~80 of these, each right after the previous one's
+        weights streamed through the caches, where every Python object a call touches
+        costs a miss; ``batch`` checks and wraps what the bound call already knows."""
+        packed = self.weight()  # held for the call
+        if packed is None:
+            raise ValueError("matmul_nbits: the split's packed weight was released")
+        M = A.size // self.K
+        Y = (np.empty if self._full else np.zeros)(A.shape[:-1] + (self.N,), np.float32)
+        c = ffi.new("op_mm_batch *")
+        c.A, c.M, c.lda = ffi.from_buffer("float[]", A), M, self.K
+        c.packed, c.nbytes = self._pk, self._nbytes
+        c.Y, c.ldy = ffi.from_buffer("float[]", Y), self.N
+        c.isa, c.level = isa_id(None), self._mode
+        rcs = ffi.new("int[]", max(1, self.chunks))  # owned here: a struct field holds no reference
+        c.ranges, c.n, c.rcs = self._flat, self.chunks, rcs
+        check(lib.op_mailbox_fork_join(box.c, c), "matmul_nbits")
+        return Y
+
 
 def matmul_nbits_batch(A: np.ndarray, packed: np.ndarray, ranges, *, bias: np.ndarray | None = None,
                        out: np.ndarray | None = None, compute: str | None = None) -> tuple[np.ndarray, MatmulBatch]:

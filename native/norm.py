@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from onnx_prep.native._module import check, lib
+from onnx_prep.native._module import check, ffi, lib
 from onnx_prep.native.isa import isa_id
 from onnx_prep.native.packed import ptr
 
@@ -97,6 +97,34 @@ def skip_norm_rows(x: np.ndarray, skip: np.ndarray, gamma: np.ndarray, *, epsilo
     inv = np.empty(rows, np.float32) if want_stats else None
     _call(x, skip, rows, None, gamma, None, epsilon, simplified, y, total, mean, inv, None)
     return NormResult(y, total, mean, inv)
+
+
+def skip_norm_sum(x: np.ndarray, skip: np.ndarray, gamma: np.ndarray, epsilon: float,
+                  simplified: bool) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(y, x + skip)`` of a Skip norm without beta, bias or statistics, each of x's
+    shape: x and skip C-contiguous float32 arrays of one shape, gamma a C-contiguous
+    float32 [n] (n: their last dimension). None when the arguments are not in that form
+    (the caller then takes ``skip_norm_rows``). The same C call as ``skip_norm_rows``:
+    the same bits.
+
+    NOTE: the decode step's bound call (core/ops/norm.py ``bind_skip_norm``): after a
+    GEMV's weight stream every Python object a call touches costs a cache miss, and
+    ``skip_norm_rows`` under the op's reshapes and statistics took ~45-65 us a call there
+    for ~7 us of C (builder Llama, hidden 2048, batch 1). No reshapes, no statistics,
+    the addresses from ``ffi.from_buffer``."""
+    if not (type(x) is np.ndarray and type(skip) is np.ndarray and type(gamma) is np.ndarray
+            and x.dtype == _F32 and skip.dtype == _F32 and gamma.dtype == _F32 and x.ndim
+            and x.shape == skip.shape and gamma.shape == x.shape[-1:] and x.size
+            and x.flags.c_contiguous and skip.flags.c_contiguous and gamma.flags.c_contiguous):
+        return None
+    n = gamma.shape[0]
+    rows = x.size // n
+    y, total = np.empty_like(x), np.empty_like(x)
+    fb = ffi.from_buffer
+    check(lib.op_norm_rows(isa_id(None), fb("float[]", x), fb("float[]", skip), rows, ffi.NULL,
+                           fb("float[]", gamma), ffi.NULL, rows, n, epsilon, 1 if simplified else 0,
+                           fb("float[]", y), fb("float[]", total), ffi.NULL, ffi.NULL), "norm_rows")
+    return y, total
 
 
 def norm_rows_y(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray | None, *, epsilon: float,

@@ -1,7 +1,7 @@
 """Decode steps with one setting on and off, alternating every two steps in ONE session,
 so that both see the same machine state, the same memory and the same KV lengths.
 
-    .venv/bin/python scripts/ab_decode_step.py [--toggle streaming|panels]
+    .venv/bin/python scripts/ab_decode_step.py [--toggle streaming|panels|bound-calls]
         [--preset medium | --model PATH] [--batch 1] [--tokens 32] [--rounds 6] [--threads 2]
         [--json FILE]
 
@@ -10,6 +10,10 @@ so that both see the same machine state, the same memory and the same KV lengths
                    docs/kernels.md "Weight streaming")
   panels           a one-row level-4 GEMV reading two panels side by side ("on", the
                    default) or one at a time (native.set_gemv_panels)
+  bound-calls      the ops a node binds once at compile (GroupQueryAttention's decode
+                   step, the Skip norms: an op's ``bind``, core/runtime/action_program.py)
+                   or the general op they stand in for ("off"), swapped in the session's
+                   compiled actions
 
 Each round decodes --tokens greedily from the same prompt; the prefill and the first
 decode step are left out. Prints each setting's step wall time, min / median / max (ms),
@@ -34,9 +38,23 @@ from onnx_prep.core.runtime.session import Session
 from gemv_step_profile import open_decoder  # this folder: sys.path[0] when run as a script
 
 
-# --toggle: the setting, on (the default) or off
-TOGGLES = {"streaming": native.set_weight_streaming,
-           "panels": lambda on: native.set_gemv_panels(2 if on else 1)}
+# --toggle: the setting, on (the default) or off, given the session
+TOGGLES = {"streaming": lambda session: native.set_weight_streaming,
+           "panels": lambda session: lambda on: native.set_gemv_panels(2 if on else 1),
+           "bound-calls": lambda session: _bound_calls(session)}
+
+
+def _bound_calls(session):
+    """Switch each compiled action whose op was bound to its node (``fn.unbound``: the
+    general op) between the two."""
+    pairs = [(a, a.fn, a.fn.unbound) for a in session.program.actions if hasattr(a.fn, "unbound")]
+    if not pairs:
+        raise SystemExit("--toggle bound-calls: no action of this model has a bound call")
+
+    def setting(on: bool) -> None:
+        for action, bound, general in pairs:
+            object.__setattr__(action, "fn", bound if on else general)  # Action is frozen
+    return setting
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,11 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     path, resolved, io, prompt = open_decoder(args.model, args.preset, args.batch)
     steps: dict[str, list[float]] = {"on": [], "off": []}
 
-    def setting(on: bool) -> None:
-        TOGGLES[args.toggle](on)
-
     tokens = None
     session = Session(resolved, cpu_workers=args.threads, intra_op_threads=args.threads)
+    setting = TOGGLES[args.toggle](session)
     activity0 = MachineActivity.now()
     try:
         session.prepare()

@@ -87,8 +87,9 @@ def _per_run_helpers(session) -> None:
 
 
 class StepProbe:
-    """Counts what one session's steps spend in Mailbox.fork_join (wrapped at class
-    level while the probe is active; one session runs at a time)."""
+    """Counts what one session's steps spend in Mailbox.fork_join and in
+    MatmulSplit.through, the bound GEMV call (wrapped at class level while the probe is
+    active; one session runs at a time)."""
 
     def __init__(self) -> None:
         self.acc = dict.fromkeys(METRICS[2:], 0.0)
@@ -99,18 +100,28 @@ class StepProbe:
         from onnx_prep.native import handoff
 
         orig_fj, orig_batch, orig_whole = handoff.Mailbox.fork_join, handoff.MatmulSplit.batch, native.matmul_nbits
+        orig_through = handoff.MatmulSplit.through
         acc = self.acc
 
-        def fork_join(box, batch):
+        def timed(box, call):
             w0, s0, h0, b0 = box.wait_ns, box.solo_batches, box.chunks_by_helpers, box.batches
             t, c = time.perf_counter(), time.thread_time()
-            orig_fj(box, batch)
+            out = call()
             acc["fj_cpu_ms"] += (time.thread_time() - c) * 1e3
             acc["fj_ms"] += (time.perf_counter() - t) * 1e3
             acc["wait_ms"] += (box.wait_ns - w0) / 1e6
             acc["solo"] += box.solo_batches - s0
             acc["helper_chunks"] += box.chunks_by_helpers - h0
             acc["batches"] += box.batches - b0
+            return out
+
+        def fork_join(box, batch):
+            timed(box, lambda: orig_fj(box, batch))
+
+        def through(split, box, A):  # the bound call (core/ops/int4.py): batch and fork_join in one
+            if self.capture is not None:
+                self.capture.append((A.copy(), split.weight(), None))
+            return timed(box, lambda: orig_through(split, box, A))
 
         def batch(split, A, *, bias=None, **kw):
             if self.capture is not None:
@@ -123,10 +134,12 @@ class StepProbe:
             return orig_whole(A, packed, bias=bias, **kw)
 
         handoff.Mailbox.fork_join, handoff.MatmulSplit.batch, native.matmul_nbits = fork_join, batch, whole
+        handoff.MatmulSplit.through = through
 
         def uninstall():
             handoff.Mailbox.fork_join = orig_fj
             handoff.MatmulSplit.batch, native.matmul_nbits = orig_batch, orig_whole
+            handoff.MatmulSplit.through = orig_through
         return uninstall
 
     def reset(self) -> None:
@@ -145,8 +158,8 @@ def voluntary_switches() -> int:
 
 
 def open_decoder(model: Path | None, preset: str, batch: int):
-    """``(path, resolved, io, prompt)``: the decoder model (``model``, else the fixture
-    ``preset``, generated and cached), resolved, its roles, and an 8-token prompt in
+    """``(path, resolved, io, prompt)``: the decoder model's file (``model``, a file or
+    the folder an exporter wrote, else the fixture ``preset``, generated and cached), resolved, its roles, and an 8-token prompt in
     each of ``batch`` rows. (scripts/ab_decode_step.py uses it too.)"""
     from onnx_prep.core.decode.decoder_io import DecoderIO
     from onnx_prep.core.model.resolution import resolve_model
@@ -155,7 +168,7 @@ def open_decoder(model: Path | None, preset: str, batch: int):
     path = model if model is not None else ensure_cached(FixtureConfig.preset(preset))
     resolved = resolve_model(path)
     prompt = np.tile(np.arange(1, 9, dtype=np.int64)[None, :], (batch, 1))
-    return path, resolved, DecoderIO.for_resolved(resolved), prompt
+    return resolved.model_path, resolved, DecoderIO.for_resolved(resolved), prompt
 
 
 def replay_ms(gemvs: list, repeats: int) -> float:

@@ -374,3 +374,50 @@ def test_a_run_that_splits_nothing_lends_nothing(tiny_llm_path, monkeypatch):
         out = s.run(prefill)
         assert all(np.array_equal(out[k], ref[k]) for k in ref)
         assert s.stats().runs_lending >= lent0 + 2
+
+
+@pytest.mark.parametrize("level", [0, 4])
+def test_the_bound_int4_op_gives_the_general_ops_bits_through_a_served_mailbox(level, monkeypatch):
+    """A MatMulNBits node's bound call (MatmulSplit.through) computes a decode GEMV in
+    one call: the general op's bits, a batch published per call, a split counted, the
+    weight's split reused; a bias, a float16 or strided A, or no mailbox take the
+    general op (the same bits)."""
+    from collections import Counter
+
+    from onnx_prep.core.ops import int4, run_counters
+
+    class Sink(Counter):
+        def add(self, name, n=1):
+            self[name] += n
+
+    monkeypatch.setattr(intra_op, "MIN_SPLIT_WORK", 1)
+    K, N = 300, 1000
+    counts = Sink()
+    p = _packed(K, N, level)
+    attrs = {"K": K, "N": N, "block_size": 32, "bits": 4}
+    bound = int4.matmul_nbits.bind(attrs)
+    assert bound is not int4.matmul_nbits and bound.unbound is int4.matmul_nbits
+    box = native.Mailbox()
+    helper = threading.Thread(target=box.serve)
+    helper.start()
+    try:
+        with intra_op.using(lambda *a, **k: 0, parts=2, mailbox=intra_op.LazyMailbox(lambda: box)), \
+                run_counters.counting(counts):
+            for rows in (1, 1, 3):
+                A = rng.standard_normal((1, rows, K)).astype(np.float32)
+                got = bound([A, None, None, None], attrs, {1: p})[0]
+                assert got.shape == (1, rows, N)
+                np.testing.assert_array_equal(got, native.matmul_nbits(A, p))
+            assert box.batches == 3 and counts["matmul_splits"] == 3
+            bias = rng.standard_normal(N).astype(np.float32)
+            A = rng.standard_normal((1, 2 * K)).astype(np.float32)[:, ::2]
+            for inputs in ([A[:, :K].copy(), None, None, None, None, bias], [A.astype(np.float16), None, None],
+                           [A, None, None]):
+                np.testing.assert_array_equal(bound(inputs, attrs, {1: p})[0],
+                                              int4.matmul_nbits(inputs, attrs, {1: p})[0])
+    finally:
+        box.stop()
+        helper.join()
+    A = rng.standard_normal((1, K)).astype(np.float32)
+    np.testing.assert_array_equal(bound([A, None, None], attrs, {1: p})[0], native.matmul_nbits(A, p))
+    assert int4.matmul_nbits.bind({"K": K, "N": N, "block_size": 32, "bits": 8}) is int4.matmul_nbits

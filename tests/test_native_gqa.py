@@ -453,3 +453,92 @@ def test_the_lean_call_takes_the_general_path_for_any_other_form(change):
     got = native.gqa_decode(q, k, v, pk, pv, seqlens, total, cos, sin, present=present2, **kw)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
+
+
+# ------------------------------------- the bound decode step (core/ops/attention.py bind)
+
+def _claimed_past(x: np.ndarray) -> np.ndarray:
+    """``x`` [B, KN, P, H] copied into a fresh append buffer (with room), as the view a
+    decode step's present was handed out: the next step's past."""
+    from onnx_prep.core.ops import append_buffer
+
+    view, in_place = append_buffer.extend(x[:, :, :0], 2, x.shape[2])
+    assert not in_place
+    view[...] = x
+    return view
+
+
+@pytest.mark.parametrize("B,rotary,interleaved,seq_dtype,total_form", [
+    (1, True, False, np.int32, "scalar"), (1, False, False, np.int64, "array"), (2, True, True, np.int32, "array"),
+    (3, True, False, np.int64, "scalar"), (2, False, False, np.int32, "scalar")])
+def test_the_bound_decode_step_gives_the_general_calls_bits(B, rotary, interleaved, seq_dtype, total_form,
+                                                              monkeypatch):
+    """A marked GroupQueryAttention node's bound call (native.GqaStep over append
+    buffers) gives the general op's output and present bit for bit, writes the new row
+    into the past's own buffer, and never takes the general path for that form."""
+    from onnx_prep.core.ops import attention as ops_attention
+    from onnx_prep.core.ops.attributes import APPEND_IN_PLACE
+
+    rng = np.random.default_rng(21 + B)
+    N, KN, H, P = 8, 2, 32, 9
+    q, _, _, pk, pv, seqlens, total, cos, sin = gqa_inputs(
+        rng, B=B, S=1, N=N, KN=KN, H=H, lens=[P + 1] * B, total=P + 1, past_len=P, rotary=rotary, packed=True)
+    seqlens = seqlens.astype(seq_dtype)
+    total = np.int32(P + 1) if total_form == "scalar" else total
+    attrs = dict(attrs_of(N, KN, rotary, interleaved), scale=0.0)
+    want = ops_attention.group_query_attention([q, None, None, pk, pv, seqlens, total, cos, sin], attrs, None)
+    bound = ops_attention.bind_group_query_attention({**attrs, APPEND_IN_PLACE: (0, 1)})
+    assert bound.unbound is ops_attention.group_query_attention
+    past_k, past_v = _claimed_past(pk), _claimed_past(pv)
+
+    def general(*a, **k):
+        raise AssertionError("the bound step took the general path")
+
+    monkeypatch.setattr(native, "gqa_decode", general)
+    monkeypatch.setattr(ops_attention, "group_query_attention", general)
+    got = bound([q, None, None, past_k, past_v, seqlens, total, cos, sin, None, None, None], attrs, None)
+    np.testing.assert_array_equal(got[0], want[0])
+    for g, w, past in ((got[1], want[1], past_k), (got[2], want[2], past_v)):
+        assert g.base is past.base and g.shape == (B, KN, P + 1, H)  # the new row written in place
+        np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("change", ["plain_past", "ragged_rows", "separate_kv", "first_prompt", "f16"])
+def test_the_bound_decode_step_takes_the_general_path_for_any_other_form(change):
+    """A past that is no append buffer (copied into one), rows of different lengths,
+    separate key and value, a first prompt or float16: the general op's results."""
+    from onnx_prep.core.ops import attention as ops_attention
+    from onnx_prep.core.ops.attributes import APPEND_IN_PLACE
+
+    rng = np.random.default_rng(31)
+    B, N, KN, H, P = 2, 4, 2, 16, 6
+    lens = [P + 1, P] if change == "ragged_rows" else [P + 1] * B
+    inputs = gqa_inputs(rng, B=B, S=1, N=N, KN=KN, H=H, lens=lens, total=P + 1, past_len=P, rotary=True,
+                        packed=change != "separate_kv")
+    if change == "first_prompt":
+        inputs = gqa_inputs(rng, B=B, S=3, N=N, KN=KN, H=H, lens=[3] * B, total=3, past_len=0, rotary=True,
+                            packed=True, empty_past=True)
+    if change == "f16":
+        inputs[0] = inputs[0].astype(np.float16)
+    attrs = dict(attrs_of(N, KN, True, False), scale=0.0)
+    want = ops_attention.group_query_attention(list(inputs), attrs, None)
+    bound = ops_attention.bind_group_query_attention({**attrs, APPEND_IN_PLACE: (0, 1)})
+    if change != "plain_past" and inputs[3] is not None and inputs[3].shape[2]:
+        inputs[3], inputs[4] = _claimed_past(inputs[3]), _claimed_past(inputs[4])
+    got = bound(list(inputs), attrs, None)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_an_unmarked_or_window_cache_node_is_not_bound():
+    """Only a node the action program marked (its KV appended in place) gets the bound
+    step; a window-sized cache never appends."""
+    from onnx_prep.core.ops import attention as ops_attention
+    from onnx_prep.core.ops.attributes import APPEND_IN_PLACE
+
+    attrs = attrs_of(4, 2, True, False)
+    assert ops_attention.bind_group_query_attention(attrs) is ops_attention.group_query_attention
+    windowed = {**attrs, "local_window_size": 4, "sliding_window_cache": 1, APPEND_IN_PLACE: (0, 1)}
+    assert ops_attention.bind_group_query_attention(windowed) is ops_attention.group_query_attention
+    assert ops_attention.bind_group_query_attention({**attrs, APPEND_IN_PLACE: (0, 1)}) is not \
+        ops_attention.group_query_attention

@@ -443,3 +443,59 @@ def test_the_numpy_form_agrees_with_the_kernel(shape, simplified, skip, seed):
     _close(got[0], want.y, LAYERNORM_RTOL * cond * (np.abs(want.y) + np.abs(g)), "y")
     _close(got[3], want.inv_std, LAYERNORM_RTOL * cond[..., 0] * np.abs(want.inv_std) if not simplified
            else RMSNORM_RTOL * np.abs(want.inv_std), "inv_std")
+
+
+# ------------------------------------------- the bound Skip norm (core/ops/norm.py bind)
+
+@given(shape=st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(1, 300)), simplified=st.booleans(),
+       seed=st.integers(0, 2**32 - 1))
+def test_skip_norm_sum_gives_skip_norm_rows_bits(shape, simplified, seed):
+    """native.skip_norm_sum (the bound call) is skip_norm_rows' y and residual sum bit
+    for bit, in x's own shape."""
+    rng = np.random.default_rng(seed)
+    x, skip, g = _values(rng, shape), _values(rng, shape), _values(rng, shape[-1])
+    y, total = native.skip_norm_sum(x, skip, g, 1e-5, simplified)
+    want = native.skip_norm_rows(x.reshape(-1, shape[-1]), skip.reshape(-1, shape[-1]), g, epsilon=1e-5,
+                                 simplified=simplified, want_stats=False)
+    assert y.shape == total.shape == shape
+    np.testing.assert_array_equal(y.reshape(-1, shape[-1]), want.y)
+    np.testing.assert_array_equal(total.reshape(-1, shape[-1]), want.sum)
+
+
+def test_skip_norm_sum_refuses_any_other_form():
+    """None (the caller's general path) for a broadcast skip, float16, a strided x, a
+    gamma of the wrong length or no rows."""
+    rng = np.random.default_rng(5)
+    x, skip, g = _values(rng, (2, 64)), _values(rng, (2, 64)), _values(rng, 64)
+    for args in ((x, skip[:1], g), (x.astype(np.float16), skip, g), (np.repeat(x, 2, axis=1)[:, ::2], skip, g),
+                 (x, skip, g[:63]), (x[:0], skip[:0], g)):
+        assert native.skip_norm_sum(*args, 1e-5, True) is None
+
+
+@pytest.mark.parametrize("simplified", [True, False])
+def test_a_skip_norm_node_without_statistics_is_bound_and_gives_the_ops_bits(simplified):
+    """A Skip norm node whose mean and inv_std_var are absent binds to one C call: y and
+    the residual sum equal to the general op's, the absent outputs None; a bias input
+    or declared statistics take the general op."""
+    from onnx_prep.core.ops import norm as ops_norm
+    from onnx_prep.core.ops.attributes import ABSENT_OUTPUTS, N_OUTPUTS
+
+    rng = np.random.default_rng(9)
+    x, skip, g = _values(rng, (1, 3, 96)), _values(rng, (1, 3, 96)), _values(rng, 96)
+    general = ops_norm.skip_simplified_layer_normalization if simplified else ops_norm.skip_layer_normalization
+    attrs = {"epsilon": 1e-6, N_OUTPUTS: 4, ABSENT_OUTPUTS: (1, 2)}
+    bound = general.bind(attrs)
+    assert bound is not general and bound.unbound is general
+    want = general([x, skip, g], attrs, None)
+    got = bound([x, skip, g], attrs, None)
+    assert got[1] is None and got[2] is None
+    for i in (0, 3):
+        np.testing.assert_array_equal(got[i], want[i])
+    bias = _values(rng, 96)
+    with_bias = [x, skip, g, bias] if simplified else [x, skip, g, None, bias]
+    for a, b in zip(bound(with_bias, attrs, None), general(with_bias, attrs, None), strict=True):
+        np.testing.assert_array_equal(a, b)  # the general op: every output, the statistics too
+    assert general.bind({"epsilon": 1e-6, N_OUTPUTS: 4, ABSENT_OUTPUTS: ()}) is general
+    assert general.bind({"epsilon": 1e-6, N_OUTPUTS: 2, ABSENT_OUTPUTS: ()}) is general
+    one = general.bind({"epsilon": 1e-6, N_OUTPUTS: 1, ABSENT_OUTPUTS: ()})
+    assert len(one([x, skip, g], attrs, None)) == 1

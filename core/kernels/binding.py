@@ -6,7 +6,7 @@ from typing import Any, Mapping, NamedTuple
 
 from onnx_prep.core.errors import UnsupportedOpError, Where
 from onnx_prep.core.kernels.registry import kernel_spec
-from onnx_prep.core.ops.attributes import N_OUTPUTS, normalize_attributes
+from onnx_prep.core.ops.attributes import ABSENT_OUTPUTS, N_OUTPUTS, normalize_attributes
 from onnx_prep.core.ops.reference import ReferenceOp, run_reference
 from onnx_prep.core.ops.registry import OpImpl
 
@@ -47,7 +47,7 @@ def get_op(op_type: str, domain: str = "", kernel_id: str | None = "numpy", opse
 def bind_node(node, opsets: Mapping[str, int], weights: Mapping[str, Any] | None = None) -> BoundOp:
     """The implementation of one ``NodeKernel``, resolved once at compile time.
 
-    Adds the reserved attributes the ops read (``N_OUTPUTS``; the kernel's own, e.g.
+    Adds the reserved attributes the ops read (``N_OUTPUTS``, ``ABSENT_OUTPUTS``; the kernel's own, e.g.
     ``ROW_SHAPE`` for a prepacked gather, from the WeightDescriptors), instantiates the
     reference implementation where a generic kernel has none, and lists the
     outer-scope values a control-flow node's subgraphs read (the caller appends them
@@ -60,6 +60,7 @@ def bind_node(node, opsets: Mapping[str, int], weights: Mapping[str, Any] | None
     opset = opsets.get(domain, opsets.get("ai.onnx")) if domain == "" else opsets.get(domain)
     attrs = normalize_attributes(node.attributes)
     attrs[N_OUTPUTS] = len(node.outputs)
+    attrs[ABSENT_OUTPUTS] = tuple(i for i, name in enumerate(node.outputs) if not name)
     try:
         spec = kernel_spec(node.kernel)
     except UnsupportedOpError:

@@ -45,9 +45,7 @@ def group_query_attention(inputs, attrs: Mapping[str, Any], prepared):
     q, k, v, pk, pv, seqlens_k, total, cos, sin = _inputs(inputs)[:9]
     rotary = int(attrs.get("do_rotary", 0)) == 1
     window_cache = int(attrs.get("sliding_window_cache", 0)) == 1
-    kwargs = dict(num_heads=int(attrs["num_heads"]), kv_num_heads=int(attrs["kv_num_heads"]),
-                  scale=float(attrs.get("scale", 0.0)), interleaved=int(attrs.get("rotary_interleaved", 0)) == 1,
-                  local_window_size=int(attrs.get("local_window_size", -1)), softcap=float(attrs.get("softcap", 0.0)))
+    kwargs = _gqa_kwargs(attrs)
     args = (q, k, v, pk, pv, seqlens_k, total, cos if rotary else None, sin if rotary else None)
     from onnx_prep import native
 
@@ -65,6 +63,60 @@ def group_query_attention(inputs, attrs: Mapping[str, Any], prepared):
                                   for x in (pk, pv))
         return list(native.gqa_decode(*args, **kwargs))  # the lean call: the same checks and bits
     return list(kernel(*args, **kwargs))
+
+
+def bind_group_query_attention(attrs: Mapping[str, Any]):
+    """``group_query_attention`` for one node, its attributes read once: a node the
+    action program marked ``APPEND_IN_PLACE`` gets a bound decode step
+    (``native.GqaStep``) for the steps that append one row to every batch row's cache
+    in place; any other call, and any other node, runs ``group_query_attention``.
+    Same bits either way (tests/test_native_gqa.py)."""
+    mark = attrs.get(APPEND_IN_PLACE)
+    if not mark or int(attrs.get("sliding_window_cache", 0)) == 1:
+        return group_query_attention
+    from onnx_prep import native
+
+    try:
+        step = native.GqaStep(num_heads=int(attrs["num_heads"]), kv_num_heads=int(attrs["kv_num_heads"]),
+                              scale=float(attrs.get("scale", 0.0)),
+                              interleaved=int(attrs.get("rotary_interleaved", 0)) == 1,
+                              local_window_size=int(attrs.get("local_window_size", -1)),
+                              softcap=float(attrs.get("softcap", 0.0)))
+    except NativeError:  # pragma: no cover - only without the native module
+        return group_query_attention
+    rotary = int(attrs.get("do_rotary", 0)) == 1
+    position, count = mark
+    spread = (position + 0.5) / count
+    extend = append_buffer.extend
+
+    def decode_step(inputs, attrs, prepared):
+        if len(inputs) >= 9 and inputs[1] is None and inputs[2] is None:  # packed QKV (inputs 9-11: refused)
+            q, _, _, pk, pv, seqlens_k, total, cos, sin = inputs[:9]
+            if (type(pk) is np.ndarray and type(pv) is np.ndarray and pk.ndim == 4 and type(q) is np.ndarray
+                    and q.ndim == 3 and q.shape[1] == 1 and pv.shape == pk.shape and _appends(q, pk, pv, seqlens_k,
+                                                                                                  total)):
+                rows = pk.shape[2] + 1
+                present = (extend(pk, 2, rows, spread=spread)[0], extend(pv, 2, rows, spread=spread)[0])
+                out = step(q, pk, pv, seqlens_k, total, cos if rotary else None, sin if rotary else None, present)
+                if out is not None:
+                    return list(out)
+                # not the step's form (a copied cache, say): the general call, present given
+                kwargs = _gqa_kwargs(attrs)
+                return list(native.gqa_decode(q, None, None, pk, pv, seqlens_k, total, cos if rotary else None,
+                                              sin if rotary else None, present=present, **kwargs))
+        return group_query_attention(inputs, attrs, prepared)
+
+    decode_step.unbound = group_query_attention  # what it stands in for (scripts/ab_decode_step.py)
+    return decode_step
+
+
+group_query_attention.bind = bind_group_query_attention
+
+
+def _gqa_kwargs(attrs: Mapping[str, Any]) -> dict:
+    return dict(num_heads=int(attrs["num_heads"]), kv_num_heads=int(attrs["kv_num_heads"]),
+                scale=float(attrs.get("scale", 0.0)), interleaved=int(attrs.get("rotary_interleaved", 0)) == 1,
+                local_window_size=int(attrs.get("local_window_size", -1)), softcap=float(attrs.get("softcap", 0.0)))
 
 
 def attention_with_past(inputs, attrs: Mapping[str, Any], prepared):

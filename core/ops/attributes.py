@@ -30,9 +30,13 @@ ROWS_AS_COLUMNS = "_rows_as_columns"
 # output (the KV cache: present = Concat(past, new)): it appends in place when it can
 # (core/ops/append_buffer.py).
 APPEND_IN_PLACE = "_append_in_place"
+# Reserved key: the positions of the node's outputs it leaves unnamed (absent), for ops
+# that can skip computing those (the builder's SkipSimplifiedLayerNormalization names
+# its output and the residual sum, not the mean and inv_std_var).
+ABSENT_OUTPUTS = "_absent_outputs"
 # DATA_VIEW (core/model/weight_views.py): the dims a weight input folded at resolve time
 # is read as, its input naming the initializer itself.
-RESERVED = frozenset({N_OUTPUTS, ROW_SHAPE, ROWS_AS_COLUMNS, APPEND_IN_PLACE, DATA_VIEW})
+RESERVED = frozenset({N_OUTPUTS, ABSENT_OUTPUTS, ROW_SHAPE, ROWS_AS_COLUMNS, APPEND_IN_PLACE, DATA_VIEW})
 
 
 def plain_value(value: Any) -> Any:

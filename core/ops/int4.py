@@ -30,6 +30,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from onnx_prep.core.model.transforms import MATMUL_NBITS_WEIGHT_LAYOUT, QDQ_WEIGHT_LAYOUT
+from onnx_prep.core.errors import NativeError
 from onnx_prep.core.ops import intra_op
 from onnx_prep.core.ops.attributes import DATA_VIEW, ROW_SHAPE, ROWS_AS_COLUMNS, axis_index
 
@@ -122,6 +123,52 @@ def matmul_nbits(inputs, attrs, prepared):
             y += bias.astype(np.float32)
     y = y.reshape(a.shape[:-1] + (N,))
     return [y if y.dtype == out_dtype else y.astype(out_dtype)]
+
+
+def bind_matmul_nbits(attrs: Mapping[str, Any]):
+    """``matmul_nbits`` for one node, its attributes read once: a float32 A (C-contiguous,
+    last dimension K) against a prepared INT4 weight, without bias or g_idx, in a run
+    that splits it through its mailbox (a decode step's GEMV) is one call,
+    ``native.MatmulSplit.through``; any other call runs ``matmul_nbits``. Same bits
+    (tests/test_handoff.py)."""
+    try:
+        K, N, _ = _nbits_attrs(attrs)
+    except (KeyError, ValueError):
+        return matmul_nbits  # its call raises the error, naming the node
+    from onnx_prep import native
+
+    try:
+        align = native.PANEL_N
+    except NativeError:  # pragma: no cover - only without the native module
+        return matmul_nbits
+    ranges_for: dict[tuple[int, int, int], list] = {}  # (packed bytes, rows, parts) -> column ranges
+
+    def gemv(inputs, attrs, prepared):
+        a = inputs[0]
+        packed = prepared.get(1) if prepared else None
+        split = intra_op.current()
+        if (split is not None and packed is not None and type(a) is np.ndarray and a.dtype == _F32
+                and a.flags.c_contiguous and a.ndim and a.shape[-1] == K and a.size and packed.dtype == np.uint8
+                and (len(inputs) <= 4 or all(x is None for x in inputs[4:6]))):
+            M = a.size // K
+            if intra_op.worth_splitting(packed.nbytes, M):
+                box = intra_op.mailbox()
+                if box is not None:
+                    key = (packed.nbytes, M, split[1])
+                    ranges = ranges_for.get(key)
+                    if ranges is None:
+                        ranges = ranges_for[key] = intra_op.column_ranges(
+                            N, intra_op.chunk_count(packed.nbytes, M, split[1]), align)
+                    intra_op.count_split(len(ranges))
+                    return [_split_of(packed, ranges).through(box, a)]
+        return matmul_nbits(inputs, attrs, prepared)
+
+    gemv.unbound = matmul_nbits  # what it stands in for (scripts/ab_decode_step.py)
+    return gemv
+
+
+matmul_nbits.bind = bind_matmul_nbits
+_F32 = np.dtype(np.float32)
 
 
 # NOTE: a split's fixed part (native.MatmulSplit: the weight and its chunks checked and

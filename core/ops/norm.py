@@ -26,7 +26,7 @@ import math
 import numpy as np
 
 from onnx_prep.core.errors import NativeError
-from onnx_prep.core.ops.attributes import N_OUTPUTS, axis_index
+from onnx_prep.core.ops.attributes import ABSENT_OUTPUTS, N_OUTPUTS, axis_index
 
 _DEFAULT_EPSILON = 1e-5
 
@@ -174,6 +174,36 @@ def _skip_norm(inputs, attrs, simplified: bool):
             None if total is None else total.reshape(x.shape).astype(x.dtype, copy=False)]
 
 
+def bind_skip_norm(attrs, simplified: bool):
+    """The Skip norm of one node, its attributes read once: a node whose statistics
+    (outputs 1 and 2) are absent or not declared gets ``native.skip_norm_sum`` (its y
+    and residual sum, one C call) for float32 inputs without beta or bias; anything
+    else runs the general op. Same bits either way (tests/test_native_norm.py)."""
+    general = skip_simplified_layer_normalization if simplified else skip_layer_normalization
+    n_out = attrs.get(N_OUTPUTS, 4)
+    absent = set(attrs.get(ABSENT_OUTPUTS, ()))
+    if any(i < n_out and i not in absent for i in (1, 2)):
+        return general
+    try:
+        from onnx_prep import native
+
+        lean = native.skip_norm_sum
+    except NativeError:  # pragma: no cover - only without the native module
+        return general
+    eps = float(attrs.get("epsilon", _DEFAULT_EPSILON))
+    extra = 2 if simplified else 3  # inputs past gamma: bias (simplified); beta, bias
+
+    def skip_norm(inputs, attrs, prepared):
+        if len(inputs) <= 3 or all(x is None for x in inputs[3:3 + extra]):
+            r = lean(inputs[0], inputs[1], inputs[2], eps, simplified)
+            if r is not None:
+                return [r[0], None, None, r[1]][:n_out]
+        return general(inputs, attrs, prepared)
+
+    skip_norm.unbound = general  # what it stands in for (scripts/ab_decode_step.py)
+    return skip_norm
+
+
 def skip_layer_normalization(inputs, attrs, prepared):
     """com.microsoft SkipLayerNormalization(input, skip, gamma, beta?, bias?) ->
     output, mean, inv_std_var, input_skip_bias_sum."""
@@ -184,3 +214,7 @@ def skip_simplified_layer_normalization(inputs, attrs, prepared):
     """com.microsoft SkipSimplifiedLayerNormalization(input, skip, gamma, bias?) ->
     output, mean, inv_std_var, input_skip_bias_sum."""
     return _skip_norm(inputs, attrs, simplified=True)
+
+
+skip_layer_normalization.bind = lambda attrs: bind_skip_norm(attrs, simplified=False)
+skip_simplified_layer_normalization.bind = lambda attrs: bind_skip_norm(attrs, simplified=True)

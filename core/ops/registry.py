@@ -10,7 +10,9 @@ an input a prepared object replaces); ``attrs`` are plain values
 (``attributes.normalize_attributes``); ``prepared`` maps an input position to the
 prepared buffer replacing it (native packed ``uint8`` or the float32 reference form).
 It returns one array per declared output, in order (extra trailing outputs, e.g.
-LayerNormalization's optional Mean, are ignored by the caller).
+LayerNormalization's optional Mean, are ignored by the caller). A function may carry
+``bind(attrs) -> OpImpl``: the action program then holds what it returns for that node
+(docs/ops.md, "Action program": bound calls).
 
 Which implementation a node runs is the kernel's choice (core/kernels: each kernel
 spec names its implementations; the generic ``numpy`` kernel reads this table, and

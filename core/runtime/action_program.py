@@ -190,7 +190,8 @@ class ActionProgram:
             if replaced:
                 pos = prepared_position(node.kernel)
                 bindings = tuple(sorted({(pos if pos is not None else p, k) for p, k in replaced.items()}))
-            compiled.append((node, fn, attrs, tuple(in_slots), out_slots, bindings))
+            bind = getattr(fn, "bind", None)  # an op that reads its node's attributes once
+            compiled.append((node, fn if bind is None else bind(attrs), attrs, tuple(in_slots), out_slots, bindings))
 
         for n in output_names:
             slot(n)
