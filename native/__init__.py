@@ -46,7 +46,14 @@ try:
         set_gemv_panels,
         set_weight_streaming,
     )
-    from onnx_prep.native.norm import NormResult, norm_rows, norm_rows_y, skip_norm_rows, skip_norm_sum
+    from onnx_prep.native.norm import (
+        NormResult,
+        norm_rows,
+        norm_rows_y,
+        rms_norm_y,
+        skip_norm_rows,
+        skip_norm_sum,
+    )
     from onnx_prep.native.packed import PackedHeader, packed_header
     from onnx_prep.native.rotary import rotary_embedding
     from onnx_prep.native.stable_slot import GRANULE, StableSlot
@@ -91,6 +98,7 @@ __all__ = [
     "norm_rows_y",
     "set_gemv_panels",
     "set_weight_streaming",
+    "rms_norm_y",
     "skip_norm_rows",
     "skip_norm_sum",
     "NormResult",

@@ -260,11 +260,12 @@ class GqaStep:
     costs a miss: ``gqa_decode`` took ~130-220 us a call there against ~27 us in its C
     kernel (builder Llama, 32 heads, batch 1, past ~40), the general wrapper's
     conversions, a parameter struct built from a dict and four ``ndarray.ctypes``
-    addresses (~3 us each even when hot). Here the constant fields are set once in a
-    template struct, copied per call; the buffers' addresses come from
-    ``ffi.from_buffer`` on the append buffers themselves (~0.7 us)."""
+    addresses (~3 us each even when hot). Here the node's constant fields are set once in
+    a template struct that no call changes (two runs may call one node at once), copied
+    per call; the buffers' addresses come from ``ffi.from_buffer`` on the append buffers
+    themselves (~0.7 us)."""
 
-    __slots__ = ("_template", "_size", "_heads", "_rotary", "_fields")
+    __slots__ = ("_template", "_size", "_heads")
 
     def __init__(self, *, num_heads: int, kv_num_heads: int, scale: float, interleaved: bool,
                  local_window_size: int = -1, softcap: float = 0.0) -> None:
@@ -274,8 +275,6 @@ class GqaStep:
                                else _window_fields(local_window_size, softcap, False))))
         self._size = ffi.sizeof("op_gqa_params")
         self._heads = (num_heads, kv_num_heads, float(scale))
-        self._rotary = None  # (cos shape) the template's rotary fields were set for
-        self._fields = None  # (B, D) the template's shape fields were set for
         del t
 
     def __call__(self, query, past_key, past_value, seqlens_k, total_sequence_length, cos_cache, sin_cache,
@@ -284,37 +283,20 @@ class GqaStep:
         if not (type(q) is np.ndarray and q.dtype == _F32 and q.ndim == 3 and q.flags.c_contiguous
                 and q.shape[1] == 1):
             return None
-        N, KN, scale = self._heads
+        N, KN, _ = self._heads
         B, _, D = q.shape
         H = D // (N + 2 * KN)
-        present_k, present_v = present
-        pk, pv = past_key, past_value
-        if not (type(pk) is np.ndarray and type(pv) is np.ndarray and pk.dtype == _F32 and pv.dtype == _F32
-                and type(present_k) is np.ndarray and type(present_v) is np.ndarray
-                and present_k.base is not None and pk.base is present_k.base
-                and present_v.base is not None and pv.base is present_v.base):
+        if H < 1 or H % 8 or H * (N + 2 * KN) != D:
             return None
-        P = pk.shape[2] if pk.ndim == 4 else -1
-        if (H < 1 or H % 8 or H * (N + 2 * KN) != D or pk.shape != (B, KN, P, H) or pv.shape != pk.shape
-                or present_k.shape != (B, KN, P + 1, H) or present_v.shape != present_k.shape
-                or type(seqlens_k) is not np.ndarray or seqlens_k.shape != (B,)
-                or seqlens_k.dtype not in _SEQ_TYPES):
-            return None
-        if (int(total_sequence_length.item()) if type(total_sequence_length) is np.ndarray
-                else int(total_sequence_length)) != P + 1:
+        P = past_key.shape[2] if type(past_key) is np.ndarray and past_key.ndim == 4 else -1
+        if (type(seqlens_k) is not np.ndarray or seqlens_k.shape != (B,) or seqlens_k.dtype not in _SEQ_TYPES
+                or (int(total_sequence_length.item()) if type(total_sequence_length) is np.ndarray
+                    else int(total_sequence_length)) != P + 1):
             return None
         if B == 1:
             if int(seqlens_k[0]) != P:
                 return None
         elif not (seqlens_k == P).all():
-            return None
-        # the layout the kernel reads: each head's rows contiguous, heads `rows` rows
-        # apart, the views at the start of their buffers (checked: a view past a
-        # buffer's start would put its rows elsewhere)
-        kb, vb = present_k.base, present_v.base
-        rows = _head_rows(present_k, kb, H)
-        if rows is None or rows < P + 1 or _head_rows(present_v, vb, H) != rows or \
-                _head_rows(pk, kb, H) != rows or _head_rows(pv, vb, H) != rows:
             return None
         if cos_cache is not None:
             if not (_plain(cos_cache, 2) and _plain(sin_cache, 2) and cos_cache.shape == sin_cache.shape
@@ -322,35 +304,70 @@ class GqaStep:
                 return None
         elif sin_cache is not None:
             return None
-        p = ffi.new("op_gqa_params *")
-        t = self._template
-        if self._fields != (B, D):
-            t.batch, t.head_size, t.scale = B, H, scale if scale else 1.0 / math.sqrt(H)
-            self._fields = (B, D)
-        rot = None if cos_cache is None else cos_cache.shape
-        if self._rotary != rot:
-            t.rotary_dim, t.cache_rows = (0, 0) if rot is None else (2 * rot[1], rot[0])
-            self._rotary = rot
-        ffi.memmove(p, t, self._size)
-        p.past_len, p.present_len = P, P + 1
-        p.past_key_stride = p.past_value_stride = p.present_key_stride = p.present_value_stride = rows
-        if B == 1:
+        if B == 1:  # q, k and v side by side in one row
             qp = ffi.from_buffer("float[]", q)
-            k, v = qp + N * H, qp + (N + KN) * H
-            keep = q
-        else:
-            keep = (np.ascontiguousarray(q[..., :N * H]), np.ascontiguousarray(q[..., N * H:(N + KN) * H]),
-                    np.ascontiguousarray(q[..., (N + KN) * H:]))
-            qp, k, v = (ffi.from_buffer("float[]", x) for x in keep)
+            return self._run(qp, qp + N * H, qp + (N + KN) * H, q, B, H, past_key, past_value, present,
+                             cos_cache, sin_cache, np.empty((B, 1, N * H), np.float32))
+        parts = (np.ascontiguousarray(q[..., :N * H]), np.ascontiguousarray(q[..., N * H:(N + KN) * H]),
+                 np.ascontiguousarray(q[..., (N + KN) * H:]))
+        return self._run(*(ffi.from_buffer("float[]", x) for x in parts), parts, B, H, past_key, past_value,
+                         present, cos_cache, sin_cache, np.empty((B, 1, N * H), np.float32))
+
+    def separate(self, query, key, value, past_key, past_value, present):
+        """The step of the fused ``onnx_prep.fused::Attention`` (core/ops/attention.py):
+        query ``[B, N, 1, H]``, key and value ``[B, KN, 1, H]`` (BNSH; with one row, each
+        batch row's heads lie side by side, as the kernel reads them; a strided one is
+        copied), no rotary, every batch row at the past's length. Output ``[B, 1, N, H]``;
+        None for any other form."""
+        N, KN, _ = self._heads
+        rows = (query, key, value)
+        if not all(type(x) is np.ndarray and x.dtype == _F32 and x.ndim == 4 for x in rows) or query.shape[2] != 1:
+            return None
+        B, _, _, H = query.shape
+        if query.shape != (B, N, 1, H) or key.shape != (B, KN, 1, H) or value.shape != key.shape or H < 1:
+            return None
+        q, k, v = rows = tuple(x if x.flags.c_contiguous else np.ascontiguousarray(x) for x in rows)
+        fb = ffi.from_buffer
+        return self._run(fb("float[]", q), fb("float[]", k), fb("float[]", v), rows, B, H, past_key,
+                         past_value, present, None, None, np.empty((B, 1, N, H), np.float32))
+
+    def _run(self, qp, kp_new, vp_new, keep, B, H, past_key, past_value, present, cos_cache, sin_cache, out):
+        """The C call, after the checks of the present and past buffers it is given."""
+        N, KN, scale = self._heads
+        present_k, present_v = present
+        pk, pv = past_key, past_value
+        if not (type(pk) is np.ndarray and type(pv) is np.ndarray and pk.dtype == _F32 and pv.dtype == _F32
+                and type(present_k) is np.ndarray and type(present_v) is np.ndarray
+                and present_k.base is not None and pk.base is present_k.base
+                and present_v.base is not None and pv.base is present_v.base and pk.ndim == 4):
+            return None
+        P = pk.shape[2]
+        if pk.shape != (B, KN, P, H) or pv.shape != pk.shape or present_k.shape != (B, KN, P + 1, H) \
+                or present_v.shape != present_k.shape:
+            return None
+        # the layout the kernel reads: each head's rows contiguous, heads `rows_k` (keys)
+        # or `rows_v` (values) rows apart in the buffer the views start at (the caller's word)
+        kb, vb = present_k.base, present_v.base
+        rows_k, rows_v = _head_rows(present_k, kb, H), _head_rows(present_v, vb, H)
+        if rows_k is None or rows_v is None or min(rows_k, rows_v) < P + 1 or _head_rows(pk, kb, H) != rows_k \
+                or _head_rows(pv, vb, H) != rows_v:
+            return None
+        p = ffi.new("op_gqa_params *")
+        ffi.memmove(p, self._template, self._size)  # the node's constant fields; the template never changes
+        p.batch, p.head_size, p.scale = B, H, scale if scale else 1.0 / math.sqrt(H)
+        if cos_cache is not None:
+            p.rotary_dim, p.cache_rows = 2 * cos_cache.shape[1], cos_cache.shape[0]
+        p.past_len, p.present_len = P, P + 1
+        p.past_key_stride = p.present_key_stride = rows_k  # each buffer its own room
+        p.past_value_stride = p.present_value_stride = rows_v
         seq = np.full(B, P, np.int64)
-        out = np.empty((B, 1, N * H), np.float32)
         kp, vp = ffi.from_buffer("float[]", kb), ffi.from_buffer("float[]", vb)
         bad = ffi.new("int64_t *")
         status = lib.op_group_query_attention(
-            isa_id(None), p, qp, k, v, kp, vp, ffi.from_buffer("int64_t[]", seq),
+            isa_id(None), p, qp, kp_new, vp_new, kp, vp, ffi.from_buffer("int64_t[]", seq),
             ptr(cos_cache, "float *"), ptr(sin_cache, "float *"), ffi.from_buffer("float[]", out), kp, vp,
             0, B * KN, bad)
-        del keep
+        del keep  # (held to here: the q / k / v rows the pointers read)
         if status == lib.OP_E_ARG and bad[0] >= 0:
             raise ValueError(f"GroupQueryAttention: seqlens_k[{int(bad[0])}] = {P} does not fit sequence 1, "
                              f"total_sequence_length {P + 1}, past length {P}"

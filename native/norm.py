@@ -127,6 +127,25 @@ def skip_norm_sum(x: np.ndarray, skip: np.ndarray, gamma: np.ndarray, epsilon: f
     return y, total
 
 
+def rms_norm_y(x: np.ndarray, gamma: np.ndarray, epsilon: float) -> np.ndarray | None:
+    """RMSNorm over x's last axis, in x's shape (``norm_rows_y`` with no beta, simplified):
+    x a C-contiguous float32 array with rows, gamma a C-contiguous float32 [n]. None
+    for any other form (the caller takes the general path). The same C call: the same
+    bits. The decode step's bound call (core/ops/norm.py ``bind_rms_norm``; why:
+    ``skip_norm_sum``)."""
+    if not (type(x) is np.ndarray and type(gamma) is np.ndarray and x.dtype == _F32 and gamma.dtype == _F32
+            and x.ndim and gamma.shape == x.shape[-1:] and x.size and x.flags.c_contiguous
+            and gamma.flags.c_contiguous):
+        return None
+    n = gamma.shape[0]
+    rows = x.size // n
+    y = np.empty_like(x)
+    fb = ffi.from_buffer
+    check(lib.op_norm_rows(isa_id(None), fb("float[]", x), ffi.NULL, 0, ffi.NULL, fb("float[]", gamma), ffi.NULL,
+                           rows, n, epsilon, 1, fb("float[]", y), ffi.NULL, ffi.NULL, ffi.NULL), "norm_rows")
+    return y
+
+
 def norm_rows_y(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray | None, *, epsilon: float,
                 simplified: bool) -> np.ndarray:
     """``norm_rows(x, gamma, beta=beta, epsilon=epsilon, simplified=simplified).y``: the

@@ -499,3 +499,26 @@ def test_a_skip_norm_node_without_statistics_is_bound_and_gives_the_ops_bits(sim
     assert general.bind({"epsilon": 1e-6, N_OUTPUTS: 2, ABSENT_OUTPUTS: ()}) is general
     one = general.bind({"epsilon": 1e-6, N_OUTPUTS: 1, ABSENT_OUTPUTS: ()})
     assert len(one([x, skip, g], attrs, None)) == 1
+
+
+def test_an_rms_norm_node_without_inv_std_var_is_bound_and_gives_the_ops_bits():
+    """SimplifiedLayerNormalization over the last axis without its inv_std_var binds to
+    one C call: the general op's y bit for bit, in x's shape; float16, another axis or a
+    declared inv_std_var take the general op."""
+    from onnx_prep.core.ops import norm as ops_norm
+    from onnx_prep.core.ops.attributes import ABSENT_OUTPUTS, N_OUTPUTS
+
+    rng = np.random.default_rng(10)
+    x, g = _values(rng, (2, 3, 80)), _values(rng, 80)
+    general = ops_norm.simplified_layer_normalization
+    for attrs in ({"epsilon": 1e-6, N_OUTPUTS: 1, ABSENT_OUTPUTS: ()},
+                  {"epsilon": 1e-6, N_OUTPUTS: 2, ABSENT_OUTPUTS: (1,)}):
+        bound = general.bind(attrs)
+        assert bound is not general and bound.unbound is general
+        got, want = bound([x, g], attrs, None), general([x, g], {**attrs, N_OUTPUTS: 1}, None)
+        assert got[0].shape == x.shape and len(got) == attrs[N_OUTPUTS]
+        np.testing.assert_array_equal(got[0], want[0])
+        half = x.astype(np.float16)
+        np.testing.assert_array_equal(bound([half, g], attrs, None)[0], general([half, g], attrs, None)[0])
+    assert general.bind({"epsilon": 1e-6, N_OUTPUTS: 2, ABSENT_OUTPUTS: ()}) is general
+    assert general.bind({"epsilon": 1e-6, "axis": 1, N_OUTPUTS: 1, ABSENT_OUTPUTS: ()}) is general

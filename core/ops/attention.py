@@ -155,6 +155,54 @@ def attention_with_past(inputs, attrs: Mapping[str, Any], prepared):
                                     mask_fill=float(attrs["mask_fill"]), axis=int(attrs.get("axis", 2))))
 
 
+def bind_attention_with_past(attrs: Mapping[str, Any]):
+    """``attention_with_past`` for one node, its attributes read once: a marked node's
+    decode step (one query row, every batch row at the past's length, its caches in
+    append buffers) is one call, ``native.GqaStep.separate``; anything else runs
+    ``attention_with_past``. Same bits (tests/test_attention_fusion.py)."""
+    mark = attrs.get(APPEND_IN_PLACE)
+    if not mark or int(attrs.get("axis", 2)) not in (2, -2):
+        return attention_with_past
+    from onnx_prep import native
+
+    scale = float(attrs["scale"])
+    if int(attrs.get("divide", 0)) == 1:
+        scale = 1.0 / scale
+    if not scale:  # the kernel reads 0 as "1 / sqrt(head size)": the general call says what 0 means
+        return attention_with_past
+    position, count = mark
+    spreads = tuple((2 * position + j + 0.5) / (2 * count) for j in (0, 1))
+    extend = append_buffer.extend
+    steps: dict[tuple[int, int], Any] = {}  # (N, KN) -> the bound step
+
+    def decode_step(inputs, attrs, prepared):
+        q, k, v, past_key, past_value, start, end = inputs[:7]
+        if (type(q) is np.ndarray and q.ndim == 4 and q.shape[2] == 1 and type(k) is np.ndarray and k.ndim == 4
+                and type(past_key) is np.ndarray and type(past_value) is np.ndarray and past_key.ndim == 4
+                and past_value.shape == past_key.shape and past_key.shape[2]):
+            P = past_key.shape[2]
+            if int(np.asarray(start).reshape(-1)[0]) == P and int(np.asarray(end).reshape(-1)[0]) == P + 1 \
+                    and _fast_path(q, k, v, past_key, past_value, P, P + 1, 2):
+                N, KN = q.shape[1], k.shape[1]
+                step = steps.get((N, KN))
+                if step is None:
+                    step = steps[(N, KN)] = native.GqaStep(num_heads=N, kv_num_heads=KN, scale=scale,
+                                                           interleaved=False)
+                present = (extend(past_key, 2, P + 1, spread=spreads[0])[0],
+                           extend(past_value, 2, P + 1, spread=spreads[1])[0])
+                out = step.separate(q, k, v, past_key, past_value, present)
+                if out is not None:
+                    return list(out)
+                return list(native.attention_with_past(q, k, v, past_key, past_value, scale=scale, present=present))
+        return attention_with_past(inputs, attrs, prepared)
+
+    decode_step.unbound = attention_with_past  # what it stands in for (scripts/ab_decode_step.py)
+    return decode_step
+
+
+attention_with_past.bind = bind_attention_with_past
+
+
 def _native_kernel(name: str):
     """The native module's ``name``, or None without the native module."""
     from onnx_prep import native

@@ -134,6 +134,35 @@ def simplified_layer_normalization(inputs, attrs, prepared):
     return [y] if inv is None else [y, inv]
 
 
+def bind_rms_norm(attrs):
+    """SimplifiedLayerNormalization for one node, its attributes read once: a node over
+    the last axis whose inv_std_var is absent or not declared gets ``native.rms_norm_y``
+    (one C call) for a float32 input; anything else runs the general op. Same bits
+    (tests/test_native_norm.py)."""
+    n_out = attrs.get(N_OUTPUTS, 2)
+    if (n_out > 1 and 1 not in attrs.get(ABSENT_OUTPUTS, ())) or int(attrs.get("axis", -1)) != -1:
+        return simplified_layer_normalization
+    try:
+        from onnx_prep import native
+
+        lean = native.rms_norm_y
+    except NativeError:  # pragma: no cover - only without the native module
+        return simplified_layer_normalization
+    eps = float(attrs.get("epsilon", _DEFAULT_EPSILON))
+
+    def rms_norm(inputs, attrs, prepared):
+        y = lean(inputs[0], inputs[1], eps)
+        if y is None:
+            return simplified_layer_normalization(inputs, attrs, prepared)
+        return [y] if n_out <= 1 else [y, None]
+
+    rms_norm.unbound = simplified_layer_normalization  # what it stands in for (scripts/ab_decode_step.py)
+    return rms_norm
+
+
+simplified_layer_normalization.bind = bind_rms_norm
+
+
 @functools.cache
 def _lean_norm_y():
     """``native.norm_rows_y``, or None without the native module (looked up once)."""
