@@ -25,6 +25,9 @@ from onnx_prep.native.matmul_nbits import bias_f32, col_range, compute_mode, out
 from onnx_prep.native.packed import k_n, ptr
 
 
+_BATCH_SIZE = ffi.sizeof("op_mm_batch")
+
+
 class MatmulBatch:
     """One ``matmul_nbits`` cut into column chunks, ready for :meth:`Mailbox.fork_join`
     (or :meth:`run_here`). Keeps its arrays alive."""
@@ -53,7 +56,7 @@ class MatmulSplit:
     the array goes), so a cache of splits never keeps an evicted weight's memory; each
     batch holds the weight while it lives."""
 
-    __slots__ = ("weight", "K", "N", "chunks", "_mode", "_flat", "_pk", "_nbytes", "_full")
+    __slots__ = ("weight", "K", "N", "chunks", "_mode", "_flat", "_pk", "_nbytes", "_full", "_templates")
 
     def __init__(self, packed: np.ndarray, ranges, *, compute: str | None = None, on_release=None) -> None:
         self._mode = compute_mode(None, compute)
@@ -65,6 +68,7 @@ class MatmulSplit:
         # the address only: a cdata from ffi.from_buffer would keep the array alive
         self._pk = ffi.cast("uint8_t *", ffi.cast("uintptr_t", ptr(packed, "uint8_t *")))
         self._nbytes = packed.nbytes
+        self._templates: dict = {}  # rows -> the batch fields ``through`` copies
         self.weight = weakref.ref(packed) if on_release is None else weakref.ref(packed, on_release)
 
     def batch(self, A: np.ndarray, *, bias: np.ndarray | None = None,
@@ -93,19 +97,24 @@ class MatmulSplit:
 
         NOTE: a decode step makes ~80 of these, each right after the previous one's
         weights streamed through the caches, where every Python object a call touches
-        costs a miss; ``batch`` checks and wraps what the bound call already knows."""
+        costs a miss; ``batch`` checks and wraps what the bound call already knows, and
+        the batch's fields that stay (the weight, its chunks, K, N, the rows) are set
+        once per row count in a template the call copies."""
         packed = self.weight()  # held for the call
         if packed is None:
             raise ValueError("matmul_nbits: the split's packed weight was released")
         M = A.size // self.K
+        t = self._templates.get(M)
+        if t is None:
+            t = ffi.new("op_mm_batch *")
+            t.M, t.lda, t.packed, t.nbytes, t.ldy = M, self.K, self._pk, self._nbytes, self.N
+            t.level, t.ranges, t.n = self._mode, self._flat, self.chunks
+            self._templates[M] = t
         Y = (np.empty if self._full else np.zeros)(A.shape[:-1] + (self.N,), np.float32)
         c = ffi.new("op_mm_batch *")
-        c.A, c.M, c.lda = ffi.from_buffer("float[]", A), M, self.K
-        c.packed, c.nbytes = self._pk, self._nbytes
-        c.Y, c.ldy = ffi.from_buffer("float[]", Y), self.N
-        c.isa, c.level = isa_id(None), self._mode
+        ffi.memmove(c, t, _BATCH_SIZE)
         rcs = ffi.new("int[]", max(1, self.chunks))  # owned here: a struct field holds no reference
-        c.ranges, c.n, c.rcs = self._flat, self.chunks, rcs
+        c.A, c.Y, c.isa, c.rcs = ffi.from_buffer("float[]", A), ffi.from_buffer("float[]", Y), isa_id(None), rcs
         check(lib.op_mailbox_fork_join(box.c, c), "matmul_nbits")
         return Y
 

@@ -141,7 +141,7 @@ def bind_matmul_nbits(attrs: Mapping[str, Any]):
         align = native.PANEL_N
     except NativeError:  # pragma: no cover - only without the native module
         return matmul_nbits
-    ranges_for: dict[tuple[int, int, int], list] = {}  # (packed bytes, rows, parts) -> column ranges
+    last: list = [None]  # (id of the weight, rows, parts, its split) of the last split call: one tuple
 
     def gemv(inputs, attrs, prepared):
         a = inputs[0]
@@ -150,17 +150,19 @@ def bind_matmul_nbits(attrs: Mapping[str, Any]):
         if (split is not None and packed is not None and type(a) is np.ndarray and a.dtype == _F32
                 and a.flags.c_contiguous and a.ndim and a.shape[-1] == K and a.size and packed.dtype == np.uint8
                 and (len(inputs) <= 4 or all(x is None for x in inputs[4:6]))):
-            M = a.size // K
-            if intra_op.worth_splitting(packed.nbytes, M):
-                box = intra_op.mailbox()
-                if box is not None:
-                    key = (packed.nbytes, M, split[1])
-                    ranges = ranges_for.get(key)
-                    if ranges is None:
-                        ranges = ranges_for[key] = intra_op.column_ranges(
-                            N, intra_op.chunk_count(packed.nbytes, M, split[1]), align)
-                    intra_op.count_split(len(ranges))
-                    return [_split_of(packed, ranges).through(box, a)]
+            M, parts = a.size // K, split[1]
+            c = last[0]
+            if c is not None and c[0] == id(packed) and c[1] == M and c[2] == parts and c[3].weight() is packed:
+                s = c[3]  # the call before's weight (the split holds it weakly), rows and parts
+            elif intra_op.worth_splitting(packed.nbytes, M):
+                s = _split_of(packed, intra_op.column_ranges(N, intra_op.chunk_count(packed.nbytes, M, parts), align))
+                last[0] = (id(packed), M, parts, s)
+            else:
+                s = None
+            box = intra_op.mailbox() if s is not None else None
+            if box is not None:
+                intra_op.count_split(s.chunks)
+                return [s.through(box, a)]
         return matmul_nbits(inputs, attrs, prepared)
 
     gemv.unbound = matmul_nbits  # what it stands in for (scripts/ab_decode_step.py)
