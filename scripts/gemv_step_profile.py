@@ -159,8 +159,9 @@ def voluntary_switches() -> int:
 
 def open_decoder(model: Path | None, preset: str, batch: int):
     """``(path, resolved, io, prompt)``: the decoder model's file (``model``, a file or
-    the folder an exporter wrote, else the fixture ``preset``, generated and cached), resolved, its roles, and an 8-token prompt in
-    each of ``batch`` rows. (scripts/ab_decode_step.py uses it too.)"""
+    the folder an exporter wrote, else the fixture ``preset``, generated and cached),
+    resolved, its roles, and an 8-token prompt in each of ``batch`` rows.
+    (scripts/ab_decode_step.py uses it too.)"""
     from onnx_prep.core.decode.decoder_io import DecoderIO
     from onnx_prep.core.model.resolution import resolve_model
     from onnx_prep.fixtures import FixtureConfig, ensure_cached

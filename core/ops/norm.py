@@ -42,12 +42,12 @@ def _norm_rows(x2, gamma, beta, skip2, bias, eps, simplified, want_sum, want_sta
 
 
 @functools.cache
-def _lean_skip_norm():
-    """``native.skip_norm_rows``, or None without the native module (looked up once)."""
+def _native(name: str):
+    """``onnx_prep.native``'s ``name``, or None without the native module (looked up once)."""
     try:
         from onnx_prep import native
 
-        return native.skip_norm_rows
+        return getattr(native, name)
     except NativeError:
         return None
 
@@ -119,7 +119,7 @@ def layer_normalization(inputs, attrs, prepared):
 def simplified_layer_normalization(inputs, attrs, prepared):
     """SimplifiedLayerNormalization(X, scale) -> Y, inv_std_var."""
     x, scale = inputs[0], inputs[1]
-    lean = _lean_norm_y()
+    lean = _native("norm_rows_y")
     if (lean is not None and attrs.get(N_OUTPUTS, 2) <= 1 and attrs.get("axis", -1) in (-1, x.ndim - 1)
             and type(x) is np.ndarray and x.dtype == np.float32 and x.ndim and x.flags.c_contiguous
             and type(scale) is np.ndarray and scale.dtype == np.float32 and scale.shape == x.shape[-1:]
@@ -142,11 +142,8 @@ def bind_rms_norm(attrs):
     n_out = attrs.get(N_OUTPUTS, 2)
     if (n_out > 1 and 1 not in attrs.get(ABSENT_OUTPUTS, ())) or int(attrs.get("axis", -1)) != -1:
         return simplified_layer_normalization
-    try:
-        from onnx_prep import native
-
-        lean = native.rms_norm_y
-    except NativeError:  # pragma: no cover - only without the native module
+    lean = _native("rms_norm_y")
+    if lean is None:  # pragma: no cover - only without the native module
         return simplified_layer_normalization
     eps = float(attrs.get("epsilon", _DEFAULT_EPSILON))
 
@@ -163,17 +160,6 @@ def bind_rms_norm(attrs):
 simplified_layer_normalization.bind = bind_rms_norm
 
 
-@functools.cache
-def _lean_norm_y():
-    """``native.norm_rows_y``, or None without the native module (looked up once)."""
-    try:
-        from onnx_prep import native
-
-        return native.norm_rows_y
-    except NativeError:
-        return None
-
-
 def _skip_norm(inputs, attrs, simplified: bool):
     x, skip, gamma = inputs[0], inputs[1], inputs[2]
     beta = None if simplified or len(inputs) <= 3 else inputs[3]
@@ -183,7 +169,7 @@ def _skip_norm(inputs, attrs, simplified: bool):
     skip2 = np.asarray(skip).reshape(-1, n) if n else np.asarray(skip).reshape(0, 0)
     n_out = attrs.get(N_OUTPUTS, 4)  # the statistics and the sum only when asked for
     eps = float(attrs.get("epsilon", _DEFAULT_EPSILON))
-    lean = _lean_skip_norm() if (beta is None and bias is None and n_out > 3 and rows and x.dtype == np.float32
+    lean = _native("skip_norm_rows") if (beta is None and bias is None and n_out > 3 and rows and x.dtype == np.float32
                                  and type(gamma) is np.ndarray and gamma.dtype == np.float32
                                  and gamma.shape == (n,)) else None
     if lean is not None:  # the decode step's form (the builder's residual stream): one lean call
@@ -213,11 +199,8 @@ def bind_skip_norm(attrs, simplified: bool):
     absent = set(attrs.get(ABSENT_OUTPUTS, ()))
     if any(i < n_out and i not in absent for i in (1, 2)):
         return general
-    try:
-        from onnx_prep import native
-
-        lean = native.skip_norm_sum
-    except NativeError:  # pragma: no cover - only without the native module
+    lean = _native("skip_norm_sum")
+    if lean is None:  # pragma: no cover - only without the native module
         return general
     eps = float(attrs.get("epsilon", _DEFAULT_EPSILON))
     extra = 2 if simplified else 3  # inputs past gamma: bias (simplified); beta, bias
