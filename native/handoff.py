@@ -26,6 +26,8 @@ from onnx_prep.native.packed import k_n, ptr
 
 
 _BATCH_SIZE = ffi.sizeof("op_mm_batch")
+_F32 = np.dtype(np.float32)
+_TEMPLATE_ROWS = 64  # MatmulSplit.through keeps a batch template per row count up to this
 
 
 class MatmulBatch:
@@ -103,13 +105,16 @@ class MatmulSplit:
         packed = self.weight()  # held for the call
         if packed is None:
             raise ValueError("matmul_nbits: the split's packed weight was released")
+        if A.dtype != _F32 or not A.ndim or A.shape[-1] != self.K or not A.size:  # the C call reads M x K floats
+            raise ValueError(f"matmul_nbits: A must be float32 [..., {self.K}] with rows, got {A.dtype} {A.shape}")
         M = A.size // self.K
         t = self._templates.get(M)
         if t is None:
             t = ffi.new("op_mm_batch *")
             t.M, t.lda, t.packed, t.nbytes, t.ldy = M, self.K, self._pk, self._nbytes, self.N
             t.level, t.ranges, t.n = self._mode, self._flat, self.chunks
-            self._templates[M] = t
+            if M <= _TEMPLATE_ROWS:  # a decode step's rows; a prefill's (any count) are not kept
+                self._templates[M] = t
         Y = (np.empty if self._full else np.zeros)(A.shape[:-1] + (self.N,), np.float32)
         c = ffi.new("op_mm_batch *")
         ffi.memmove(c, t, _BATCH_SIZE)

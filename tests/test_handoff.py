@@ -421,3 +421,24 @@ def test_the_bound_int4_op_gives_the_general_ops_bits_through_a_served_mailbox(l
     A = rng.standard_normal((1, K)).astype(np.float32)
     np.testing.assert_array_equal(bound([A, None, None], attrs, {1: p})[0], native.matmul_nbits(A, p))
     assert int4.matmul_nbits.bind({"K": K, "N": N, "block_size": 32, "bits": 8}) is int4.matmul_nbits
+
+
+def test_a_splits_bound_call_refuses_an_a_it_would_read_past_and_keeps_few_templates():
+    """MatmulSplit.through checks what the C call reads (float32, last dimension K,
+    rows): anything else is a ValueError before any C call; it keeps a batch template
+    per decode-sized row count only (memory bounded whatever the prompt lengths)."""
+    from onnx_prep.native import handoff
+
+    K, N = 256, 640
+    p = _packed(K, N)
+    split = native.MatmulSplit(p, _ranges(N, 2))
+    box = native.Mailbox()  # nobody serves it: the caller runs every chunk
+    for bad in (np.zeros((1, K), np.float64), np.zeros((1, K - 1), np.float32), np.zeros((0, K), np.float32),
+                np.zeros((2, K), np.int8)):
+        with pytest.raises(ValueError, match="float32"):
+            split.through(box, bad)
+    assert box.batches == 0
+    for rows in (1, 2, 1, handoff._TEMPLATE_ROWS + 1, handoff._TEMPLATE_ROWS + 7):
+        A = rng.standard_normal((rows, K)).astype(np.float32)
+        np.testing.assert_array_equal(split.through(box, A), native.matmul_nbits(A, p))
+    assert sorted(split._templates) == [1, 2]
