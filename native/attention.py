@@ -269,13 +269,12 @@ class GqaStep:
 
     def __init__(self, *, num_heads: int, kv_num_heads: int, scale: float, interleaved: bool,
                  local_window_size: int = -1, softcap: float = 0.0) -> None:
-        t = self._template = ffi.new("op_gqa_params *", dict(
+        self._template = ffi.new("op_gqa_params *", dict(
             seq=1, num_heads=num_heads, kv_num_heads=kv_num_heads, interleaved=1 if interleaved else 0,
             first_prompt=0, **(_NO_WINDOW if local_window_size < 0 and not softcap > 0
                                else _window_fields(local_window_size, softcap, False))))
         self._size = ffi.sizeof("op_gqa_params")
         self._heads = (num_heads, kv_num_heads, float(scale))
-        del t
 
     def __call__(self, query, past_key, past_value, seqlens_k, total_sequence_length, cos_cache, sin_cache,
                  present):
@@ -333,7 +332,7 @@ class GqaStep:
 
     def _run(self, qp, kp_new, vp_new, keep, B, H, past_key, past_value, present, cos_cache, sin_cache, out):
         """The C call, after the checks of the present and past buffers it is given."""
-        N, KN, scale = self._heads
+        _, KN, scale = self._heads
         present_k, present_v = present
         pk, pv = past_key, past_value
         if not (type(pk) is np.ndarray and type(pv) is np.ndarray and pk.dtype == _F32 and pv.dtype == _F32
