@@ -212,9 +212,7 @@ def gqa_decode(query: np.ndarray, key: np.ndarray | None, value: np.ndarray | No
         H = D // (N + 2 * KN)
         if H < 1 or H * (N + 2 * KN) != D:
             return general()
-        k = np.ascontiguousarray(query[..., N * H:(N + KN) * H])
-        v = np.ascontiguousarray(query[..., (N + KN) * H:])
-        q = np.ascontiguousarray(query[..., :N * H])
+        q, k, v = _packed_parts(query, N, KN, H)
         D = N * H
     H = D // N
     P = past_key.shape[2]
@@ -307,8 +305,7 @@ class GqaStep:
             qp = ffi.from_buffer("float[]", q)
             return self._run(qp, qp + N * H, qp + (N + KN) * H, q, B, H, past_key, past_value, present,
                              cos_cache, sin_cache, np.empty((B, 1, N * H), np.float32))
-        parts = (np.ascontiguousarray(q[..., :N * H]), np.ascontiguousarray(q[..., N * H:(N + KN) * H]),
-                 np.ascontiguousarray(q[..., (N + KN) * H:]))
+        parts = _packed_parts(q, N, KN, H)
         return self._run(*(ffi.from_buffer("float[]", x) for x in parts), parts, B, H, past_key, past_value,
                          present, cos_cache, sin_cache, np.empty((B, 1, N * H), np.float32))
 
@@ -373,6 +370,13 @@ class GqaStep:
                              + (f" and {cos_cache.shape[0]} cos/sin rows" if cos_cache is not None else ""))
         check(status, "group_query_attention")
         return out, present_k, present_v
+
+
+def _packed_parts(query: np.ndarray, N: int, KN: int, H: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Packed QKV ``[B, S, (N + 2 KN) H]`` as its q, k and v, each C-contiguous (views
+    when B * S == 1)."""
+    return (np.ascontiguousarray(query[..., :N * H]), np.ascontiguousarray(query[..., N * H:(N + KN) * H]),
+            np.ascontiguousarray(query[..., (N + KN) * H:]))
 
 
 def _head_rows(view: np.ndarray, base: np.ndarray, H: int) -> int | None:

@@ -57,12 +57,27 @@ def group_query_attention(inputs, attrs: Mapping[str, Any], prepared):
         return list(kernel(*args, sliding_window_cache=True, **kwargs))
     mark = attrs.get(APPEND_IN_PLACE)
     if mark and _appends(q, pk, pv, seqlens_k, total):
-        position, count = mark
         rows = int(np.asarray(total).reshape(-1)[0])
-        kwargs["present"] = tuple(append_buffer.extend(x, 2, rows, spread=(position + 0.5) / count)[0]
-                                  for x in (pk, pv))
+        kwargs["present"] = _extended(pk, pv, rows, _kv_spreads(mark, own_shares=False))
         return list(native.gqa_decode(*args, **kwargs))  # the lean call: the same checks and bits
     return list(kernel(*args, **kwargs))
+
+
+def _kv_spreads(mark: tuple[int, int], *, own_shares: bool) -> tuple[float, float]:
+    """Where a marked node's key and value buffers sit in the spread of their room
+    (append_buffer.room_after), from its mark ``(position, count)``: one share for both
+    (GroupQueryAttention), or a share each (the fused Attention: its keys and values
+    then run out of room on different steps)."""
+    position, count = mark
+    if own_shares:
+        return (2 * position + 0.5) / (2 * count), (2 * position + 1.5) / (2 * count)
+    return ((position + 0.5) / count,) * 2
+
+
+def _extended(past_key, past_value, rows: int, spreads: tuple[float, float]) -> tuple:
+    """The present key and value: ``rows`` rows of room after each past (append_buffer.extend)."""
+    return (append_buffer.extend(past_key, 2, rows, spread=spreads[0])[0],
+            append_buffer.extend(past_value, 2, rows, spread=spreads[1])[0])
 
 
 def bind_group_query_attention(attrs: Mapping[str, Any]):
@@ -85,9 +100,7 @@ def bind_group_query_attention(attrs: Mapping[str, Any]):
     except NativeError:  # pragma: no cover - only without the native module
         return group_query_attention
     rotary = int(attrs.get("do_rotary", 0)) == 1
-    position, count = mark
-    spread = (position + 0.5) / count
-    extend = append_buffer.extend
+    spreads = _kv_spreads(mark, own_shares=False)
 
     def decode_step(inputs, attrs, prepared):
         if len(inputs) >= 9 and inputs[1] is None and inputs[2] is None:  # packed QKV (inputs 9-11: refused)
@@ -96,7 +109,7 @@ def bind_group_query_attention(attrs: Mapping[str, Any]):
                     and q.ndim == 3 and q.shape[1] == 1 and pv.shape == pk.shape and _appends(q, pk, pv, seqlens_k,
                                                                                                   total)):
                 rows = pk.shape[2] + 1
-                present = (extend(pk, 2, rows, spread=spread)[0], extend(pv, 2, rows, spread=spread)[0])
+                present = _extended(pk, pv, rows, spreads)
                 out = step(q, pk, pv, seqlens_k, total, cos if rotary else None, sin if rotary else None, present)
                 if out is not None:
                     return list(out)
@@ -145,10 +158,8 @@ def attention_with_past(inputs, attrs: Mapping[str, Any], prepared):
         if kernel is not None:
             present = None
             mark = attrs.get(APPEND_IN_PLACE)
-            if mark:  # keys and values get shares of their own: they run out of room on different steps
-                position, count = mark
-                present = tuple(append_buffer.extend(x, 2, end, spread=(2 * position + j + 0.5) / (2 * count))[0]
-                                for j, x in enumerate((past_key, past_value)))
+            if mark:
+                present = _extended(past_key, past_value, end, _kv_spreads(mark, own_shares=True))
             return list(kernel(q, k, v, past_key, past_value, scale=1.0 / scale if divide else scale,
                                present=present))
     return list(reference_attention(q, k, v, past_key, past_value, start, end, scale=scale, divide=divide,
@@ -170,9 +181,7 @@ def bind_attention_with_past(attrs: Mapping[str, Any]):
         scale = 1.0 / scale
     if not scale:  # the kernel reads 0 as "1 / sqrt(head size)": the general call says what 0 means
         return attention_with_past
-    position, count = mark
-    spreads = tuple((2 * position + j + 0.5) / (2 * count) for j in (0, 1))
-    extend = append_buffer.extend
+    spreads = _kv_spreads(mark, own_shares=True)
     steps: dict[tuple[int, int], Any] = {}  # (N, KN) -> the bound step
 
     def decode_step(inputs, attrs, prepared):
@@ -188,8 +197,7 @@ def bind_attention_with_past(attrs: Mapping[str, Any]):
                 if step is None:
                     step = steps[(N, KN)] = native.GqaStep(num_heads=N, kv_num_heads=KN, scale=scale,
                                                            interleaved=False)
-                present = (extend(past_key, 2, P + 1, spread=spreads[0])[0],
-                           extend(past_value, 2, P + 1, spread=spreads[1])[0])
+                present = _extended(past_key, past_value, P + 1, spreads)
                 out = step.separate(q, k, v, past_key, past_value, present)
                 if out is not None:
                     return list(out)
