@@ -228,7 +228,8 @@ AI void f32_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP,
                 store_out(a, m + r, p * OP_PANEL_TILES + (size_t)(i0 + i), out[i][r]); \
     }
 
-/* One row (a decode GEMV) over two whole panels side by side: per block, panel p0's
+/* One or two rows (R; a decode GEMV at batch 1 or 2) over two whole panels side by
+ * side: per block, panel p0's
  * record, then p0 + 1's. The weights then arrive as two sequential streams instead of
  * one, and a core keeps more of its reads in flight. NOTE: measured 2026-12-03 on the
  * 2-vCPU Intel Xeon (Sapphire Rapids, KVM), 40 level-4 weights of 2048 x 5632 (289
@@ -237,53 +238,70 @@ AI void f32_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP,
  * one process, scripts/gemv_step_profile.py --compare panels) 57.4 -> 53.0 ms and 51.4
  * -> 49.7 ms. Three panels measured no better than two (and need 8 more registers);
  * PREFETCHT1 instead of NTA made the GEMVs faster and the ops between them slower, the
- * same step. The integer sums of a tile go to one accumulator (8 independent chains
- * across the pair, as many as the panel function's two per tile over four tiles), and
- * per lane the operations and their order are the panel function's: the same bits. */
+ * same step. Two rows (batch 2), measured 2026-12-03 on the same machine, the same
+ * export, batch 2, alternating sessions: the step's 81 GEMVs on one thread 59.3 ->
+ * 53.9 ms; the two-thread step 45.0 -> 44.2 ms (medians; memory-bound there). The
+ * integer sums of a (tile, row) go to one accumulator (8 independent chains across
+ * the pair per row), and integer sums are exact: the panel function's bits. */
 #define DEFINE_I8_PANEL_PAIR(NAME, DOT)                                                \
-    AI void NAME(const op_mm_args *a, size_t p0) {                                     \
+    AI void NAME(const op_mm_args *a, size_t p0, size_t m, const int R) {              \
         const op_packed_header *h = a->h;                                              \
         const uint32_t bs = h->block_size, nb = h->n_blocks;                           \
         const __m512i m0f = _mm512_set1_epi8(0x0F);                                    \
+        const int8_t *arow[2];                                                         \
+        for (int r = 0; r < R; r++) arow[r] = a->a8 + (m + r) * a->Kp;               \
         __m512 out[2][4][4];                                                           \
-        __m512i is[2][4];                                                              \
+        __m512i is[2][4][2];                                                           \
         for (int j = 0; j < 2; j++)                                                    \
-            for (int i = 0; i < 4; i++) out[j][i][0] = _mm512_setzero_ps();           \
+            for (int i = 0; i < 4; i++)                                                \
+                for (int r = 0; r < R; r++) out[j][i][r] = _mm512_setzero_ps();       \
         const size_t bb = op_mm_block_bytes(bs, op_zp_kind(h));                        \
         for (uint32_t b = 0; b < nb; b++) {                                            \
             const uint8_t *blk[2];                                                     \
             for (int j = 0; j < 2; j++) {                                              \
                 blk[j] = op_mm_block(h, a->panels, p0 + (size_t)j, b);                 \
                 op_stream_block(a, blk[j], bb);                                        \
-                for (int i = 0; i < 4; i++) is[j][i] = _mm512_setzero_si512();         \
+                for (int i = 0; i < 4; i++)                                            \
+                    for (int r = 0; r < R; r++) is[j][i][r] = _mm512_setzero_si512();  \
             }                                                                          \
             for (uint32_t g = 0; g < bs / OP_GROUP_K; g++) {                           \
                 const size_t kb = (size_t)b * bs + (size_t)g * OP_GROUP_K;             \
-                int32_t w0, w1;                                                        \
-                __builtin_memcpy(&w0, a->a8 + kb, 4);                                  \
-                __builtin_memcpy(&w1, a->a8 + kb + 4, 4);                              \
-                const __m512i alo = _mm512_set1_epi32(w0), ahi = _mm512_set1_epi32(w1); \
+                __m512i alo[2], ahi[2];                                                \
+                for (int r = 0; r < R; r++) {                                          \
+                    int32_t w0, w1;                                                    \
+                    __builtin_memcpy(&w0, arow[r] + kb, 4);                            \
+                    __builtin_memcpy(&w1, arow[r] + kb + 4, 4);                        \
+                    alo[r] = _mm512_set1_epi32(w0);                                    \
+                    ahi[r] = _mm512_set1_epi32(w1);                                    \
+                }                                                                      \
                 for (int j = 0; j < 2; j++)                                            \
                     for (int i = 0; i < 4; i++) {                                      \
                         __m512i x = _mm512_loadu_si512((const void *)op_mm_group(blk[j], g, i)); \
-                        is[j][i] = DOT(is[j][i], _mm512_and_si512(x, m0f), alo);       \
-                        is[j][i] = DOT(is[j][i], _mm512_and_si512(_mm512_srli_epi16(x, 4), m0f), ahi); \
+                        const __m512i lo = _mm512_and_si512(x, m0f);                   \
+                        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), m0f); \
+                        for (int r = 0; r < R; r++) {                                  \
+                            is[j][i][r] = DOT(is[j][i][r], lo, alo[r]);                \
+                            is[j][i][r] = DOT(is[j][i][r], hi, ahi[r]);                \
+                        }                                                              \
                     }                                                                  \
             }                                                                          \
             for (int j = 0; j < 2; j++) {                                              \
                 __m512 d[4][4];                                                        \
-                for (int i = 0; i < 4; i++) d[i][0] = _mm512_cvtepi32_ps(is[j][i]);    \
-                fold_block_tiles(a, blk[j], 0, 0, b, 4, 1, d, out[j]);                 \
+                for (int i = 0; i < 4; i++)                                            \
+                    for (int r = 0; r < R; r++) d[i][r] = _mm512_cvtepi32_ps(is[j][i][r]); \
+                fold_block_tiles(a, blk[j], 0, m, b, 4, R, d, out[j]);                 \
             }                                                                          \
         }                                                                              \
         for (int j = 0; j < 2; j++)                                                    \
             for (int i = 0; i < 4; i++)                                                \
-                store_out(a, 0, (p0 + (size_t)j) * OP_PANEL_TILES + (size_t)i, out[j][i][0]); \
+                for (int r = 0; r < R; r++)                                            \
+                    store_out(a, m + r, (p0 + (size_t)j) * OP_PANEL_TILES + (size_t)i, out[j][i][r]); \
     }
 
-/* One row: whole panels two at a time (op_gemv_panels), a partial or odd one alone. */
+/* One or two rows (a decode GEMV at batch 1 or 2): whole panels two at a time
+ * (op_gemv_panels), a partial or odd one alone. */
 #define DEFINE_I8_1ROW_DRIVER(NAME, PANEL, PAIR)                                       \
-    static void NAME(const op_mm_args *in) {                                           \
+    AI void NAME##_rows(const op_mm_args *in, const int R) {                           \
         op_ran(KERNEL_CODE);                                                           \
         OP_STREAM_ARGS(a, in, 1);                                                      \
         const size_t t0 = op_tile_begin(a), t1 = op_tile_end(a);                       \
@@ -291,15 +309,18 @@ AI void f32_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP,
         for (size_t p = t0 / OP_PANEL_TILES; p * OP_PANEL_TILES < t1;) {               \
             const size_t first = p * OP_PANEL_TILES;                                   \
             if (pairs && first >= t0 && first + 2 * OP_PANEL_TILES <= t1) {            \
-                PAIR(a, p);                                                            \
+                PAIR(a, p, 0, R);                                                      \
                 p += 2;                                                                \
                 continue;                                                              \
             }                                                                          \
             const int tb = (int)(t0 > first ? t0 - first : 0);                         \
             const int te = (int)(t1 - first < OP_PANEL_TILES ? t1 - first : OP_PANEL_TILES); \
-            OP_PANEL_WITH_TILES(PANEL, a, p, tb, te - tb, 0, 1);                       \
+            OP_PANEL_WITH_TILES(PANEL, a, p, tb, te - tb, 0, R);                       \
             p++;                                                                       \
         }                                                                              \
+    }                                                                                  \
+    static void NAME(const op_mm_args *in) {                                           \
+        if (in->M == 2) NAME##_rows(in, 2); else NAME##_rows(in, 1);                   \
     }
 
 /* Four rows over a whole panel in ONE pass: per block, the tiles go in pairs
@@ -493,7 +514,7 @@ DEFINE_DRIVER(mm_f32_avx512, f32_panel, 8)
  * DEFINE_DRIVER. */
 #define DEFINE_I8_DRIVER(NAME, PANEL, PANEL4, ONEROW)                                 \
     static void NAME(const op_mm_args *in) {                                          \
-        if (in->M == 1) { ONEROW(in); return; }                                       \
+        if (in->M <= 2) { ONEROW(in); return; }                                       \
         op_ran(KERNEL_CODE);                                                          \
         OP_STREAM_ARGS(a, in, in->M <= 4); /* one PANEL4 or REST_ROWS pass */         \
         OP_FOR_PANELS(a, p, tb, te) {                                                 \

@@ -30,7 +30,7 @@ non-temporal weight prefetch (the default) and one without (native/op_internal.h
 session whose hot runs keep their lent helpers (the default) and one that lends and
 takes them back at every run (spinning 1 ms, as before; core/runtime/run_loop.py):
 compare their ``switches``. ``--compare panels`` does the same
-with a one-row level-4 GEMV reading one panel at a time and two side by side (the
+with a one- or two-row level-4 GEMV reading one panel at a time and two side by side (the
 default; native/kernels_avx512.c, ``DEFINE_I8_PANEL_PAIR``).
 The greedy tokens of every session must be identical (checked).
 ``--per-op`` then decodes once more in the first session with every action timed on
@@ -61,7 +61,7 @@ from onnx_prep.core.runtime.run_loop import HELPER_SPIN_NS as KEPT_SPIN_NS
 METRICS = ("wall_ms", "cpu_ms", "fj_ms", "fj_cpu_ms", "wait_ms", "batches", "solo", "helper_chunks", "switches")
 # --compare: the sessions to interleave, each with its Session huge_pages, whether
 # one-pass INT4 GEMVs stream their weights past the caches (native.set_weight_streaming),
-# how many panels a one-row int8 GEMV reads side by side (native.set_gemv_panels) and
+# how many panels a one- or two-row int8 GEMV reads side by side (native.set_gemv_panels) and
 # whether hot runs keep their lent helpers (core/runtime/run_loop.py; not kept: lent and
 # taken back at every run, spinning 1 ms, as before they were kept)
 MODES = {"none": {"default": (None, True, 2, True)},

@@ -116,20 +116,22 @@ def test_weight_streaming_changes_no_bit(isa, level):
 @pytest.mark.parametrize("isa", SIMD_ISAS)
 @pytest.mark.parametrize("zp", ["u4", "float", "none"])
 def test_gemv_panel_pairs_change_no_bit(isa, zp):
-    """A one-row level-4 GEMV reads whole panels two at a time (set_gemv_panels, 2 by
-    default) and a partial or odd panel alone: every split of a column range into pairs
-    and single panels gives the scalar twin's bits, bias and block sizes included."""
+    """A one- or two-row level-4 GEMV (decode at batch 1 or 2) reads whole panels two at
+    a time (set_gemv_panels, 2 by default) and a partial or odd panel alone: every split
+    of a column range into pairs and single panels gives the scalar twin's bits, bias
+    and block sizes included."""
     N = 6 * native.PANEL_N + 37  # six whole panels and a partial one
     assert native.set_gemv_panels(2) == 2  # the default
     try:
-        for i, (K, bs) in enumerate([(1100, 32), (640, 128), (257, 16)]):
-            A, packed, _, b = _case(60 + i, 1, K, N, bs, zp, level=4, bias=i == 0)
+        for i, (M, K, bs) in enumerate([(1, 1100, 32), (1, 640, 128), (1, 257, 16),
+                                        (2, 1100, 32), (2, 640, 128), (2, 257, 16)]):
+            A, packed, _, b = _case(60 + i, M, K, N, bs, zp, level=4, bias=i % 3 == 0)
             ref = native.matmul_nbits(A, packed, bias=b, isa="scalar")
             native.set_gemv_panels(2)
             for cb, ce in [(0, N), (0, 2 * native.PANEL_N), (native.PANEL_N, N), (24, N - 9),
                            (native.PANEL_N, 4 * native.PANEL_N + 5), (3 * native.PANEL_N - 16, N)]:
                 got = native.matmul_nbits(A, packed, bias=b, isa=isa, col_begin=cb, col_end=ce)
-                np.testing.assert_array_equal(got[:, cb:ce], ref[:, cb:ce], err_msg=f"{isa} K {K} [{cb}, {ce})")
+                np.testing.assert_array_equal(got[:, cb:ce], ref[:, cb:ce], err_msg=f"{isa} M {M} K {K} [{cb}, {ce})")
             assert native.set_gemv_panels(1) == 2
             np.testing.assert_array_equal(native.matmul_nbits(A, packed, bias=b, isa=isa), ref)
     finally:
