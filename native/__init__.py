@@ -1,6 +1,6 @@
 """onnx_prep.native: the cffi C core (INT4 prepack + matmul, INT4 gather, packed fp32
 Gemm, grouped-query attention, row normalization, rotary embedding, host stable-VA
-slots, element-wise erf) behind a numpy API. See docs/architecture.md "Native" and docs/kernels.md.
+slots, element-wise erf and QuickGelu) behind a numpy API. See docs/architecture.md "Native" and docs/kernels.md.
 
 Every kernel releases the GIL and works on a caller-given column range, so the
 runtime's executor (not a thread pool inside C) splits the work. Importing this
@@ -13,6 +13,7 @@ from onnx_prep.core.errors import NativeError
 
 try:
     from onnx_prep.native._module import NATIVE_VERSION, ffi, lib  # noqa: F401
+    from onnx_prep.native.activation import quick_gelu
     from onnx_prep.native.attention import (
         GqaStep,
         attention_over_cache,
@@ -106,6 +107,7 @@ __all__ = [
     "prepack_gather_block_quantized",
     "prepack_gemm_b",
     "prepack_matmul_nbits",
+    "quick_gelu",
     "rotary_embedding",
     "unavailable_reason",
 ]

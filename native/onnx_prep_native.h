@@ -345,6 +345,10 @@ int op_group_query_attention(int isa, const op_gqa_params *p, const float *query
 /* y[i] = erf(x[i]) (libm, double precision; in place allowed). */
 void op_erf_f64(const double *x, double *y, size_t n);
 
+/* com.microsoft QuickGelu: y[i] = x[i] * sigmoid(alpha * x[i]) over n floats (y may
+ * alias x; activation.h states the arithmetic). Every ISA gives the scalar path's bits. */
+int op_quick_gelu(int isa, const float *x, float *y, size_t n, float alpha);
+
 /* ---- row normalization (norm.c) and rotary embedding (rotary.c) ---------------- */
 /* Per row r of `rows` rows of n floats: v = x + skip (+ bias) when skip or bias is
  * given (skip: skip_rows rows, row r reads skip row r % skip_rows; written to sum_out

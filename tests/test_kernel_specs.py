@@ -34,7 +34,7 @@ SPECS = registry.KERNEL_SPECS
 PREPARED = [s for s in SPECS if s.prepared is not None]
 # Specific kernels of activations only, or of small constants read as they are (norm
 # weights, rotary caches): no constant input worth a prepared object.
-RAW_INPUT_KERNELS = frozenset({"gqa", "row_norm", "rotary"})
+RAW_INPUT_KERNELS = frozenset({"gqa", "row_norm", "rotary", "activation"})
 
 
 def test_registry_lists_each_kernel_once_specific_before_generic():
@@ -42,7 +42,8 @@ def test_registry_lists_each_kernel_once_specific_before_generic():
     assert len(set(ids)) == len(ids)
     assert registry.KERNELS == tuple(ids)
     # Resolution output orders kernels this way (onnx-prep resolve --json).
-    assert ids == ["int4_matmul", "int4_gather", "gqa", "gemm_packed", "row_norm", "rotary", "numpy", "reference"]
+    assert ids == ["int4_matmul", "int4_gather", "gqa", "gemm_packed", "row_norm", "rotary", "activation", "numpy",
+                   "reference"]
     first_generic = next(i for i, s in enumerate(SPECS) if s.generic)
     assert all(s.generic for s in SPECS[first_generic:]), "a generic kernel would hide the ones after it"
     assert SPECS[-1].op_types is None  # the last resort takes any op

@@ -12,6 +12,7 @@ what one holds); the first whose ``op_types`` and ``match`` take a node runs it:
 ``row_norm``    LayerNormalization, SimplifiedLayerNormalization, com.microsoft
                 SkipLayerNormalization / SkipSimplifiedLayerNormalization (``row_norm.py``)
 ``rotary``      com.microsoft RotaryEmbedding (``rotary.py``)
+``activation``  com.microsoft QuickGelu (``activation.py``)
 ``numpy``       a default-domain op in ``NUMPY_OPS`` (``numpy_ops.py``)
 ``reference``   any other op ``onnx.reference`` implements (``reference_ops.py``)
 ``None``        no kernel: the node is listed in ``ResolvedModel.unsupported``
@@ -25,8 +26,8 @@ from __future__ import annotations
 from typing import Mapping
 
 from onnx_prep.core.errors import UnsupportedOpError
-from onnx_prep.core.kernels import (gemm_packed, gqa, int4_gather, int4_matmul, numpy_ops, reference_ops, rotary,
-                                    row_norm)
+from onnx_prep.core.kernels import (activation, gemm_packed, gqa, int4_gather, int4_matmul, numpy_ops,
+                                    reference_ops, rotary, row_norm)
 from onnx_prep.core.kernels.spec import UNSUPPORTED, KernelChoice, KernelSpec, MatchContext
 from onnx_prep.core.model.transforms import GraphNode
 from onnx_prep.core.model.weights import WeightDescriptor
@@ -40,6 +41,7 @@ KERNEL_SPECS: tuple[KernelSpec, ...] = (
     gemm_packed.SPEC,
     row_norm.SPEC,
     rotary.SPEC,
+    activation.SPEC,
     numpy_ops.SPEC,
     reference_ops.SPEC,
 )

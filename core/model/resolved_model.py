@@ -66,7 +66,7 @@ class NodeKernel:
     """One reachable node, in topological order, with its kernel choice.
 
     ``kernel`` is a kernel id from the kernel registry ("int4_matmul", "int4_gather",
-    "gqa", "gemm_packed", "row_norm", "rotary", "numpy", "reference") or None when no
+    "gqa", "gemm_packed", "row_norm", "rotary", "activation", "numpy", "reference") or None when no
     kernel exists (then the model is listed in ``ResolvedModel.unsupported``).
     ``requirements`` are the prepared objects the node consumes; ``prepared_inputs``
     maps each requirement's key to the input names it replaces (the kernel reads the
