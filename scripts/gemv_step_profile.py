@@ -3,7 +3,7 @@ survives other work on the machine: thread CPU time of the run's own thread, the
 hand-off's counters (native/handoff.c) and the step's GEMVs replayed on one thread.
 
     .venv/bin/python scripts/gemv_step_profile.py [--preset medium | --model PATH]
-        [--tokens 24] [--rounds 4] [--threads 2] [--batch 1] [--compare huge-pages|streaming|panels]
+        [--tokens 24] [--rounds 4] [--threads 2] [--batch 1] [--compare huge-pages|streaming|panels|fusion]
         [--per-op] [--json FILE]
 
 Per decode step (the prefill and the first decode step left out), min and median of:
@@ -31,7 +31,10 @@ session whose hot runs keep their lent helpers (the default) and one that lends 
 takes them back at every run (spinning 1 ms, as before; core/runtime/run_loop.py):
 compare their ``switches``. ``--compare panels`` does the same
 with a one- or two-row level-4 GEMV reading one panel at a time and two side by side (the
-default; native/kernels_avx512.c, ``DEFINE_I8_PANEL_PAIR``).
+default; native/kernels_avx512.c, ``DEFINE_I8_PANEL_PAIR``). ``--compare fusion`` runs the
+model resolved with pattern fusion (the default) and without (``resolve_model(fuse=False)``;
+on a builder export, whose other ops are contrib ops already, that is the ``silu`` fusion
+alone: docs/resolve.md).
 The greedy tokens of every session must be identical (checked).
 ``--per-op`` then decodes once more in the first session with every action timed on
 its own (the run's thread, the split GEMVs' helpers lent as usual) and prints, per op
@@ -63,12 +66,14 @@ METRICS = ("wall_ms", "cpu_ms", "fj_ms", "fj_cpu_ms", "wait_ms", "batches", "sol
 # one-pass INT4 GEMVs stream their weights past the caches (native.set_weight_streaming),
 # how many panels a one- or two-row int8 GEMV reads side by side (native.set_gemv_panels) and
 # whether hot runs keep their lent helpers (core/runtime/run_loop.py; not kept: lent and
-# taken back at every run, spinning 1 ms, as before they were kept)
-MODES = {"none": {"default": (None, True, 2, True)},
-         "huge-pages": {"4k": (False, True, 2, True), "huge": (True, True, 2, True)},
-         "streaming": {"stream": (None, True, 2, True), "no-stream": (None, False, 2, True)},
-         "panels": {"one-panel": (None, True, 1, True), "panel-pairs": (None, True, 2, True)},
-         "helpers": {"per-run": (None, True, 2, False), "kept": (None, True, 2, True)}}
+# taken back at every run, spinning 1 ms, as before they were kept) and whether the
+# model is resolved with pattern fusion (resolve's default) or without
+MODES = {"none": {"default": (None, True, 2, True, True)},
+         "huge-pages": {"4k": (False, True, 2, True, True), "huge": (True, True, 2, True, True)},
+         "streaming": {"stream": (None, True, 2, True, True), "no-stream": (None, False, 2, True, True)},
+         "panels": {"one-panel": (None, True, 1, True, True), "panel-pairs": (None, True, 2, True, True)},
+         "helpers": {"per-run": (None, True, 2, False, True), "kept": (None, True, 2, True, True)},
+         "fusion": {"unfused": (None, True, 2, True, False), "fused": (None, True, 2, True, True)}}
 
 
 def _settings(mode: tuple) -> None:
@@ -281,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from onnx_prep import native
     from onnx_prep.core.decode.generation import greedy_decode
+    from onnx_prep.core.model.resolution import resolve_model
     from onnx_prep.core.ops import intra_op
     from onnx_prep.core.profile.machine_activity import MachineActivity, describe
     from onnx_prep.core.runtime.session import Session
@@ -296,9 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     replayed: dict[str, int] = {}  # INT4 matmuls of the replayed step
     tokens: dict[str, list] = {}
     try:
-        for mode, (huge, *_) in MODES[args.compare].items():
+        for mode, (huge, *_, fuse) in MODES[args.compare].items():
             t = time.perf_counter()
-            s = Session(resolved, cpu_workers=args.threads, intra_op_threads=args.threads, huge_pages=huge)
+            s = Session(resolved if fuse else resolve_model(path, fuse=False), cpu_workers=args.threads,
+                        intra_op_threads=args.threads, huge_pages=huge)
             if not MODES[args.compare][mode][3]:
                 _per_run_helpers(s)
             s.prepare()

@@ -1,7 +1,7 @@
 """DeviceGraphRunner (core/cuda/device_graph.py) on the fake driver, which runs every
 kernel through its CPU twin on the device bytes: a real ONNX graph built here (two
 INT4 MatMulNBits packed by this package and paged into a DeviceSlotPool, a SiLU gate
-over a Split, a bias Add, a Reshape to heads from host-computed shape values, a
+(fused into QuickGelu at resolve) over a Split, a bias Add, a Reshape to heads from host-computed shape values, a
 Transpose, a Div; beside it, int64 positions cast, unsqueezed, scaled, through Cos and
 Sin and concatenated) gives the CPU runtime's outputs; under a StepGraph the step is
 captured once and replayed with new feeds, and new shapes capture it again; a node the
@@ -136,7 +136,9 @@ def test_the_model_resolves_to_the_kernels_the_runner_dispatches(model):
     resolved, packed = model
     kernels = {n.name: n.kernel for n in resolved.nodes}
     assert kernels["up"] == kernels["down"] == "int4_matmul" and len(packed) == 2
-    assert {kernels[n] for n in ("split", "sigmoid", "to_heads", "transpose", "cos", "rot", "cast")} == {"numpy"}
+    assert {kernels[n] for n in ("split", "to_heads", "transpose", "cos", "rot", "cast")} == {"numpy"}
+    # the SiLU gate, fused at resolve into QuickGelu: on the device its two kernels again
+    assert kernels["silu"] == "activation" and "sigmoid" not in kernels
 
 
 def test_the_device_run_gives_the_cpu_runtimes_outputs(model, device):
@@ -148,7 +150,7 @@ def test_the_device_run_gives_the_cpu_runtimes_outputs(model, device):
         for seed, (batch, seq) in enumerate([(1, 3), (2, 5), (1, 1), (3, 9)]):
             f = feeds(seed, batch, seq)
             step = runner.prepare(f)
-            # up, split (2 copies), sigmoid, 2 muls, down, add, transpose, div, cast, mul, cos, sin,
+            # up, split (2 copies), QuickGelu (sigmoid, mul), the gate's mul, down, add, transpose, div, cast, mul, cos, sin,
             # concat (2 copies), sub: 17 launches; the views and the host nodes launch nothing
             assert [op[2].name for op in step.ops if op[0] == "launch"] == [
                 "int4_matmul_gemv_m" + str(next(r for r in (1, 2, 4, 8) if r >= batch * seq))
@@ -210,9 +212,12 @@ def test_a_node_without_a_device_launcher_is_refused_before_anything_runs(tmp_pa
     d, pool = device
     resolved = build_model(tmp_path / "m.onnx", extra=[helper.make_node("Relu", ["out"], ["relu"], "the_relu"),
                                                        helper.make_node("Cast", ["rot"], ["rot16"], "to_half",
-                                                                        to=TensorProto.FLOAT16)],
+                                                                        to=TensorProto.FLOAT16),
+                                                       helper.make_node("QuickGelu", ["out"], ["gelu"], "gelu",
+                                                                        domain="com.microsoft", alpha=1.702)],
                            extra_outputs=[helper.make_tensor_value_info("relu", TensorProto.FLOAT, None),
-                                          helper.make_tensor_value_info("rot16", TensorProto.FLOAT16, None)])
+                                          helper.make_tensor_value_info("rot16", TensorProto.FLOAT16, None),
+                                          helper.make_tensor_value_info("gelu", TensorProto.FLOAT, None)])
     packed = prepack_all(resolved, lambda name: resolved.inline_values[name])
     prepared = _on_device(pool, packed)
     del prepared[next(iter(prepared))]  # one prepared object not on the device
@@ -220,8 +225,10 @@ def test_a_node_without_a_device_launcher_is_refused_before_anything_runs(tmp_pa
     with pytest.raises(DeviceError) as info:
         DeviceGraphRunner(resolved, d, prepared=prepared)
     message = str(info.value)
-    assert "3 node(s) cannot run on the device" in message
+    assert "4 node(s) cannot run on the device" in message
     assert "Relu node the_relu: no device launcher for Relu (kernel numpy)" in message
+    # (the fourth, past the three a message names in full)
+    assert "its device kernels compute x * sigmoid(x) (alpha 1), alpha is 1.702" in dict(info.value.refused)["gelu"]
     assert "Cast node to_half: no device Cast from float32 to float16" in message
     assert "MatMulNBits node up: its prepared object" in message and "is not on the device" in message
     assert info.value.where.node == "up"  # the first, in node order

@@ -50,8 +50,8 @@ def patterns(resolved) -> Counter:
 
 def test_tiny_llm_fuses_every_norm_and_rotary_into_native_kernels(tiny_llm_path):
     fused, plain = resolve_model(tiny_llm_path), resolve_model(tiny_llm_path, fuse=False)
-    assert patterns(fused) == {"rms_norm": 9, "rotary": 8, "attention": 4} and not fused.near_misses
-    assert (len(plain.nodes), len(fused.nodes)) == (255, 115)
+    assert patterns(fused) == {"rms_norm": 9, "rotary": 8, "attention": 4, "silu": 4} and not fused.near_misses
+    assert (len(plain.nodes), len(fused.nodes)) == (255, 111)
     assert not plain.fusions and not plain.near_misses and not plain.fusion_enabled
     by_name = {n.name: n for n in fused.nodes}
     norm = by_name["layers.0.input_norm.scale"]  # named for the pattern's last node
@@ -60,6 +60,10 @@ def test_tiny_llm_fuses_every_norm_and_rotary_into_native_kernels(tiny_llm_path)
     assert norm.inputs == ("embed_tokens.reshape/out", "layers.0.input_norm.weight")
     assert norm.fused_from == tuple(f"layers.0.input_norm.{s}" for s in (
         "square", "mean", "add_eps", "sqrt", "reciprocal", "normalize", "scale"))
+    silu = by_name["layers.0.mlp.silu"]
+    assert (silu.domain, silu.op_type, silu.kernel, dict(silu.attributes)) == (
+        "com.microsoft", "QuickGelu", "activation", {"alpha": 1.0})
+    assert silu.fused_from == ("layers.0.mlp.sigmoid", "layers.0.mlp.silu")
     rope = by_name["layers.0.attn.q_rope.add"]
     assert (rope.domain, rope.op_type, rope.kernel) == ("onnx_prep.fused", "RotaryEmbedding", "rotary")
     assert rope.inputs == ("layers.0.attn.q_heads.transpose/out", "rotary.cos_heads/out", "rotary.sin_heads/out")
@@ -80,27 +84,28 @@ def medium_graph_path(tmp_path_factory):
     return generate(cfg, tmp_path_factory.mktemp("medium-graph"))
 
 
-def test_the_medium_graph_lists_33_norms_32_rotaries_and_16_attentions(medium_graph_path):
+def test_the_medium_graph_lists_33_norms_32_rotaries_16_attentions_and_16_silus(medium_graph_path):
     path = medium_graph_path
     fused, plain = resolve_model(path), resolve_model(path, fuse=False)
-    assert patterns(fused) == {"rms_norm": 33, "rotary": 32, "attention": 16} and not fused.near_misses
-    assert (len(plain.nodes), len(fused.nodes)) == (891, 391)
+    assert patterns(fused) == {"rms_norm": 33, "rotary": 32, "attention": 16, "silu": 16} and not fused.near_misses
+    assert (len(plain.nodes), len(fused.nodes)) == (891, 375)
     doc = resolution_report(fused)
     assert doc["fusion"]["patterns"] == [
         {"pattern": "rms_norm", "count": 33, "nodes": [f.node for f in fused.fusions if f.pattern == "rms_norm"]},
         {"pattern": "rotary", "count": 32, "nodes": [f.node for f in fused.fusions if f.pattern == "rotary"]},
         {"pattern": "attention", "count": 16,
-         "nodes": [f"layers.{i}.attn.context_transpose" for i in range(16)]}]
+         "nodes": [f"layers.{i}.attn.context_transpose" for i in range(16)]},
+        {"pattern": "silu", "count": 16, "nodes": [f"layers.{i}.mlp.silu" for i in range(16)]}]
     assert doc["nodes"]["total"] == doc["nodes"]["kept"] + doc["nodes"]["pruned"] + doc["nodes"]["fused_away"]
-    assert doc["nodes"]["fused_away"] == 33 * 6 + 32 * 5 + 16 * 8
+    assert doc["nodes"]["fused_away"] == 33 * 6 + 32 * 5 + 16 * 8 + 16 * 1
 
 
 def test_quantizer_exports_fuse_both_rmsnorm_spellings_and_the_sliced_rotary(quantizer_export):
     fused, plain = resolve_model(quantizer_export), resolve_model(quantizer_export, fuse=False)
     # their attention masks padding too (attention_mask): the masked form (test_hf_attention_fusion.py)
-    assert patterns(fused) == {"rms_norm": 5, "rotary": 4, "attention": 2}
+    assert patterns(fused) == {"rms_norm": 5, "rotary": 4, "attention": 2, "silu": 2}
     assert fused.near_misses == ()
-    assert len(fused.nodes) == len(plain.nodes) - 191  # 624 -> 433 nodes per step (473 without attention)
+    assert len(fused.nodes) == len(plain.nodes) - 193  # 624 -> 431 nodes per step (471 without attention)
     norm = next(n for n in fused.nodes if n.name == "/model/model/layers.0/input_layernorm/Mul_1")
     assert [n.rsplit("/", 1)[1] for n in norm.fused_from] == ["Pow", "ReduceMean", "Add", "Sqrt", "Div", "Mul",
                                                                "Cast_1", "Mul_1"]
@@ -159,7 +164,7 @@ def test_session_options_turn_fusion_off(small_llm_path):
     with Session.open(small_llm_path, SessionOptions(fuse=False)) as s:
         assert not s.resolved.fusions and not s.resolved.fusion_enabled
     with Session.open(small_llm_path) as s:
-        assert patterns(s.resolved) == {"rms_norm": 5, "rotary": 4, "attention": 2}
+        assert patterns(s.resolved) == {"rms_norm": 5, "rotary": 4, "attention": 2, "silu": 2}
 
 
 # ------------------------------------------------------------------- crafted graphs
@@ -382,6 +387,71 @@ def test_an_intermediate_with_a_second_consumer_is_not_fused(tmp_path):
     path = rms_graph(tmp_path, extra="sq")
     (miss,) = resolve_model(path).near_misses
     assert miss.reason == "intermediate sq is used by node side_reader"
+
+
+# ------------------------------------------------------------------------------- SiLU
+
+def silu_graph(tmp_path, *, order="x_first", scale=None, extra=None, gated=True):
+    """x [2, S, H] -> x * Sigmoid(x) (or x * Sigmoid(x * scale)) -> * up -> y, as a SwiGLU
+    MLP's gate. ``extra``: an intermediate an Identity also reads (to a second output)."""
+    nodes, src = [], "x"
+    if scale is not None:
+        nodes += [_const("alpha", np.float32(scale)), helper.make_node("Mul", ["x", "alpha"], ["xs"], name="scale")]
+        src = "xs"
+    nodes.append(helper.make_node("Sigmoid", [src], ["sig"], name="sigmoid"))
+    nodes.append(helper.make_node("Mul", ["x", "sig"] if order == "x_first" else ["sig", "x"], ["act"], name="silu"))
+    outputs = [_vi("y", [2, "S", H])]
+    if gated:
+        nodes.append(helper.make_node("Mul", ["act", "up"], ["y"], name="gate"))
+    else:
+        nodes[-1].output[0] = "y"
+    if extra:
+        nodes.append(helper.make_node("Identity", [extra], ["side"], name="side_reader"))
+        outputs.append(_vi("side", None))
+    inputs = [_vi("x", [2, "S", H])] + ([_vi("up", [2, "S", H])] if gated else [])
+    return _save(tmp_path, nodes, inputs, outputs, {})
+
+
+@pytest.mark.parametrize("kw, alpha", [({}, 1.0), ({"order": "sig_first"}, 1.0), ({"scale": 1.702}, 1.702),
+                                       ({"gated": False}, 1.0)])
+def test_each_silu_spelling_fuses_into_quick_gelu_and_matches_onnxruntime(tmp_path, kw, alpha):
+    ort = ort_or_skip()
+    path = silu_graph(tmp_path, **kw)
+    resolved = resolve_model(path)
+    assert patterns(resolved) == {"silu": 1} and not resolved.near_misses
+    node = next(n for n in resolved.nodes if n.op_type == "QuickGelu")
+    assert (node.domain, node.kernel, node.inputs) == ("com.microsoft", "activation", ("x",))
+    assert node.attributes["alpha"] == pytest.approx(alpha)
+    assert {n.name for n in resolved.nodes} == ({"silu", "gate"} if kw.get("gated", True) else {"silu"})
+    rng = np.random.default_rng(7)
+    feeds = {"x": (rng.standard_normal((2, 3, H)) * 4).astype(np.float32)}
+    if kw.get("gated", True):
+        feeds["up"] = rng.standard_normal((2, 3, H)).astype(np.float32)
+    ours, plain = _run(path, feeds, True)["y"], _run(path, feeds, False)["y"]
+    (theirs,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)
+    # ours within 2e-7 relative of the exact value; the unfused ops' tanh-based Sigmoid and
+    # ONNX Runtime's logistic within ~2e-6 absolute of it (test_native_activation.py)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=2e-5)
+    np.testing.assert_allclose(ours, plain, rtol=1e-5, atol=2e-5)
+
+
+def test_a_silu_whose_sigmoid_is_read_elsewhere_is_a_near_miss(tmp_path):
+    resolved = resolve_model(silu_graph(tmp_path, extra="sig"))
+    assert not resolved.fusions
+    [(pattern, node, why)] = [(m.pattern, m.node, m.reason) for m in resolved.near_misses]
+    assert (pattern, node, why) == ("silu", "sigmoid", "intermediate sig is used by node side_reader")
+    resolved = resolve_model(silu_graph(tmp_path, scale=2.0, extra="xs"))
+    [miss] = resolved.near_misses
+    assert miss.reason == "intermediate xs is used by node side_reader"
+
+
+def test_a_sigmoid_not_multiplied_by_its_input_is_left_alone(tmp_path):
+    """Sigmoid(x) * up (a GLU, not a SiLU) is no anchor: no fusion, no near-miss."""
+    nodes = [helper.make_node("Sigmoid", ["x"], ["sig"], name="sigmoid"),
+             helper.make_node("Mul", ["sig", "up"], ["y"], name="glu")]
+    path = _save(tmp_path, nodes, [_vi("x", [2, H]), _vi("up", [2, H])], [_vi("y", [2, H])], {})
+    resolved = resolve_model(path)
+    assert not resolved.fusions and not resolved.near_misses
 
 
 # ---------------------------------------------------------------------------- the CLI

@@ -52,16 +52,17 @@ def test_tiny_llm_kernels_requirements_and_tie(tiny_llm_path):
     for n in r.nodes:
         kinds[n.kernel] = kinds.get(n.kernel, 0) + 1
     # 4 blocks x (qkv, out, gate_up, down) + LM head; one embedding gather; 2 RMSNorms
-    # per block + the final one, 2 rotaries and the attention per block, fused (test_fusion.py,
+    # per block + the final one, 2 rotaries, the attention and the SiLU per block, fused (test_fusion.py,
     # test_attention_fusion.py); the rest numpy.
     assert kinds.pop("int4_matmul") == 4 * 4 + 1
     assert kinds.pop("int4_gather") == 1
     assert kinds.pop("row_norm") == 2 * 4 + 1
     assert kinds.pop("rotary") == 2 * 4
     assert kinds.pop("gqa") == 4
+    assert kinds.pop("activation") == 4  # each block's SiLU gate, fused into QuickGelu
     assert set(kinds) == {"numpy"}
     assert r.unsupported == ()
-    assert (r.stats.nodes_total, r.stats.nodes_kept, len(r.nodes)) == (255, 115, 115)
+    assert (r.stats.nodes_total, r.stats.nodes_kept, len(r.nodes)) == (255, 111, 111)
     # The tied embedding / LM head: one source descriptor, one prepared object (the LM
     # head's matmul layout, which the gather reads; test_tied_embedding.py).
     gather = next(n for n in r.nodes if n.kernel == "int4_gather")

@@ -75,7 +75,8 @@ HOST_OPS = frozenset({"Shape", "Size", "Constant", "Concat", "Unsqueeze", "Squee
 _ALWAYS_HOST = frozenset({"Shape", "Size", "Constant"})
 # ops whose output has their first input's element type
 _SAME_TYPE = frozenset({"Concat", "Unsqueeze", "Squeeze", "Gather", "Reshape", "Slice", "ReduceSum", "Add", "Sub",
-                        "Mul", "Div", "Identity", "Transpose", "Split", "Flatten", "Sigmoid", "Cos", "Sin"})
+                        "Mul", "Div", "Identity", "Transpose", "Split", "Flatten", "Sigmoid", "Cos", "Sin",
+                        "QuickGelu"})
 _NONE_SLOT, _DISCARD_SLOT = 0, 1  # action_program.py's
 _SHOWN = 3  # problems a refusal names in full (every one is in DeviceError.refused)
 

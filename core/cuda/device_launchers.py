@@ -147,6 +147,30 @@ class Unary:
         return _ops(call, tops.plan_unary(call.node.op_type, call.outputs[0].address, x.address, x.size))
 
 
+class QuickGelu:
+    """com.microsoft QuickGelu with alpha 1, ``x * sigmoid(x)`` (what the silu fusion
+    makes of a SwiGLU gate): the Sigmoid kernel into Y, then Y = X * Y, the two ops it
+    replaced. Another alpha is refused."""
+
+    host_inputs = frozenset()
+
+    def check(self, node, in_dtypes):
+        from onnx_prep.core.ops.activation import DEFAULT_ALPHA
+
+        alpha = float(node.attributes.get("alpha", DEFAULT_ALPHA))
+        if alpha != 1.0:
+            return f"its device kernels compute x * sigmoid(x) (alpha 1), alpha is {alpha:g}"
+        return _float32(node, in_dtypes, (0,))
+
+    def outputs(self, call):
+        return [TensorSpec(call.inputs[0].shape, np.dtype(np.float32))]
+
+    def launches(self, call):
+        x, y = call.inputs[0], call.outputs[0]
+        return _ops(call, (*tops.plan_unary("Sigmoid", y.address, x.address, x.size),
+                           *tops.plan_binary("Mul", y.address, x.address, x.shape, y.address, x.shape)))
+
+
 def _cast_target(node: Any) -> np.dtype:
     from onnx import helper
 
@@ -313,6 +337,7 @@ DEVICE_LAUNCHERS: dict[tuple[str, str], DeviceLauncher] = {
     ("Gather", "numpy"): Gather(),
     **{(op, "numpy"): View() for op in ("Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity")},
     ("MatMulNBits", "int4_matmul"): Int4Matmul(),
+    ("QuickGelu", "activation"): QuickGelu(),
 }
 
 

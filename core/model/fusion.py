@@ -31,7 +31,13 @@ Patterns (``PATTERNS``):
   exports'), ``onnx_prep.fused::MaskedAttention(q, key_cache, value_cache, mask, ...)``,
   the mask an input.
 
-Where a pattern's anchor is found (the ReduceMean of a square; the Add of two Muls one
+- ``silu`` → ``com.microsoft::QuickGelu(x, alpha)`` (the ``activation`` kernel, as ONNX
+  Runtime's own fusion of the same pair): ``x * Sigmoid(x)`` (alpha 1, SiLU / Swish, the
+  gate of a SwiGLU MLP) or ``x * Sigmoid(x * c)`` with ``c`` a scalar constant (alpha
+  ``c``), the Mul's operands in either order.
+
+Where a pattern's anchor is found (the ReduceMean of a square; a Sigmoid whose output
+a Mul by its own input reads; the Add of two Muls one
 of which reads a rotate-half Concat; a Softmax over a MatMul's scores) but something
 breaks the match, a ``NearMiss`` names the node and why (an intermediate read
 elsewhere, an epsilon that is not a constant, an axis that is not the last).
@@ -53,8 +59,8 @@ from onnx_prep.core.model.transforms import GraphNode
 from onnx_prep.core.model.weights import WeightDescriptor
 
 FUSED_DOMAIN = "onnx_prep.fused"  # ops that exist only as the result of a fusion here
-RMS_NORM, ROTARY, ATTENTION = "rms_norm", "rotary", "attention"
-PATTERNS = (RMS_NORM, ROTARY, ATTENTION)
+RMS_NORM, ROTARY, ATTENTION, SILU = "rms_norm", "rotary", "attention", "silu"
+PATTERNS = (RMS_NORM, ROTARY, ATTENTION, SILU)
 _SMALL = 64  # a constant of at most this many elements is read for matching
 
 
@@ -417,6 +423,44 @@ def _match_rotary(g: _Graph, add: GraphNode, rot: tuple, cos_mul: GraphNode) -> 
     return fused, chain
 
 
+# ------------------------------------------------------------------------------ SiLU
+
+def _silu_anchor(g: _Graph, node: GraphNode) -> tuple[str, GraphNode | None, GraphNode] | None:
+    """(x, the Mul scaling x before the Sigmoid or None, the Mul by x after it) when
+    ``node`` is a Sigmoid of x (or of x * c) whose output a Mul by that x reads."""
+    if (node.op_type, node.domain) != ("Sigmoid", "") or len(node.inputs) != 1 or len(node.outputs) != 1:
+        return None
+    s = node.outputs[0]
+    readers = [r for r in g.consumers.get(s, []) if (r.op_type, r.domain) == ("Mul", "") and len(r.inputs) == 2]
+
+    def times(v: str) -> GraphNode | None:
+        return next((r for r in readers if _other(r, s) == v and v != s), None)
+
+    x = node.inputs[0]
+    mul = times(x)
+    if mul is not None:
+        return x, None, mul
+    pre = g.made_by(x, "Mul")
+    if pre is not None and len(pre.inputs) == 2:
+        for i in (0, 1):
+            if g.const(pre.inputs[1 - i]) is not None and (mul := times(pre.inputs[i])) is not None:
+                return pre.inputs[i], pre, mul
+    return None
+
+
+def _match_silu(g: _Graph, sig: GraphNode, x: str, scaled: GraphNode | None,
+                mul: GraphNode) -> tuple[GraphNode, list[GraphNode]]:
+    alpha, chain = 1.0, [sig, mul]
+    if scaled is not None:
+        alpha = _scalar(g, _other(scaled, x), "the Sigmoid's scale")
+        g.only_reader(scaled.outputs[0], sig)
+        chain.insert(0, scaled)
+    g.only_reader(sig.outputs[0], mul)
+    fused = GraphNode(mul.name, "QuickGelu", "com.microsoft", [x], [mul.outputs[0]], {"alpha": alpha},
+                      fused_from=tuple(n.name for n in chain))
+    return fused, chain
+
+
 # ------------------------------------------------------------------------------ pass
 
 def fuse_patterns(nodes: list[GraphNode], values: Mapping[str, np.ndarray], weights: Mapping[str, WeightDescriptor],
@@ -428,7 +472,7 @@ def fuse_patterns(nodes: list[GraphNode], values: Mapping[str, np.ndarray], weig
     from onnx_prep.core.model.attention_pattern import attention_anchor, match_attention
 
     matchers = ((RMS_NORM, _rms_anchor, _match_rms_norm), (ROTARY, _rotary_anchor, _match_rotary),
-                (ATTENTION, attention_anchor, match_attention))
+                (ATTENTION, attention_anchor, match_attention), (SILU, _silu_anchor, _match_silu))
     g = _Graph(nodes, values, weights, graph_outputs)
     fusions: list[Fusion] = []
     misses: list[NearMiss] = []
