@@ -14,7 +14,7 @@ static inline float quick_gelu_one(float x, float alpha) {
     float a = -fabsf(t);
     a = a < OP_SIGMOID_LO ? OP_SIGMOID_LO : a; /* NaN: a */
     const float e = op_exp_twin(a), d = 1.0f + e;
-    return x * (t >= 0.0f ? 1.0f / d : e / d);
+    return x * ((t >= 0.0f ? 1.0f : e) / d);
 }
 
 static void quick_gelu_scalar(const float *x, float *y, size_t n, float alpha) {

@@ -2,7 +2,7 @@
  *
  * QuickGelu (com.microsoft): y = x * sigmoid(alpha * x), per element, as
  *   t = alpha * x, a = max(-|t|, -86), e = exp(a) (vector_exp.h), d = 1 + e,
- *   s = t >= 0 ? 1 / d : e / d, y = x * s.
+ *   s = (t >= 0 ? 1 : e) / d, y = x * s (one division: the numerator chosen first).
  * exp only ever sees an argument in [-86, 0], where its result is a normal float, so
  * every path (scalar twin, AVX2, AVX-512) gives the same bits. Below t = -86 the
  * sigmoid is taken as exp(-86) / (1 + exp(-86)) ~ 4.5e-38: an absolute error under

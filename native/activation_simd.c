@@ -20,8 +20,7 @@ static inline __m256 quick_gelu_avx2_v(__m256 x, __m256 alpha) {
     a = _mm256_max_ps(_mm256_set1_ps(OP_SIGMOID_LO), a);  /* NaN: a */
     const __m256 e = exp_avx2(a), d = _mm256_add_ps(_mm256_set1_ps(1.0f), e);
     const __m256 pos = _mm256_cmp_ps(t, _mm256_setzero_ps(), _CMP_GE_OQ);
-    const __m256 s = _mm256_blendv_ps(_mm256_div_ps(e, d), _mm256_div_ps(_mm256_set1_ps(1.0f), d), pos);
-    return _mm256_mul_ps(x, s);
+    return _mm256_mul_ps(x, _mm256_div_ps(_mm256_blendv_ps(e, _mm256_set1_ps(1.0f), pos), d));
 }
 
 static void quick_gelu_avx2(const float *x, float *y, size_t n, float alpha) {
@@ -48,7 +47,7 @@ static inline __m512 quick_gelu_avx512_v(__m512 x, __m512 alpha) {
     a = _mm512_max_ps(_mm512_set1_ps(OP_SIGMOID_LO), a);  /* NaN: a */
     const __m512 e = exp_avx512(a), d = _mm512_add_ps(_mm512_set1_ps(1.0f), e);
     const __mmask16 pos = _mm512_cmp_ps_mask(t, _mm512_setzero_ps(), _CMP_GE_OQ);
-    return _mm512_mul_ps(x, _mm512_mask_div_ps(_mm512_div_ps(e, d), pos, _mm512_set1_ps(1.0f), d));
+    return _mm512_mul_ps(x, _mm512_div_ps(_mm512_mask_blend_ps(pos, e, _mm512_set1_ps(1.0f)), d));
 }
 
 static void quick_gelu_avx512(const float *x, float *y, size_t n, float alpha) {
