@@ -137,5 +137,6 @@ def test_decode_gemvs_are_cut_into_chunks_of_about_chunk_work_prefill_into_one_p
     assert intra_op.chunk_count(int(7.9 * mib), 1, 2) == 4  # the medium QKV: ~3 chunks of CHUNK_WORK
     assert intra_op.chunk_count(int(14.4 * mib), 1, 2) == 8  # gate-up: ~7
     assert intra_op.chunk_count(int(7.9 * mib), 1, 3) == 3 and intra_op.chunk_count(13 * mib, 1, 4) == 8
-    # more rows: one chunk per part
-    assert intra_op.chunk_count(36 * mib, 8, 2) == 2
+    # two rows (decode at batch 2) as one; more rows: one chunk per part
+    assert intra_op.chunk_count(13 * mib, 2, 2) == 6
+    assert intra_op.chunk_count(36 * mib, 3, 2) == intra_op.chunk_count(36 * mib, 8, 2) == 2

@@ -61,6 +61,7 @@ def count_handed_off(chunks: int, sleeps: int = 0, wakes: int = 0) -> None:
 # 2 chunks 1325, 16 chunks 1051.
 CHUNK_WORK = 2 << 20
 MAX_CHUNKS_PER_PART = 8
+SMALL_ROWS = 2  # up to this many rows, a split INT4 matmul is cut as a decode GEMV (chunk_count)
 
 
 def _work(packed_bytes: int, rows: int) -> int:
@@ -81,15 +82,21 @@ def chunk_count(packed_bytes: int, rows: int, parts: int) -> int:
     what one does (level 4, weights streamed, min of 5: 2048x32000 1493 us whole, 1427 in
     16 chunks; 5632x2048 272 and 274); through ``fork_join`` each chunk prepares A again
     (5632x2048: 300 us in 16 chunks), still worth it there for a late-waking worker.
-    With more than one row, one chunk per part: each chunk's kernel call repeats its
-    per-call work for every row, and an 8-row prefill in 16 chunks was slower than in 2.
+    Two rows (decode at batch 2) are cut as one is; with more, one chunk per part: each
+    chunk's kernel call repeats its per-call work for every row, and an 8-row prefill in
+    16 chunks was slower than in 2. Measured for two rows: a builder-exported Llama at
+    level 4, batch 2, 2 threads, two sessions alternating round by round (2026-12-03,
+    2-vCPU Intel Xeon), per-part chunks against one-row chunks, step medians 27.22 ->
+    26.10 and 25.62 -> 25.53 ms (mins 24.61 -> 24.25, 24.48 -> 23.96), the medium
+    fixture at level 4 29.62 -> 29.20 (min 28.38 -> 27.81); at batch 4 and 8 no
+    difference beyond noise (38.37 / 39.13, 53.32 / 52.19), so those keep one per part.
     The count is a multiple of ``parts``: 3 chunks over 2 threads leave one thread a
     chunk alone at the end, a third of the GEMV, where 4 leave it a quarter of what each
     ran (the medium fixture's 7.9 MB QKV and 7.2 MB down projections made 3 chunks, its
     14.4 MB gate-up projection 7). Measured: medium level 4, batch 1, 2 threads, 3 and 7
     against 4 and 8, alternating every two steps in one session (2026-12-02, 2-vCPU
     Intel Xeon): median step 57.03 -> 52.87 ms and 50.61 -> 46.35."""
-    if rows > 1:
+    if rows > SMALL_ROWS:
         return parts
     n = max(parts, min(parts * MAX_CHUNKS_PER_PART, packed_bytes // CHUNK_WORK))
     return -(-n // parts) * parts
