@@ -14,7 +14,7 @@ EXTRAS ?= test,exports
 comma := ,
 TEST_STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: demo test install check-wheel bench clean
+.PHONY: demo test install check-wheel sanitize bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +56,12 @@ check-wheel: $(BIN)/python
 	$(WHEEL_VENV)/bin/python -c 'import onnx_prep.core as c, sys; \
 		sys.exit(0 if "/site-packages/" in c.__file__ else f"not the installed package: {c.__file__}")'
 	$(WHEEL_VENV)/bin/python -m pytest -q
+
+# The native module's tests again, the C built with AddressSanitizer and UBSan into
+# build/sanitize (scripts/sanitize_native.py; ~4 minutes on 2 vCPUs, most of it the
+# build). CI runs it after `make test`.
+sanitize: $(TEST_STAMP)
+	$(BIN)/python scripts/sanitize_native.py
 
 # The benchmarks behind the kernel and load targets (docs/kernels.md, docs/runtime.md),
 # ~6 minutes on 2 vCPUs; each ends with a line saying which targets it met.

@@ -33,19 +33,28 @@ def _cdef() -> str:
 
 C_SOURCES = sorted(p.name for p in HERE.glob("*.c") if p.name != "_native.c")
 
-ffibuilder = FFI()
-ffibuilder.cdef(_cdef())
-ffibuilder.set_source(
-    "onnx_prep.native._native",
-    '#include "onnx_prep_native.h"',
-    sources=[str((HERE / s).relative_to(ROOT)) for s in C_SOURCES],
-    include_dirs=[str(HERE.relative_to(ROOT))],
-    define_macros=[("ONNX_PREP_VERSION", f'"{_version()}"')],
-    # -O3 for the kernels; ISA-specific code is enabled per file with
-    # `#pragma GCC target`, never globally, so the module still loads on any x86-64.
-    extra_compile_args=["-O3", "-std=c11", "-fno-strict-aliasing"],
-    libraries=[] if sys.platform == "win32" else ["m"],  # erf() (elementwise.c)
-)
+
+def builder(extra_compile_args: tuple[str, ...] = (), extra_link_args: tuple[str, ...] = ()) -> FFI:
+    """The module's FFI builder; the extra flags are for instrumented builds
+    (scripts/sanitize_native.py), never the installed module."""
+    ffi = FFI()
+    ffi.cdef(_cdef())
+    ffi.set_source(
+        "onnx_prep.native._native",
+        '#include "onnx_prep_native.h"',
+        sources=[str((HERE / s).relative_to(ROOT)) for s in C_SOURCES],
+        include_dirs=[str(HERE.relative_to(ROOT))],
+        define_macros=[("ONNX_PREP_VERSION", f'"{_version()}"')],
+        # -O3 for the kernels; ISA-specific code is enabled per file with
+        # `#pragma GCC target`, never globally, so the module still loads on any x86-64.
+        extra_compile_args=["-O3", "-std=c11", "-fno-strict-aliasing", *extra_compile_args],
+        extra_link_args=list(extra_link_args),
+        libraries=[] if sys.platform == "win32" else ["m"],  # erf() (elementwise.c)
+    )
+    return ffi
+
+
+ffibuilder = builder()
 
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)
