@@ -113,6 +113,17 @@ def test_float16_is_computed_in_float32_as_onnxruntime_does():
     np.testing.assert_allclose(ours.astype(np.float32), theirs.astype(np.float32), rtol=F16_RTOL, atol=1e-3)
 
 
+def test_float64_stays_float64():
+    """What the silu fusion may meet in a float64 graph: computed in float64, not rounded
+    through float32."""
+    x = np.random.default_rng(10).standard_normal(500) * 5
+    y = quick_gelu([x], {"alpha": 1.0}, {})[0]
+    assert y.dtype == np.float64
+    # within float64's rounding (the tanh form's 1 + tanh cancels for x < 0: absolute, not
+    # relative, error there); float32 rounding would be ~1e-7 relative
+    np.testing.assert_allclose(y, x / (1 + np.exp(-x)), rtol=1e-13, atol=1e-14)
+
+
 def test_bound_node_reads_alpha_once_and_gives_the_ops_bits():
     x = _values(8, 999)
     bound = quick_gelu.bind({"alpha": 0.75})

@@ -6,7 +6,8 @@ The native kernel (``onnx_prep.native.quick_gelu``; its arithmetic in
 native/activation.h) is within 2e-7 relative of the exact value for finite inputs;
 ONNX Runtime's own is within ~2e-6 absolute and returns 0 below x ~ -18 where this one
 keeps the tiny value. Without the native module: numpy, with the Sigmoid op's formula.
-float16 is computed in float32 and rounded back, as ONNX Runtime does.
+float16 is computed in float32 and rounded back, as ONNX Runtime does; float64 (a model
+whose SiLU the fusion rewrote) in float64 with that formula.
 """
 from __future__ import annotations
 
@@ -26,16 +27,22 @@ def _kernel():
         return None
 
 
+def _numpy(x: np.ndarray, alpha: float) -> np.ndarray:
+    """``x * sigmoid(alpha x)`` in x's own float type, the Sigmoid op's formula."""
+    half = x.dtype.type(0.5)
+    y = np.tanh(x * x.dtype.type(alpha) * half)
+    y += 1
+    y *= half
+    y *= x
+    return y
+
+
 def _quick_gelu(x: np.ndarray, alpha: float, kernel) -> np.ndarray:
-    x32 = np.asarray(x).astype(np.float32, copy=False)
-    if kernel is not None:
-        y = kernel(x32, alpha)
-    else:  # pragma: no cover - only without the native module
-        half = np.float32(0.5)
-        y = np.tanh(x32 * np.float32(alpha) * half)
-        y += 1
-        y *= half
-        y *= x32
+    x = np.asarray(x)
+    if x.dtype not in (np.float32, np.float16):  # float64 (what the fusion may meet): in its own precision
+        return _numpy(x, alpha)
+    x32 = x.astype(np.float32, copy=False)
+    y = kernel(x32, alpha) if kernel is not None else _numpy(x32, alpha)
     return y if x.dtype == np.float32 else y.astype(x.dtype)
 
 
