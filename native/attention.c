@@ -357,3 +357,53 @@ int op_group_query_attention(int isa, const op_gqa_params *p, const float *query
     op_ran(t->code);
     return OP_OK;
 }
+
+/* ---- the same, its units split across a mailbox's helpers ---------------------------- */
+
+#define GQA_MAX_CHUNKS 64
+
+typedef struct {
+    int isa;
+    const op_gqa_params *p;
+    const float *query, *key, *value, *past_key, *past_value;
+    const int64_t *seqlens_k;
+    const float *cos_cache, *sin_cache;
+    float *out, *present_key, *present_value;
+    int64_t bad_row; /* a chunk's bad row (any one), or -1 */
+} gqa_task_ctx;
+
+static int gqa_task(void *c, int64_t begin, int64_t end) {
+    gqa_task_ctx *x = c;
+    int64_t bad = -1;
+    const int st = op_group_query_attention(x->isa, x->p, x->query, x->key, x->value, x->past_key, x->past_value,
+                                            x->seqlens_k, x->cos_cache, x->sin_cache, x->out, x->present_key,
+                                            x->present_value, begin, end, &bad);
+    if (bad >= 0) __atomic_store_n(&x->bad_row, bad, __ATOMIC_RELAXED);
+    return st;
+}
+
+int op_mailbox_gqa(op_mailbox *m, int isa, const op_gqa_params *p, const float *query, const float *key,
+                   const float *value, const float *past_key, const float *past_value,
+                   const int64_t *seqlens_k, const float *cos_cache, const float *sin_cache, float *out,
+                   float *present_key, float *present_value, int64_t chunks, int64_t *bad_row) {
+    op_ran(OP_KERNEL_NONE);
+    if (bad_row) *bad_row = -1;
+    if (!m || !p || chunks < 1 || chunks > GQA_MAX_CHUNKS || p->batch < 0 || p->kv_num_heads < 1) return OP_E_ARG;
+    const int64_t units = p->batch * p->kv_num_heads;
+    if (chunks > units) chunks = units > 0 ? units : 1;
+    int64_t ranges[2 * GQA_MAX_CHUNKS];
+    int rcs[GQA_MAX_CHUNKS];
+    for (int64_t i = 0; i < chunks; i++) { /* units in chunks of equal size, the first ones one larger */
+        ranges[2 * i] = i * (units / chunks) + (i < units % chunks ? i : units % chunks);
+        ranges[2 * i + 1] = ranges[2 * i] + units / chunks + (i < units % chunks);
+    }
+    gqa_task_ctx x = {isa, p, query, key, value, past_key, past_value, seqlens_k, cos_cache, sin_cache, out,
+                      present_key, present_value, -1};
+    const int st = op_mailbox_run_task(m, gqa_task, &x, ranges, chunks, rcs);
+    if (bad_row) *bad_row = x.bad_row;
+    if (st) return st;
+    int ignored;
+    const op_attn_table *t = attn_table(isa, &ignored);
+    if (t && units > 0) op_ran(t->code); /* whoever ran the chunks: the code they ran */
+    return OP_OK;
+}

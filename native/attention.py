@@ -247,7 +247,8 @@ class GqaStep:
     row at the past's length (``seqlens_k`` all P, total P + 1). Call it
     as ``gqa_decode`` minus the key, value and attributes: ``(output, present_key,
     present_value)``, or None when the arguments are not that form (the caller then
-    takes ``gqa_decode``, which takes anything).
+    takes ``gqa_decode``, which takes anything). With ``box`` (a ``Mailbox`` whose helpers
+    are lent to this run) and ``chunks`` > 1, the units are shared with the helpers.
 
     The same checks of what the kernel trusts (every shape, stride and table length)
     and the same C call with the same arguments as ``gqa_decode``: the same bits. The
@@ -275,7 +276,7 @@ class GqaStep:
         self._heads = (num_heads, kv_num_heads, float(scale))
 
     def __call__(self, query, past_key, past_value, seqlens_k, total_sequence_length, cos_cache, sin_cache,
-                 present):
+                 present, box=None, chunks: int = 1):
         q = query
         if not (type(q) is np.ndarray and q.dtype == _F32 and q.ndim == 3 and q.flags.c_contiguous
                 and q.shape[1] == 1):
@@ -304,12 +305,12 @@ class GqaStep:
         if B == 1:  # q, k and v side by side in one row
             qp = ffi.from_buffer("float[]", q)
             return self._run(qp, qp + N * H, qp + (N + KN) * H, q, B, H, past_key, past_value, present,
-                             cos_cache, sin_cache, np.empty((B, 1, N * H), np.float32))
+                             cos_cache, sin_cache, np.empty((B, 1, N * H), np.float32), box, chunks)
         parts = _packed_parts(q, N, KN, H)
         return self._run(*(ffi.from_buffer("float[]", x) for x in parts), parts, B, H, past_key, past_value,
-                         present, cos_cache, sin_cache, np.empty((B, 1, N * H), np.float32))
+                         present, cos_cache, sin_cache, np.empty((B, 1, N * H), np.float32), box, chunks)
 
-    def separate(self, query, key, value, past_key, past_value, present):
+    def separate(self, query, key, value, past_key, past_value, present, box=None, chunks: int = 1):
         """The step of the fused ``onnx_prep.fused::Attention`` (core/ops/attention.py):
         query ``[B, N, 1, H]``, key and value ``[B, KN, 1, H]`` (BNSH; with one row, each
         batch row's heads lie side by side, as the kernel reads them; a strided one is
@@ -325,10 +326,14 @@ class GqaStep:
         q, k, v = rows = tuple(x if x.flags.c_contiguous else np.ascontiguousarray(x) for x in rows)
         fb = ffi.from_buffer
         return self._run(fb("float[]", q), fb("float[]", k), fb("float[]", v), rows, B, H, past_key,
-                         past_value, present, None, None, np.empty((B, 1, N, H), np.float32))
+                         past_value, present, None, None, np.empty((B, 1, N, H), np.float32), box, chunks)
 
-    def _run(self, qp, kp_new, vp_new, keep, B, H, past_key, past_value, present, cos_cache, sin_cache, out):
-        """The C call, after the checks of the present and past buffers it is given."""
+    def _run(self, qp, kp_new, vp_new, keep, B, H, past_key, past_value, present, cos_cache, sin_cache, out,
+             box, chunks):
+        """The C call, after the checks of the present and past buffers it is given: its
+        units (batch row x kv head) in ``chunks`` chunks that ``box``'s helpers share
+        (``op_mailbox_gqa``) when a mailbox is given and ``chunks`` > 1, else on this
+        thread. The same bits either way."""
         _, KN, scale = self._heads
         present_k, present_v = present
         pk, pv = past_key, past_value
@@ -359,10 +364,12 @@ class GqaStep:
         seq = np.full(B, P, np.int64)
         kp, vp = ffi.from_buffer("float[]", kb), ffi.from_buffer("float[]", vb)
         bad = ffi.new("int64_t *")
-        status = lib.op_group_query_attention(
-            isa_id(None), p, qp, kp_new, vp_new, kp, vp, ffi.from_buffer("int64_t[]", seq),
-            ptr(cos_cache, "float *"), ptr(sin_cache, "float *"), ffi.from_buffer("float[]", out), kp, vp,
-            0, B * KN, bad)
+        args = (isa_id(None), p, qp, kp_new, vp_new, kp, vp, ffi.from_buffer("int64_t[]", seq),
+                ptr(cos_cache, "float *"), ptr(sin_cache, "float *"), ffi.from_buffer("float[]", out), kp, vp)
+        if box is not None and chunks > 1:
+            status = lib.op_mailbox_gqa(box.c, *args, chunks, bad)
+        else:
+            status = lib.op_group_query_attention(*args, 0, B * KN, bad)
         del keep  # (held to here: the q / k / v rows the pointers read)
         if status == lib.OP_E_ARG and bad[0] >= 0:
             raise ValueError(f"GroupQueryAttention: seqlens_k[{int(bad[0])}] = {P} does not fit sequence 1, "

@@ -77,26 +77,18 @@ int64_t op_batch_run(op_mm_batch *b) {
         if (i >= b->n) break;
         const size_t cb = (size_t)b->ranges[2 * i], ce = (size_t)b->ranges[2 * i + 1];
         const op_mm_prep *prep = (const op_mm_prep *)b->prep;
-        b->rcs[i] = prep ? op_mm_prep_run(prep, cb, ce)
-                         : op_matmul_nbits(b->isa, b->A, (size_t)b->M, (size_t)b->lda, b->packed, b->nbytes,
-                                           b->bias, b->Y, (size_t)b->ldy, cb, ce, b->level);
+        b->rcs[i] = b->task ? b->task(b->ctx, b->ranges[2 * i], b->ranges[2 * i + 1])
+                    : prep  ? op_mm_prep_run(prep, cb, ce)
+                            : op_matmul_nbits(b->isa, b->A, (size_t)b->M, (size_t)b->lda, b->packed, b->nbytes,
+                                              b->bias, b->Y, (size_t)b->ldy, cb, ce, b->level);
         __atomic_fetch_add(&b->done, 1, __ATOMIC_RELEASE);
         ran++;
     }
     return ran;
 }
 
-int op_mailbox_fork_join(op_mailbox *m, op_mm_batch *b) {
-    /* A is prepared (quantized, for level 4) once here, before the publish, and every
-     * chunk reads it: chunks no longer repeat that work, whoever runs them. */
-    op_mm_prep prep;
-    int st = op_mm_prepare(&prep, b->isa, b->A, (size_t)b->M, (size_t)b->lda, b->packed, b->nbytes, b->bias,
-                           b->Y, (size_t)b->ldy, b->level);
-    if (st) {
-        op_mm_prep_release(&prep);
-        return st;
-    }
-    b->prep = &prep;
+/* Publish b, run chunks of it, wait for all of them and for every helper to leave it. */
+static void publish_and_run(op_mailbox *m, op_mm_batch *b) {
     b->next = 0;
     b->done = 0;
     __atomic_store_n(&m->batch, b, __ATOMIC_RELEASE);
@@ -117,11 +109,41 @@ int op_mailbox_fork_join(op_mailbox *m, op_mm_batch *b) {
     __atomic_fetch_add(&m->chunks_by_helpers, b->n - mine, __ATOMIC_RELAXED);
     m->batches++;
     if (mine == b->n) m->solo_batches++;
-    b->prep = NULL;
-    op_mm_prep_release(&prep);
+}
+
+static int first_failure(const op_mm_batch *b) {
     for (int64_t i = 0; i < b->n; i++)
         if (b->rcs[i]) return b->rcs[i];
     return 0;
+}
+
+int op_mailbox_fork_join(op_mailbox *m, op_mm_batch *b) {
+    /* A is prepared (quantized, for level 4) once here, before the publish, and every
+     * chunk reads it: chunks no longer repeat that work, whoever runs them. */
+    op_mm_prep prep;
+    int st = op_mm_prepare(&prep, b->isa, b->A, (size_t)b->M, (size_t)b->lda, b->packed, b->nbytes, b->bias,
+                           b->Y, (size_t)b->ldy, b->level);
+    if (st) {
+        op_mm_prep_release(&prep);
+        return st;
+    }
+    b->prep = &prep;
+    b->task = NULL;
+    publish_and_run(m, b);
+    b->prep = NULL;
+    op_mm_prep_release(&prep);
+    return first_failure(b);
+}
+
+int op_mailbox_run_task(op_mailbox *m, op_task_fn task, void *ctx, const int64_t *ranges, int64_t n, int *rcs) {
+    op_mm_batch b = {0};
+    b.task = task;
+    b.ctx = ctx;
+    b.ranges = ranges;
+    b.n = n;
+    b.rcs = rcs;
+    publish_and_run(m, &b);
+    return first_failure(&b);
 }
 
 int64_t op_mailbox_serve(op_mailbox *m) {

@@ -236,9 +236,11 @@ size_t op_page_size(void);
 
 /* ---- GIL-free hand-off of matmul chunks (handoff.c) ------------------------------ */
 /* One INT4 matmul cut into column chunks: op_matmul_nbits's arguments, the chunks'
- * [col_begin, col_end) pairs and a result code per chunk. next / done / prep:
- * internal (prep: A prepared once for every chunk, set by op_mailbox_fork_join for the
- * batch's duration; NULL: each chunk prepares A itself). */
+ * [col_begin, col_end) pairs and a result code per chunk. next / done / prep / task /
+ * ctx: internal (prep: A prepared once for every chunk, set by op_mailbox_fork_join for
+ * the batch's duration; NULL: each chunk prepares A itself; task: a batch of other
+ * work, op_mailbox_gqa's, each chunk task(ctx, begin, end), the matmul fields unused). */
+typedef int (*op_task_fn)(void *ctx, int64_t begin, int64_t end);
 typedef struct {
     const float *A; int64_t M; int64_t lda;
     const uint8_t *packed; size_t nbytes;
@@ -247,6 +249,7 @@ typedef struct {
     const int64_t *ranges; int64_t n; int *rcs;
     int64_t next; int64_t done;
     void *prep;
+    op_task_fn task; void *ctx;
 } op_mm_batch;
 /* Where one caller at a time publishes its batches to the helpers lent to it. Zero it,
  * then set seq = 1 (closed), spin_ns (how long an idle helper spins before it sleeps;
@@ -340,6 +343,14 @@ int op_group_query_attention(int isa, const op_gqa_params *p, const float *query
                              const int64_t *seqlens_k, const float *cos_cache, const float *sin_cache,
                              float *out, float *present_key, float *present_value,
                              int64_t unit_begin, int64_t unit_end, int64_t *bad_row);
+/* op_group_query_attention over all of its units (batch row x kv head), cut into
+ * `chunks` ranges of units (at most 64) that m's caller and helpers run as
+ * op_mailbox_fork_join runs a matmul's: the same arithmetic per unit, the same bits.
+ * 0, or the first failing chunk's error (bad_row as op_group_query_attention's). */
+int op_mailbox_gqa(op_mailbox *m, int isa, const op_gqa_params *p, const float *query, const float *key,
+                   const float *value, const float *past_key, const float *past_value,
+                   const int64_t *seqlens_k, const float *cos_cache, const float *sin_cache, float *out,
+                   float *present_key, float *present_value, int64_t chunks, int64_t *bad_row);
 
 /* ---- element-wise math (elementwise.c) ----------------------------------------- */
 /* y[i] = erf(x[i]) (libm, double precision; in place allowed). */

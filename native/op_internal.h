@@ -125,6 +125,10 @@ typedef struct {
  * us after a 32-400 MB stream; a trivial attention call 40 us and ~270 us. */
 #define OP_STREAM_AHEAD 2560u
 extern int op_weight_streaming_on; /* op_set_weight_streaming (dispatch.c) */
+/* Run task(ctx, ranges[2i], ranges[2i + 1]) for i < n as one batch of m (handoff.c):
+ * the caller and m's helpers take the chunks; rcs[i] gets each chunk's status. 0, or
+ * the first failing chunk's. */
+int op_mailbox_run_task(op_mailbox *m, op_task_fn task, void *ctx, const int64_t *ranges, int64_t n, int *rcs);
 extern int op_gemv_panels;         /* op_set_gemv_panels (dispatch.c) */
 /* In a driver taking `in`: `a`, its own copy of the arguments with `stream` = `once` (its
  * passes for this M read every panel byte once; a byte read again must stay cached). */

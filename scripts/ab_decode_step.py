@@ -1,9 +1,9 @@
 """Decode steps with one setting on and off, alternating every two steps in ONE session,
 so that both see the same machine state, the same memory and the same KV lengths.
 
-    .venv/bin/python scripts/ab_decode_step.py [--toggle streaming|panels|bound-calls]
+    .venv/bin/python scripts/ab_decode_step.py [--toggle streaming|panels|bound-calls|attention-split]
         [--preset medium | --model PATH] [--batch 1] [--tokens 32] [--rounds 6] [--threads 2]
-        [--json FILE]
+        [--prompt-tokens 8] [--json FILE]
 
 --toggle:
   streaming        the INT4 GEMVs' non-temporal weight prefetch (native.set_weight_streaming;
@@ -14,6 +14,8 @@ so that both see the same machine state, the same memory and the same KV lengths
                    step, the Skip norms: an op's ``bind``, core/runtime/action_program.py)
                    or the general op they stand in for ("off"), swapped in the session's
                    compiled actions
+  attention-split  a decode step's attention sharing its units with the run's helpers
+                   (core/ops/intra_op.py ``attention_split``) or on the caller alone
 
 Each round decodes --tokens greedily from the same prompt; the prefill and the first
 decode step are left out. Prints each setting's step wall time, min / median / max (ms),
@@ -33,6 +35,7 @@ import numpy as np
 
 from onnx_prep import native
 from onnx_prep.core.decode.generation import greedy_decode
+from onnx_prep.core.ops import intra_op
 from onnx_prep.core.profile.machine_activity import MachineActivity, describe
 from onnx_prep.core.runtime.session import Session
 from gemv_step_profile import open_decoder  # this folder: sys.path[0] when run as a script
@@ -41,7 +44,17 @@ from gemv_step_profile import open_decoder  # this folder: sys.path[0] when run 
 # --toggle: the setting, on (the default) or off, given the session
 TOGGLES = {"streaming": lambda session: native.set_weight_streaming,
            "panels": lambda session: lambda on: native.set_gemv_panels(2 if on else 1),
-           "bound-calls": lambda session: _bound_calls(session)}
+           "bound-calls": lambda session: _bound_calls(session),
+           "attention-split": lambda session: _attention_split}
+
+
+_SPLIT_DEFAULT = intra_op.MIN_ATTENTION_SPLIT_BYTES
+
+
+def _attention_split(on: bool) -> None:
+    """A decode step's attention shares its units with the run's helpers (the default
+    threshold, core/ops/intra_op.py) or runs on the caller alone."""
+    intra_op.MIN_ATTENTION_SPLIT_BYTES = _SPLIT_DEFAULT if on else 1 << 62
 
 
 def _bound_calls(session):
@@ -66,12 +79,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt-tokens", type=int, default=8,
+                    help="the prompt's length (the context each decode step attends to starts there)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if args.tokens < 4:
         ap.error("--tokens must be at least 4 (the prefill and the first decode step are left out)")
 
     path, resolved, io, prompt = open_decoder(args.model, args.preset, args.batch)
+    if args.prompt_tokens != prompt.shape[1]:  # the same ids, repeated to the length asked
+        prompt = np.resize(prompt[0], args.prompt_tokens)[None, :].repeat(args.batch, axis=0)
     steps: dict[str, list[float]] = {"on": [], "off": []}
 
     tokens = None

@@ -26,11 +26,13 @@ def _unbind(session: Session) -> Counter:
 
 @pytest.mark.parametrize("batch", [1, 2])
 def test_bound_calls_give_the_general_ops_logits_at_every_step(tiny_llm_path, monkeypatch, batch):
-    """The tiny fixture (fused Attention over append buffers, MatMulNBits split through
-    the run's mailbox once the split threshold is lowered, RMSNorms): bound and general sessions
+    """The tiny fixture (fused Attention over append buffers, its units shared with the
+    run's helpers, MatMulNBits split through the run's mailbox, both once their
+    thresholds are lowered; RMSNorms): bound and general sessions
     decode the same tokens with equal logits at every step; the bound attention step and
     the bound GEMV did run (a general call in their place would not be counted)."""
     monkeypatch.setattr(intra_op, "MIN_SPLIT_WORK", 1)  # every INT4 matmul splits
+    monkeypatch.setattr(intra_op, "MIN_ATTENTION_SPLIT_BYTES", 0)  # every attention step shares its units
     ran = {"attention": 0, "gemv": 0}
     separate, through = native.GqaStep.separate, native.MatmulSplit.through
 

@@ -503,6 +503,53 @@ def test_the_bound_decode_step_gives_the_general_calls_bits(B, rotary, interleav
         np.testing.assert_array_equal(g, w)
 
 
+@pytest.mark.parametrize("B,N,KN", [(1, 8, 2), (3, 8, 4), (2, 4, 4)])
+def test_the_bound_step_shares_its_units_with_the_runs_helpers_and_gives_the_same_bits(B, N, KN, monkeypatch):
+    """In a hot run with a served mailbox, the bound decode step cuts its units (batch row
+    x kv head) into chunks the helpers take (native op_mailbox_gqa): output and present
+    bit for bit the general op's, until a helper has run chunks of it; a single unit, a
+    run without helpers or a cache under MIN_ATTENTION_SPLIT_BYTES stays on the caller."""
+    import threading
+
+    from onnx_prep.core.ops import attention as ops_attention
+    from onnx_prep.core.ops import intra_op
+    from onnx_prep.core.ops.attributes import APPEND_IN_PLACE
+
+    H, P = 32, 11
+    rng = np.random.default_rng(40 + B)
+    attrs = dict(attrs_of(N, KN, True, False), scale=0.0)
+    bound = ops_attention.bind_group_query_attention({**attrs, APPEND_IN_PLACE: (0, 1)})
+    units = B * KN
+    assert intra_op.attention_split(units, 1 << 30) == (None, 1)  # no run: no split
+    box = native.Mailbox()
+    helper = threading.Thread(target=box.serve)
+    helper.start()
+    try:
+        with intra_op.using(lambda *a, **k: 0, parts=2, mailbox=intra_op.LazyMailbox(lambda: box)):
+            assert intra_op.attention_split(units, intra_op.MIN_ATTENTION_SPLIT_BYTES - 1) == (None, 1)
+            assert intra_op.attention_split(1, 1 << 30) == (None, 1)
+            assert intra_op.attention_split(units, 1 << 30) == (box, min(units, 4))
+            monkeypatch.setattr(intra_op, "MIN_ATTENTION_SPLIT_BYTES", 0)
+            for i in range(2000):  # until a helper has run a chunk (it spins in C, so soon)
+                q, _, _, pk, pv, seqlens, total, cos, sin = gqa_inputs(
+                    rng, B=B, S=1, N=N, KN=KN, H=H, lens=[P + 1] * B, total=P + 1, past_len=P, rotary=True,
+                    packed=True)
+                want = ops_attention.group_query_attention([q, None, None, pk, pv, seqlens, total, cos, sin],
+                                                           attrs, None)
+                batches = box.batches
+                got = bound([q, None, None, _claimed_past(pk), _claimed_past(pv), seqlens, total, cos, sin,
+                             None, None, None], attrs, None)
+                assert box.batches == batches + 1  # the step went through the mailbox
+                for g, w in zip(got, want):
+                    np.testing.assert_array_equal(g, w)
+                if box.chunks_by_helpers and i >= 5:
+                    break
+    finally:
+        box.stop()
+        helper.join()
+    assert box.chunks_by_helpers > 0
+
+
 @pytest.mark.parametrize("change", ["plain_past", "ragged_rows", "separate_kv", "first_prompt", "f16"])
 def test_the_bound_decode_step_takes_the_general_path_for_any_other_form(change):
     """A past that is no append buffer (copied into one), rows of different lengths,

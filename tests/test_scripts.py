@@ -367,7 +367,17 @@ def test_gemv_step_profile_compares_kept_helpers(tmp_path):
     assert 2 * statistics.median(kept) < statistics.median(per_run), (kept, per_run)
 
 
-@pytest.mark.parametrize("toggle", ["streaming", "panels"])
+def test_gemv_step_profile_compares_fused_and_unfused(tmp_path):
+    out = tmp_path / "gemv.json"
+    p = _run(["scripts/gemv_step_profile.py", "--preset", "tiny-llm", "--compare", "fusion",
+              "--tokens", "4", "--rounds", "1", "--json", str(out)], tmp_path / "cache")
+    assert p.returncode == 0, p.stderr  # includes: both sessions' greedy tokens identical
+    doc = json.loads(out.read_text())
+    assert set(doc["steps"]) == {"unfused", "fused"}
+    assert doc["tokens"]["unfused"] == doc["tokens"]["fused"]
+
+
+@pytest.mark.parametrize("toggle", ["streaming", "panels", "attention-split"])
 def test_ab_decode_step_alternates_in_one_session(tmp_path, toggle):
     out = tmp_path / "ab.json"
     p = _run(["scripts/ab_decode_step.py", "--toggle", toggle, "--preset", "tiny-llm", "--tokens", "6",

@@ -32,7 +32,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from onnx_prep.core.errors import NativeError
-from onnx_prep.core.ops import append_buffer
+from onnx_prep.core.ops import append_buffer, intra_op
 from onnx_prep.core.ops.attributes import APPEND_IN_PLACE
 from onnx_prep.core.ops.nn import softmax
 
@@ -110,7 +110,9 @@ def bind_group_query_attention(attrs: Mapping[str, Any]):
                                                                                                   total)):
                 rows = pk.shape[2] + 1
                 present = _extended(pk, pv, rows, spreads)
-                out = step(q, pk, pv, seqlens_k, total, cos if rotary else None, sin if rotary else None, present)
+                box, chunks = intra_op.attention_split(pk.shape[0] * pk.shape[1], 2 * pk.nbytes)
+                out = step(q, pk, pv, seqlens_k, total, cos if rotary else None, sin if rotary else None, present,
+                           box, chunks)
                 if out is not None:
                     return list(out)
                 # not the step's form (a copied cache, say): the general call, present given
@@ -198,7 +200,8 @@ def bind_attention_with_past(attrs: Mapping[str, Any]):
                     step = steps[(N, KN)] = native.GqaStep(num_heads=N, kv_num_heads=KN, scale=scale,
                                                            interleaved=False)
                 present = _extended(past_key, past_value, P + 1, spreads)
-                out = step.separate(q, k, v, past_key, past_value, present)
+                box, chunks = intra_op.attention_split(past_key.shape[0] * KN, 2 * past_key.nbytes)
+                out = step.separate(q, k, v, past_key, past_value, present, box, chunks)
                 if out is not None:
                     return list(out)
                 return list(native.attention_with_past(q, k, v, past_key, past_value, scale=scale, present=present))

@@ -62,6 +62,9 @@ def count_handed_off(chunks: int, sleeps: int = 0, wakes: int = 0) -> None:
 CHUNK_WORK = 2 << 20
 MAX_CHUNKS_PER_PART = 8
 SMALL_ROWS = 2  # up to this many rows, a split INT4 matmul is cut as a decode GEMV (chunk_count)
+# A decode step's attention whose caches hold at least this many bytes (keys and values)
+# shares its units with the run's helpers (attention_split).
+MIN_ATTENTION_SPLIT_BYTES = 128 << 10
 
 
 def _work(packed_bytes: int, rows: int) -> int:
@@ -100,6 +103,23 @@ def chunk_count(packed_bytes: int, rows: int, parts: int) -> int:
         return parts
     n = max(parts, min(parts * MAX_CHUNKS_PER_PART, packed_bytes // CHUNK_WORK))
     return -(-n // parts) * parts
+
+
+def attention_split(units: int, cache_bytes: int) -> tuple[Any, int]:
+    """``(mailbox, chunks)`` for a decode step's attention over ``units`` (batch row x kv
+    head) reading ``cache_bytes`` of keys and values: the run's mailbox and twice as many
+    chunks as it has parts (a late helper leaves a small one), or ``(None, 1)`` on one
+    thread (a cold run, one unit, a small cache: the hand-off would cost more than it
+    saves).
+
+    NOTE: the step's attention reads every cached key and value once, from memory (the
+    GEMV before it streamed the caches out): memory-bound like the GEMVs, so the cores
+    that share them share it too."""
+    split = _CURRENT.get()
+    if split is None or units < 2 or cache_bytes < MIN_ATTENTION_SPLIT_BYTES:
+        return None, 1
+    box = mailbox()
+    return (None, 1) if box is None else (box, min(units, 2 * split[1]))
 
 
 SPIN_ENV = "ONNX_PREP_SPIN_HELPERS"
