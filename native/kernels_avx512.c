@@ -178,6 +178,16 @@ AI void f32_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP,
  * With one row, the low- and high-nibble dot products go to separate integer
  * accumulators (exact, so order is free) to double the independent chains. */
 
+/* The 8 int8 values of A at p as two broadcast dwords: [p..p+3] (the low nibbles' k)
+ * and [p+4..p+7] (the high nibbles'), each the s8x4 operand of vpdpbusd. */
+AI void a8_words(const int8_t *p, __m512i *lo, __m512i *hi) {
+    int32_t w0, w1;
+    __builtin_memcpy(&w0, p, 4);
+    __builtin_memcpy(&w1, p + 4, 4);
+    *lo = _mm512_set1_epi32(w0);
+    *hi = _mm512_set1_epi32(w1);
+}
+
 #define DEFINE_I8_PANEL(NAME, DOT)                                                     \
     AI void NAME(const op_mm_args *a, size_t p, int i0, size_t m, const int TP, const int R) { \
         const op_packed_header *h = a->h;                                              \
@@ -198,13 +208,7 @@ AI void f32_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP,
             for (uint32_t g = 0; g < bs / OP_GROUP_K; g++) {                           \
                 const size_t kb = (size_t)b * bs + (size_t)g * OP_GROUP_K;             \
                 __m512i alo[4], ahi[4];                                                \
-                for (int r = 0; r < R; r++) {                                          \
-                    int32_t w0, w1;                                                    \
-                    __builtin_memcpy(&w0, arow[r] + kb, 4);                            \
-                    __builtin_memcpy(&w1, arow[r] + kb + 4, 4);                        \
-                    alo[r] = _mm512_set1_epi32(w0);                                    \
-                    ahi[r] = _mm512_set1_epi32(w1);                                    \
-                }                                                                      \
+                for (int r = 0; r < R; r++) a8_words(arow[r] + kb, &alo[r], &ahi[r]);  \
                 for (int i = 0; i < TP; i++) {                                         \
                     __m512i x = _mm512_loadu_si512((const void *)op_mm_group(blk, g, i0 + i)); \
                     __m512i lo = _mm512_and_si512(x, m0f);                             \
@@ -267,13 +271,7 @@ AI void f32_panel(const op_mm_args *a, size_t p, int i0, size_t m, const int TP,
             for (uint32_t g = 0; g < bs / OP_GROUP_K; g++) {                           \
                 const size_t kb = (size_t)b * bs + (size_t)g * OP_GROUP_K;             \
                 __m512i alo[2], ahi[2];                                                \
-                for (int r = 0; r < R; r++) {                                          \
-                    int32_t w0, w1;                                                    \
-                    __builtin_memcpy(&w0, arow[r] + kb, 4);                            \
-                    __builtin_memcpy(&w1, arow[r] + kb + 4, 4);                        \
-                    alo[r] = _mm512_set1_epi32(w0);                                    \
-                    ahi[r] = _mm512_set1_epi32(w1);                                    \
-                }                                                                      \
+                for (int r = 0; r < R; r++) a8_words(arow[r] + kb, &alo[r], &ahi[r]);  \
                 for (int j = 0; j < 2; j++)                                            \
                     for (int i = 0; i < 4; i++) {                                      \
                         __m512i x = _mm512_loadu_si512((const void *)op_mm_group(blk[j], g, i)); \
