@@ -21,7 +21,9 @@ Per model and batch N, each repeat runs ``onnx-prep run MODEL --batch N --tokens
 with ``--runtime prepared`` and ``--runtime ort`` (the order alternates between
 repeats), each a fresh process, and takes the decode tokens/s the run reports (after the
 prefill). Prints min / median / max per cell, the ratio of medians, and whether the
-greedy tokens were identical. For medium-acc4 at batch 1 it also runs
+greedy tokens were identical (else the step at which they part: ``run --compare ort``
+there says whether ONNX Runtime's top-2 margin was a near tie). For medium-acc4 at
+batch 1 it also runs
 ``scripts/profile_ops.py`` to give the step's INT4 GEMV (MatMulNBits) time against the
 whole step (the issue's "within 1.5x of the GEMV time alone").
 
@@ -46,6 +48,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 EXE = Path(sys.executable).with_name("onnx-prep")
 MODELS = ("medium-acc0", "medium-acc4", "builder-acc1", "builder-acc4")
+
+
+def parting_step(ours: list, theirs: list) -> int | None:
+    """The first step (0: the prefill's token) at which any row's greedy token differs
+    between the two runs' token rows, or None when all are equal. ``run --compare ort``
+    says whether ONNX Runtime's top-2 margin there was a near tie."""
+    if ours == theirs:
+        return None
+    longest = max(len(r) for r in [*ours, *theirs])
+    return next(s for s in range(longest + 1)
+                if len(ours) != len(theirs) or any(a[s:s + 1] != b[s:s + 1] for a, b in zip(ours, theirs)))
 
 
 def medium(level: int, scratch: Path) -> Path:
@@ -159,11 +172,13 @@ def main(argv=None) -> int:
             activity = MachineActivity.now().since(started)
             row = {"model": name, "batch": n, **{f"{k}_tokens_per_s": v for k, v in got.items()},
                    "ratio": med["prepared"] / med["ort"], "tokens_identical": toks["prepared"] == toks["ort"],
+                   "tokens_part_at": parting_step(toks["prepared"], toks["ort"]),
                    "machine_activity": activity, "distorted": distorted(activity)}
             record["rows"].append(row)
             cell = lambda v: f"{min(v):6.1f}/{statistics.median(v):6.1f}/{max(v):6.1f}"  # noqa: E731
+            verdict = "identical" if row["tokens_identical"] else f"part at step {row['tokens_part_at']}"
             print(f"{name:14s} {n:2d}  {cell(got['prepared']):>22s}  {cell(got['ort']):>22s}  "
-                  f"{row['ratio']:7.2f}x  {'identical' if row['tokens_identical'] else 'differ'}"
+                  f"{row['ratio']:7.2f}x  {verdict}"
                   + (f"  DISTORTED (other work {activity['foreign_cores']:.2f} cores, host steal "
                      f"{activity['steal_s']:.2f} s)" if row["distorted"] else ""), flush=True)
     record["machine_activity"] = MachineActivity.now().since(whole)
