@@ -228,8 +228,13 @@ def test_prepared_runtime_matches_ort_on_the_fixture(small_llm_path):
     assert all(row == doc["tokens"][0] for row in doc["tokens"])
     # KV cache: the prefill makes one buffer per K/V Concat (2 blocks), sized for the
     # whole decode, and each of the 31 decode steps appends in place; no matmul of this
-    # small model reaches intra_op.MIN_SPLIT_WORK, so nothing splits and nothing is lent
-    assert doc["counters"] == {"kv_appended_in_place": 31 * 2 * 2, "kv_copied": 2 * 2, "matmul_splits": 0, "chunks_by_helpers": 0, "helper_sleeps": 0, "helper_wakes": 0}
+    # small model reaches intra_op.MIN_SPLIT_WORK, so no matmul splits. Its attention,
+    # once the 4 rows' caches pass intra_op.MIN_ATTENTION_SPLIT_BYTES, shares its units
+    # with lent helpers: how many chunks they took is timing's
+    c = doc["counters"]
+    assert {k: c[k] for k in ("kv_appended_in_place", "kv_copied", "matmul_splits")} == {
+        "kv_appended_in_place": 31 * 2 * 2, "kv_copied": 2 * 2, "matmul_splits": 0}
+    assert c["chunks_by_helpers"] >= 0 and c["helper_wakes"] <= c["helper_sleeps"]
 
 
 @needs_session

@@ -188,8 +188,8 @@ def test_to_json_has_the_documented_shape(tiny):
     for t in (*doc["tasks"].values(), *doc["queues"].values()):
         assert set(t) == {"tasks", "ran", "queue_wait_ns", "run_ns", "cpu_ns"}
     assert doc["kv"] == {"appended_in_place": 0, "copied": 2 * LAYERS}
-    assert set(doc["intra_op"]) == {"matmul_splits", "split_parts", "runs_lending", "chunks_by_helpers",
-                                    "helper_sleeps", "helper_wakes"}
+    assert set(doc["intra_op"]) == {"matmul_splits", "split_parts", "attention_splits", "runs_lending",
+                                    "chunks_by_helpers", "helper_sleeps", "helper_wakes"}
     assert doc["io"]["source_bytes"] == r.manifest.total_bytes
 
 

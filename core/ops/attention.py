@@ -114,6 +114,8 @@ def bind_group_query_attention(attrs: Mapping[str, Any]):
                 out = step(q, pk, pv, seqlens_k, total, cos if rotary else None, sin if rotary else None, present,
                            box, chunks)
                 if out is not None:
+                    if box is not None:
+                        intra_op.count_attention_split()
                     return list(out)
                 # not the step's form (a copied cache, say): the general call, present given
                 kwargs = _gqa_kwargs(attrs)
@@ -203,6 +205,8 @@ def bind_attention_with_past(attrs: Mapping[str, Any]):
                 box, chunks = intra_op.attention_split(past_key.shape[0] * KN, 2 * past_key.nbytes)
                 out = step.separate(q, k, v, past_key, past_value, present, box, chunks)
                 if out is not None:
+                    if box is not None:
+                        intra_op.count_attention_split()
                     return list(out)
                 return list(native.attention_with_past(q, k, v, past_key, past_value, scale=scale, present=present))
         return attention_with_past(inputs, attrs, prepared)

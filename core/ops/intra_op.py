@@ -32,7 +32,7 @@ MIN_SPLIT_WORK = 2 << 20
 
 # What a run's splits count (core/ops/run_counters.py: into the run's own counters, none
 # outside a run; RuntimeStats fields): ops split and parts made ("matmul_splits",
-# "split_parts"); for a run that lent helpers ("runs_lending", once per such run), the
+# "split_parts"), attentions whose units were shared ("attention_splits"); for a run that lent helpers ("runs_lending", once per such run), the
 # chunks they ran through its mailbox ("chunks_by_helpers"), how often they went to sleep
 # after spinning idle and had to be woken by a publish ("helper_sleeps", "helper_wakes";
 # native/handoff.py, SPIN_NS_DEFAULT).
@@ -42,6 +42,11 @@ def count_split(parts: int) -> None:
     """One op split into ``parts`` parts, in the run executing on this thread."""
     run_counters.count("matmul_splits")
     run_counters.count("split_parts", parts)
+
+
+def count_attention_split() -> None:
+    """One decode-step attention whose units went through the run's mailbox."""
+    run_counters.count("attention_splits")
 
 
 def count_handed_off(chunks: int, sleeps: int = 0, wakes: int = 0) -> None:

@@ -38,7 +38,7 @@ it), and its arena peaks (what the budget held at most while it was in flight).
      "tasks": {KIND: {"tasks", "ran", "queue_wait_ns", "run_ns", "cpu_ns"}},
      "queues": {RESOURCE: {"tasks", "ran", "queue_wait_ns", "run_ns", "cpu_ns"}},
      "kv": {"appended_in_place", "copied"},
-     "intra_op": {"matmul_splits", "split_parts", "runs_lending", "chunks_by_helpers",
+     "intra_op": {"matmul_splits", "split_parts", "attention_splits", "runs_lending", "chunks_by_helpers",
                   "helper_sleeps", "helper_wakes"},
      "device": {"uploads", "source_uploads", "host_to_device_bytes", "upload_ns", "device_prepacks",
                 "device_prepack_ns", "committed_bytes", "peak_committed_bytes"}}   # a session on a device only
@@ -115,6 +115,7 @@ _SECTIONS: dict[str, tuple[tuple[str, str], ...]] = {
              ("reads_first", "reads_first")),
     "kv": (("kv_appended_in_place", "kv_appended_in_place"), ("kv_copied", "kv_copied")),
     "intra_op": (("matmul_splits", "matmul_splits"), ("split_parts", "split_parts"),
+                 ("attention_splits", "attention_splits"),
                  ("runs_lending", "runs_lending"), ("chunks_by_helpers", "chunks_by_helpers"),
                  ("helper_sleeps", "helper_sleeps"), ("helper_wakes", "helper_wakes")),
     "device": (("uploads", "uploads"), ("source_uploads", "source_uploads"),
@@ -166,6 +167,7 @@ class RuntimeStats:
     kv_copied: int = 0
     matmul_splits: int = 0
     split_parts: int = 0
+    attention_splits: int = 0  # decode-step attentions whose units the run's helpers shared
     runs_lending: int = 0
     chunks_by_helpers: int = 0
     helper_sleeps: int = 0
