@@ -68,8 +68,13 @@ CHUNK_WORK = 2 << 20
 MAX_CHUNKS_PER_PART = 8
 SMALL_ROWS = 2  # up to this many rows, a split INT4 matmul is cut as a decode GEMV (chunk_count)
 # A decode step's attention whose caches hold at least this many bytes (keys and values)
-# shares its units with the run's helpers (attention_split).
-MIN_ATTENTION_SPLIT_BYTES = 128 << 10
+# shares its units with the run's helpers (attention_split). NOTE: measured on the
+# builder Llama at level 4 (2026-12-03, 2-vCPU Intel Xeon; split on and off every two
+# steps in one session, median step ratio off / on): a 32-token context (256 KiB a layer
+# at batch 1, 512 KiB at batch 2) 1.003 / 1.005 in a quiet hour, 0.990 / 0.971 in a
+# noisy one: the hand-off costs what the shared read saves; 128 tokens (1 MiB) 1.041,
+# 256 1.052, 512 1.046, 1,536 1.161.
+MIN_ATTENTION_SPLIT_BYTES = 1 << 20
 
 
 def _work(packed_bytes: int, rows: int) -> int:
