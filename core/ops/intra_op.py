@@ -32,10 +32,11 @@ MIN_SPLIT_WORK = 2 << 20
 
 # What a run's splits count (core/ops/run_counters.py: into the run's own counters, none
 # outside a run; RuntimeStats fields): ops split and parts made ("matmul_splits",
-# "split_parts"), attentions whose units were shared ("attention_splits"); for a run that lent helpers ("runs_lending", once per such run), the
-# chunks they ran through its mailbox ("chunks_by_helpers"), how often they went to sleep
-# after spinning idle and had to be woken by a publish ("helper_sleeps", "helper_wakes";
-# native/handoff.py, SPIN_NS_DEFAULT).
+# "split_parts"), attentions whose units were shared ("attention_splits"); for a run
+# that lent helpers ("runs_lending", once per such run), the chunks they ran through its
+# mailbox ("chunks_by_helpers"), how often they went to sleep after spinning idle and
+# had to be woken by a publish ("helper_sleeps", "helper_wakes"; native/handoff.py,
+# SPIN_NS_DEFAULT).
 
 
 def count_split(parts: int) -> None:
