@@ -388,8 +388,9 @@ int op_mailbox_gqa(op_mailbox *m, int isa, const op_gqa_params *p, const float *
                    float *present_key, float *present_value, int64_t chunks, int64_t *bad_row) {
     op_ran(OP_KERNEL_NONE);
     if (bad_row) *bad_row = -1;
-    if (!m || !p || chunks < 1 || chunks > GQA_MAX_CHUNKS || p->batch < 0 || p->kv_num_heads < 1) return OP_E_ARG;
+    if (!m || !p || chunks < 1 || p->batch < 0 || p->kv_num_heads < 1) return OP_E_ARG;
     const int64_t units = p->batch * p->kv_num_heads;
+    if (chunks > GQA_MAX_CHUNKS) chunks = GQA_MAX_CHUNKS; /* a machine with more threads: fewer, larger chunks */
     if (chunks > units) chunks = units > 0 ? units : 1;
     int64_t ranges[2 * GQA_MAX_CHUNKS];
     int rcs[GQA_MAX_CHUNKS];

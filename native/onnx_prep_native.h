@@ -344,7 +344,7 @@ int op_group_query_attention(int isa, const op_gqa_params *p, const float *query
                              float *out, float *present_key, float *present_value,
                              int64_t unit_begin, int64_t unit_end, int64_t *bad_row);
 /* op_group_query_attention over all of its units (batch row x kv head), cut into
- * `chunks` ranges of units (at most 64) that m's caller and helpers run as
+ * `chunks` ranges of units (more than 64 are taken as 64) that m's caller and helpers run as
  * op_mailbox_fork_join runs a matmul's: the same arithmetic per unit, the same bits.
  * 0, or the first failing chunk's error (bad_row as op_group_query_attention's). */
 int op_mailbox_gqa(op_mailbox *m, int isa, const op_gqa_params *p, const float *query, const float *key,

@@ -550,6 +550,39 @@ def test_the_bound_step_shares_its_units_with_the_runs_helpers_and_gives_the_sam
     assert box.chunks_by_helpers > 0
 
 
+def test_a_run_with_more_threads_than_the_kernel_takes_chunks_shares_64(monkeypatch):
+    """A machine with many threads asks for more chunks than op_mailbox_gqa holds (64):
+    it takes 64, not an error, and gives the same bits."""
+    import threading
+
+    from onnx_prep.core.ops import attention as ops_attention
+    from onnx_prep.core.ops import intra_op
+    from onnx_prep.core.ops.attributes import APPEND_IN_PLACE
+
+    rng = np.random.default_rng(50)
+    B, N, KN, H, P = 3, 32, 32, 16, 7  # 96 units
+    attrs = dict(attrs_of(N, KN, True, False), scale=0.0)
+    bound = ops_attention.bind_group_query_attention({**attrs, APPEND_IN_PLACE: (0, 1)})
+    monkeypatch.setattr(intra_op, "MIN_ATTENTION_SPLIT_BYTES", 0)
+    box = native.Mailbox()
+    helper = threading.Thread(target=box.serve)
+    helper.start()
+    try:
+        with intra_op.using(lambda *a, **k: 0, parts=100, mailbox=intra_op.LazyMailbox(lambda: box)):
+            assert intra_op.attention_split(B * KN, 1) == (box, 96)
+            q, _, _, pk, pv, seqlens, total, cos, sin = gqa_inputs(
+                rng, B=B, S=1, N=N, KN=KN, H=H, lens=[P + 1] * B, total=P + 1, past_len=P, rotary=True, packed=True)
+            want = ops_attention.group_query_attention([q, None, None, pk, pv, seqlens, total, cos, sin], attrs, None)
+            got = bound([q, None, None, _claimed_past(pk), _claimed_past(pv), seqlens, total, cos, sin, None, None,
+                         None], attrs, None)
+            assert box.batches == 1
+    finally:
+        box.stop()
+        helper.join()
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
 @pytest.mark.parametrize("change", ["plain_past", "ragged_rows", "separate_kv", "first_prompt", "f16"])
 def test_the_bound_decode_step_takes_the_general_path_for_any_other_form(change):
     """A past that is no append buffer (copied into one), rows of different lengths,
