@@ -44,6 +44,7 @@ try:
         matmul_nbits_packed_size,
         matmul_nbits_parts,
         prepack_matmul_nbits,
+        probe_weight_streaming,
         set_gemv_panels,
         set_weight_streaming,
     )
@@ -107,6 +108,7 @@ __all__ = [
     "prepack_gather_block_quantized",
     "prepack_gemm_b",
     "prepack_matmul_nbits",
+    "probe_weight_streaming",
     "quick_gelu",
     "rotary_embedding",
     "unavailable_reason",

@@ -9,9 +9,17 @@
  * hooked through op_kernel_table, each computing exactly the portable loop's values:
  * at decode, a call's preprocessing is a fixed cost against a GEMV of ~0.1 ms, and
  * the portable loops made it ~4 us of a 2048-deep level-4 call (~1 us now). */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* clock_gettime, posix_memalign under -std=c11 */
+#endif
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <emmintrin.h> /* _mm_clflush, _mm_mfence: SSE2, every x86-64 */
+#endif
 #include "op_internal.h"
 
 _Thread_local int op_last_kernel_code = OP_KERNEL_NONE;
@@ -24,6 +32,60 @@ int op_set_gemv_panels(int panels) {
 }
 int op_set_weight_streaming(int on) {
     return __atomic_exchange_n(&op_weight_streaming_on, on ? 1 : 0, __ATOMIC_RELAXED);
+}
+
+static int64_t probe_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* One read of buf's lines, each line's eight words folded into the sum (the loads a
+ * GEMV makes of its weights, with little work between them), the prefetch as
+ * op_stream_block issues it when `stream`. The sum keeps the loads. */
+static uint64_t probe_pass(const uint8_t *b, size_t bytes, int stream) {
+    uint64_t s0 = 0, s1 = 0;
+    for (size_t o = 0; o < bytes; o += 64) {
+        if (stream) __builtin_prefetch(b + o + OP_STREAM_AHEAD, 0, 0);
+        const uint64_t *w = (const uint64_t *)(b + o);
+        s0 += w[0] ^ w[2] ^ w[4] ^ w[6];
+        s1 += w[1] ^ w[3] ^ w[5] ^ w[7];
+    }
+    return s0 + s1;
+}
+
+int op_probe_weight_streaming(size_t bytes, int passes, int64_t *plain_ns, int64_t *stream_ns) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (bytes < 64 || bytes % 64 || passes < 1 || !plain_ns || !stream_ns) return -1;
+    /* the prefetch runs OP_STREAM_AHEAD past the last line, as a GEMV's does past its
+     * panels: keep those addresses inside the allocation */
+    const size_t total = bytes + OP_STREAM_AHEAD;
+    void *mem = NULL;
+    if (posix_memalign(&mem, 64, total)) return -1;
+    uint8_t *b = mem;
+    memset(b, 0x5a, total);
+    volatile uint64_t sink = 0;
+    int64_t best[2] = {INT64_MAX, INT64_MAX};
+    for (int i = 0; i < 2 * passes; i++) {
+        const int stream = i & 1;
+        /* from memory, as a decode step's weights come: a model's weights outgrow the
+         * caches, and a buffer small enough to probe quickly would not */
+        for (size_t o = 0; o < total; o += 64) _mm_clflush(b + o);
+        _mm_mfence();
+        const int64_t t0 = probe_now_ns();
+        sink += probe_pass(b, bytes, stream);
+        const int64_t t = probe_now_ns() - t0;
+        if (t < best[stream]) best[stream] = t;
+    }
+    (void)sink;
+    free(mem);
+    *plain_ns = best[0];
+    *stream_ns = best[1];
+    return 0;
+#else
+    (void)bytes; (void)passes; (void)plain_ns; (void)stream_ns;
+    return -1;
+#endif
 }
 
 /* NOTE: this maps an ISA to a table and writes nothing to op_last_kernel_code: the

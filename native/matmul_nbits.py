@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from onnx_prep.native._module import check, lib
+from onnx_prep.native._module import check, ffi, lib
 from onnx_prep.native.isa import isa_id
 from onnx_prep.native.packed import ZP_KINDS, k_n, new_buffer, ptr
 
@@ -209,10 +209,23 @@ def matmul_nbits_parts(A: np.ndarray, packed: np.ndarray, ranges, *, bias: np.nd
 def set_weight_streaming(on: bool) -> bool:
     """Whether INT4 matmul passes that read their weights once (decode GEMVs) prefetch
     them non-temporally, past the caches, so the weights they stream do not evict what
-    the ops between them use (native/op_internal.h, ``OP_STREAM_AHEAD``). On by default;
+    the ops between them use (native/op_internal.h, ``OP_STREAM_AHEAD``). On by default
+    here; a session sets it to core/ops/weight_streaming.py's choice for the machine;
     process-wide; the same bits either way. Returns the previous setting: for
     benchmarks that time both in one run (scripts/gemv_step_profile.py --compare streaming)."""
     return bool(lib.op_set_weight_streaming(1 if on else 0))
+
+
+def probe_weight_streaming(nbytes: int = 1 << 20, passes: int = 3) -> tuple[float, float] | None:
+    """What streaming costs here: the fastest of ``passes`` reads of an ``nbytes``
+    buffer flushed from the caches, plainly and with the GEMVs' non-temporal prefetch
+    (seconds, plain first); None where it cannot be measured (not an x86 CPU, no
+    memory). core/ops/weight_streaming.py decides from it."""
+    nbytes = max(64, int(nbytes) // 64 * 64)
+    out = ffi.new("int64_t[2]")
+    if lib.op_probe_weight_streaming(nbytes, int(passes), out, out + 1) != 0:
+        return None
+    return out[0] * 1e-9, out[1] * 1e-9
 
 
 def set_gemv_panels(panels: int) -> int:

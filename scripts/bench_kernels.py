@@ -177,7 +177,11 @@ def worker(args) -> dict:
     reps = args.reps
     rng = np.random.default_rng(0)
     llc = _llc_bytes()
-    result = {"threads": T, "isa": native.active_isa(), "rows": [], "bandwidth": {}, "prepack": []}
+    from onnx_prep.core.ops.weight_streaming import choice
+
+    # the decode GEMVs stream their weights or not as a session here would (probed once)
+    result = {"threads": T, "isa": native.active_isa(), "rows": [], "bandwidth": {}, "prepack": [],
+              "weight_streaming": choice().describe()}
     region = Regions(args.huge_pages)
 
     PARK = 0xFFFFFFFF
@@ -619,7 +623,7 @@ def main() -> int:
           f"CPU {cpu} ({os.cpu_count()} logical), "
           f"onnxruntime {ort_version}, block_size {BLOCK_SIZE}, no zero points, "
           f"{'hot cache' if args.hot else 'weights streamed from DRAM (rotating copies > 4x LLC)'}, "
-          f"{args.reps} repetitions")
+          f"{args.reps} repetitions, {results[0]['weight_streaming']}")
     pg = results[0]["pages"]
     print(f"Our packed weights and the read probe: {pg['asked'][0]} {pg['asked'][1:]} pages asked, "
           f"{pg['on_huge_pages'] / 2**20:.0f} of {pg['bytes'] / 2**20:.0f} MiB on huge pages "

@@ -68,19 +68,23 @@ METRICS = ("wall_ms", "cpu_ms", "fj_ms", "fj_cpu_ms", "wait_ms", "batches", "sol
 # whether hot runs keep their lent helpers (core/runtime/run_loop.py; not kept: lent and
 # taken back at every run, spinning 1 ms, as before they were kept) and whether the
 # model is resolved with pattern fusion (resolve's default) or without
-MODES = {"none": {"default": (None, True, 2, True, True)},
-         "huge-pages": {"4k": (False, True, 2, True, True), "huge": (True, True, 2, True, True)},
+# model is resolved with pattern fusion (resolve's default) or without. Streaming None:
+# the machine's choice (core/ops/weight_streaming.py).
+MODES = {"none": {"default": (None, None, 2, True, True)},
+         "huge-pages": {"4k": (False, None, 2, True, True), "huge": (True, None, 2, True, True)},
          "streaming": {"stream": (None, True, 2, True, True), "no-stream": (None, False, 2, True, True)},
-         "panels": {"one-panel": (None, True, 1, True, True), "panel-pairs": (None, True, 2, True, True)},
-         "helpers": {"per-run": (None, True, 2, False, True), "kept": (None, True, 2, True, True)},
-         "fusion": {"unfused": (None, True, 2, True, False), "fused": (None, True, 2, True, True)}}
+         "panels": {"one-panel": (None, None, 1, True, True), "panel-pairs": (None, None, 2, True, True)},
+         "helpers": {"per-run": (None, None, 2, False, True), "kept": (None, None, 2, True, True)},
+         "fusion": {"unfused": (None, None, 2, True, False), "fused": (None, None, 2, True, True)}}
 
 
 def _settings(mode: tuple) -> None:
     from onnx_prep import native
     from onnx_prep.core.runtime import run_loop
 
-    native.set_weight_streaming(mode[1])
+    from onnx_prep.core.ops.weight_streaming import choice
+
+    native.set_weight_streaming(choice().on if mode[1] is None else mode[1])
     native.set_gemv_panels(mode[2])
     run_loop.HELPER_SPIN_NS = KEPT_SPIN_NS if mode[3] else 1_000_000
 
@@ -360,9 +364,11 @@ def main(argv: list[str] | None = None) -> int:
         for s in sessions.values():
             s.close()
 
+    from onnx_prep.core.ops.weight_streaming import choice
+
     name = args.model or args.preset
     print(f"{name}: {args.threads} threads, batch {args.batch}, {args.rounds} rounds of {args.tokens} tokens per session, "
-          f"per decode step (min / median)")
+          f"per decode step (min / median); {choice().describe()}")
     for mode in sessions:
         print(f"  [{mode}] open + prepare {open_s[mode]:.2f} s; the step's {replayed[mode]} GEMVs replayed "
               f"on one thread {replay[mode]:.2f} ms")

@@ -162,6 +162,21 @@ def test_bad_spin_helpers_setting_is_one_line(toy, monkeypatch):
 
 
 @needs_session
+def test_bad_weight_streaming_setting_is_one_line(toy):
+    """Read once a process, when its first session opens: a fresh process says it."""
+    import os
+    import subprocess
+
+    code = "import sys; from onnx_prep.cli.app import entry; sys.argv[0] = 'onnx-prep'; entry()"
+    env = dict(os.environ, ONNX_PREP_WEIGHT_STREAMING="auto")
+    out = subprocess.run([sys.executable, "-c", code, "run", str(toy), "--prompt-ids", "1,2", "--tokens", "2"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == EXIT_UNUSABLE, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "ONNX_PREP_WEIGHT_STREAMING='auto' is not a valid setting" in lines[0], out.stderr
+
+
+@needs_session
 def test_spin_helpers_off_gives_the_same_tokens(toy, monkeypatch):
     runs = []
     for value in ("0", "1"):
@@ -235,6 +250,10 @@ def test_prepared_runtime_matches_ort_on_the_fixture(small_llm_path):
     assert {k: c[k] for k in ("kv_appended_in_place", "kv_copied", "matmul_splits")} == {
         "kv_appended_in_place": 31 * 2 * 2, "kv_copied": 2 * 2, "matmul_splits": 0}
     assert c["chunks_by_helpers"] >= 0 and c["helper_wakes"] <= c["helper_sleeps"]
+    # what its GEMVs did with their weights on this machine, and why (weight_streaming.py)
+    from onnx_prep.core.ops.weight_streaming import choice
+
+    assert doc["weight_streaming"] == choice().as_dict()
 
 
 @needs_session

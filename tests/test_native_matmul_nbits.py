@@ -90,17 +90,18 @@ def test_isa_paths_equal_scalar_bit_for_bit(isa, level, zp):
 @pytest.mark.parametrize("isa", SIMD_ISAS)
 @pytest.mark.parametrize("level", LEVELS)
 def test_weight_streaming_changes_no_bit(isa, level):
-    """The one-pass passes' non-temporal prefetch (on by default) reads ahead of each
+    """The one-pass passes' non-temporal prefetch (on where it pays) reads ahead of each
     block, past a panel's and the buffer's end: it must change no result. M 1-5 takes
     every driver's one-pass branch and the multi-pass ones; a column range that starts
     and ends inside panels, the split's chunks."""
     kw = {"compute": "fma"} if level == "fma" else {}
+    before = native.set_weight_streaming(True)  # a session may have turned it off (weight_streaming.py)
     try:
         for i, (M, K, N, bs) in enumerate([(1, 1100, 200, 32), (2, 640, 130, 128), (3, 257, 70, 16),
                                            (4, 1024, 200, 32), (5, 300, 64, 64)]):
             A, packed, _, b = _case(40 + i, M, K, N, bs, "u4", level=level, bias=i % 2 == 1)
             ref = native.matmul_nbits(A, packed, bias=b, isa="scalar", **kw)
-            assert native.set_weight_streaming(True) is True  # the default, and what the last call left
+            assert native.set_weight_streaming(True) is True  # what the last call left
             on = native.matmul_nbits(A, packed, bias=b, isa=isa, **kw)
             part = native.matmul_nbits(A, packed, bias=b, isa=isa, col_begin=24, col_end=N - 9, **kw)
             assert native.set_weight_streaming(False) is True
@@ -110,7 +111,7 @@ def test_weight_streaming_changes_no_bit(isa, level):
             np.testing.assert_array_equal(off, ref, err_msg=f"{isa} level {level} M {M}")
             np.testing.assert_array_equal(part[:, 24:N - 9], ref[:, 24:N - 9])
     finally:
-        native.set_weight_streaming(True)
+        native.set_weight_streaming(before)
 
 
 @pytest.mark.parametrize("isa", SIMD_ISAS)

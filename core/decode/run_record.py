@@ -36,7 +36,7 @@ from onnx_prep.core.errors import UsageError, Where
 from onnx_prep.core.option_ranges import (MAX_BATCH, MAX_MEMORY_BUDGET, MAX_THREADS, MAX_TOKEN_ID, MAX_TOKENS,
                                           MIN_MEMORY_BUDGET, check_range)
 
-SCHEMA = "onnx-prep.run/9"
+SCHEMA = "onnx-prep.run/10"
 RUNTIMES = ("prepared", "ort")
 COMPARE_WITH = ("ort",)
 DEFAULT_PROMPT = (1, 2, 3, 4)
@@ -185,7 +185,7 @@ def open_prepared_runner(resolved, *, threads: int | None, source_pages: str, ve
 def record_run(model: str | Path, options: RunOptions, *, progress: Progress | None = None,
                warn: Callable[[str], None] | None = None) -> dict:
     """Decode with ``options.runtime`` (and again with ``options.compare``, compared) and
-    return the ``onnx-prep.run/9`` record. ``compare.agrees`` false is a finding, not an
+    return the ``onnx-prep.run/10`` record. ``compare.agrees`` false is a finding, not an
     error. Raises the typed errors of ``core/errors.py`` for unusable input."""
     import numpy as np
 
@@ -296,6 +296,10 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
            "load": loads[0] if loads else None,
            "cache": None if cache is None else {**cache.summary(), "committed": committed},
            "compare": None}
+    if options.runtime == "prepared":  # what its decode GEMVs did with their weights here
+        from onnx_prep.core.ops.weight_streaming import choice
+
+        doc["weight_streaming"] = choice().as_dict()
     if options.logits_out is not None:
         _write_logits(options.logits_out, result)
         doc["logits_file"] = str(options.logits_out)

@@ -183,6 +183,10 @@ class Session:
         from onnx_prep.native import active_isa
 
         self.isa = active_isa()  # a bad ONNX_PREP_ISA or a stale build fails here, before any work
+        from onnx_prep.core.ops import weight_streaming
+
+        # the decode GEMVs' weight streaming for this machine: probed once a process (~10 ms)
+        self.weight_streaming = weight_streaming.choice()
         device = self.device = opts.device
         try:
             self.plan: PreparedExecutionPlan = build_prepared_execution_plan(
