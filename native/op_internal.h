@@ -107,7 +107,8 @@ typedef struct {
     size_t ldy;
     size_t col_begin, col_end;
     /* Set by a driver (on its own copy) when its passes read every panel byte once: the
-     * panels then prefetch their blocks non-temporally ahead of use (op_stream_block). */
+     * panels then prefetch their blocks ahead of use (op_stream_block), non-temporally
+     * (OP_STREAM_NTA) or, where a driver asks, into L2 (OP_STREAM_L2). */
     int stream;
 } op_mm_args;
 
@@ -136,9 +137,25 @@ extern int op_gemv_panels;         /* op_set_gemv_panels (dispatch.c) */
     op_mm_args a##_own_ = *(in);                                                      \
     a##_own_.stream = (once) && __atomic_load_n(&op_weight_streaming_on, __ATOMIC_RELAXED); \
     const op_mm_args *a = &a##_own_
+enum { OP_STREAM_NONE = 0, OP_STREAM_NTA = 1, OP_STREAM_L2 = 2 };
+/* OP_STREAM_L2: with weight streaming off, the AVX-512 int8 driver at M = 3-16
+ * (decode at batch 3 and up, short prefills) prefetches each block into L2
+ * (PREFETCHT1) the same distance ahead. Its passes do three to four times a one-row
+ * pass's work per byte in one stream, and the hardware prefetchers alone left them
+ * waiting on memory. NOTE: measured 2026-12-03 on a 2-core KVM Xeon with AMX (where
+ * streaming is off: core/ops/weight_streaming.py), level 4, one thread, 60 rotating
+ * copies, medians, 2048 x 5632 / 5632 x 2048: M = 3 0.842 / 0.840 -> 0.696 / 0.662 ms,
+ * M = 4 0.963 / 0.955 -> 0.716 / 0.721, M = 8 1.435 / 1.425 -> 1.117 / 1.104, M = 16
+ * 2.13-2.16 / 2.05-2.09 -> 1.83-1.93 / 1.85-1.91; M = 64 within noise (5.30-5.45 ms
+ * hot against 5.28-5.67), so from 17 rows none. At M = 1 and 2 it measured 0.529 ->
+ * 0.513 and 0.545 -> 0.579 ms (noise or worse): they keep none. */
 static inline void op_stream_block(const op_mm_args *a, const uint8_t *blk, size_t bytes) {
     if (!a->stream) return;
     const uint8_t *q = blk + OP_STREAM_AHEAD;
+    if (a->stream == OP_STREAM_L2) {
+        for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch(q + o, 0, 2);  /* read, into L2 */
+        return;
+    }
     for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch(q + o, 0, 0);  /* 0, 0: read, no locality */
 }
 
