@@ -216,7 +216,7 @@ def set_weight_streaming(on: bool) -> bool:
     return bool(lib.op_set_weight_streaming(1 if on else 0))
 
 
-def probe_weight_streaming(nbytes: int = 1 << 20, passes: int = 3) -> tuple[float, float] | None:
+def probe_weight_streaming(nbytes: int = 512 << 10, passes: int = 3) -> tuple[float, float] | None:
     """What streaming costs here: the fastest of ``passes`` reads of an ``nbytes``
     buffer flushed from the caches, plainly and with the GEMVs' non-temporal prefetch
     (seconds, plain first); None where it cannot be measured (not an x86 CPU, no

@@ -11,8 +11,8 @@ step at batch 2, 56.3 -> 31.9 ms with it off). There the non-temporal prefetch i
 is the bottleneck: the same lines read with it come at ~6 GB/s a core, without it ~13.
 
 So the first session of a process (or a benchmark, through ``choice()``) measures it
-(``native.probe_weight_streaming``: a 1 MiB buffer flushed from the caches, read
-plainly and with the GEMVs' prefetch, the fastest of three each; ~10 ms) and turns
+(``native.probe_weight_streaming``: a 512 KiB buffer flushed from the caches, read
+plainly and with the GEMVs' prefetch, the fastest of three each; ~5 ms) and turns
 streaming off where the prefetched read takes over ``SLOWER_BY`` times the plain one's
 time. ``ONNX_PREP_WEIGHT_STREAMING``
 = 1 or 0 forces it either way without a probe. Same bits either way.
@@ -32,7 +32,9 @@ STREAMING_ENV = "ONNX_PREP_WEIGHT_STREAMING"
 # NOTE: the Sapphire Rapids VM where streaming gained was not available to probe when
 # this was written: its ratio is not measured, and the threshold's margin is the guess.
 SLOWER_BY = 1.5
-PROBE_BYTES = 1 << 20
+# NOTE: on the 2-core Xeon, six probes each: 256 KiB 2.6-3.2x in 2.6 ms, 512 KiB
+# 2.7-3.2x in 5.0 ms, 1 MiB 2.7-3.3x in 10 ms (the CLFLUSHes are most of it)
+PROBE_BYTES = 512 << 10
 PROBE_PASSES = 3
 
 

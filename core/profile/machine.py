@@ -27,7 +27,7 @@ def describe_machine() -> str:
 
     The ISA part imports the native module's CPU probe; where it cannot load, says so.
     The last part is what the decode GEMVs do with their weights on this machine
-    (core/ops/weight_streaming.py; it probes once a process, ~10 ms): a figure depends on it."""
+    (core/ops/weight_streaming.py; it probes once a process, ~5 ms): a figure depends on it."""
     try:
         from onnx_prep.native.isa import active_isa, available_isas
 
