@@ -515,7 +515,7 @@ DEFINE_DRIVER(mm_f32_avx512, f32_panel, 8)
         if (in->M <= 2) { ONEROW(in); return; }                                       \
         op_ran(KERNEL_CODE);                                                          \
         OP_STREAM_ARGS(a, in, in->M <= 4); /* one PANEL4 or REST_ROWS pass */         \
-        if (!a_own_.stream && in->M >= 3 && in->M <= 16) a_own_.stream = OP_STREAM_L2; \
+        OP_STREAM_L2_WHERE(a, in->M >= 3 && in->M <= 16);                             \
         OP_FOR_PANELS(a, p, tb, te) {                                                 \
             size_t m = 0;                                                             \
             for (; m + 4 <= a->M; m += 4) PANEL4(a, p, tb, te, m);                    \

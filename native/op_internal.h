@@ -137,6 +137,10 @@ extern int op_gemv_panels;         /* op_set_gemv_panels (dispatch.c) */
     op_mm_args a##_own_ = *(in);                                                      \
     a##_own_.stream = (once) && __atomic_load_n(&op_weight_streaming_on, __ATOMIC_RELAXED); \
     const op_mm_args *a = &a##_own_
+/* After OP_STREAM_ARGS(a, ...): a driver whose passes do not stream prefetches into L2
+ * instead where `cond` holds (OP_STREAM_L2 below). */
+#define OP_STREAM_L2_WHERE(a, cond)                                                   \
+    if (!a##_own_.stream && (cond)) a##_own_.stream = OP_STREAM_L2
 enum { OP_STREAM_NONE = 0, OP_STREAM_NTA = 1, OP_STREAM_L2 = 2 };
 /* OP_STREAM_L2: with weight streaming off, the AVX-512 int8 driver at M = 3-16
  * (decode at batch 3 and up, short prefills) prefetches each block into L2
