@@ -71,16 +71,18 @@ int op_last_kernel(void);
 
 /* ---- weight streaming ----------------------------------------------------------- */
 /* Whether an INT4 matmul pass that reads its weights once (decode) prefetches them
- * non-temporally, past the caches (op_internal.h, OP_STREAM_AHEAD). On unless turned
- * off; process-wide, read at each call's start. Results are the same bits either way.
- * Returns the previous setting. For benchmarks that compare both in one run. */
+ * non-temporally, past the caches (op_internal.h, OP_STREAM_AHEAD). On here until set;
+ * a session sets it to its machine's choice (core/ops/weight_streaming.py, from
+ * op_probe_weight_streaming); process-wide, read at each call's start. Results are the
+ * same bits either way. Returns the previous setting. */
 int op_set_weight_streaming(int on);
 /* What the streaming costs on this machine: the fastest of `passes` reads of a
- * `bytes` buffer (made here, a multiple of 64; beyond the core's L2) with plain loads,
- * and the fastest with the GEMVs' non-temporal prefetch ahead of them, in ns,
- * alternated, after one plain pass that brings the buffer in. On some machines the
- * prefetch is what the weights wait for (core/ops/weight_streaming.py decides from
- * these). 0, or -1 when the buffer cannot be had. */
+ * `bytes` buffer (made here, a multiple of 64) with plain loads, and the fastest with
+ * the GEMVs' non-temporal prefetch ahead of them, in ns, alternated, each after the
+ * buffer is flushed from the caches (CLFLUSH), as a decode step's weights come from
+ * memory. On some machines the prefetch is what the weights wait for
+ * (core/ops/weight_streaming.py decides from these). 0, or -1 when the buffer cannot
+ * be had or the CPU is not x86. */
 int op_probe_weight_streaming(size_t bytes, int passes, int64_t *plain_ns, int64_t *stream_ns);
 /* How many whole panels a one-row int8 GEMV (decode at accuracy level 4, AVX-512) reads
  * side by side: 2 (the default: two sequential streams) or 1. Process-wide, read at each

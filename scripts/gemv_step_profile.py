@@ -67,7 +67,6 @@ METRICS = ("wall_ms", "cpu_ms", "fj_ms", "fj_cpu_ms", "wait_ms", "batches", "sol
 # how many panels a one- or two-row int8 GEMV reads side by side (native.set_gemv_panels) and
 # whether hot runs keep their lent helpers (core/runtime/run_loop.py; not kept: lent and
 # taken back at every run, spinning 1 ms, as before they were kept) and whether the
-# model is resolved with pattern fusion (resolve's default) or without
 # model is resolved with pattern fusion (resolve's default) or without. Streaming None:
 # the machine's choice (core/ops/weight_streaming.py).
 MODES = {"none": {"default": (None, None, 2, True, True)},

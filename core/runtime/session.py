@@ -185,8 +185,7 @@ class Session:
         self.isa = active_isa()  # a bad ONNX_PREP_ISA or a stale build fails here, before any work
         from onnx_prep.core.ops import weight_streaming
 
-        # the decode GEMVs' weight streaming for this machine: probed once a process (~5 ms)
-        self.weight_streaming = weight_streaming.choice()
+        weight_streaming.choice()  # the decode GEMVs' streaming for this machine: probed once a process (~5 ms)
         device = self.device = opts.device
         try:
             self.plan: PreparedExecutionPlan = build_prepared_execution_plan(
