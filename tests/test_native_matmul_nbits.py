@@ -194,9 +194,11 @@ PINNED_PACKS = [  # (K, N, block_size, zero points, sha256 of the packed bytes, 
 
 def test_packed_bytes_are_pinned():
     """The packed format is what the prepared cache stores: a faster packer (the SSE2
-    group interleave, two groups per 64-bit step) must write exactly the bytes the
-    one-group-at-a-time packer wrote. Digests taken from that packer; odd N, K past the
-    last block, every block size class and zero-point kind."""
+    group interleave, two groups per 64-bit step; four columns transposed in registers)
+    must write exactly the bytes the one-group-at-a-time packer wrote. Digests taken
+    from that packer; odd N (a panel's last columns on the one-column path), K past the
+    last block (on the four-column path too), every block size class and zero-point
+    kind."""
     import hashlib
 
     rng = np.random.default_rng(20261129)
