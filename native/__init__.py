@@ -45,6 +45,7 @@ try:
         matmul_nbits_parts,
         prepack_matmul_nbits,
         probe_weight_streaming,
+        set_amx,
         set_gemv_panels,
         set_weight_streaming,
     )
@@ -98,6 +99,7 @@ __all__ = [
     "matmul_nbits_parts",
     "norm_rows",
     "norm_rows_y",
+    "set_amx",
     "set_gemv_panels",
     "set_weight_streaming",
     "rms_norm_y",

@@ -4,10 +4,15 @@
  * register state on context switches, which XGETBV(XCR0) reports. Without that
  * check a kernel that uses ZMM registers would silently corrupt state (or fault)
  * under an OS or hypervisor that disabled AVX-512. */
+#define _GNU_SOURCE /* syscall() under -std=c11 */
 #include "op_internal.h"
 
 #if OP_X86
 #include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 static uint64_t xgetbv0(void) {
     uint32_t eax, edx;
@@ -18,11 +23,23 @@ static uint64_t xgetbv0(void) {
 
 typedef struct {
     int valid;
-    int avx2_fma, avx512, avx512_vnni;
+    int avx2_fma, avx512, avx512_vnni, amx;
 } features;
 
+/* NOTE: Linux keeps the 8 KiB tile data state off until a process asks for it
+ * (XFD): a tile instruction before the grant faults (SIGILL). The grant is
+ * process-wide and permanent; a kernel before 5.16 has no such call, and no AMX. */
+static int amx_granted(void) {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+    const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+    return 0;
+#endif
+}
+
 static features detect(void) {
-    features f = {1, 0, 0, 0};
+    features f = {1, 0, 0, 0, 0};
     unsigned a, b, c, d;
     if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
     int osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, fma = (c >> 12) & 1, f16c = (c >> 29) & 1;
@@ -38,6 +55,9 @@ static features detect(void) {
     f.avx2_fma = avx && avx2 && fma && f16c && os_ymm;
     f.avx512 = f.avx2_fma && avx512f && avx512dq && avx512bw && avx512vl && os_zmm;
     f.avx512_vnni = f.avx512 && vnni;
+    int amx_tile = (d >> 24) & 1, amx_int8 = (d >> 25) & 1;
+    int os_tiles = ((xcr0 >> 17) & 3) == 3; /* XTILECFG + XTILEDATA */
+    f.amx = f.avx512_vnni && amx_tile && amx_int8 && os_tiles && amx_granted();
     return f;
 }
 
@@ -52,10 +72,12 @@ static const features *get(void) {
 int op_cpu_has_avx2_fma(void) { return get()->avx2_fma; }
 int op_cpu_has_avx512(void) { return get()->avx512; }
 int op_cpu_has_avx512_vnni(void) { return get()->avx512_vnni; }
+int op_cpu_has_amx(void) { return get()->amx; }
 #else
 int op_cpu_has_avx2_fma(void) { return 0; }
 int op_cpu_has_avx512(void) { return 0; }
 int op_cpu_has_avx512_vnni(void) { return 0; }
+int op_cpu_has_amx(void) { return 0; }
 #endif
 
 int op_isa_compiled(int isa) {

@@ -30,6 +30,7 @@ int op_gemv_panels = 2;
 int op_set_gemv_panels(int panels) {
     return __atomic_exchange_n(&op_gemv_panels, panels >= 2 ? 2 : 1, __ATOMIC_RELAXED);
 }
+int op_set_amx(int on) { return __atomic_exchange_n(&op_amx_on, on ? 1 : 0, __ATOMIC_RELAXED); }
 int op_set_weight_streaming(int on) {
     return __atomic_exchange_n(&op_weight_streaming_on, on ? 1 : 0, __ATOMIC_RELAXED);
 }
@@ -90,6 +91,12 @@ int op_probe_weight_streaming(size_t bytes, int passes, int64_t *plain_ns, int64
 
 /* NOTE: this maps an ISA to a table and writes nothing to op_last_kernel_code: the
  * tables' kernels record what ran, so a wrong entry here is visible to the tests. */
+#if OP_SIMD
+#define OP_VNNI_TABLE (&op_kernels_avx512_vnni)
+#else
+#define OP_VNNI_TABLE ((const op_kernel_table *)NULL)
+#endif
+
 static const op_kernel_table *kernels_for(int isa, int *status) {
     if (!op_isa_supported(isa)) {
         *status = OP_E_ISA;
@@ -284,8 +291,9 @@ int op_mm_prepare(op_mm_prep *p, int isa, const float *A, size_t M, size_t lda, 
      * them until run 22 (docs/kernels.md). */
     const int int8 = accuracy_level == 4, bfp = accuracy_level <= 3;
     const int pad = Kp != K;
+    a->amx = (int8 || bfp) && kt == OP_VNNI_TABLE && op_amx_for(M, int8);
     size_t bytes = M * nb * sizeof(float) * (int8 || bfp ? 2 : 1);
-    bytes += int8 ? M * Kp : bfp ? M * Kp * 3 : (pad ? M * Kp * sizeof(float) : 0);
+    bytes += int8 ? M * Kp : bfp ? M * Kp * 3 * (a->amx ? 2 : 1) : (pad ? M * Kp * sizeof(float) : 0);
     void *scratch = malloc(bytes ? bytes : 1);
     if (!scratch) return OP_E_NOMEM;
     p->scratch = scratch;
@@ -300,6 +308,17 @@ int op_mm_prepare(op_mm_prep *p, int isa, const float *A, size_t M, size_t lda, 
         a->a8 = d24;
         a->ascale = p2;
         p->kernel = kt->mm_bfp;
+        if (a->amx) {
+            /* the tiles read each plane's bytes of a block contiguous: the 24-byte
+             * groups (8 bytes a plane) regrouped plane by plane */
+            int8_t *planes = d24 + M * Kp * 3;
+            for (size_t m = 0; m < M; m++)
+                for (size_t g = 0; g < Kp / OP_GROUP_K; g++)
+                    for (size_t q = 0; q < 3; q++)
+                        memcpy(planes + (m * 3 + q) * Kp + g * 8, d24 + m * Kp * 3 + g * 24 + q * 8, 8);
+            a->planes = planes;
+            p->kernel = op_mm_bfp_amx;
+        }
     } else if (int8) {
         float *ascale = asum + M * nb;
         int8_t *a8 = (int8_t *)(ascale + M * nb);
@@ -308,7 +327,7 @@ int op_mm_prepare(op_mm_prep *p, int isa, const float *A, size_t M, size_t lda, 
                          asum + m * nb);
         a->a8 = a8;
         a->ascale = ascale;
-        p->kernel = kt->mm_i8;
+        p->kernel = a->amx ? op_mm_i8_amx : kt->mm_i8;
     } else {
         const float *src = A;
         size_t ld = lda;

@@ -22,7 +22,7 @@ ISAS: tuple[str, ...] = ("scalar", "avx2", "avx512")  # best last
 VARIANTS: tuple[str, ...] = ("avx512-novnni",)
 # What op_last_kernel() reports, by op_kernel_code value (0, none, is None): the code
 # that computed, which for "avx512" is "avx512-vnni" on the integer paths of a VNNI CPU.
-KERNEL_CODES: tuple[str, ...] = ("scalar", "avx2", "avx512", "avx512-vnni")
+KERNEL_CODES: tuple[str, ...] = ("scalar", "avx2", "avx512", "avx512-vnni", "amx")
 # What a CPU must have (with the OS saving the register state) to run each name.
 _NEEDS = {"avx2": "avx2/fma/f16c (with YMM state saved by the OS)",
           "avx512": "avx512f/avx512bw/avx512vl/avx512dq (with ZMM and opmask state saved by the OS)"}
@@ -56,6 +56,7 @@ def cpu_features() -> dict[str, bool]:
         "avx2_fma": bool(lib.op_cpu_has_avx2_fma()),
         "avx512": bool(lib.op_cpu_has_avx512()),
         "avx512_vnni": bool(lib.op_cpu_has_avx512_vnni()),
+        "amx": bool(lib.op_cpu_has_amx()),
     }
 
 

@@ -237,6 +237,14 @@ def set_gemv_panels(panels: int) -> int:
     return int(lib.op_set_gemv_panels(int(panels)))
 
 
+def set_amx(on: bool) -> bool:
+    """Whether INT4 matmuls of four rows or more (a prompt's prefill, a batch's decode
+    step) run on AMX tiles where the CPU has them (native/kernels_amx.c; ISA avx512).
+    On by default; process-wide, read when a matmul is prepared; the same bits either
+    way. Returns the previous setting: for tests and benchmarks that compare both."""
+    return bool(lib.op_set_amx(1 if on else 0))
+
+
 def matmul_nbits(A: np.ndarray, packed: np.ndarray, *, bias: np.ndarray | None = None,
                  out: np.ndarray | None = None, col_begin: int = 0, col_end: int | None = None,
                  accuracy_level: int | None = None, isa: str | None = None,

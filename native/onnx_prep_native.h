@@ -49,6 +49,9 @@ typedef enum {
 int op_cpu_has_avx2_fma(void);      /* AVX, AVX2, FMA, F16C + OS saves YMM */
 int op_cpu_has_avx512(void);        /* AVX-512 F, BW, VL, DQ + OS saves ZMM/opmask */
 int op_cpu_has_avx512_vnni(void);   /* op_cpu_has_avx512() and AVX512_VNNI */
+/* op_cpu_has_avx512_vnni(), AMX-TILE and AMX-INT8, the OS saving the tile state, and
+ * the process granted its use (Linux: arch_prctl ARCH_REQ_XCOMP_PERM, asked once here) */
+int op_cpu_has_amx(void);
 int op_isa_compiled(int isa);       /* 1 if this build contains code for `isa` */
 int op_isa_supported(int isa);      /* compiled in and the CPU/OS can run it */
 uint32_t op_packed_panel_n(void);   /* columns per int4 matmul panel (64): split ranges on it */
@@ -65,7 +68,8 @@ typedef enum {
     OP_KERNEL_SCALAR = 1,        /* portable C */
     OP_KERNEL_AVX2 = 2,          /* AVX2 + FMA */
     OP_KERNEL_AVX512 = 3,        /* AVX-512 F/BW/VL/DQ, no VNNI instruction */
-    OP_KERNEL_AVX512_VNNI = 4    /* AVX-512 with VNNI dot products (integer paths) */
+    OP_KERNEL_AVX512_VNNI = 4,   /* AVX-512 with VNNI dot products (integer paths) */
+    OP_KERNEL_AMX = 5            /* AMX tile dot products (the INT4 matmul's several-row paths) */
 } op_kernel_code;
 int op_last_kernel(void);
 
@@ -89,6 +93,11 @@ int op_probe_weight_streaming(size_t bytes, int passes, int64_t *plain_ns, int64
  * call's start; the same bits either way. Returns the previous setting. For benchmarks
  * that compare both in one run. */
 int op_set_gemv_panels(int panels);
+/* Whether an INT4 matmul of several rows (8 at levels 0-3; at level 4, each whole 16)
+ * runs on AMX tiles where the CPU has them (op_cpu_has_amx; ISA avx512): on until set.
+ * The same bits either way (exact integer sums, the same epilogue). Process-wide, read
+ * when a matmul is prepared. Returns the previous setting. */
+int op_set_amx(int on);
 
 /* ---- packed buffer header (64 bytes) ---------------------------------------- */
 typedef struct {

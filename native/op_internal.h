@@ -102,6 +102,10 @@ typedef struct {
     const float *ascale;
     /* all: per-block sums of the A operand, [M][n_blocks] (of a8 / m in int8 / bfp mode) */
     const float *asum;
+    /* set by op_mm_prepare when the AMX tiles run this matmul (then, in bfp mode,
+     * planes = the digit planes apart, [M][3][Kp]: plane p of row m at (3m + p) * Kp) */
+    int amx;
+    const int8_t *planes;
     const float *bias;      /* [N] or NULL */
     float *Y;
     size_t ldy;
@@ -230,6 +234,17 @@ extern const op_kernel_table op_kernels_avx2;
 extern const op_kernel_table op_kernels_avx512;
 extern const op_kernel_table op_kernels_avx512_vnni;
 #endif
+
+/* ---- AMX tiles (kernels_amx.c) --------------------------------------------------- */
+/* Rows from which an INT4 matmul runs on AMX tiles (op_set_amx), by mode: below them
+ * the AVX-512 VNNI panels are as fast or faster (docs/kernels.md, "AMX tiles"). */
+#define OP_AMX_MIN_ROWS_BFP 8
+#define OP_AMX_MIN_ROWS_INT8 16
+extern int op_amx_on;
+/* Whether this build and CPU run an M-row INT4 matmul (int8 mode or bfp) on tiles now. */
+int op_amx_for(size_t M, int int8);
+void op_mm_i8_amx(const op_mm_args *a);
+void op_mm_bfp_amx(const op_mm_args *a);
 
 /* ---- INT4 matmul geometry (shared by packing and every kernel) ---------------- */
 static inline int op_zp_kind(const op_packed_header *h) { return (int)(h->flags & OP_FLAG_ZP_MASK); }

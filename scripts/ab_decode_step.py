@@ -1,7 +1,7 @@
 """Decode steps with one setting on and off, alternating every two steps in ONE session,
 so that both see the same machine state, the same memory and the same KV lengths.
 
-    .venv/bin/python scripts/ab_decode_step.py [--toggle streaming|panels|bound-calls|attention-split]
+    .venv/bin/python scripts/ab_decode_step.py [--toggle streaming|panels|amx|bound-calls|attention-split]
         [--preset medium | --model PATH] [--batch 1] [--tokens 32] [--rounds 6] [--threads 2]
         [--prompt-tokens 8] [--json FILE]
 
@@ -10,6 +10,8 @@ so that both see the same machine state, the same memory and the same KV lengths
                    docs/kernels.md "Weight streaming")
   panels           a one-row level-4 GEMV reading two panels side by side ("on", the
                    default) or one at a time (native.set_gemv_panels)
+  amx              INT4 matmuls of several rows on AMX tiles, where the CPU has them
+                   (native.set_amx; docs/kernels.md "AMX tiles")
   bound-calls      the ops a node binds once at compile (GroupQueryAttention's decode
                    step, the Skip norms: an op's ``bind``, core/runtime/action_program.py)
                    or the general op they stand in for ("off"), swapped in the session's
@@ -44,6 +46,7 @@ from gemv_step_profile import open_decoder  # this folder: sys.path[0] when run 
 # --toggle: the setting, on (the default) or off, given the session
 TOGGLES = {"streaming": lambda session: native.set_weight_streaming,
            "panels": lambda session: lambda on: native.set_gemv_panels(2 if on else 1),
+           "amx": lambda session: native.set_amx,
            "bound-calls": lambda session: _bound_calls(session),
            "attention-split": lambda session: _attention_split}
 

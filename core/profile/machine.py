@@ -22,16 +22,17 @@ def cpu_model() -> str:
 
 
 def describe_machine() -> str:
-    """``CPU <model>, <n> logical CPUs, ISA <active> (available: ...), weight streaming
-    on|off (why)``.
+    """``CPU <model>, <n> logical CPUs, ISA <active>[, AMX tiles] (available: ...), weight
+    streaming on|off (why)``.
 
     The ISA part imports the native module's CPU probe; where it cannot load, says so.
     The last part is what the decode GEMVs do with their weights on this machine
     (core/ops/weight_streaming.py; it probes once a process, ~5 ms): a figure depends on it."""
     try:
-        from onnx_prep.native.isa import active_isa, available_isas
+        from onnx_prep.native.isa import active_isa, available_isas, cpu_features
 
-        isa = f"ISA {active_isa()} (available: {', '.join(available_isas())})"
+        amx = ", AMX tiles" if cpu_features()["amx"] and active_isa() == "avx512" else ""
+        isa = f"ISA {active_isa()}{amx} (available: {', '.join(available_isas())})"
     except Exception as exc:  # the native module is not built: still describe the CPU
         return f"CPU {cpu_model()}, {os.cpu_count()} logical CPUs, ISA unknown ({type(exc).__name__}: {exc})"
     from onnx_prep.core.ops.weight_streaming import choice
