@@ -105,6 +105,25 @@ static inline void pack_groups(const uint8_t *src, uint8_t *dst, uint32_t g0, ui
     }
 }
 
+/* Where a block's scale and zero point come from. */
+typedef struct {
+    const float *scales;
+    const uint8_t *zp_u4;
+    const float *zp_f32;
+    int zp_kind;
+    uint32_t bs;
+} scale_zero_src;
+
+/* Column col's scale and zero point in its block record, from source index s (n * nb + b). */
+static inline void put_scale_zero(const scale_zero_src *q, uint8_t *blk, size_t col, size_t s) {
+    uint8_t *sc = blk + (size_t)q->bs * 32u, *zb = sc + OP_PANEL_N * 4u;
+    memcpy(sc + col * 4u, q->scales + s, 4);
+    if (q->zp_kind == OP_ZP_U4)
+        zb[col] = q->zp_u4[s] & 0x0Fu;
+    else if (q->zp_kind == OP_ZP_FLOAT)
+        memcpy(zb + col * 4u, q->zp_f32 + s, 4);
+}
+
 /* One column's block that runs past K: the codes past `valid` are zero. */
 static void pack_partial_block(const uint8_t *src, uint64_t valid, uint32_t bs, uint8_t *blk,
                                size_t col) {
@@ -192,6 +211,7 @@ int op_prepack_matmul_nbits(const uint8_t *B, const float *scales, const uint8_t
     uint32_t flags = (uint32_t)zp_kind | ((uint32_t)accuracy_level << OP_FLAG_ACC_SHIFT) |
                      (scales_were_f16 ? OP_FLAG_SCALES_F16 : 0u);
     write_header(out, OP_KIND_INT4_MATMUL, flags, bs, K, N, nb, OP_PANEL_N, stride, need);
+    const scale_zero_src q = {scales, zp_u4, zp_f32, zp_kind, bs};
 
     for (size_t p = 0; p < panels; p++) {
         uint8_t *panel = out + OP_HEADER_SIZE + p * stride;
@@ -218,8 +238,6 @@ int op_prepack_matmul_nbits(const uint8_t *B, const float *scales, const uint8_t
                 const size_t n = n0 + col;
                 for (uint32_t b = 0; b < nb; b++) {
                     uint8_t *blk = panel + (size_t)b * blk_bytes;
-                    float *sc = (float *)(blk + (size_t)bs * 32u);
-                    uint8_t *zb = blk + (size_t)bs * 32u + OP_PANEL_N * 4u;
                     const uint64_t valid = (K - (uint64_t)b * bs) < bs ? K - (uint64_t)b * bs : bs;
                     const uint8_t *src = B + ((size_t)n * nb + b) * blob;
                     if (valid == bs)
@@ -227,14 +245,8 @@ int op_prepack_matmul_nbits(const uint8_t *B, const float *scales, const uint8_t
                     else
                         for (size_t j = 0; j < 4; j++)
                             pack_partial_block(src + j * nb * blob, valid, bs, blk, col + j);
-                    for (size_t j = 0; j < 4; j++) {
-                        const size_t s = (n + j) * nb + b;
-                        sc[col + j] = scales[s];
-                        if (zp_kind == OP_ZP_U4)
-                            zb[col + j] = zp_u4[s] & 0x0Fu;
-                        else if (zp_kind == OP_ZP_FLOAT)
-                            ((float *)zb)[col + j] = zp_f32[s];
-                    }
+                    for (size_t j = 0; j < 4; j++)
+                        put_scale_zero(&q, blk, col + j, (n + j) * nb + b);
                 }
             }
 #endif
@@ -242,8 +254,6 @@ int op_prepack_matmul_nbits(const uint8_t *B, const float *scales, const uint8_t
             const size_t n = n0 + col, i = col / OP_TILE_N, c = col % OP_TILE_N;
             for (uint32_t b = 0; b < nb; b++) {
                 uint8_t *blk = panel + (size_t)b * blk_bytes;
-                float *sc = (float *)(blk + (size_t)bs * 32u);
-                uint8_t *zb = blk + (size_t)bs * 32u + OP_PANEL_N * 4u;
                 const uint64_t valid = (K - (uint64_t)b * bs) < bs ? K - (uint64_t)b * bs : bs;
                 const uint8_t *src = B + ((size_t)n * nb + b) * blob;
                 uint8_t *dst = (uint8_t *)op_mm_group(blk, 0, (int)i) + 4 * c; /* group g: + g * 256 */
@@ -254,11 +264,7 @@ int op_prepack_matmul_nbits(const uint8_t *B, const float *scales, const uint8_t
                 } else {
                     pack_partial_block(src, valid, bs, blk, col);
                 }
-                sc[col] = scales[(size_t)n * nb + b];
-                if (zp_kind == OP_ZP_U4)
-                    zb[col] = zp_u4[(size_t)n * nb + b] & 0x0Fu;
-                else if (zp_kind == OP_ZP_FLOAT)
-                    ((float *)zb)[col] = zp_f32[(size_t)n * nb + b];
+                put_scale_zero(&q, blk, col, (size_t)n * nb + b);
             }
         }
     }
