@@ -238,8 +238,9 @@ def set_gemv_panels(panels: int) -> int:
 
 
 def set_amx(on: bool) -> bool:
-    """Whether INT4 matmuls of four rows or more (a prompt's prefill, a batch's decode
-    step) run on AMX tiles where the CPU has them (native/kernels_amx.c; ISA avx512).
+    """Whether INT4 matmuls of several rows (4 and up at levels 0-3, each whole 16 at
+    level 4: a prompt's prefill, a batch's decode step) run on AMX tiles where the CPU
+    has them (native/kernels_amx.c; ISA avx512).
     On by default; process-wide, read when a matmul is prepared; the same bits either
     way. Returns the previous setting: for tests and benchmarks that compare both."""
     return bool(lib.op_set_amx(1 if on else 0))

@@ -93,7 +93,7 @@ int op_probe_weight_streaming(size_t bytes, int passes, int64_t *plain_ns, int64
  * call's start; the same bits either way. Returns the previous setting. For benchmarks
  * that compare both in one run. */
 int op_set_gemv_panels(int panels);
-/* Whether an INT4 matmul of several rows (8 at levels 0-3; at level 4, each whole 16)
+/* Whether an INT4 matmul of several rows (4 at levels 0-3; at level 4, each whole 16)
  * runs on AMX tiles where the CPU has them (op_cpu_has_amx; ISA avx512): on until set.
  * The same bits either way (exact integer sums, the same epilogue). Process-wide, read
  * when a matmul is prepared. Returns the previous setting. */

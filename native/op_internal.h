@@ -238,7 +238,7 @@ extern const op_kernel_table op_kernels_avx512_vnni;
 /* ---- AMX tiles (kernels_amx.c) --------------------------------------------------- */
 /* Rows from which an INT4 matmul runs on AMX tiles (op_set_amx), by mode: below them
  * the AVX-512 VNNI panels are as fast or faster (docs/kernels.md, "AMX tiles"). */
-#define OP_AMX_MIN_ROWS_BFP 8
+#define OP_AMX_MIN_ROWS_BFP 4
 #define OP_AMX_MIN_ROWS_INT8 16
 extern int op_amx_on;
 /* Whether this build and CPU run an M-row INT4 matmul (int8 mode or bfp) on tiles now. */

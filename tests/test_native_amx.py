@@ -13,11 +13,12 @@ from test_native_reference import random_matmul_nbits
 HAS_AMX = native.cpu_features()["amx"]
 needs_amx = pytest.mark.skipif(not HAS_AMX, reason="no AMX-INT8 here (or the OS did not grant its tile state)")
 
-# (M, K, N, block_size, zero points): rows around each level's threshold (8 at levels
+# (M, K, N, block_size, zero points): rows around each level's threshold (4 at levels
 # 0-3, each whole 16 at level 4, the rest of the rows on the panels), several 16-row
 # chunks, blocks of 16-256 codes (several tile products a block past 64), K past the
 # last block, N ending inside a panel and inside a tile.
 CASES = [
+    (3, 300, 80, 32, "u4"), (4, 130, 64, 16, "none"), (5, 256, 100, 64, "float"),
     (8, 256, 64, 32, "u4"), (9, 200, 70, 64, "float"), (15, 512, 130, 128, "none"),
     (16, 100, 37, 16, "u4"), (17, 1024, 200, 256, "float"), (24, 640, 65, 32, "none"),
     (33, 2048, 256, 32, "u4"), (40, 96, 19, 32, "float"),
@@ -49,7 +50,7 @@ def test_tiles_give_the_panels_and_the_scalar_bits(level):
         on, ran = _run(A, packed, bias if i % 2 else None, True)
         off, ran_off = _run(A, packed, bias if i % 2 else None, False)
         ref = native.matmul_nbits(A, packed, bias=bias if i % 2 else None, isa="scalar")
-        tiles = M >= (16 if level == 4 else 8)
+        tiles = M >= (16 if level == 4 else 4)
         assert (ran, ran_off) == ("amx" if tiles else "avx512-vnni", "avx512-vnni"), (level, M)
         np.testing.assert_array_equal(on, off, err_msg=f"level {level} case {i}")
         np.testing.assert_array_equal(on, ref, err_msg=f"level {level} case {i}")

@@ -74,7 +74,7 @@ def test_scalar_matches_numpy_dequantize_then_matmul(M, K, N, bs, zp):
 def test_isa_paths_equal_scalar_bit_for_bit(isa, level, zp):
     # the last two: four-row chunks over panels of several ~16 KiB block chunks
     # (the chunked and single-pass multi-row drivers), plus leftover rows; with AMX,
-    # 8, 9 and 16 rows run on tiles (test_native_amx.py has more)
+    # 4 rows and up at levels 0-3 and 16 at level 4 run on tiles (test_native_amx.py)
     extra = [(16, 256, 64, 32), (7, 96, 200, 32), (6, 1100, 100, 16), (9, 800, 70, 32)]
     for i, (M, K, N, bs) in enumerate(SHAPES + extra):
         want_kernel = expected_kernel(isa, "fp32" if level == "fma" else "int", rows=M, level=level)

@@ -32,13 +32,13 @@ def expected_kernel(isa: str, path: str, rows: int = 1, level: int = 0) -> str:
     """The kernel code (native.last_kernel()) a call with ``isa`` must report, written
     out here independently of the C dispatcher: ``path`` "int" for the integer paths
     (accuracy levels 0-4), "fp32" for the FMA chains and gemm. VNNI serves "avx512"
-    on the integer paths where the CPU has it, and AMX tiles (on by default) from 8
+    on the integer paths where the CPU has it, and AMX tiles (on by default) from 4
     rows at levels 0-3 and 16 at level 4; "avx512-novnni" never uses either."""
     from onnx_prep import native
 
     if isa == "avx512-novnni":
         return "avx512"
-    if isa == "avx512" and path == "int" and native.cpu_features()["amx"] and rows >= (16 if level == 4 else 8):
+    if isa == "avx512" and path == "int" and native.cpu_features()["amx"] and rows >= (16 if level == 4 else 4):
         return "amx"
     if isa == "avx512" and path == "int" and native.cpu_features()["avx512_vnni"]:
         return "avx512-vnni"
