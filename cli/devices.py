@@ -3,7 +3,7 @@ whether CUDA is usable: if not, the one-line reason (cuda-python not installed, 
 driver library missing, ``cuInit``'s error code and name, no device); if so, each
 device's name, compute capability, memory, VMM support and allocation granularity. One
 core call (``core/cuda/device_probe.devices_record``), rendered as text or JSON (schema
-``onnx-prep.devices/1``, docs/cuda.md).
+``onnx-prep.devices/2``, docs/cuda.md).
 
 Exit codes: 0 when the devices were probed, CUDA usable or not (no CUDA is an answer,
 not a failure: ``run --device cuda`` is where it is an error, exit 2)."""
@@ -33,5 +33,6 @@ def devices(
 def _render(doc: dict) -> None:
     say = lambda text: output.stdout.print(text, markup=False, highlight=False)  # noqa: E731 - names are not markup
     cpu = doc["cpu"]
-    say(f"cpu: kernels {cpu['isa']}, {cpu['logical_cpus']} logical CPUs")
+    tiles = " with AMX tiles" if cpu["amx_tiles"] else ""
+    say(f"cpu: kernels {cpu['isa']}{tiles}, {cpu['logical_cpus']} logical CPUs")
     say(f"cuda: {doc['summary'].removeprefix('CUDA ')}")

@@ -12,6 +12,7 @@ import pytest
 from fake_cuda_driver import MiB, FakeDriver
 
 import onnx_prep.core.cuda
+from onnx_prep import native
 from onnx_prep.core.cuda.cuda_python_driver import import_binding
 from onnx_prep.core.cuda.device_probe import DeviceProbe, describe_device, devices_record, probe_devices
 from onnx_prep.core.cuda.device_selection import refuse_on_device, require_device
@@ -126,6 +127,7 @@ def test_the_devices_record_matches_its_schema():
                   probe_devices(lambda: FakeDriver(devices=0))):
         doc = devices_record(probe)
         jsonschema.validate(doc, schema)
+        assert doc["cpu"]["amx_tiles"] == (doc["cpu"]["isa"] == "avx512" and native.cpu_features()["amx"])
         assert doc["summary"] == probe.one_line()
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({**doc, "extra": 1}, schema)

@@ -28,7 +28,7 @@ from onnx_prep.core.cuda.driver import DeviceDriver, DriverCallError, DriverUnav
 
 __all__ = ["DeviceInfo", "DeviceProbe", "SCHEMA", "describe_device", "devices_record", "probe_devices"]
 
-SCHEMA = "onnx-prep.devices/1"
+SCHEMA = "onnx-prep.devices/2"
 
 
 @dataclass(frozen=True)
@@ -120,11 +120,14 @@ def probe_devices(load: Callable[[], DeviceDriver] | None = None) -> DeviceProbe
 
 
 def devices_record(probe: DeviceProbe | None = None) -> dict:
-    """``onnx-prep devices``' record: the CPU's kernel ISA and the CUDA probe."""
+    """``onnx-prep devices``' record: the CPU's kernel ISA (and whether AMX tiles run
+    the several-row matmuls) and the CUDA probe."""
     import os
 
-    from onnx_prep.native.isa import active_isa
+    from onnx_prep.native.isa import active_isa, cpu_features
 
     probe = probe_devices() if probe is None else probe
-    return {"schema": SCHEMA, "cpu": {"isa": active_isa(), "logical_cpus": os.cpu_count()},
+    isa = active_isa()
+    amx = isa == "avx512" and cpu_features()["amx"]
+    return {"schema": SCHEMA, "cpu": {"isa": isa, "amx_tiles": amx, "logical_cpus": os.cpu_count()},
             "cuda": probe.to_json(), "summary": probe.one_line()}
