@@ -291,9 +291,9 @@ int op_mm_prepare(op_mm_prep *p, int isa, const float *A, size_t M, size_t lda, 
      * them until run 22 (docs/kernels.md). */
     const int int8 = accuracy_level == 4, bfp = accuracy_level <= 3;
     const int pad = Kp != K;
-    a->amx = (int8 || bfp) && kt == OP_VNNI_TABLE && op_amx_for(M, int8);
+    const int tiles = (int8 || bfp) && kt == OP_VNNI_TABLE && op_amx_for(M, int8);
     size_t bytes = M * nb * sizeof(float) * (int8 || bfp ? 2 : 1);
-    bytes += int8 ? M * Kp : bfp ? M * Kp * 3 * (a->amx ? 2 : 1) : (pad ? M * Kp * sizeof(float) : 0);
+    bytes += int8 ? M * Kp : bfp ? M * Kp * 3 * (tiles ? 2 : 1) : (pad ? M * Kp * sizeof(float) : 0);
     void *scratch = malloc(bytes ? bytes : 1);
     if (!scratch) return OP_E_NOMEM;
     p->scratch = scratch;
@@ -308,7 +308,7 @@ int op_mm_prepare(op_mm_prep *p, int isa, const float *A, size_t M, size_t lda, 
         a->a8 = d24;
         a->ascale = p2;
         p->kernel = kt->mm_bfp;
-        if (a->amx) {
+        if (tiles) {
             /* the tiles read each plane's bytes of a block contiguous: the 24-byte
              * groups (8 bytes a plane) regrouped plane by plane */
             int8_t *planes = d24 + M * Kp * 3;
@@ -327,7 +327,7 @@ int op_mm_prepare(op_mm_prep *p, int isa, const float *A, size_t M, size_t lda, 
                          asum + m * nb);
         a->a8 = a8;
         a->ascale = ascale;
-        p->kernel = a->amx ? op_mm_i8_amx : kt->mm_i8;
+        p->kernel = tiles ? op_mm_i8_amx : kt->mm_i8;
     } else {
         const float *src = A;
         size_t ld = lda;

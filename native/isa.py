@@ -127,6 +127,13 @@ def active_isa() -> str:
     return name
 
 
+def amx_tiles() -> bool:
+    """Whether the INT4 matmuls of several rows run on AMX tiles by default here: the
+    active ISA is avx512 and the CPU has AMX-INT8 that the OS lets this process use
+    (native/kernels_amx.c; ``set_amx`` turns them off)."""
+    return active_isa() == "avx512" and cpu_features()["amx"]
+
+
 def kernel_variants() -> tuple[str, ...]:
     """Every kernel path runnable here: :func:`available_isas` plus the variants."""
     return available_isas() + tuple(v for v in VARIANTS if unavailable_reason(v) is None)

@@ -45,7 +45,6 @@ AI void fold_block_tiles(const op_mm_args *a, const uint8_t *blk, int i0, size_t
     }
 }
 
-
 /* ---- fp32 compute ------------------------------------------------------------
  * Per k: one shift brings the code's nibble to the bottom of each lane, one
  * vpermps (which reads only the low 4 bits of each index) turns it into the float

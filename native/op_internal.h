@@ -102,9 +102,8 @@ typedef struct {
     const float *ascale;
     /* all: per-block sums of the A operand, [M][n_blocks] (of a8 / m in int8 / bfp mode) */
     const float *asum;
-    /* set by op_mm_prepare when the AMX tiles run this matmul (then, in bfp mode,
-     * planes = the digit planes apart, [M][3][Kp]: plane p of row m at (3m + p) * Kp) */
-    int amx;
+    /* bfp mode on AMX tiles (op_mm_prepare): the digit planes apart, [M][3][Kp]: plane
+     * p of row m at (3m + p) * Kp */
     const int8_t *planes;
     const float *bias;      /* [N] or NULL */
     float *Y;

@@ -124,10 +124,8 @@ def devices_record(probe: DeviceProbe | None = None) -> dict:
     the several-row matmuls) and the CUDA probe."""
     import os
 
-    from onnx_prep.native.isa import active_isa, cpu_features
+    from onnx_prep.native.isa import active_isa, amx_tiles
 
     probe = probe_devices() if probe is None else probe
-    isa = active_isa()
-    amx = isa == "avx512" and cpu_features()["amx"]
-    return {"schema": SCHEMA, "cpu": {"isa": isa, "amx_tiles": amx, "logical_cpus": os.cpu_count()},
+    return {"schema": SCHEMA, "cpu": {"isa": active_isa(), "amx_tiles": amx_tiles(), "logical_cpus": os.cpu_count()},
             "cuda": probe.to_json(), "summary": probe.one_line()}

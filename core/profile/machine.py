@@ -29,9 +29,9 @@ def describe_machine() -> str:
     The last part is what the decode GEMVs do with their weights on this machine
     (core/ops/weight_streaming.py; it probes once a process, ~5 ms): a figure depends on it."""
     try:
-        from onnx_prep.native.isa import active_isa, available_isas, cpu_features
+        from onnx_prep.native.isa import active_isa, amx_tiles, available_isas
 
-        amx = ", AMX tiles" if cpu_features()["amx"] and active_isa() == "avx512" else ""
+        amx = ", AMX tiles" if amx_tiles() else ""
         isa = f"ISA {active_isa()}{amx} (available: {', '.join(available_isas())})"
     except Exception as exc:  # the native module is not built: still describe the CPU
         return f"CPU {cpu_model()}, {os.cpu_count()} logical CPUs, ISA unknown ({type(exc).__name__}: {exc})"
