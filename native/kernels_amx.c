@@ -73,6 +73,17 @@ static size_t chunk_rows(size_t M) {
     return (M + chunks - 1) / chunks;
 }
 
+/* The rows of the chunk at row m (at most `rows`), the tiles configured for them
+ * when the last chunk had another count. */
+static size_t rows_at(size_t M, size_t m, size_t rows, size_t *configured, int bfp, uint32_t kc) {
+    const size_t R = M - m < rows ? M - m : rows;
+    if (R != *configured) {
+        configure(bfp, (int)R, kc);
+        *configured = R;
+    }
+    return R;
+}
+
 /* The B tile of groups g0 .. g0 + n - 1 of tile i of a block: two rows a group. */
 AI void unpack_b(uint8_t *dst, const uint8_t *blk, int i, uint32_t g0, uint32_t n) {
     const __m512i m0f = _mm512_set1_epi8(0x0F);
@@ -177,11 +188,7 @@ void op_mm_i8_amx(const op_mm_args *in) {
         /* panels outer, chunks of 16 rows inner: a panel's blocks stay in L2 while
          * every row goes through them */
         for (size_t m = 0, R; m < a->M; m += R) {
-            R = a->M - m < rows ? a->M - m : rows;
-            if (R != configured_rows) {
-                configure(0, (int)R, kc);
-                configured_rows = R;
-            }
+            R = rows_at(a->M, m, rows, &configured_rows, 0, kc);
             out_zero(&out, (int)R, tb, te);
             for (int tp = tb; tp < te; tp += 2) {
                 const int nt = te - tp < 2 ? te - tp : 2;
@@ -267,11 +274,7 @@ void op_mm_bfp_amx(const op_mm_args *a) {
     OP_FOR_PANELS(a, p, tb, te) {
         const int nt = te - tb;
         for (size_t m = 0, R; m < a->M; m += R) {
-            R = a->M - m < rows ? a->M - m : rows;
-            if (R != configured_rows) {
-                configure(1, (int)R, kc);
-                configured_rows = R;
-            }
+            R = rows_at(a->M, m, rows, &configured_rows, 1, kc);
             out_zero(&out, (int)R, tb, te);
             unsigned n = 0; /* (block, tile) steps so far */
             for (uint32_t b = 0; b < nb; b++) {
