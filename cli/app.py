@@ -22,8 +22,8 @@ try:  # Ctrl-C during the start-up imports: one line and 130, never a traceback
     import typer
     from typer._click.exceptions import ClickException  # typer's own click (typer < 0.29)
 
-    from onnx_prep.cli import (build_cache, check, demo, devices, digest, errors, fixture, plan_dump, profile, resolve,
-                               run)
+    from onnx_prep.cli import (build_cache, check, demo, devices, digest, errors, fixture, output, plan_dump, profile,
+                               resolve, run)
 except KeyboardInterrupt:
     sys.stderr.write("interrupted\n")
     raise SystemExit(130) from None
@@ -53,6 +53,7 @@ def _root(
     ),
 ) -> None:
     errors.DEBUG = debug
+    output._warned.clear()  # each command says each warning once
     if not debug:  # numpy's RuntimeWarnings (overflow, invalid value) are not for the user
         import warnings
 

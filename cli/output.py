@@ -50,9 +50,17 @@ def _default(obj: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
 
 
+_warned: set[str] = set()  # this command's warnings so far (app's callback clears it)
+
+
 def warn(text: str) -> None:
-    """``warning: <text>`` on one line of stderr, its control characters escaped."""
+    """``warning: <text>`` on one line of stderr, its control characters escaped; a
+    warning said once in a command is not said again (a sweep opens the same missing
+    cache for every sample)."""
     from onnx_prep.core.errors import terminal_safe
 
+    if text in _warned:
+        return
+    _warned.add(text)
     console = __getattr__("stderr")  # a bare global name would not reach __getattr__
     console.print(f"warning: {terminal_safe(text)}", markup=False, highlight=False)

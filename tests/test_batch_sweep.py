@@ -170,3 +170,14 @@ def test_the_command_prints_each_format_and_draws_the_plot(small_llm_path, tmp_p
 def test_bad_sweep_options_are_one_line_and_exit_2(small_llm_path, extra, needle):
     p = _cli("profile", small_llm_path, *extra)
     assert p.returncode == 2 and needle in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_a_missing_prepared_cache_is_said_once_however_many_samples(small_llm_path, tmp_path):
+    # each sample opens the cache again: the warning is the command's, said once
+    absent = tmp_path / "never-built.prepared.onnx"
+    p = _cli("profile", small_llm_path, "--batch-sweep", "1,2", "--tokens", "3", "--repeat", "2",
+             "--prepared", absent, "--json")
+    assert p.returncode == 0, p.stderr
+    warned = [ln for ln in p.stderr.splitlines() if ln.startswith("warning: ")]
+    assert warned == [ln for ln in warned if f"no prepared cache at {absent}" in ln] and len(warned) == 1, p.stderr
+    assert [r["batch"] for r in json.loads(p.stdout)["rows"]] == [1, 2] and not absent.exists()

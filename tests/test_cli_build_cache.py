@@ -119,10 +119,11 @@ def test_a_malformed_cache_is_exit_2_until_rebuilt(model):
     assert cli("run", model, "--tokens", "2", "--cache-policy", "require-complete").returncode == 0
 
 
-def test_require_complete_without_a_cache_names_what_is_missing(model):
+def test_require_complete_without_a_cache_says_there_is_none(model):
     p = cli("run", model, "--tokens", "2", "--cache-policy", "require-complete", ok=False)
-    assert p.returncode == 2 and "prepared cache is incomplete" in p.stderr and "no entry" in p.stderr
-    assert "build-cache" in p.stderr
+    cache = model.parent / f"{model.stem}.prepared.onnx"
+    assert p.returncode == 2 and f"no prepared cache there (file {cache})" in p.stderr, p.stderr
+    assert f"build it: onnx-prep build-cache {model}" in p.stderr and len(p.stderr.strip().splitlines()) == 1
 
 
 def test_build_if_missing_refuses_unverified_reads(model):

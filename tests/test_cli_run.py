@@ -140,6 +140,24 @@ def test_bad_model_and_io_map_files_exit_2(tmp_path, toy):
     assert "unknown keys" in _error([str(toy), "--runtime", "ort", "--io-map", str(bad_map)])
 
 
+def test_a_prepared_path_with_no_cache_is_said(tmp_path, toy):
+    # --prepared names a file that is not there (a typo, a cache never built): read-only
+    # loads without it and says so once; require-complete refuses it in one line.
+    absent = tmp_path / "typo.prepared.onnx"
+    result = cli.invoke(app, ["run", str(toy), "--prompt-ids", "1,2,3", "--tokens", "2", "--prepared", str(absent)])
+    assert result.exit_code == EXIT_OK, result.output
+    warned = [ln for ln in result.stderr.splitlines() if ln.startswith("warning: ")]
+    assert len(warned) == 1 and f"no prepared cache at {absent}" in warned[0], result.stderr
+    assert f"onnx-prep build-cache {toy} -o {absent}" in warned[0]
+    line = _error([str(toy), "--prompt-ids", "1,2,3", "--tokens", "2", "--prepared", str(absent),
+                   "--cache-policy", "require-complete"])
+    assert f"no prepared cache there (file {absent})" in line and "build-cache" in line
+    assert not absent.exists()  # nothing written under read-only or a refusal
+    # the default place, never built: no warning (a model without a cache is the usual case)
+    result = cli.invoke(app, ["run", str(toy), "--prompt-ids", "1,2,3", "--tokens", "2"])
+    assert result.exit_code == EXIT_OK and "warning" not in result.stderr, result.stderr
+
+
 def test_missing_prepared_runtime_is_a_clear_error(toy, monkeypatch):
     # A build without core/runtime/session.py: None in sys.modules makes its import fail.
     monkeypatch.setitem(sys.modules, "onnx_prep.core.runtime.session", None)

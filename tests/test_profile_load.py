@@ -184,7 +184,7 @@ def test_compare_ort_side_by_side(model):
     (["--compare", "tvm"], "--compare"),
     (["--trace", "/no/such/folder/t.json"], "--trace"),
     (["--trace", "/proc/version"], "cannot write the trace"),
-    (["--cache-policy", "require-complete"], "incomplete"),
+    (["--cache-policy", "require-complete"], "no prepared cache there"),
     (["--cache-policy", "build-if-missing", "--no-verify-digests"], "verified"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else v)
 def test_bad_options_exit_2_in_one_line(model, args, needle):

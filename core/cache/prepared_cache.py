@@ -122,6 +122,13 @@ class PreparedCache:
                 for k, o in self.outcomes.items():
                     if o.status is EntryStatus.HIT and self.manifest.by_key[k].file == name:
                         self.outcomes[k] = EntryOutcome(k, EntryStatus.DAMAGED, f"cannot open {name}: {exc}")
+        if self.manifest is None and self.policy is not CachePolicy.BUILD_IF_MISSING:
+            if self.policy is CachePolicy.REQUIRE_COMPLETE:
+                raise PreparedCacheError("no prepared cache there", Where(file=str(self.path)),
+                                         hint=self.build_hint())
+            if path is not None:  # named by the user (--prepared): a typo must not pass silently
+                self._note(f"no prepared cache at {self.path}, so the model loads without one; "
+                           f"{self.build_hint()}")
         if self.policy is CachePolicy.REQUIRE_COMPLETE:
             missing = [o for o in self.outcomes.values() if o.status is not EntryStatus.HIT]
             if missing:
