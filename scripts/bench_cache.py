@@ -9,9 +9,11 @@ The model (default: the ``medium`` fixture, generated once into the fixture cach
 never written to: every cache lives in a private temporary folder (``--cache-dir`` /
 ``--prepared``), so other benchmarks and runs of the cached model are unaffected.
 
-Per page-cache state (warm, then cold: posix_fadvise DONTNEED on the model's data file and
-the caches' files before each measurement, where the OS has it; --warm-only skips it), and
-per repeat with the configurations' order rotated, min / median / max of:
+Per page-cache state (warm: the files the measurement reads are read whole just before it,
+the share already resident reported, since at scale the run's files outgrow memory; then
+cold: posix_fadvise DONTNEED on the model's data file and the caches' files before each
+measurement, where the OS has it; --warm-only skips it), and per repeat with the
+configurations' order rotated, min / median / max of:
 
   in-process loads (a fresh Session each; the clock starts after resolution, so it counts
   opening the cache, constructing the session, the load and the first prefill):
@@ -132,6 +134,15 @@ class Files:
             files |= {p for p in d.iterdir() if p.is_file()}
         return sorted(files | {self.model})
 
+    def reads_of(self, resolved, config: str) -> list[Path]:
+        """The files a load of ``config`` reads: what a warm load must find in the page cache."""
+        sources = {resolved.model_dir / d.file for d in resolved.manifest if d.file} | {self.model}
+        if config == "ort-prepacked":
+            return sorted(p for p in self.dirs["ort"].iterdir() if p.is_file())
+        if config in ("cache", "cache-zstd"):
+            sources |= {p for p in self.dirs[config].iterdir() if p.is_file()}
+        return sorted(sources)
+
     def payload_bytes(self, name: str) -> tuple[int, int, int]:
         """(stored bytes, decoded bytes, bytes on disk: payload files and manifest) of a cache.
         On disk is what the file system allocated (st_blocks x 512), not st_size: the
@@ -144,6 +155,24 @@ class Files:
 
 
 # ------------------------------------------------------------------ measurements
+def warm_files(paths: list[Path]) -> float | None:
+    """Read each file whole (1 MiB at a time) so that a warm load finds it in the page
+    cache; the share of its bytes that was resident before (None: not measurable). At
+    scale the run's files (sources, three caches, ONNX Runtime's copy: ~23 GB for the
+    7B-shaped model) do not all fit in memory, so a load's files are read again before
+    each warm load rather than assumed to be still there."""
+    from onnx_prep.core.profile.page_cache import resident_bytes
+
+    total = sum(p.stat().st_size for p in paths)
+    resident = [resident_bytes(p) for p in paths]
+    buf = bytearray(CHUNK)
+    for p in paths:
+        with open(p, "rb", buffering=0) as fh:
+            while fh.readinto(buf):
+                pass
+    return None if None in resident or total == 0 else sum(resident) / total
+
+
 def in_process_load(resolved, feeds, files: Files, config: str, *, warm: bool) -> dict:
     from onnx_prep.core.cache.prepared_cache import PreparedCache
     from onnx_prep.core.plan.task import TaskKind
@@ -151,6 +180,7 @@ def in_process_load(resolved, feeds, files: Files, config: str, *, warm: bool) -
 
     if config == "build":
         files.clear_build()
+    resident = None if not warm else warm_files(files.reads_of(resolved, config))
     if not warm:
         drop_files(files.data_files(resolved))
     t0 = time.perf_counter_ns()
@@ -170,7 +200,8 @@ def in_process_load(resolved, feeds, files: Files, config: str, *, warm: bool) -
         # the last session task's end, every object in its slot (docs/profile.md)
         out = {"first_output_ms": (ctx.done_ns - t0) / 1e6, "open_ms": (t_run - t0) / 1e6,
                "all_ready_ms": (max([t_run, *(e.end_ns for e in tasks)]) - t_run) / 1e6,
-               "source_bytes": st.source_bytes_read + st.source_bytes_mapped, "packed_bytes": 0}
+               "source_bytes": st.source_bytes_read + st.source_bytes_mapped, "packed_bytes": 0,
+               "resident_before_warming": resident}
     finally:
         s.close()  # waits for the objects handed to the cache to be written
     if cache is not None:
@@ -228,13 +259,14 @@ def whole_process(files: Files, config: str, prompt: str, logits_name: str, *, w
                   resolved) -> dict:
     if config == "build":
         files.clear_build()
+    resident = None if not warm else warm_files(files.reads_of(resolved, config))
     if not warm:
         drop_files(files.data_files(resolved))
     if config.startswith("ort"):
         model = files.ort_copy if config == "ort-prepacked" else files.model
         wall, rss, doc = spawn([sys.executable, "-c", ORT_CHILD, str(model), str(files.feeds), logits_name])
         return {"spawn_to_exit_ms": wall, "peak_rss_mib": rss, "open_ms": doc["open_ms"],
-                "first_output_ms": doc["first_run_ms"], "token": doc["token"]}
+                "first_output_ms": doc["first_run_ms"], "token": doc["token"], "resident_before_warming": resident}
     cmd = [str(Path(sys.executable).with_name("onnx-prep")), "run", str(files.model), "--tokens", "1",
            "--prompt-ids", prompt, "--json", "--cache-policy", POLICY[config],
            "--source-pages", "keep" if warm else "auto"]
@@ -244,7 +276,8 @@ def whole_process(files: Files, config: str, prompt: str, logits_name: str, *, w
         cmd += ["--prepared", str(files.cache[config])]
     wall, rss, doc = spawn(cmd)
     return {"spawn_to_exit_ms": wall, "peak_rss_mib": rss, "open_ms": doc["timings"]["open_ms"],
-            "first_output_ms": doc["timings"]["first_output_ms"], "token": doc["tokens"][0][-1]}
+            "first_output_ms": doc["timings"]["first_output_ms"], "token": doc["tokens"][0][-1],
+            "resident_before_warming": resident}
 
 
 # ------------------------------------------------------------------ set-up
@@ -395,6 +428,11 @@ def main() -> None:
         f"{c} {statistics.median(x['source_bytes'] for x in res['in_process']['warm'][c]) / 2**20:,.1f} MiB of "
         f"source, {statistics.median(x['packed_bytes'] for x in res['in_process']['warm'][c]) / 2**20:,.1f} MiB "
         "from the cache" for c in IN_PROCESS))
+    before = [x["resident_before_warming"] for g in ("in_process", "processes") for xs in res[g]["warm"].values()
+              for x in xs if x["resident_before_warming"] is not None]
+    if before:
+        print(f"warm loads: {100 * min(before):.1f}-{100 * max(before):.1f}% of the files each reads were in the "
+              "page cache before it; each read them whole first")
     print(f"\n{'whole process':34} {'state':5} {'min':>10} {'median':>10} {'max':>10}")
     for state in states:
         for c in processes:
