@@ -26,7 +26,8 @@ configurations' order rotated, min / median / max of:
     all_ready_ms (from the first run's start, the session open, to the last session
     task's end: every object in its slot; `profile`'s all_ready_ms); open_ms before it
   packed bytes read alone: the cache's payload files read in 1 MiB steps (``cat`` to
-    /dev/null), the floor for a load from the cache
+    /dev/null), the floor for a load from the cache; warm, and cold (dropped before each
+    read: the disk's rate for those bytes)
   whole processes, spawn to exit (``onnx-prep run --tokens 1``: spawn to first logits),
   with peak RSS (the child's ru_maxrss):
     none / build / cache    ``onnx-prep run --tokens 1 --cache-policy ...``
@@ -407,6 +408,11 @@ def main() -> None:
                         resolved=resolved))
         read_packed_alone(files)  # warm it
         res["read_packed_ms"] = [read_packed_alone(files) for _ in range(args.repeats)]
+        if "cold" in states:  # the device's rate for these bytes: the floor of a cold load from the cache
+            res["read_packed_cold_ms"] = []
+            for _ in range(args.repeats):
+                drop_files(files.data_files(resolved))
+                res["read_packed_cold_ms"].append(read_packed_alone(files))
         stored, packed, disk = files.payload_bytes("cache")
         zstored, zpacked, zdisk = files.payload_bytes("cache-zstd")
         sizes = {"source": resolved.manifest.total_bytes, "packed": packed, "cache_disk": disk,
@@ -424,6 +430,12 @@ def main() -> None:
             for fig in ("first_output_ms", "open_ms", "all_ready_ms") + (("persisted_ms",) if c == "build" else ()):
                 print(f"{c + ' ' + fig:34} {state:5} {_fmt(_stats([x[fig] for x in res['in_process'][state][c]]))}")
     print(f"{'packed bytes read alone':34} {'warm':5} {_fmt(_stats(res['read_packed_ms']))}")
+    if "read_packed_cold_ms" in res:
+        print(f"{'packed bytes read alone':34} {'cold':5} {_fmt(_stats(res['read_packed_cold_ms']))}")
+        cold_read = statistics.median(res["read_packed_cold_ms"])
+        ready = statistics.median(x["all_ready_ms"] for x in res["in_process"]["cold"]["cache"])
+        print(f"cold: from the cache all ready at {ready:.1f} ms, {ready / cold_read:.2f}x the packed bytes read alone "
+              f"(the disk: {stored / cold_read / 1e6:.2f} GB/s)")
     print("bytes per load: " + "; ".join(
         f"{c} {statistics.median(x['source_bytes'] for x in res['in_process']['warm'][c]) / 2**20:,.1f} MiB of "
         f"source, {statistics.median(x['packed_bytes'] for x in res['in_process']['warm'][c]) / 2**20:,.1f} MiB "
