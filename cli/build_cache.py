@@ -33,6 +33,10 @@ def build_cache(
     write_digests: bool = typer.Option(False, "--write-digests", help="First give the model's weights their "
                                        "missing digests (as onnx-prep digest --write): a load uses no entry "
                                        "built from a weight without one."),
+    memory_budget: Optional[str] = typer.Option(None, "--memory-budget", metavar="SIZE",
+                                                help="The packed bytes held at once, e.g. 2GiB (default: 80% of "
+                                                "the memory available); a larger model is built in groups that "
+                                                "fit, each persisted and released before the next."),
     json_out: bool = typer.Option(False, "--json", help="Print the build record as JSON (docs/build-cache.md)."),
     trust_symlinks: bool = TRUST_SYMLINKS,
 ) -> None:
@@ -40,13 +44,15 @@ def build_cache(
 
     def go() -> int:
         from onnx_prep.core.cache.cache_build import build_prepared_cache
+        from onnx_prep.core.runtime.memory_size import parse_size
 
+        budget = None if memory_budget is None else parse_size(memory_budget)
         show = not json_out and output.stderr.is_terminal
         with _progress(show) as progress:
             doc = build_prepared_cache(model_path(model), output=out, cache_dir=cache_dir, compress=compress,
                                        device=device, rebuild=rebuild, verify=verify,
                                        write_digests=write_digests, trust_symlinks=trust_symlinks,
-                                       warn=output.warn, progress=progress)
+                                       warn=output.warn, progress=progress, memory_budget=budget)
         if json_out:
             output.emit_json(doc)
         else:
@@ -103,6 +109,9 @@ def _render(doc: dict) -> None:
     enc = f", {doc['compress']}" if doc["compress"] else ""
     say(f"  bytes: {_mib(doc['bytes_written'])} written{enc}; cache {_mib(doc['cache_bytes'])} stored for "
         f"{_mib(doc['packed_bytes'])} packed; {_mib(doc['source_bytes_read'])} of source read")
+    if doc["groups"] > 1:
+        say(f"  memory: built in {doc['groups']} groups, each within the budget of {_mib(doc['memory_budget'])} "
+            "of packed bytes")
     if doc["digests_added"]:
         say(f"  digests: {doc['digests_added']} weights given one (the model file rewritten; its data files not)")
     say(f"  time: {t['total_ms']:.0f} ms (resolve {t['resolve_ms']:.0f} ms, build {t['build_ms']:.0f} ms)")

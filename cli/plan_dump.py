@@ -96,7 +96,7 @@ def plan_dump(
 def _size_option(name: str, text: str | None) -> int | None:
     if text is None:
         return None
-    from onnx_prep.core.decode.run_memory import parse_size
+    from onnx_prep.core.runtime.memory_size import parse_size
 
     try:
         return parse_size(text)

@@ -119,7 +119,7 @@ def run(
     Exit 0 on success (with --compare, also when the runtimes diverge only at a near tie), 1 when --compare finds a real divergence, 2 for unusable input."""
 
     def go() -> int:
-        from onnx_prep.core.decode.run_memory import parse_size
+        from onnx_prep.core.runtime.memory_size import parse_size
         from onnx_prep.core.decode.run_record import RunOptions, record_run
 
         budget = None if memory_budget is None else parse_size(memory_budget)

@@ -19,7 +19,8 @@ import pytest
 from onnx_prep.core.decode.decoder_io import DecoderIO
 from onnx_prep.core.decode.io_map import IO_MAP_MAX_BYTES, IO_MAP_MAX_DEPTH, _json_depth, load_io_map
 from onnx_prep.core.decode.generation import greedy_decode
-from onnx_prep.core.decode.run_memory import admit, default_memory_budget, estimate_run_memory, parse_size
+from onnx_prep.core.decode.run_memory import admit, estimate_run_memory
+from onnx_prep.core.runtime.memory_size import default_memory_budget, parse_size
 from onnx_prep.core.decode.run_record import RunOptions, record_run
 from onnx_prep.core.errors import EXIT_UNUSABLE, UsageError
 from onnx_prep.core.option_ranges import MAX_BATCH, MAX_THREADS, MAX_TOKENS
@@ -178,7 +179,7 @@ def test_bad_sizes_are_refused(text):
 
 def test_the_default_budget_is_within_the_address_space_limit():
     code = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30)); "
-            "from onnx_prep.core.decode.run_memory import default_memory_budget; print(default_memory_budget())")
+            "from onnx_prep.core.runtime.memory_size import default_memory_budget; print(default_memory_budget())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert 0 < int(out.stdout) <= 3 << 30
     assert default_memory_budget() > 0

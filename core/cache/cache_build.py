@@ -1,5 +1,5 @@
 """The cache build: what ``onnx-prep build-cache`` does, as one core call returning one
-record (schema ``onnx-prep.build-cache/2``, docs/build-cache.md).
+record (schema ``onnx-prep.build-cache/3``, docs/build-cache.md).
 
 It opens the model's prepared cache under ``build-if-missing`` and, when some prepared
 object has no compatible entry, loads exactly those through the real runtime (a
@@ -19,26 +19,52 @@ from onnx_prep.core.cache.cache_policy import CachePolicy, default_cache_path
 from onnx_prep.core.cache.entry_compatibility import EntryOutcome, EntryStatus
 from onnx_prep.core.cache.prepared_cache import PreparedCache
 
-__all__ = ["SCHEMA", "build_prepared_cache"]
+__all__ = ["SCHEMA", "build_groups", "build_prepared_cache"]
 
-SCHEMA = "onnx-prep.build-cache/2"
+SCHEMA = "onnx-prep.build-cache/3"
 
 # progress(done_objects, total_objects, done_bytes, total_bytes)
 BuildProgress = Callable[[int, int, int, int], None]
+
+
+def build_groups(keys: list[str], size_of: Callable[[str], int | None], budget: int) -> list[list[str]]:
+    """``keys`` in order, cut into consecutive groups whose packed bytes fit ``budget``
+    (an object of unknown size counts as none). A single object over the budget is a
+    ``UsageError`` naming what it needs."""
+    from onnx_prep.core.runtime.memory_size import format_size
+    from onnx_prep.core.errors import UsageError
+
+    groups: list[list[str]] = []
+    held = 0
+    for k in keys:
+        n = size_of(k) or 0
+        if n > budget:
+            raise UsageError(f"the prepared object {k} needs {format_size(n)}, over the memory budget of "
+                             f"{format_size(budget)}", hint=f"give --memory-budget {-(-n // 2**20)}MiB or more")
+        if not groups or held + n > budget:
+            groups.append([])
+            held = 0
+        groups[-1].append(k)
+        held += n
+    return groups
 
 
 def build_prepared_cache(model: Path, *, output: Path | None = None, cache_dir: Path | None = None,
                          compress: str | None = None, device: str = "cpu", rebuild: bool = False,
                          verify: bool = True, write_digests: bool = False, trust_symlinks: bool = False,
                          warn: Callable[[str], None] | None = None,
-                         progress: BuildProgress | None = None) -> dict:
+                         progress: BuildProgress | None = None, memory_budget: int | None = None) -> dict:
     """Build or update ``model``'s prepared cache; the record of what it did.
 
     ``verify``: every entry kept is read and checked against its payload digest first
     (a damaged one is rebuilt), so a cache this reports up to date loads. ``write_digests``:
     the model's weights get their missing digests first (``onnx-prep digest --write``):
-    an entry built from a weight without one is unverified, and no load uses it."""
+    an entry built from a weight without one is unverified, and no load uses it.
+    ``memory_budget``: the packed bytes held at once (default: ``run``'s, 80% of the
+    memory available); a model whose objects do not fit is built in groups that do, each
+    persisted and released before the next is packed."""
     from onnx_prep.core.cache.cache_writer import check_manifest_target
+    from onnx_prep.core.runtime.memory_size import default_memory_budget
     from onnx_prep.core.errors import UsageError
     from onnx_prep.core.model.model_file import find_model_file
     from onnx_prep.core.model.resolution import resolve_model
@@ -91,8 +117,11 @@ def build_prepared_cache(model: Path, *, output: Path | None = None, cache_dir: 
                     cache.replace_keys.add(k)
     todo = [k for k, o in before.items() if o.status is not EntryStatus.HIT]
     total_bytes = sum(cache.packed_size(k) or 0 for k in todo)
-    stats = None
+    budget = memory_budget if memory_budget is not None else default_memory_budget()
+    groups: list[list[str]] = []
+    source_bytes = 0
     try:
+        groups = build_groups(todo, cache.packed_size, budget)
         if todo:
             done = {"n": 0, "bytes": 0}
 
@@ -105,10 +134,12 @@ def build_prepared_cache(model: Path, *, output: Path | None = None, cache_dir: 
             cache.on_persisted = persisted
             if progress is not None:
                 progress(0, len(todo), 0, total_bytes)
-            with Session(resolved, cache=cache, trust_symlinks=trust_symlinks, warm_slots=False) as session:
-                session.prepare(todo)
-                cache.flush()
-                stats = session.stats()
+            for group in groups:  # one session a group: its slots are released when it closes
+                with Session(resolved, cache=cache, trust_symlinks=trust_symlinks, warm_slots=False) as session:
+                    session.prepare(group)
+                    cache.flush()  # every object of the group persisted before its slot goes
+                    stats = session.stats()
+                    source_bytes += stats.source_bytes_read + stats.source_bytes_mapped
         result = cache.commit(strict=True)
     finally:
         cache.close()
@@ -150,7 +181,9 @@ def build_prepared_cache(model: Path, *, output: Path | None = None, cache_dir: 
         "bytes_written": result["bytes_written"],
         "cache_bytes": sum(e.length for e in entries),
         "packed_bytes": sum(e.decoded_length for e in entries),
-        "source_bytes_read": stats.source_bytes_read + stats.source_bytes_mapped if stats else 0,
+        "source_bytes_read": source_bytes,
+        "memory_budget": budget,
+        "groups": len(groups),
         "files": sorted({e.file for e in entries}),
         "outcomes": outcomes,
         "verified": verified,

@@ -234,7 +234,7 @@ def _generate_feeds(inputs, bindings, model, budget) -> GraphFeeds:
     sizes = [(name, int(np.prod(shape, dtype=object)) * dtype.itemsize) for name, shape, dtype in plans]
     total = sum(n for _, n in sizes)
     if total > budget:
-        from onnx_prep.core.decode.run_memory import format_size
+        from onnx_prep.core.runtime.memory_size import format_size
 
         largest = max(sizes, key=lambda s: s[1])
         raise UsageError(f"the generated inputs need {format_size(total)} (input {largest[0]!r}: "

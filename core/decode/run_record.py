@@ -193,7 +193,8 @@ def record_run(model: str | Path, options: RunOptions, *, progress: Progress | N
     from onnx_prep.core.decode.export_hints import ExportHints, check_request
     from onnx_prep.core.decode.generation import compare_generations
     from onnx_prep.core.decode.io_map import load_io_map
-    from onnx_prep.core.decode.run_memory import admit, default_memory_budget, estimate_run_memory
+    from onnx_prep.core.decode.run_memory import admit, estimate_run_memory
+    from onnx_prep.core.runtime.memory_size import default_memory_budget
 
     path = Path(model)
     mapping = load_io_map(options.io_map) if options.io_map is not None else None
@@ -349,7 +350,7 @@ def _record_forward(path: Path, options: RunOptions, kind, inputs, outputs, open
     """One forward of the graph (graph_run.py) on the runners ``record_run`` opens;
     ``per_node(feeds)``: the forward value by value (None: not asked for)."""
     from onnx_prep.core.decode.graph_run import record_graph_run
-    from onnx_prep.core.decode.run_memory import default_memory_budget
+    from onnx_prep.core.runtime.memory_size import default_memory_budget
 
     if options.decode_flags:
         raise UsageError(f"{_only_decoding(options.decode_flags)}; this model runs one forward ({kind.reason})",

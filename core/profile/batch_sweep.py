@@ -101,7 +101,7 @@ def parse_budget(text: str | None, packed_bytes: int) -> int | None:
         if not 0 < pct <= 1000:
             raise UsageError(f"--budget {text!r}: a percentage in (0, 1000]")
         return int(packed_bytes * pct / 100)
-    from onnx_prep.core.decode.run_memory import parse_size
+    from onnx_prep.core.runtime.memory_size import parse_size
 
     try:
         return parse_size(text)

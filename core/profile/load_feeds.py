@@ -55,7 +55,7 @@ def load_feeds(graph_inputs: Sequence, graph_outputs: Sequence, model_path, inpu
         return LoadFeeds(decoder_prompt_feeds(graph_inputs, graph_outputs, model_path), kind,
                          list(range(1, PROMPT_LEN + 1)), None)
     from onnx_prep.core.decode.graph_feeds import graph_feeds, parse_input_files, parse_shape_bindings
-    from onnx_prep.core.decode.run_memory import default_memory_budget
+    from onnx_prep.core.runtime.memory_size import default_memory_budget
 
     feeds = graph_feeds(graph_inputs, parse_input_files(inputs), parse_shape_bindings(shape),
                         model=str(model_path), budget=budget or default_memory_budget())
