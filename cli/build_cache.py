@@ -34,9 +34,10 @@ def build_cache(
                                        "missing digests (as onnx-prep digest --write): a load uses no entry "
                                        "built from a weight without one."),
     memory_budget: Optional[str] = typer.Option(None, "--memory-budget", metavar="SIZE",
-                                                help="The packed bytes held at once, e.g. 2GiB (default: 80% of "
-                                                "the memory available); a larger model is built in groups that "
-                                                "fit, each persisted and released before the next."),
+                                                help="The packed bytes held at once, e.g. 2GiB (default: 1 GiB, or "
+                                                "the largest object, within 80% of the memory available); the "
+                                                "objects are built in groups that fit, each persisted and released "
+                                                "before the next."),
     json_out: bool = typer.Option(False, "--json", help="Print the build record as JSON (docs/build-cache.md)."),
     trust_symlinks: bool = TRUST_SYMLINKS,
 ) -> None:
