@@ -119,8 +119,8 @@ def run(
     Exit 0 on success (with --compare, also when the runtimes diverge only at a near tie), 1 when --compare finds a real divergence, 2 for unusable input."""
 
     def go() -> int:
-        from onnx_prep.core.runtime.memory_size import parse_size
         from onnx_prep.core.decode.run_record import RunOptions, record_run
+        from onnx_prep.core.runtime.memory_size import parse_size
 
         budget = None if memory_budget is None else parse_size(memory_budget)
         dev_budget = None if device_budget is None else parse_size(device_budget, option="--device-budget")

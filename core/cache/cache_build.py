@@ -4,7 +4,8 @@ record (schema ``onnx-prep.build-cache/3``, docs/build-cache.md).
 It opens the model's prepared cache under ``build-if-missing`` and, when some prepared
 object has no compatible entry, loads exactly those through the real runtime (a
 :class:`Session` whose plan reads packed payloads for the entries that are compatible and
-reads and prepacks the rest), persisting each object as it is built; then commits one new
+reads and prepacks the rest), persisting each object as it is built, in groups that fit
+the memory budget (a session each, closed before the next); then commits one new
 generation. An up-to-date cache loads nothing and writes nothing.
 """
 from __future__ import annotations
@@ -39,8 +40,8 @@ def build_groups(keys: list[str], size_of: Callable[[str], int | None], budget: 
     """``keys`` in order, cut into consecutive groups whose packed bytes fit ``budget``
     (an object of unknown size counts as none). A single object over the budget is a
     ``UsageError`` naming what it needs."""
-    from onnx_prep.core.runtime.memory_size import format_size
     from onnx_prep.core.errors import UsageError
+    from onnx_prep.core.runtime.memory_size import format_size
 
     groups: list[list[str]] = []
     held = 0
@@ -73,10 +74,10 @@ def build_prepared_cache(model: Path, *, output: Path | None = None, cache_dir: 
     the memory available); the objects are built in groups that fit, each persisted and
     released before the next is packed."""
     from onnx_prep.core.cache.cache_writer import check_manifest_target
-    from onnx_prep.core.runtime.memory_size import default_memory_budget
     from onnx_prep.core.errors import UsageError
     from onnx_prep.core.model.model_file import find_model_file
     from onnx_prep.core.model.resolution import resolve_model
+    from onnx_prep.core.runtime.memory_size import default_memory_budget
     from onnx_prep.core.runtime.session import Session
 
     if output is not None and cache_dir is not None:
