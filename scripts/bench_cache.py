@@ -166,12 +166,17 @@ def warm_files(paths: list[Path]) -> float | None:
 
     total = sum(p.stat().st_size for p in paths)
     resident = [resident_bytes(p) for p in paths]
+    read_whole(paths)
+    return None if None in resident or total == 0 else sum(resident) / total
+
+
+def read_whole(paths: list[Path]) -> None:
+    """Read each file to its end, 1 MiB at a time, into one buffer (``cat`` to /dev/null)."""
     buf = bytearray(CHUNK)
     for p in paths:
         with open(p, "rb", buffering=0) as fh:
             while fh.readinto(buf):
                 pass
-    return None if None in resident or total == 0 else sum(resident) / total
 
 
 def in_process_load(resolved, feeds, files: Files, config: str, *, warm: bool) -> dict:
@@ -219,12 +224,9 @@ def read_packed_alone(files: Files, name: str = "cache") -> float:
     """ms to read every payload file of the cache, 1 MiB at a time, into one buffer."""
     from onnx_prep.core.cache.manifest import read_manifest
 
-    buf = bytearray(CHUNK)
+    paths = [files.dirs[name] / f for f in sorted(read_manifest(files.cache[name]).files)]
     t = time.perf_counter()
-    for f in sorted(read_manifest(files.cache[name]).files):
-        with open(files.dirs[name] / f, "rb", buffering=0) as fh:
-            while fh.readinto(buf):
-                pass
+    read_whole(paths)
     return (time.perf_counter() - t) * 1e3
 
 
